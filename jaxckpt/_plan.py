@@ -1,0 +1,146 @@
+"""Checkpoint cost arithmetic behind ``jaxckpt plan``. Pure: no jax, no I/O.
+
+Definitions (GB = 1e9 bytes, write speed in GB per second):
+
+* ``save_seconds``: time to write one checkpoint, ``checkpoint_gb / write_gbps``.
+* blocking seconds per save: ``async_blocking_seconds`` when given (an async save only
+  blocks for the device-to-host copy), else ``save_seconds`` (a synchronous save).
+* ``overhead_percent``: blocking seconds per save over the training time between saves
+  (``every_steps * step_seconds``), in percent.
+* ``run_hours`` is training time; the run has ``run_hours * 3600 / step_seconds`` steps and
+  writes one checkpoint per whole ``every_steps`` of them.
+* ``idle_gpu_hours``: all GPUs stalled during every blocking save of the run.
+* ``optimal_interval_steps``: Daly's interval (:func:`jaxckpt.policy.daly_interval`) with
+  δ = blocking seconds per save and M = the job's MTBF, in steps (at least 1).
+* ``expected_lost_minutes_per_failure``: a failure strikes on average half an interval
+  after the last save started, and that save only counts once written, so it loses
+  ``every_steps * step_seconds / 2 + save_seconds`` (restart time not included).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from jaxckpt.policy import daly_interval
+
+__all__ = ["PlanResult", "plan"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    """Costs of one checkpointing plan; see the module docstring for definitions."""
+
+    checkpoint_gb: float
+    save_seconds: float
+    overhead_percent: float
+    optimal_interval_steps: int
+    checkpoints: int
+    idle_gpu_hours: float
+    idle_cost_usd: float
+    expected_lost_minutes_per_failure: float
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+
+    def to_dict(self) -> dict[str, float]:
+        """Returns the fields as a plain dict (for ``--json``)."""
+        return asdict(self)
+
+    def format_text(self) -> str:
+        """Renders the plan for humans, one quantity per line."""
+        rows = [
+            ("checkpoint size", f"{self.checkpoint_gb:,.1f} GB"),
+            ("save time", f"{self.save_seconds:,.1f} s"),
+            ("blocking overhead", f"{self.overhead_percent:.2f} % of training time"),
+            ("checkpoints over the run", f"{self.checkpoints:,}"),
+            ("idle GPU time", f"{self.idle_gpu_hours:,.1f} GPU-hours"),
+            ("idle GPU cost", f"${self.idle_cost_usd:,.0f}"),
+            ("work lost per failure", f"{self.expected_lost_minutes_per_failure:,.1f} min"),
+            ("Daly-optimal interval", f"every {self.optimal_interval_steps:,} steps"),
+        ]
+        width = max(len(label) for label, _ in rows)
+        return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def plan(
+    *,
+    params: float,
+    bytes_per_param: float = 2,
+    step_seconds: float,
+    write_gbps: float,
+    every_steps: int,
+    mtbf_hours: float,
+    gpus: int,
+    gpu_hour_usd: float,
+    run_hours: float = 504,
+    async_blocking_seconds: float | None = None,
+) -> PlanResult:
+    """Estimates what a checkpointing plan costs.
+
+    Args:
+        params: Number of parameters (plus optimizer state, if you count it in params).
+        bytes_per_param: Bytes per parameter (2 for bf16).
+        step_seconds: Wall time of one training step.
+        write_gbps: Storage write speed in GB (1e9 bytes) per second.
+        every_steps: Save every this many steps.
+        mtbf_hours: Mean time between failures of the whole job.
+        gpus: GPUs that sit idle while a save blocks.
+        gpu_hour_usd: Price of one GPU-hour.
+        run_hours: Training time of the run (default three weeks).
+        async_blocking_seconds: Blocking time of an async save; None for synchronous saves.
+
+    Returns:
+        The costs.
+
+    Raises:
+        ValueError: If an argument is not positive (``async_blocking_seconds`` may be 0).
+
+    >>> r = plan(params=30e9, step_seconds=2.5, write_gbps=1.2, every_steps=1000,
+    ...          mtbf_hours=24, gpus=64, gpu_hour_usd=4)
+    >>> r.checkpoint_gb, r.save_seconds, r.overhead_percent, r.checkpoints
+    (60.0, 50.0, 2.0, 725)
+    """
+    for name, value in [
+        ("params", params),
+        ("bytes_per_param", bytes_per_param),
+        ("step_seconds", step_seconds),
+        ("write_gbps", write_gbps),
+        ("mtbf_hours", mtbf_hours),
+        ("gpu_hour_usd", gpu_hour_usd),
+        ("run_hours", run_hours),
+    ]:
+        _positive(name, value)
+    for name, count in [("every_steps", every_steps), ("gpus", gpus)]:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {count!r}")
+    if async_blocking_seconds is not None and not (
+        math.isfinite(async_blocking_seconds) and async_blocking_seconds >= 0
+    ):
+        raise ValueError(f"async_blocking_seconds must be >= 0, got {async_blocking_seconds!r}")
+
+    checkpoint_gb = params * bytes_per_param / 1e9
+    save_seconds = checkpoint_gb / write_gbps
+    blocking = save_seconds if async_blocking_seconds is None else async_blocking_seconds
+    interval_seconds = every_steps * step_seconds
+    run_steps = math.floor(run_hours * 3600 / step_seconds + 1e-9)  # tolerate float noise
+    checkpoints = run_steps // every_steps
+    idle_gpu_hours = checkpoints * blocking * gpus / 3600
+    daly_steps = daly_interval(blocking, mtbf_hours * 3600) / step_seconds
+    return PlanResult(
+        checkpoint_gb=checkpoint_gb,
+        save_seconds=save_seconds,
+        overhead_percent=100 * blocking / interval_seconds,
+        optimal_interval_steps=max(1, round(daly_steps)),
+        checkpoints=checkpoints,
+        idle_gpu_hours=idle_gpu_hours,
+        idle_cost_usd=idle_gpu_hours * gpu_hour_usd,
+        expected_lost_minutes_per_failure=(interval_seconds / 2 + save_seconds) / 60,
+    )

@@ -1,0 +1,513 @@
+"""When to save and which checkpoints to keep: pure policies.
+
+This module imports only the standard library (no jax, numpy or tensorstore), so the CLI
+and any host can evaluate policies cheaply. Every policy is a small frozen dataclass behind
+one of two Protocols:
+
+* :class:`SavePolicy` answers "save at this step?" from a :class:`SaveContext` that the
+  checkpoint manager fills in.
+* :class:`RetentionPolicy` answers "which of these steps does this rule keep, and why?".
+  :func:`decide_retention` turns that answer into a deterministic keep/delete decision,
+  always keeping the newest, pinned and in-use steps.
+
+Policies of one kind combine with ``|``:
+
+>>> save = EveryNSteps(1000) | OnPreemption()
+>>> save.should_save(SaveContext(step=1500, now=0.0, last_saved_step=1000,
+...                              last_save_time=None, preempted=True))
+True
+>>> keep = KeepLast(2) | KeepMilestones()
+>>> steps = [StepInfo(step=s) for s in range(10, 101, 10)]
+>>> decide_retention(keep, steps).delete
+(30, 40, 60, 70, 80)
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+__all__ = [
+    "Adaptive",
+    "AnyKeep",
+    "AnySave",
+    "AtSteps",
+    "ComposableRetention",
+    "ComposableSave",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "KeepMilestones",
+    "OnPreemption",
+    "RetentionDecision",
+    "RetentionPolicy",
+    "SaveContext",
+    "SavePolicy",
+    "StepInfo",
+    "daly_interval",
+    "decide_retention",
+]
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+# --------------------------------------------------------------------------- save policies
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveContext:
+    """What a save policy may look at. The checkpoint manager builds one per step.
+
+    Attributes:
+        step: The training step about to be (or not be) saved.
+        now: Current time in seconds on any monotonic clock; only differences matter.
+        last_saved_step: Step of the newest committed save, or None if there is none.
+        last_save_time: ``now``-clock time of the newest save, or None if this run has not
+            saved yet.
+        preempted: True once the manager has received a preemption notice (e.g. SIGTERM).
+        blocking_seconds: Measured blocking time of recent saves, oldest first.
+    """
+
+    step: int
+    now: float
+    last_saved_step: int | None
+    last_save_time: float | None
+    preempted: bool = False
+    blocking_seconds: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_int("step", self.step, 0)
+        if self.last_saved_step is not None:
+            _check_int("last_saved_step", self.last_saved_step, 0)
+        blocking = tuple(float(b) for b in self.blocking_seconds)
+        if any(not (math.isfinite(b) and b >= 0) for b in blocking):
+            raise ValueError(f"blocking_seconds must be finite and >= 0, got {blocking}")
+        object.__setattr__(self, "blocking_seconds", blocking)
+
+
+@runtime_checkable
+class SavePolicy(Protocol):
+    """Decides whether the manager should save at ``ctx.step``."""
+
+    def should_save(self, ctx: SaveContext) -> bool: ...
+
+
+class ComposableSave:
+    """Mixin giving save policies ``a | b`` (save when either says so)."""
+
+    def __or__(self, other: SavePolicy) -> AnySave:
+        return AnySave(policies=(*_save_parts(self), *_save_parts(other)))
+
+    def __ror__(self, other: SavePolicy) -> AnySave:
+        return AnySave(policies=(*_save_parts(other), *_save_parts(self)))
+
+
+def _save_parts(policy: object) -> tuple[SavePolicy, ...]:
+    if isinstance(policy, AnySave):
+        return policy.policies
+    if not isinstance(policy, SavePolicy):
+        raise TypeError(f"expected a save policy (with should_save), got {policy!r}")
+    return (policy,)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnySave(ComposableSave):
+    """Saves when any of ``policies`` says so. Usually built with ``a | b``."""
+
+    policies: tuple[SavePolicy, ...]
+
+    def __post_init__(self) -> None:
+        parts = tuple(p for policy in self.policies for p in _save_parts(policy))
+        if not parts:
+            raise ValueError("AnySave needs at least one policy")
+        object.__setattr__(self, "policies", parts)
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return any(p.should_save(ctx) for p in self.policies)
+
+
+@dataclass(frozen=True)
+class EveryNSteps(ComposableSave):
+    """Saves at every step that is a multiple of ``n`` (``step % n == 0``), including step 0.
+
+    The schedule is aligned to multiples of ``n``, not counted from the last save: a run
+    resumed at step 1234 with ``n=1000`` next saves at 2000. A step that is already the
+    newest saved step is not saved again.
+
+    >>> EveryNSteps(100).should_save(SaveContext(step=300, now=0.0, last_saved_step=200,
+    ...                                          last_save_time=0.0))
+    True
+    """
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step % self.n == 0 and ctx.step != ctx.last_saved_step
+
+
+@dataclass(frozen=True)
+class EveryNSeconds(ComposableSave):
+    """Saves when at least ``seconds`` have passed since the last save of this run.
+
+    Saves at the first call when this run has not saved yet (``last_save_time is None``).
+    """
+
+    seconds: float
+
+    def __post_init__(self) -> None:
+        _check_positive("seconds", self.seconds)
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.last_save_time is None or ctx.now - ctx.last_save_time >= self.seconds
+
+
+@dataclass(frozen=True)
+class AtSteps(ComposableSave):
+    """Saves exactly at the given steps (unless that step is already saved)."""
+
+    steps: Collection[int]
+
+    def __post_init__(self) -> None:
+        for s in self.steps:
+            _check_int("every step in AtSteps", s, 0)
+        object.__setattr__(self, "steps", tuple(sorted(set(self.steps))))
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.step in self.steps and ctx.step != ctx.last_saved_step
+
+
+@dataclass(frozen=True)
+class OnPreemption(ComposableSave):
+    """Saves once the manager has set ``ctx.preempted`` (it handles SIGTERM, not this)."""
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        return ctx.preempted
+
+
+def daly_interval(delta_s: float, mtbf_s: float) -> float:
+    """Daly's optimal compute time between checkpoints, in seconds.
+
+    ``τ = √(2δM)·[1 + ⅓·√(δ/2M) + ⅑·(δ/2M)] − δ`` for ``δ < 2M``, else ``τ = M``
+    (J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart
+    dumps", FGCS 2006).
+
+    Args:
+        delta_s: Time one checkpoint costs the run (its blocking time), seconds, >= 0.
+        mtbf_s: Mean time between failures of the whole job, seconds, > 0.
+
+    Returns:
+        The interval in seconds.
+
+    >>> round(daly_interval(2.0, 100.0), 4)  # √400·(1 + 1/30 + 1/900) − 2 = 841/45
+    18.6889
+    """
+    if not (math.isfinite(delta_s) and delta_s >= 0):
+        raise ValueError(f"delta_s must be finite and >= 0, got {delta_s!r}")
+    _check_positive("mtbf_s", mtbf_s)
+    if delta_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = delta_s / (2 * mtbf_s)
+    return math.sqrt(2 * delta_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - delta_s
+
+
+@dataclass(frozen=True)
+class Adaptive(ComposableSave):
+    """Saves at Daly's optimal interval, never spending more than ``max_overhead`` blocked.
+
+    δ is the **median** of ``ctx.blocking_seconds`` (robust to a slow first save that
+    includes compilation). The interval in seconds is
+    ``max(daly_interval(δ, M), δ / max_overhead)`` with ``M = mtbf_hours * 3600``, measured
+    since ``ctx.last_save_time``. While no measurement exists (``blocking_seconds`` empty)
+    or this run has not saved yet, it saves, so that a measurement exists.
+
+    >>> round(Adaptive(24.0).interval_seconds(50.0))  # Daly's τ; the 2 % cap is 2500 s
+    2906
+    >>> Adaptive(1.0).interval_seconds(50.0)  # Daly's τ is 567 s; the cap wins
+    2500.0
+    >>> policy = Adaptive(24.0)
+    >>> policy.should_save(SaveContext(step=7, now=1000.0, last_saved_step=5,
+    ...                                last_save_time=0.0, blocking_seconds=(50.0,)))
+    False
+    """
+
+    mtbf_hours: float
+    max_overhead: float = field(default=0.02, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_positive("mtbf_hours", self.mtbf_hours)
+        _check_positive("max_overhead", self.max_overhead)
+        if self.max_overhead > 1:
+            raise ValueError(f"max_overhead is a fraction in (0, 1], got {self.max_overhead}")
+
+    def interval_seconds(self, delta_s: float) -> float:
+        """Seconds between saves for a blocking time of ``delta_s`` seconds per save."""
+        return max(daly_interval(delta_s, self.mtbf_hours * 3600), delta_s / self.max_overhead)
+
+    def should_save(self, ctx: SaveContext) -> bool:
+        if not ctx.blocking_seconds or ctx.last_save_time is None:
+            return True
+        delta = statistics.median(ctx.blocking_seconds)
+        return ctx.now - ctx.last_save_time >= self.interval_seconds(delta)
+
+
+# ---------------------------------------------------------------------- retention policies
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInfo:
+    """One committed step as retention policies see it.
+
+    Attributes:
+        step: The step number, >= 0.
+        metrics: Metrics saved with the step (for :class:`KeepBest`), if any.
+        pinned: True if a user pinned the step; :func:`decide_retention` never deletes it.
+    """
+
+    step: int
+    metrics: Mapping[str, float] | None = None
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("step", self.step, 0)
+
+
+@runtime_checkable
+class RetentionPolicy(Protocol):
+    """Says which steps a rule keeps, mapping each to the rule's descriptions."""
+
+    def keep(self, steps: Sequence[StepInfo]) -> dict[int, tuple[str, ...]]: ...
+
+
+class ComposableRetention:
+    """Mixin giving retention policies ``a | b`` (keep what either keeps)."""
+
+    def __or__(self, other: RetentionPolicy) -> AnyKeep:
+        return AnyKeep(policies=(*_keep_parts(self), *_keep_parts(other)))
+
+    def __ror__(self, other: RetentionPolicy) -> AnyKeep:
+        return AnyKeep(policies=(*_keep_parts(other), *_keep_parts(self)))
+
+
+def _keep_parts(policy: object) -> tuple[RetentionPolicy, ...]:
+    if isinstance(policy, AnyKeep):
+        return policy.policies
+    if not isinstance(policy, RetentionPolicy):
+        raise TypeError(f"expected a retention policy (with keep), got {policy!r}")
+    return (policy,)
+
+
+def _merge(into: dict[int, tuple[str, ...]], step: int, reasons: Sequence[str]) -> None:
+    old = into.get(step, ())
+    into[step] = old + tuple(r for r in dict.fromkeys(reasons) if r not in old)
+
+
+def _sorted_steps(steps: Sequence[StepInfo]) -> list[int]:
+    return sorted(s.step for s in steps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnyKeep(ComposableRetention):
+    """Keeps the union of what ``policies`` keep, with their reasons merged."""
+
+    policies: tuple[RetentionPolicy, ...]
+
+    def __post_init__(self) -> None:
+        parts = tuple(p for policy in self.policies for p in _keep_parts(policy))
+        if not parts:
+            raise ValueError("AnyKeep needs at least one policy")
+        object.__setattr__(self, "policies", parts)
+
+    def keep(self, steps: Sequence[StepInfo]) -> dict[int, tuple[str, ...]]:
+        out: dict[int, tuple[str, ...]] = {}
+        for policy in self.policies:
+            for step, reasons in policy.keep(steps).items():
+                _merge(out, step, reasons)
+        return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class KeepLast(ComposableRetention):
+    """Keeps the ``k`` newest steps."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        _check_int("k", self.k, 1)
+
+    def keep(self, steps: Sequence[StepInfo]) -> dict[int, tuple[str, ...]]:
+        return {s: (f"KeepLast({self.k})",) for s in _sorted_steps(steps)[-self.k :]}
+
+
+@dataclass(frozen=True)
+class KeepMilestones(ComposableRetention):
+    """Keeps a logarithmic trail: the first step at or after each milestone.
+
+    Milestones are ``s·10^j`` for ``s`` in ``series`` and ``j >= 0``, up to the largest
+    step. With saves every 10 steps up to 20000 and the default series this keeps
+    10, 20, 50, 100, …, 10000 and 20000. A step kept as a milestone stays kept as newer
+    steps arrive, so at most ``len(series)`` steps per decade are ever kept.
+    """
+
+    series: Sequence[int] = (1, 2, 5)
+
+    def __post_init__(self) -> None:
+        for s in self.series:
+            _check_int("every entry of series", s, 1)
+        if not self.series:
+            raise ValueError("series must not be empty")
+        object.__setattr__(self, "series", tuple(sorted(set(self.series))))
+
+    def keep(self, steps: Sequence[StepInfo]) -> dict[int, tuple[str, ...]]:
+        ordered = _sorted_steps(steps)
+        if not ordered:
+            return {}
+        milestones: set[int] = set()
+        for s in self.series:
+            m = s
+            while m <= ordered[-1]:
+                milestones.add(m)
+                m *= 10
+        out: dict[int, tuple[str, ...]] = {}
+        for m in sorted(milestones):
+            _merge(out, ordered[bisect.bisect_left(ordered, m)], [f"milestone {m}"])
+        return out
+
+
+@dataclass(frozen=True)
+class KeepEvery(ComposableRetention):
+    """Keeps every step that is a multiple of ``n`` (``step % n == 0``)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+
+    def keep(self, steps: Sequence[StepInfo]) -> dict[int, tuple[str, ...]]:
+        return {s: (f"KeepEvery({self.n})",) for s in _sorted_steps(steps) if s % self.n == 0}
+
+
+@dataclass(frozen=True)
+class KeepBest(ComposableRetention):
+    """Keeps the ``n`` steps with the lowest (``mode="min"``) or highest ``metric``.
+
+    Steps without that metric, or with a NaN value, are not kept by this rule. Ties go to
+    the newer step.
+    """
+
+    n: int
+    metric: str
+    mode: Literal["min", "max"] = field(default="min", kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+        if not self.metric:
+            raise ValueError("metric must be a non-empty string")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
+
+    def keep(self, steps: Sequence[StepInfo]) -> dict[int, tuple[str, ...]]:
+        sign = 1.0 if self.mode == "min" else -1.0
+        scored = [
+            (sign * float(info.metrics[self.metric]), -info.step)
+            for info in steps
+            if info.metrics is not None
+            and self.metric in info.metrics
+            and not math.isnan(info.metrics[self.metric])
+        ]
+        reason = f"KeepBest({self.n}, {self.metric}, {self.mode})"
+        return {-neg_step: (reason,) for _, neg_step in sorted(scored)[: self.n]}
+
+
+# ----------------------------------------------------------------------------- decision
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionDecision:
+    """Outcome of :func:`decide_retention`.
+
+    Attributes:
+        keep: Each kept step, ascending, mapped to why it is kept.
+        delete: Steps to delete, ascending.
+    """
+
+    keep: dict[int, tuple[str, ...]]
+    delete: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if set(self.keep) & set(self.delete):
+            raise ValueError("a step cannot be both kept and deleted")
+
+
+def decide_retention(
+    policy: RetentionPolicy | None,
+    steps: Sequence[StepInfo],
+    *,
+    protected: Collection[int] = (),
+) -> RetentionDecision:
+    """Decides which committed steps to keep and which to delete.
+
+    Beyond what ``policy`` keeps, the newest step ("newest"), pinned steps ("pinned") and
+    ``protected`` steps ("in use", e.g. being restored or still being written) are always
+    kept; with ``policy=None`` everything is kept ("no retention policy"). Steps a policy
+    names that are not in ``steps`` are ignored. The result depends only on the arguments,
+    so every host computes the same decision.
+
+    Args:
+        policy: The retention rule, or None to keep everything.
+        steps: The committed steps, in any order; step numbers must be unique.
+        protected: Steps that must not be deleted now.
+
+    Returns:
+        The decision, with kept steps and deletions in ascending step order.
+
+    Raises:
+        ValueError: If ``steps`` lists a step twice.
+
+    >>> d = decide_retention(KeepLast(1), [StepInfo(step=5, pinned=True), StepInfo(step=9),
+    ...                                    StepInfo(step=7)], protected=[7])
+    >>> d.keep
+    {5: ('pinned',), 7: ('in use',), 9: ('KeepLast(1)', 'newest')}
+    >>> d.delete
+    ()
+    """
+    ordered = sorted(steps, key=lambda info: info.step)
+    numbers = [info.step for info in ordered]
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"steps must be unique, got {numbers}")
+    known = set(numbers)
+    keep: dict[int, tuple[str, ...]] = {}
+    if policy is None:
+        for s in numbers:
+            keep[s] = ("no retention policy",)
+    else:
+        for s, reasons in policy.keep(ordered).items():
+            if s in known:
+                _merge(keep, s, reasons)
+    if numbers:
+        _merge(keep, numbers[-1], ["newest"])
+    for info in ordered:
+        if info.pinned:
+            _merge(keep, info.step, ["pinned"])
+    for s in sorted(known.intersection(protected)):
+        _merge(keep, s, ["in use"])
+    return RetentionDecision(
+        keep=dict(sorted(keep.items())),
+        delete=tuple(s for s in numbers if s not in keep),
+    )
