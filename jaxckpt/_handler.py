@@ -1,0 +1,169 @@
+"""The Orbax extension points: a handler, its args and a marker-commit path.
+
+``orbax.checkpoint.AsyncCheckpointer`` drives a save: it calls
+:meth:`StepPath.create` on the primary host (our ``pending`` record), then
+:meth:`ZarrHandler.async_save` on every host (the blocking host snapshot; the
+returned future does the TensorStore writes and the manifest part), waits for
+that future on every host, meets at a barrier, and calls
+:meth:`StepPath.finalize` on the primary host, which writes the commit marker.
+Orbax's own tmp-directory-and-rename commit and its metadata files are not
+used: the final path is never renamed, and the metadata store is a no-op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint._src.path import atomicity_types
+
+from jaxckpt._tree import SavedLeaf
+from jaxckpt._tsio import HostArray, snapshot_array
+
+
+class StepWriter(Protocol):
+    """What the handler needs from the manager: begin, write and commit a step."""
+
+    def begin(self, step: int) -> None: ...
+
+    def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None: ...
+
+    def commit(self, step: int) -> None: ...
+
+
+@dataclasses.dataclass
+class SaveArgs(ocp.args.CheckpointArgs):
+    """Orbax args for one save: the step, its described leaves and their values."""
+
+    step: int
+    leaves: Sequence[SavedLeaf]
+    values: Sequence[Any]
+
+
+class ZarrHandler(ocp.AsyncCheckpointHandler):
+    """Saves a described pytree as zarr v3 arrays, one writer per chunk."""
+
+    def __init__(self, writer: StepWriter) -> None:
+        self._writer = writer
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-write")
+        self.last_blocking_s = 0.0
+
+    async def async_save(self, directory: epath.Path, args: SaveArgs) -> list[Future[None]]:
+        start = time.perf_counter()
+        primary = jax.process_index() == 0
+        arrays = [
+            snapshot_array(leaf, value, primary=primary)
+            for leaf, value in zip(args.leaves, args.values, strict=True)
+            if leaf.kind != "value"
+        ]
+        self.last_blocking_s = time.perf_counter() - start
+        return [self._executor.submit(self._writer.write, args.step, args.leaves, arrays)]
+
+    def save(self, directory: epath.Path, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("jaxckpt saves only through AsyncCheckpointer")
+
+    def restore(self, directory: epath.Path, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("restore through jaxckpt.CheckpointManager.restore")
+
+    def finalize(self, directory: epath.Path) -> None:
+        pass
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+@dataclasses.dataclass
+class RestoreArgs(ocp.args.CheckpointArgs):
+    """Orbax requires restore args for a handler; restores go through the manager."""
+
+
+ocp.args.register_with_handler(ZarrHandler, for_save=True)(SaveArgs)
+ocp.args.register_with_handler(ZarrHandler, for_restore=True)(RestoreArgs)
+
+
+class NoopMetadataStore:
+    """Orbax's metadata store, switched off: jaxckpt keeps its own records."""
+
+    def is_blocking_writer(self) -> bool:
+        return True
+
+    def write(self, file_path: Any, metadata: Any) -> None:
+        pass
+
+    def read(self, file_path: Any) -> None:
+        return None
+
+    def update(self, file_path: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_until_finished(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def step_path_class(writer: StepWriter) -> type[atomicity_types.TemporaryPath]:
+    """A TemporaryPath bound to ``writer``: create = begin, finalize = commit."""
+
+    class StepPath(atomicity_types.TemporaryPath):
+        def __init__(self, final_path: epath.Path) -> None:
+            self._final = final_path
+            self._step = int(final_path.name)
+
+        @classmethod
+        async def validate(cls, temporary_path: epath.Path) -> None:
+            pass
+
+        @classmethod
+        async def validate_final(cls, final_path: epath.Path) -> None:
+            pass
+
+        @classmethod
+        def from_temporary(cls, temporary_path: epath.Path, **kwargs: Any) -> StepPath:
+            return cls(temporary_path)
+
+        @classmethod
+        def from_final(cls, final_path: epath.Path, **kwargs: Any) -> StepPath:
+            return cls(final_path)
+
+        def get(self) -> epath.Path:
+            return self._final
+
+        def get_final(self) -> epath.Path:
+            return self._final
+
+        async def create(self) -> epath.Path:
+            writer.begin(self._step)
+            return self._final
+
+        async def finalize(self, *args: Any, **kwargs: Any) -> None:
+            writer.commit(self._step)
+
+    return StepPath
+
+
+def make_checkpointer(
+    writer: StepWriter, *, timeout_s: float, on_done: Callable[[], None] | None = None
+) -> tuple[ocp.AsyncCheckpointer, ZarrHandler]:
+    """An AsyncCheckpointer wired to jaxckpt's handler and commit protocol."""
+    handler = ZarrHandler(writer)
+    checkpointer = ocp.AsyncCheckpointer(
+        handler,
+        timeout_secs=max(1, int(timeout_s)),
+        async_options=ocp.options.AsyncOptions(
+            timeout_secs=max(1, int(timeout_s)),
+            post_finalization_callback=on_done,
+            create_directories_asynchronously=False,
+        ),
+        file_options=ocp.options.FileOptions(skip_sync_file_validations=True),
+        checkpoint_metadata_store=NoopMetadataStore(),  # type: ignore[arg-type]
+        temporary_path_class=step_path_class(writer),
+    )
+    return checkpointer, handler

@@ -1,0 +1,49 @@
+"""The one options object of a :class:`jaxckpt.CheckpointManager`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxckpt.policy import RetentionPolicy, SavePolicy
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """How a manager saves, keeps and restores checkpoints.
+
+    Attributes:
+      save_policy: decides whether ``save`` saves; None saves on every call.
+      retention: decides which committed steps to keep; None keeps all.
+      chunk_bytes: largest zarr chunk, in bytes. Chunks always tile shards.
+      max_inflight_bytes: chunk bytes handed to TensorStore but not yet written.
+      save_timeout_s: a background save (every host) must commit within this.
+      fallback_on_corrupt: ``restore()`` without a step falls back to the
+        newest older step that reads back intact.
+      read_only: never write to the root (no root record, no garbage collection).
+      gc_on_open: a writable manager removes partial steps when it opens.
+      storage_options: backend options, e.g. ``{"endpoint": "http://..."}`` for
+        S3-compatible stores (see the README).
+      primary_host: the process that writes records and commits.
+    """
+
+    save_policy: SavePolicy | None = None
+    retention: RetentionPolicy | None = None
+    chunk_bytes: int = 64 << 20
+    max_inflight_bytes: int = 512 << 20
+    save_timeout_s: float = 600.0
+    fallback_on_corrupt: bool = True
+    read_only: bool = False
+    gc_on_open: bool = True
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    primary_host: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
+        if self.max_inflight_bytes < 1:
+            raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
+        if self.save_timeout_s <= 0:
+            raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")

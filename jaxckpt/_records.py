@@ -1,0 +1,190 @@
+"""On-storage records: the commit marker, manifest parts and the tree record.
+
+Records are small JSON objects. Each carries ``format`` and ``version``; the
+commit marker also carries a CRC32C of its own canonical encoding, so a marker
+torn by a crash mid-write is detected and treated as absent. This module
+imports neither jax nor numpy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c as _crc32c
+
+from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+
+FORMAT = "jaxckpt"
+FORMAT_VERSION = 1
+
+
+def crc32c(data: bytes | memoryview) -> int:
+    """CRC32C (Castagnoli) of ``data``."""
+    return int(_crc32c.crc32c(data))
+
+
+def dumps(obj: Any) -> bytes:
+    """Canonical JSON encoding (sorted keys, no spaces), as UTF-8."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+def _check_version(obj: Mapping[str, Any], what: str) -> None:
+    if obj.get("format") != FORMAT:
+        raise CorruptCheckpointError(f"{what} is not a jaxckpt record")
+    version = obj.get("version")
+    if not isinstance(version, int):
+        raise CorruptCheckpointError(f"{what} has no format version")
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{what} has format version {version}; this jaxckpt reads up to "
+            f"{FORMAT_VERSION}. Upgrade jaxckpt to read it."
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileDigest:
+    """Size and CRC32C of one stored object."""
+
+    size: int
+    crc32c: int
+
+    @classmethod
+    def of(cls, data: bytes) -> FileDigest:
+        return cls(size=len(data), crc32c=crc32c(data))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkRecord:
+    """One stored zarr chunk: its key inside the array, size and CRC32C."""
+
+    key: str
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManifestPart:
+    """The chunks one process wrote for one step."""
+
+    step: int
+    process: int
+    num_processes: int
+    arrays: Mapping[str, tuple[ChunkRecord, ...]]
+
+    def to_bytes(self) -> bytes:
+        arrays = {
+            name: [[c.key, c.size, c.crc32c] for c in chunks] for name, chunks in self.arrays.items()
+        }
+        return dumps(
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "step": self.step,
+                "process": self.process,
+                "num_processes": self.num_processes,
+                "arrays": arrays,
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str) -> ManifestPart:
+        obj = _loads(data, what)
+        _check_version(obj, what)
+        arrays = {
+            name: tuple(ChunkRecord(key=k, size=s, crc32c=c) for k, s, c in chunks)
+            for name, chunks in obj["arrays"].items()
+        }
+        return cls(
+            step=obj["step"],
+            process=obj["process"],
+            num_processes=obj["num_processes"],
+            arrays=arrays,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.size for chunks in self.arrays.values() for c in chunks)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitMarker:
+    """The record whose presence makes a step visible.
+
+    Written last, create-only, after every file it lists is durable.
+    """
+
+    step: int
+    time: float
+    num_processes: int
+    files: Mapping[str, FileDigest]
+    nbytes: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    keep: bool = False
+    version: int = FORMAT_VERSION
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": self.version,
+            "step": self.step,
+            "time": self.time,
+            "num_processes": self.num_processes,
+            "files": {k: [d.size, d.crc32c] for k, d in sorted(self.files.items())},
+            "nbytes": self.nbytes,
+            "metrics": dict(self.metrics),
+            "keep": self.keep,
+        }
+
+    def to_bytes(self) -> bytes:
+        body = self._body()
+        body["marker_crc32c"] = crc32c(dumps(body))
+        return dumps(body)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str) -> CommitMarker:
+        """Parses and validates a marker.
+
+        Raises:
+          CorruptCheckpointError: torn, truncated or altered marker.
+          UnsupportedFormatError: written by a newer format version.
+        """
+        obj = _loads(data, what)
+        _check_version(obj, what)
+        stored = obj.pop("marker_crc32c", None)
+        if stored != crc32c(dumps(obj)):
+            raise CorruptCheckpointError(f"{what}: marker checksum mismatch")
+        return cls(
+            step=obj["step"],
+            time=obj["time"],
+            num_processes=obj["num_processes"],
+            files={k: FileDigest(size=s, crc32c=c) for k, (s, c) in obj["files"].items()},
+            nbytes=obj["nbytes"],
+            metrics=obj.get("metrics", {}),
+            keep=obj.get("keep", False),
+            version=obj["version"],
+        )
+
+
+def _loads(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{what} is not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{what} is not a JSON object")
+    return obj
+
+
+def load_json_record(data: bytes, what: str) -> dict[str, Any]:
+    """Parses a versioned JSON record (tree record, root record, pending record)."""
+    obj = _loads(data, what)
+    _check_version(obj, what)
+    return obj
+
+
+def json_record(**fields: Any) -> bytes:
+    """Encodes a versioned JSON record."""
+    return dumps({"format": FORMAT, "version": FORMAT_VERSION, **fields})

@@ -1,0 +1,172 @@
+"""Reading a committed step back: the tree record, the arrays, the target."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from jaxckpt._commit import TREE_FILE, CommitProtocol
+from jaxckpt._records import ChunkRecord, CommitMarker
+from jaxckpt._tree import (
+    SavedLeaf,
+    flatten,
+    match_target,
+    np_dtype,
+    path_str,
+    unflatten_saved,
+)
+from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region
+from jaxckpt.errors import CorruptCheckpointError, StorageError
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedStep:
+    """A committed step's records: marker, leaves, chunk manifest, user metadata."""
+
+    marker: CommitMarker
+    leaves: tuple[SavedLeaf, ...]
+    chunks: Mapping[str, tuple[ChunkRecord, ...]]
+    user_metadata: Any
+
+
+def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
+    """Reads and checks the tree record and every manifest part of a step."""
+    tree = json.loads(protocol.read_step_file(marker, TREE_FILE))
+    chunks: dict[str, list[ChunkRecord]] = {}
+    for part in protocol.read_manifest(marker):
+        for name, records in part.arrays.items():
+            chunks.setdefault(name, []).extend(records)
+    return LoadedStep(
+        marker=marker,
+        leaves=tuple(SavedLeaf.from_json(x) for x in tree["leaves"]),
+        chunks={k: tuple(v) for k, v in chunks.items()},
+        user_metadata=tree.get("metadata"),
+    )
+
+
+class StepReader:
+    """Restores leaves of committed steps, checking every chunk it reads."""
+
+    def __init__(self, protocol: CommitProtocol, arrays: ArrayWriter, context: ts.Context) -> None:
+        self._protocol = protocol
+        self._arrays = arrays
+        self._context = context
+
+    def restore(self, loaded: LoadedStep, target: Any = None) -> Any:
+        leaves = loaded.leaves
+        if target is None:
+            values = self._read_all(loaded, list(leaves), [None] * len(leaves))
+            return unflatten_saved(leaves, values)
+        flat, treedef = flatten(target)
+        targets = [t for _, t in flat]
+        matched = match_target(leaves, [path_str(p) for p, _ in flat], targets)
+        values = self._read_all(loaded, matched, targets)
+        return jax.tree_util.tree_unflatten(treedef, values)
+
+    def _read_all(self, loaded: LoadedStep, leaves: Sequence[SavedLeaf], targets: Sequence[Any]) -> list[Any]:
+        step = loaded.marker.step
+        stores = {
+            leaf.name: self._arrays.open(step, leaf, create=False)
+            for leaf in leaves
+            if leaf.kind != "value" and leaf.name is not None
+        }
+        plans = []
+        for leaf, target in zip(leaves, targets, strict=True):
+            if leaf.kind == "value":
+                plans.append(None)
+                continue
+            store = self._opened(loaded, leaf, stores[leaf.name])
+            regions = _regions_for(leaf, target)
+            reads = {r: read_region(store, r) for r in set(regions.values())}
+            plans.append((regions, reads))
+        values = []
+        for leaf, target, plan in zip(leaves, targets, plans, strict=True):
+            if plan is None:
+                values.append(leaf.value)
+                continue
+            regions, reads = plan
+            try:
+                data = {r: np.asarray(f.result()) for r, f in reads.items()}
+            except ValueError as e:
+                raise self._diagnose(loaded, leaf, e) from e
+            values.append(_assemble(leaf, target, regions, data))
+        return values
+
+    def _opened(self, loaded: LoadedStep, leaf: SavedLeaf, future: Any) -> ts.TensorStore:
+        try:
+            return future.result()
+        except ValueError as e:
+            raise self._diagnose(loaded, leaf, e) from e
+
+    def _diagnose(self, loaded: LoadedStep, leaf: SavedLeaf, exc: Exception) -> Exception:
+        step = loaded.marker.step
+        where = self._protocol.where(f"steps/{step}/arrays/{leaf.name}")
+        bad = [
+            (chunk, problem)
+            for chunk, problem, _ in check_chunks(
+                self._protocol.storage,
+                self._context,
+                step,
+                leaf,
+                loaded.chunks.get(leaf.name or "", ()),
+            )
+            if problem is not None
+        ]
+        if bad:
+            chunk, problem = bad[0]
+            more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
+            return CorruptCheckpointError(
+                f"step {step}: {leaf.path_text}: chunk {chunk.key} of {where}: {problem}{more}"
+            )
+        text = str(exc)
+        if "DATA_LOSS" in text or "NOT_FOUND" in text or "FAILED_PRECONDITION" in text:
+            return CorruptCheckpointError(f"step {step}: {leaf.path_text} ({where}): {text}")
+        return StorageError(f"step {step}: cannot read {leaf.path_text} ({where}): {text}")
+
+
+def _target_sharding(target: Any) -> jax.sharding.Sharding | None:
+    if isinstance(target, jax.Array):
+        return target.sharding
+    if isinstance(target, jax.ShapeDtypeStruct):
+        return target.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return None
+
+
+def _regions_for(leaf: SavedLeaf, target: Any) -> dict[Any, Region]:
+    """The regions to read: one per addressable device, or the whole array."""
+    sharding = _target_sharding(target)
+    if sharding is None or leaf.kind == "key":
+        return {None: full_region(leaf.shape)}
+    index_map = sharding.addressable_devices_indices_map(leaf.shape)
+    return {
+        device: tuple(
+            (s.indices(d)[0], s.indices(d)[1]) for s, d in zip(index, leaf.shape, strict=True)
+        )
+        for device, index in index_map.items()
+    }
+
+
+def _assemble(
+    leaf: SavedLeaf, target: Any, regions: dict[Any, Region], data: dict[Region, np.ndarray]
+) -> Any:
+    saved_dtype = np_dtype(leaf.dtype or "float32")
+    target_dtype = np.dtype(getattr(target, "dtype", saved_dtype)) if leaf.kind != "key" else None
+    if leaf.kind == "key":
+        keys = jax.random.wrap_key_data(data[regions[None]], impl=leaf.key_impl)
+        sharding = _target_sharding(target)
+        return jax.device_put(keys, sharding) if sharding is not None else keys
+    sharding = _target_sharding(target)
+    if sharding is None:
+        array = data[regions[None]]
+        return array.astype(target_dtype, copy=False) if target_dtype is not None else array
+    pieces = [
+        jax.device_put(data[region].astype(target_dtype, copy=False), device)
+        for device, region in regions.items()
+    ]
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)

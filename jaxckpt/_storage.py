@@ -1,0 +1,222 @@
+"""Storage roots: one small interface, one implementation per kind of store.
+
+The commit protocol and the CLI only ever talk to :class:`Storage`: read,
+write (optionally create-only), delete and list keys under a root. Bulk array
+data does not go through this interface; it is written by TensorStore, which
+gets its kvstore spec from :meth:`Storage.kvstore_spec`. Nothing here relies on
+rename, so the same protocol works on POSIX file systems and object stores.
+
+Keys are ``/``-separated paths relative to the root.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from jaxckpt.errors import StorageError
+
+
+class PreconditionFailed(Exception):
+    """A create-only write found the key already present."""
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """The operations the commit protocol needs from a checkpoint root."""
+
+    @property
+    def uri(self) -> str:
+        """The root's URI, for messages and for TensorStore."""
+        ...
+
+    def read(self, key: str) -> bytes | None:
+        """Returns the object's bytes, or None when it does not exist."""
+        ...
+
+    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Writes ``data`` durably; with ``exclusive``, only if ``key`` is absent.
+
+        Raises:
+          PreconditionFailed: ``exclusive`` and the key already exists.
+          StorageError: the store failed.
+        """
+        ...
+
+    def delete(self, key: str) -> None:
+        """Deletes one key; a missing key is not an error."""
+        ...
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Deletes every key under ``prefix`` (which ends with ``/``)."""
+        ...
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys under ``prefix``, recursively, relative to the root, sorted."""
+        ...
+
+    def kvstore_spec(self, prefix: str) -> dict[str, Any]:
+        """A TensorStore kvstore spec for the keys under ``prefix``."""
+        ...
+
+    def context_spec(self) -> dict[str, Any]:
+        """TensorStore context resources (retries, concurrency) for this store."""
+        ...
+
+
+def _join(root: str, key: str) -> str:
+    return os.path.join(root, *key.split("/"))
+
+
+class LocalStorage:
+    """A root on a POSIX file system (local disk, NFS, Lustre).
+
+    Every write is fsync'd together with its directory, so a key that
+    :meth:`write` returned for survives a power cut. Create-only writes use
+    ``O_CREAT | O_EXCL``.
+    """
+
+    def __init__(self, path: str, *, io_concurrency: int = 32) -> None:
+        self._root = os.path.abspath(path)
+        self._io_concurrency = io_concurrency
+
+    @property
+    def uri(self) -> str:
+        return self._root
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self._root!r})"
+
+    def _error(self, action: str, key: str, exc: OSError) -> StorageError:
+        detail = exc.strerror or str(exc)
+        if exc.errno == errno.ENOSPC:
+            detail = "no space left on device"
+        return StorageError(exc.errno or 0, f"cannot {action} {_join(self._root, key)}: {detail}")
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            with open(_join(self._root, key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise self._error("read", key, e) from e
+
+    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        path = _join(self._root, key)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+        try:
+            _makedirs_durable(os.path.dirname(path))
+            try:
+                fd = os.open(path, flags, 0o644)
+            except FileExistsError as e:
+                raise PreconditionFailed(path) from e
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_dir(os.path.dirname(path))
+        except PreconditionFailed:
+            raise
+        except OSError as e:
+            raise self._error("write", key, e) from e
+
+    def delete(self, key: str) -> None:
+        path = _join(self._root, key)
+        try:
+            os.unlink(path)
+            _fsync_dir(os.path.dirname(path))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise self._error("delete", key, e) from e
+
+    def delete_prefix(self, prefix: str) -> None:
+        path = _join(self._root, prefix.rstrip("/"))
+        try:
+            shutil.rmtree(path)
+            _fsync_dir(os.path.dirname(path))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise self._error("delete", prefix, e) from e
+
+    def list(self, prefix: str) -> list[str]:
+        base = _join(self._root, prefix.rstrip("/")) if prefix else self._root
+        try:
+            return sorted(self._walk(base))
+        except OSError as e:
+            raise self._error("list", prefix, e) from e
+
+    def _walk(self, base: str) -> Iterator[str]:
+        if not os.path.isdir(base):
+            return
+        for dirpath, _, filenames in os.walk(base):
+            rel = os.path.relpath(dirpath, self._root).replace(os.sep, "/")
+            for name in filenames:
+                yield name if rel == "." else f"{rel}/{name}"
+
+    def kvstore_spec(self, prefix: str) -> dict[str, Any]:
+        return {"driver": "file", "path": _join(self._root, prefix.rstrip("/")) + "/"}
+
+    def context_spec(self) -> dict[str, Any]:
+        return {
+            "file_io_concurrency": {"limit": self._io_concurrency},
+            "file_io_sync": True,
+        }
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs_durable(path: str) -> None:
+    """Creates ``path`` and its parents, fsyncing each new directory's parent."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent != path:
+        _makedirs_durable(parent)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return
+    _fsync_dir(parent)
+
+
+def open_storage(root: str | os.PathLike[str], **kwargs: Any) -> Storage:
+    """Returns the :class:`Storage` for a root URI or path.
+
+    Args:
+      root: a local path, ``file://`` URI, ``gs://bucket/prefix`` or
+        ``s3://bucket/prefix``.
+      **kwargs: backend options (see :class:`jaxckpt.StorageOptions`).
+
+    Raises:
+      StorageError: the URI scheme is not supported.
+    """
+    text = os.fspath(root)
+    if text.startswith("file://"):
+        return LocalStorage(text[len("file://") :], **kwargs)
+    if "://" in text:
+        scheme = text.split("://", 1)[0]
+        if scheme in ("gs", "s3"):
+            from jaxckpt import _objectstore
+
+            return _objectstore.open_object_storage(text, **kwargs)
+        raise StorageError(
+            errno.EINVAL, f"unsupported checkpoint root {text!r}: use a path, file://, gs:// or s3://"
+        )
+    if not text:
+        raise StorageError(errno.EINVAL, "checkpoint root is empty")
+    return LocalStorage(text, **kwargs)

@@ -1,0 +1,331 @@
+"""Pytree bookkeeping: flatten a state into described leaves and rebuild it.
+
+A saved tree is a list of leaves, each with its path (a list of typed path
+components), its kind (``array``, ``key`` for PRNG key arrays, or ``value``
+for JSON-serialisable Python values) and, for arrays, the zarr array name,
+shape, dtype, chunk shape and a description of the sharding.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxckpt.errors import TreeMismatchError, UnsupportedLeafError
+
+VALUE_TYPES = (bool, int, float, str, type(None))
+
+
+def _is_leaf(x: Any) -> bool:
+    return x is None
+
+
+def flatten(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """``(path, leaf)`` pairs and the treedef; ``None`` counts as a leaf."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """A readable path such as ``params['dense']['kernel']``."""
+    return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+def encode_path(path: Sequence[Any]) -> list[list[Any]]:
+    """JSON form of a key path: ``[[kind, key], ...]``."""
+    out: list[list[Any]] = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            key = k.key
+            if not isinstance(key, str | int):
+                key = str(key)
+            out.append(["d", key])
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(["s", k.idx])
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(["a", k.name])
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            out.append(["f", k.key])
+        else:
+            out.append(["d", str(k)])
+    return out
+
+
+def decoded_path_str(parts: Sequence[Sequence[Any]]) -> str:
+    """Readable form of an encoded path, matching :func:`path_str`."""
+    text = ""
+    for kind, key in parts:
+        if kind == "a":
+            text += f".{key}"
+        elif kind == "d":
+            text += f"[{key!r}]"
+        else:
+            text += f"[{key}]"
+    return text or "<root>"
+
+
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def array_names(paths: Sequence[list[list[Any]]]) -> list[str]:
+    """Unique, file-system-safe zarr array names for the given encoded paths."""
+    names: list[str] = []
+    seen: set[str] = set()
+    for parts in paths:
+        base = ".".join(_NAME_UNSAFE.sub("_", str(key)) for _, key in parts) or "root"
+        base = base.strip(".") or "root"
+        name, n = base, 1
+        while name in seen:
+            n += 1
+            name = f"{base}~{n}"
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+def leaf_kind(leaf: Any) -> str:
+    """``array``, ``key`` or ``value``.
+
+    Raises:
+      UnsupportedLeafError: anything else (the caller adds the path).
+    """
+    if isinstance(leaf, jax.Array):
+        return "key" if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else "array"
+    if isinstance(leaf, np.ndarray | np.generic):
+        if leaf.dtype == object:
+            raise UnsupportedLeafError("numpy arrays of dtype object are not supported")
+        return "array"
+    if isinstance(leaf, VALUE_TYPES):
+        return "value"
+    raise UnsupportedLeafError(f"leaves of type {type(leaf).__name__} are not supported")
+
+
+def describe_sharding(sharding: Any) -> dict[str, Any]:
+    """A JSON description of a sharding, for metadata and ``inspect``."""
+    if sharding is None:
+        return {"type": "host"}
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+        return {
+            "type": "NamedSharding",
+            "mesh": dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape, strict=True)),
+            "spec": spec,
+        }
+    return {"type": type(sharding).__name__, "devices": len(sharding.device_set)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedLeaf:
+    """One leaf of a saved tree, as recorded in ``tree.json``."""
+
+    path: list[list[Any]]
+    kind: str
+    name: str | None = None
+    shape: tuple[int, ...] = ()
+    dtype: str | None = None
+    chunk_shape: tuple[int, ...] = ()
+    sharding: dict[str, Any] | None = None
+    key_impl: str | None = None
+    value: Any = None
+
+    @property
+    def path_text(self) -> str:
+        return decoded_path_str(self.path)
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is None:
+            return 0
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_np_dtype(self.dtype)).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "kind": self.kind}
+        if self.kind == "value":
+            out["value"] = self.value
+        else:
+            out.update(
+                name=self.name,
+                shape=list(self.shape),
+                dtype=self.dtype,
+                chunk_shape=list(self.chunk_shape),
+                sharding=self.sharding,
+            )
+            if self.key_impl is not None:
+                out["key_impl"] = self.key_impl
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SavedLeaf:
+        return cls(
+            path=obj["path"],
+            kind=obj["kind"],
+            name=obj.get("name"),
+            shape=tuple(obj.get("shape", ())),
+            dtype=obj.get("dtype"),
+            chunk_shape=tuple(obj.get("chunk_shape", ())),
+            sharding=obj.get("sharding"),
+            key_impl=obj.get("key_impl"),
+            value=obj.get("value"),
+        )
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(jax.numpy.dtype(name))
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a saved dtype name (``bfloat16`` included)."""
+    return _np_dtype(name)
+
+
+def unflatten_saved(leaves: Sequence[SavedLeaf], values: Sequence[Any]) -> Any:
+    """Rebuilds the saved nesting as dicts (dict keys, attributes) and lists."""
+    if len(leaves) == 1 and not leaves[0].path:
+        return values[0]
+    root: Any = None
+    for leaf, value in zip(leaves, values, strict=True):
+        root = _insert(root, leaf.path, value)
+    return _finish(root)
+
+
+class _Seq(dict):
+    """Marks a node built from sequence indices, converted to a list at the end."""
+
+
+def _insert(node: Any, parts: Sequence[Sequence[Any]], value: Any) -> Any:
+    if not parts:
+        return value
+    kind, key = parts[0]
+    if node is None:
+        node = _Seq() if kind in ("s", "f") else {}
+    node[key] = _insert(node.get(key), parts[1:], value)
+    return node
+
+
+def _finish(node: Any) -> Any:
+    if isinstance(node, _Seq):
+        return [_finish(node[k]) for k in sorted(node)]
+    if isinstance(node, dict):
+        return {k: _finish(v) for k, v in node.items()}
+    return node
+
+
+def match_target(
+    saved: Sequence[SavedLeaf], target_paths: Sequence[str], target_leaves: Sequence[Any]
+) -> list[SavedLeaf]:
+    """The saved leaf for every target leaf, in target order.
+
+    Raises:
+      TreeMismatchError: naming every missing, extra or mismatched path.
+    """
+    by_path = {leaf.path_text: leaf for leaf in saved}
+    problems: list[str] = []
+    matched: list[SavedLeaf] = []
+    for path, target in zip(target_paths, target_leaves, strict=True):
+        leaf = by_path.get(path)
+        if leaf is None:
+            problems.append(f"  not in checkpoint: {path} (target {_describe(target)})")
+            continue
+        matched.append(leaf)
+        if leaf.kind == "value" or not hasattr(target, "shape"):
+            continue
+        if tuple(target.shape) != leaf.shape:
+            problems.append(
+                f"  shape mismatch at {path}: saved {leaf.shape} {leaf.dtype}, "
+                f"target {_describe(target)}"
+            )
+    extra = sorted(set(by_path) - set(target_paths))
+    for path in extra:
+        problems.append(f"  not in target: {path} (saved {_describe_saved(by_path[path])})")
+    if problems:
+        raise TreeMismatchError("restore target does not match the saved tree:\n" + "\n".join(problems))
+    return matched
+
+
+def _describe(x: Any) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{tuple(x.shape)} {x.dtype}"
+    return type(x).__name__
+
+
+def _describe_saved(leaf: SavedLeaf) -> str:
+    if leaf.kind == "value":
+        return f"value {leaf.value!r}"
+    return f"{leaf.shape} {leaf.dtype}"
+
+
+def chunk_shape_for(shard_shape: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:
+    """The largest chunk shape that tiles ``shard_shape`` and fits ``target_bytes``.
+
+    Axes are split from the outermost in, by their smallest divisors, so a
+    chunk is a contiguous run of rows whenever possible.
+
+    >>> chunk_shape_for((1024, 1024), 4, 1 << 20)
+    (256, 1024)
+    >>> chunk_shape_for((0, 3), 4, 1 << 20)
+    (1, 3)
+    """
+    chunk = [max(1, int(d)) for d in shard_shape]
+    for axis in range(len(chunk)):
+        while chunk[axis] > 1 and math.prod(chunk) * itemsize > target_bytes:
+            chunk[axis] //= _smallest_divisor(chunk[axis])
+    return tuple(chunk)
+
+
+def _smallest_divisor(n: int) -> int:
+    for d in range(2, math.isqrt(n) + 1):
+        if n % d == 0:
+            return d
+    return n
+
+
+def describe_state(state: Any, *, chunk_bytes: int) -> tuple[list[SavedLeaf], list[Any]]:
+    """Describes every leaf of ``state``; returns the leaves and their values.
+
+    Raises:
+      UnsupportedLeafError: naming the path of the first unsupported leaf.
+    """
+    flat, _ = flatten(state)
+    paths = [encode_path(p) for p, _ in flat]
+    kinds = []
+    for (path, value) in flat:
+        try:
+            kinds.append(leaf_kind(value))
+        except UnsupportedLeafError as e:
+            raise UnsupportedLeafError(f"cannot save leaf {path_str(path)}: {e}") from None
+    names = iter(array_names([p for p, k in zip(paths, kinds, strict=True) if k != "value"]))
+    leaves = []
+    for parts, kind, (_, value) in zip(paths, kinds, flat, strict=True):
+        if kind == "value":
+            leaves.append(SavedLeaf(path=parts, kind=kind, value=value))
+            continue
+        leaves.append(_describe_array(parts, kind, next(names), value, chunk_bytes))
+    return leaves, [v for _, v in flat]
+
+
+def _describe_array(
+    parts: list[list[Any]], kind: str, name: str, value: Any, chunk_bytes: int
+) -> SavedLeaf:
+    key_impl = None
+    if kind == "key":
+        key_impl = str(jax.random.key_impl(value))
+        value = jax.random.key_data(value)
+    sharding = getattr(value, "sharding", None)
+    shape = tuple(int(d) for d in np.shape(value))
+    dtype = np.dtype(value.dtype)
+    shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
+    return SavedLeaf(
+        path=parts,
+        kind=kind,
+        name=name,
+        shape=shape,
+        dtype=dtype.name,
+        chunk_shape=chunk_shape_for(shard_shape, dtype.itemsize, chunk_bytes),
+        sharding=describe_sharding(sharding),
+        key_impl=key_impl,
+    )

@@ -1,0 +1,238 @@
+"""TensorStore I/O: host snapshots, zarr v3 chunk writes, reads and checks.
+
+Each array leaf is one zarr v3 array with an uncompressed ``bytes`` codec and
+a ``crc32c`` codec, so every stored chunk is ``raw little-endian bytes ||
+crc32c(raw)``; TensorStore verifies that trailer on every read. Chunks tile
+each shard exactly, so every chunk has exactly one writer: the process that
+owns the shard's ``replica_id == 0`` copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c as _crc32c
+import jax
+import numpy as np
+import tensorstore as ts
+
+from jaxckpt._commit import arrays_prefix
+from jaxckpt._phases import reached
+from jaxckpt._records import ChunkRecord, dumps
+from jaxckpt._storage import Storage
+from jaxckpt._tree import SavedLeaf
+
+Region = tuple[tuple[int, int], ...]
+
+
+def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
+    return tuple(
+        (s.indices(d)[0], s.indices(d)[1]) for s, d in zip(index, shape, strict=True)
+    )
+
+
+@dataclass
+class HostArray:
+    """A host copy of the parts of one array leaf that this process writes."""
+
+    leaf: SavedLeaf
+    pieces: list[tuple[Region, np.ndarray]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, a in self.pieces)
+
+
+def zarr_metadata(leaf: SavedLeaf) -> dict[str, Any]:
+    """The zarr v3 array metadata jaxckpt writes for ``leaf``."""
+    return {
+        "shape": list(leaf.shape),
+        "data_type": leaf.dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(leaf.chunk_shape)}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+    }
+
+
+def snapshot_array(leaf: SavedLeaf, value: Any, *, primary: bool) -> HostArray:
+    """Copies the pieces of ``value`` this process owns into host memory.
+
+    For a ``jax.Array`` these are the addressable shards with ``replica_id ==
+    0``; a numpy array is written whole by the primary process. The host
+    arrays never alias a buffer the caller can mutate or donate: numpy inputs
+    are copied, and device buffers are transferred (on CPU the view holds an
+    external reference, which makes XLA copy instead of donating).
+    """
+    host = HostArray(leaf=leaf)
+    if isinstance(value, jax.Array):
+        if leaf.kind == "key":
+            value = jax.random.key_data(value)
+        shards = [s for s in value.addressable_shards if s.replica_id == 0]
+        for s in shards:
+            s.data.copy_to_host_async()
+        for s in shards:
+            host.pieces.append((_region(s.index, value.shape), np.asarray(s.data)))
+    elif primary:
+        array = np.array(value, copy=True)
+        host.pieces.append((tuple((0, d) for d in array.shape), array))
+    return host
+
+
+def _chunks_of(region: Region, chunk_shape: Sequence[int]) -> Iterator[Region]:
+    ranges = [range(lo, hi, c) for (lo, hi), c in zip(region, chunk_shape, strict=True)]
+    for starts in itertools.product(*ranges):
+        yield tuple(
+            (s, min(s + c, hi)) for s, c, (_, hi) in zip(starts, chunk_shape, region, strict=True)
+        )
+
+
+def _chunk_key(chunk: Region, chunk_shape: Sequence[int]) -> str:
+    if not chunk:
+        return "c"
+    return "c/" + "/".join(str(lo // c) for (lo, _), c in zip(chunk, chunk_shape, strict=True))
+
+
+def _stored_digest(data: np.ndarray) -> tuple[int, int]:
+    """Size and CRC32C of the stored chunk object: raw bytes + crc32c trailer."""
+    if sys.byteorder != "little":
+        data = data.astype(data.dtype.newbyteorder("<"))
+    raw = np.require(data, requirements="C").reshape(-1).view(np.uint8)
+    crc = _crc32c.crc32c(raw)
+    stored = _crc32c.crc32c(crc.to_bytes(4, "little"), crc)
+    return raw.nbytes + 4, int(stored)
+
+
+class ArrayWriter:
+    """Writes host arrays of one step as zarr v3 through TensorStore."""
+
+    def __init__(
+        self, storage: Storage, context: ts.Context, *, max_inflight_bytes: int = 256 << 20
+    ) -> None:
+        self._storage = storage
+        self._context = context
+        self._max_inflight = max_inflight_bytes
+
+    def open(self, step: int, leaf: SavedLeaf, *, create: bool) -> ts.Future:
+        assert leaf.name is not None
+        spec: dict[str, Any] = {
+            "driver": "zarr3",
+            "kvstore": self._storage.kvstore_spec(arrays_prefix(step) + leaf.name + "/"),
+        }
+        if create:
+            spec["metadata"] = zarr_metadata(leaf)
+            spec["store_data_equal_to_fill_value"] = True  # every chunk is an object
+            return ts.open(spec, create=True, open=True, context=self._context)
+        spec["fill_missing_data_reads"] = False
+        return ts.open(spec, open=True, read=True, context=self._context)
+
+    def write_group(self, step: int) -> None:
+        """The zarr v3 group record that makes ``arrays/`` openable by zarr-python."""
+        group = {"zarr_format": 3, "node_type": "group", "attributes": {"jaxckpt_step": step}}
+        self._storage.write(arrays_prefix(step) + "zarr.json", dumps(group))
+
+    def write(self, step: int, arrays: Sequence[HostArray]) -> dict[str, tuple[ChunkRecord, ...]]:
+        """Writes every piece, chunk by chunk; returns the chunk records per array.
+
+        At most ``max_inflight_bytes`` of chunk writes are outstanding, which
+        bounds TensorStore's transient buffers.
+        """
+        stores = {
+            h.leaf.name: self.open(step, h.leaf, create=True) for h in arrays if h.leaf.name
+        }
+        records: dict[str, tuple[ChunkRecord, ...]] = {}
+        inflight: deque[tuple[Any, int]] = deque()
+        pending_bytes = 0
+        for host in arrays:
+            leaf = host.leaf
+            assert leaf.name is not None
+            store = stores[leaf.name].result()
+            chunk_records = []
+            for region, data in host.pieces:
+                for chunk in _chunks_of(region, leaf.chunk_shape):
+                    local = tuple(
+                        slice(lo - rlo, hi - rlo)
+                        for (lo, hi), (rlo, _) in zip(chunk, region, strict=True)
+                    )
+                    piece = np.require(data[local], requirements="C")
+                    target = store[tuple(slice(lo, hi) for lo, hi in chunk)]
+                    fut = target.write(piece, can_reference_source_data_indefinitely=True)
+                    size, crc = _stored_digest(piece)
+                    key = _chunk_key(chunk, leaf.chunk_shape)
+                    chunk_records.append(ChunkRecord(key=key, size=size, crc32c=crc))
+                    if not inflight and not records and not chunk_records:
+                        fut.result()
+                        reached("data_started", step)
+                    inflight.append((fut, piece.nbytes))
+                    pending_bytes += piece.nbytes
+                    while pending_bytes > self._max_inflight and inflight:
+                        done, nbytes = inflight.popleft()
+                        done.result()
+                        pending_bytes -= nbytes
+            records[leaf.name] = tuple(chunk_records)
+        for fut, _ in inflight:
+            fut.result()
+        reached("data_written", step)
+        return records
+
+
+def read_region(store: ts.TensorStore, region: Region) -> ts.Future:
+    """Starts reading ``region`` of an opened array."""
+    return store[tuple(slice(lo, hi) for lo, hi in region)].read()
+
+
+def full_region(shape: Sequence[int]) -> Region:
+    return tuple((0, d) for d in shape)
+
+
+def expected_chunk_count(leaf: SavedLeaf) -> int:
+    if any(d == 0 for d in leaf.shape):
+        return 0
+    return math.prod(-(-d // c) for d, c in zip(leaf.shape, leaf.chunk_shape, strict=True))
+
+
+def check_chunks(
+    storage: Storage,
+    context: ts.Context,
+    step: int,
+    leaf: SavedLeaf,
+    chunks: Sequence[ChunkRecord],
+    *,
+    window: int = 16,
+) -> Iterator[tuple[ChunkRecord, str | None, int]]:
+    """Re-reads each stored chunk; yields ``(chunk, problem or None, bytes read)``."""
+    assert leaf.name is not None
+    kv = ts.KvStore.open(
+        storage.kvstore_spec(arrays_prefix(step) + leaf.name + "/"), context=context
+    ).result()
+    queue: deque[tuple[ChunkRecord, Any]] = deque()
+    it = iter(chunks)
+    while True:
+        while len(queue) < window:
+            chunk = next(it, None)
+            if chunk is None:
+                break
+            queue.append((chunk, kv.read(chunk.key)))
+        if not queue:
+            return
+        chunk, fut = queue.popleft()
+        try:
+            result = fut.result()
+        except Exception as e:  # TensorStore raises ValueError with a status text.
+            yield chunk, f"cannot read: {e}", 0
+            continue
+        if result.state != "value":
+            yield chunk, "missing", 0
+            continue
+        data = result.value
+        if len(data) != chunk.size:
+            yield chunk, f"size {len(data)} != recorded {chunk.size}", len(data)
+        elif int(_crc32c.crc32c(data)) != chunk.crc32c:
+            yield chunk, "checksum mismatch", len(data)
+        else:
+            yield chunk, None, len(data)

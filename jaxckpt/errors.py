@@ -1,0 +1,106 @@
+"""The jaxckpt error family.
+
+Every error jaxckpt raises subclasses :class:`CheckpointError`; where a builtin
+fits, the error also subclasses it so existing ``except FileNotFoundError``
+code keeps working. Each docstring says how to fix the problem.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every jaxckpt error.
+
+    Catch this to handle any checkpoint failure; the message names the root,
+    step, tree path or chunk involved.
+    """
+
+
+class StepNotFoundError(CheckpointError, FileNotFoundError):
+    """The requested step has no committed checkpoint under the root.
+
+    The message lists the committed steps; pick one of them, or call
+    ``restore()`` without a step to get the newest.
+    """
+
+
+class StepAlreadyExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint for this step already exists.
+
+    Steps are immutable once committed. Save under a new step number, or delete
+    the old step first (``CheckpointManager.delete(step)``).
+    """
+
+
+class UncommittedStepError(CheckpointError):
+    """The step has data but no valid commit marker (a partial save).
+
+    Partial steps are never restored. Restore a committed step instead; the
+    partial data is removed by garbage collection (``jaxckpt gc ROOT``).
+    """
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Stored data does not match the checksums recorded at commit time.
+
+    The message names the step, the tree path and the chunk. Restore an older
+    step (``restore()`` without a step falls back automatically), and check the
+    storage system that held the damaged object.
+    """
+
+
+class TreeMismatchError(CheckpointError, ValueError):
+    """The restore target's tree differs from the saved tree.
+
+    The message lists every missing, extra or mismatched path with shapes and
+    dtypes. Build the target from the same model/optimizer configuration that
+    was saved, or restore without a target to inspect what was saved.
+    """
+
+
+class UnsupportedLeafError(CheckpointError, TypeError):
+    """A leaf of the state has a type jaxckpt cannot save.
+
+    Supported leaves: jax.Array, numpy arrays and scalars, PRNG key arrays,
+    and int, float, bool, str and None. Convert the named leaf, or remove it
+    from the saved state.
+    """
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage backend failed (permissions, missing bucket, full disk, network).
+
+    The message names the URI. Fix access to the root; committed steps are
+    never modified by a failed operation.
+    """
+
+
+class SaveFailedError(CheckpointError):
+    """A background save failed; the step was not committed.
+
+    Earlier committed steps are intact. The ``__cause__`` carries the
+    underlying error; fix it and save again.
+    """
+
+
+class UnsupportedFormatError(CheckpointError):
+    """The checkpoint was written by a newer jaxckpt format version.
+
+    Upgrade jaxckpt to read it.
+    """
+
+
+class NotACheckpointRootError(CheckpointError, FileNotFoundError):
+    """The path is not a jaxckpt root (no ``jaxckpt.json`` record).
+
+    Check the path; a root is created by the first ``CheckpointManager`` that
+    opens it for writing.
+    """
+
+
+class SaveTimeoutError(CheckpointError, TimeoutError):
+    """A save did not finish within its timeout (a dead host or a stalled store).
+
+    The step is not committed. Check the other hosts and the storage endpoint,
+    or raise ``save_timeout_s``.
+    """
