@@ -1,5 +1,8 @@
 """jaxckpt: crash-safe, asynchronous, checksummed zarr checkpoints for JAX.
 
+The public API is re-exported here. Names are imported lazily (PEP 562), so
+``import jaxckpt.policy`` and the ``jaxckpt ls`` command do not import jax.
+
 >>> import jaxckpt
 >>> sorted(n for n in jaxckpt.__all__ if n.endswith("Error"))[:3]
 ['CheckpointError', 'CorruptCheckpointError', 'NotACheckpointRootError']
@@ -7,13 +10,9 @@
 
 from __future__ import annotations
 
-from jaxckpt._manager import CheckpointManager as CheckpointManager
-from jaxckpt._manager import LeafInfo as LeafInfo
-from jaxckpt._manager import StepMetadata as StepMetadata
-from jaxckpt._options import CheckpointOptions as CheckpointOptions
-from jaxckpt._telemetry import SaveStats as SaveStats
-from jaxckpt._verify import Problem as Problem
-from jaxckpt._verify import VerifyReport as VerifyReport
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from jaxckpt.errors import CheckpointError as CheckpointError
 from jaxckpt.errors import CorruptCheckpointError as CorruptCheckpointError
 from jaxckpt.errors import NotACheckpointRootError as NotACheckpointRootError
@@ -26,6 +25,38 @@ from jaxckpt.errors import TreeMismatchError as TreeMismatchError
 from jaxckpt.errors import UncommittedStepError as UncommittedStepError
 from jaxckpt.errors import UnsupportedFormatError as UnsupportedFormatError
 from jaxckpt.errors import UnsupportedLeafError as UnsupportedLeafError
+
+if TYPE_CHECKING:
+    from jaxckpt import policy as policy
+    from jaxckpt._manager import CheckpointManager as CheckpointManager
+    from jaxckpt._manager import LeafInfo as LeafInfo
+    from jaxckpt._manager import StepMetadata as StepMetadata
+    from jaxckpt._options import CheckpointOptions as CheckpointOptions
+    from jaxckpt._telemetry import SaveStats as SaveStats
+    from jaxckpt._verify import Problem as Problem
+    from jaxckpt._verify import VerifyReport as VerifyReport
+
+_LAZY = {
+    "CheckpointManager": "jaxckpt._manager",
+    "LeafInfo": "jaxckpt._manager",
+    "StepMetadata": "jaxckpt._manager",
+    "CheckpointOptions": "jaxckpt._options",
+    "SaveStats": "jaxckpt._telemetry",
+    "Problem": "jaxckpt._verify",
+    "VerifyReport": "jaxckpt._verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "policy":
+        return importlib.import_module("jaxckpt.policy")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CheckpointError",
@@ -47,4 +78,5 @@ __all__ = [
     "UnsupportedFormatError",
     "UnsupportedLeafError",
     "VerifyReport",
+    "policy",
 ]
