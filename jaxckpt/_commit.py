@@ -21,6 +21,7 @@ garbage-collected. Nothing relies on rename.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -113,10 +114,8 @@ class CommitProtocol:
                 raise NotACheckpointRootError(
                     f"{self.storage.uri} is not a jaxckpt root (no {ROOT_RECORD})"
                 )
-            try:
+            with contextlib.suppress(PreconditionFailed):  # another process created it
                 self.storage.write(ROOT_RECORD, json_record(created=time.time()), exclusive=True)
-            except PreconditionFailed:
-                pass
             data = self.storage.read(ROOT_RECORD) or b""
         load_json_record(data, self.where(ROOT_RECORD))
 

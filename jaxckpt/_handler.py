@@ -32,7 +32,9 @@ class StepWriter(Protocol):
 
     def begin(self, step: int) -> None: ...
 
-    def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None: ...
+    def write(
+        self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]
+    ) -> None: ...
 
     def commit(self, step: int) -> None: ...
 
@@ -163,7 +165,7 @@ def make_checkpointer(
             create_directories_asynchronously=False,
         ),
         file_options=ocp.options.FileOptions(skip_sync_file_validations=True),
-        checkpoint_metadata_store=NoopMetadataStore(),  # type: ignore[arg-type]
+        checkpoint_metadata_store=NoopMetadataStore(),
         temporary_path_class=step_path_class(writer),
     )
     return checkpointer, handler

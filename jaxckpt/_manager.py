@@ -10,7 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,10 +21,12 @@ import jax
 import tensorstore as ts
 from etils import epath
 
-from jaxckpt import _handler
+from jaxckpt import _handler, policy
+from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol, step_prefix
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._phases import reached
+from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt._records import ManifestPart, json_record
 from jaxckpt._restore import StepReader, load_step
 from jaxckpt._storage import open_storage
@@ -121,9 +126,22 @@ class CheckpointManager:
         self._handler: _handler.ZarrHandler | None = None
         self._closed = False
         self._primary = jax.process_index() == self.options.primary_host
-        self._protocol.ensure_root(create=not self.options.read_only and self._primary)
-        if self._primary and not self.options.read_only and self.options.gc_on_open:
-            self._protocol.collect_garbage()
+        self._agreement = Agreement(
+            f"{zlib.crc32(self.root.encode()):08x}",
+            primary=self.options.primary_host,
+            timeout_s=self.options.save_timeout_s,
+        )
+        self._last_saved: tuple[int | None, float | None] | None = None
+        self._restoring: set[int] = set()
+        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-retention")
+        self._deletion: Future[None] | None = None
+        self._watcher = PreemptionWatcher() if _wants_preemption(self.options.save_policy) else None
+        if self.options.read_only:
+            self._protocol.ensure_root(create=False)
+        elif self._primary:  # other hosts write only after the primary began a step
+            self._protocol.ensure_root(create=True)
+            if self.options.gc_on_open:
+                self._protocol.collect_garbage()
 
     @property
     def root(self) -> str:
@@ -189,10 +207,32 @@ class CheckpointManager:
                 raise
             raise SaveFailedError(f"save of step {step} under {self.root} failed: {e}") from e
         self._recorder.blocked(step)
+        self._last_saved = (step, time.monotonic())
         return True
 
     def _policy_says_save(self, step: int) -> bool:
-        return True
+        save_policy = self.options.save_policy
+        if save_policy is None:
+            return True
+        if self._last_saved is None:
+            self._last_saved = (self.latest_step(), None)
+        last_step, last_time = self._last_saved
+        ctx = policy.SaveContext(
+            step=step,
+            now=time.monotonic(),
+            last_saved_step=last_step,
+            last_save_time=last_time,
+            preempted=self.preempted(step),
+            blocking_seconds=tuple(s.blocking_s for s in self._recorder.history()[-8:]),
+        )
+        return bool(self._agreement.agree("save", save_policy.should_save(ctx)))
+
+    def preempted(self, step: int = 0) -> bool:
+        """True once SIGTERM/SIGINT (or JAX's preemption notice) has arrived.
+
+        Only watched when the save policy includes ``policy.OnPreemption()``.
+        """
+        return self._watcher is not None and self._watcher.preempted(step)
 
     def _tree_record(self, step: int, leaves: Sequence[SavedLeaf], metadata: Any) -> bytes:
         try:
@@ -268,20 +308,30 @@ class CheckpointManager:
         """
         self.wait()
         if step is not None:
-            marker = self._protocol.require_marker(_check_step(step))
-            return self._reader.restore(load_step(self._protocol, marker), target)
-        committed = self._protocol.committed()
-        if not committed:
+            return self._restore_step(_check_step(step), target)
+        candidates = self._agreement.agree("restore", sorted(self._protocol.committed())[::-1])
+        if not candidates:
             raise StepNotFoundError(f"no committed steps under {self.root}")
-        candidates = sorted(committed, reverse=True)
         for i, s in enumerate(candidates):
             try:
-                return self._reader.restore(load_step(self._protocol, committed[s]), target)
+                return self._restore_step(s, target)
             except CorruptCheckpointError as e:
                 if not self.options.fallback_on_corrupt or i == len(candidates) - 1:
                     raise
-                log.warning("step %d is corrupt (%s); falling back to step %d", s, e, candidates[i + 1])
+                log.warning(
+                    "step %d is corrupt (%s); falling back to step %d", s, e, candidates[i + 1]
+                )
         raise AssertionError("unreachable")
+
+    def _restore_step(self, step: int, target: Any) -> Any:
+        with self._lock:
+            self._restoring.add(step)
+        try:
+            marker = self._protocol.require_marker(step)
+            return self._reader.restore(load_step(self._protocol, marker), target)
+        finally:
+            with self._lock:
+                self._restoring.discard(step)
 
     def metadata(self, step: int) -> StepMetadata:
         """The user metadata and a description of the saved tree of ``step``."""
@@ -309,9 +359,52 @@ class CheckpointManager:
             tree=tree,
         )
 
-    def verify(self, step: int, *, on_progress: Callable[[int], None] | None = None) -> VerifyReport:
+    def verify(
+        self, step: int, *, on_progress: Callable[[int], None] | None = None
+    ) -> VerifyReport:
         """Re-reads every chunk of ``step`` and checks it against the manifest."""
-        return verify_step(self._protocol, self._context, _check_step(step), on_progress=on_progress)
+        return verify_step(
+            self._protocol, self._context, _check_step(step), on_progress=on_progress
+        )
+
+    # -- retention -----------------------------------------------------------
+
+    def explain(self) -> dict[int, tuple[str, ...]]:
+        """For every committed step, the rules that keep it (empty: would be deleted)."""
+        decision = self._retention_decision()
+        return {s: decision.keep.get(s, ()) for s in sorted(self._protocol.committed())}
+
+    def _retention_decision(self) -> policy.RetentionDecision:
+        committed = self._protocol.committed()
+        infos = [
+            policy.StepInfo(step=s, metrics=dict(m.metrics) or None, pinned=m.keep)
+            for s, m in committed.items()
+        ]
+        with self._lock:
+            protected = set(self._restoring)
+            if self._inflight is not None:
+                protected.add(self._inflight.step)
+        return policy.decide_retention(self.options.retention, infos, protected=protected)
+
+    def _apply_retention(self) -> None:
+        try:
+            for step in self._retention_decision().delete:
+                log.info("retention: deleting step %d under %s", step, self.root)
+                self._protocol.delete(step)
+        except Exception:
+            log.exception(
+                "retention under %s failed; it will be retried after the next save", self.root
+            )
+
+    def _schedule_retention(self) -> None:
+        if self.options.retention is None or not self._primary:
+            return
+        self._deletion = self._deleter.submit(self._apply_retention)
+
+    def wait_for_deletions(self, timeout_s: float | None = None) -> None:
+        """Blocks until background retention deletions have finished."""
+        if self._deletion is not None:
+            self._deletion.result(timeout=timeout_s)
 
     # -- deleting ------------------------------------------------------------
 
@@ -350,6 +443,9 @@ class CheckpointManager:
             self._closed = True
             if self._checkpointer is not None:
                 self._checkpointer.close()
+            self._deleter.shutdown(wait=True)
+            if self._watcher is not None:
+                self._watcher.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -368,6 +464,11 @@ class CheckpointManager:
             raise CheckpointError(f"the manager of {self.root} is closed")
         if self.options.read_only:
             raise CheckpointError(f"the manager of {self.root} is read-only")
+
+
+def _wants_preemption(save_policy: Any) -> bool:
+    parts = save_policy.policies if isinstance(save_policy, policy.AnySave) else (save_policy,)
+    return any(isinstance(p, policy.OnPreemption) for p in parts)
 
 
 class _Writer:
@@ -410,5 +511,4 @@ class _Writer:
         m._recorder.committed(step, inflight.nbytes)
         with m._lock:
             m._inflight = None
-
-
+        m._schedule_retention()

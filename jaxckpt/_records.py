@@ -76,7 +76,8 @@ class ManifestPart:
 
     def to_bytes(self) -> bytes:
         arrays = {
-            name: [[c.key, c.size, c.crc32c] for c in chunks] for name, chunks in self.arrays.items()
+            name: [[c.key, c.size, c.crc32c] for c in chunks]
+            for name, chunks in self.arrays.items()
         }
         return dumps(
             {

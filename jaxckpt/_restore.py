@@ -69,16 +69,18 @@ class StepReader:
         values = self._read_all(loaded, matched, targets)
         return jax.tree_util.tree_unflatten(treedef, values)
 
-    def _read_all(self, loaded: LoadedStep, leaves: Sequence[SavedLeaf], targets: Sequence[Any]) -> list[Any]:
+    def _read_all(
+        self, loaded: LoadedStep, leaves: Sequence[SavedLeaf], targets: Sequence[Any]
+    ) -> list[Any]:
         step = loaded.marker.step
         stores = {
             leaf.name: self._arrays.open(step, leaf, create=False)
             for leaf in leaves
             if leaf.kind != "value" and leaf.name is not None
         }
-        plans = []
+        plans: list[tuple[dict[Any, Region], dict[Region, Any]] | None] = []
         for leaf, target in zip(leaves, targets, strict=True):
-            if leaf.kind == "value":
+            if leaf.kind == "value" or leaf.name is None:
                 plans.append(None)
                 continue
             store = self._opened(loaded, leaf, stores[leaf.name])
@@ -146,7 +148,7 @@ def _regions_for(leaf: SavedLeaf, target: Any) -> dict[Any, Region]:
     index_map = sharding.addressable_devices_indices_map(leaf.shape)
     return {
         device: tuple(
-            (s.indices(d)[0], s.indices(d)[1]) for s, d in zip(index, leaf.shape, strict=True)
+            (s.indices(d)[0], s.indices(d)[1]) for s, d in zip(index or (), leaf.shape, strict=True)
         )
         for device, index in index_map.items()
     }
@@ -158,7 +160,7 @@ def _assemble(
     saved_dtype = np_dtype(leaf.dtype or "float32")
     target_dtype = np.dtype(getattr(target, "dtype", saved_dtype)) if leaf.kind != "key" else None
     if leaf.kind == "key":
-        keys = jax.random.wrap_key_data(data[regions[None]], impl=leaf.key_impl)
+        keys = jax.random.wrap_key_data(jax.numpy.asarray(data[regions[None]]), impl=leaf.key_impl)
         sharding = _target_sharding(target)
         return jax.device_put(keys, sharding) if sharding is not None else keys
     sharding = _target_sharding(target)

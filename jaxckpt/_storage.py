@@ -215,7 +215,8 @@ def open_storage(root: str | os.PathLike[str], **kwargs: Any) -> Storage:
 
             return _objectstore.open_object_storage(text, **kwargs)
         raise StorageError(
-            errno.EINVAL, f"unsupported checkpoint root {text!r}: use a path, file://, gs:// or s3://"
+            errno.EINVAL,
+            f"unsupported checkpoint root {text!r}: use a path, file://, gs:// or s3://",
         )
     if not text:
         raise StorageError(errno.EINVAL, "checkpoint root is empty")

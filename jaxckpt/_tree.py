@@ -234,7 +234,10 @@ def match_target(
         matched.append(leaf)
         if leaf.kind == "value" or not hasattr(target, "shape"):
             continue
-        if tuple(target.shape) != leaf.shape:
+        shape = tuple(target.shape)
+        if leaf.kind == "key" and jax.dtypes.issubdtype(target.dtype, jax.dtypes.prng_key):
+            shape = jax.eval_shape(jax.random.key_data, target).shape
+        if shape != leaf.shape:
             problems.append(
                 f"  shape mismatch at {path}: saved {leaf.shape} {leaf.dtype}, "
                 f"target {_describe(target)}"
@@ -243,7 +246,9 @@ def match_target(
     for path in extra:
         problems.append(f"  not in target: {path} (saved {_describe_saved(by_path[path])})")
     if problems:
-        raise TreeMismatchError("restore target does not match the saved tree:\n" + "\n".join(problems))
+        raise TreeMismatchError(
+            "restore target does not match the saved tree:\n" + "\n".join(problems)
+        )
     return matched
 
 
@@ -259,7 +264,9 @@ def _describe_saved(leaf: SavedLeaf) -> str:
     return f"{leaf.shape} {leaf.dtype}"
 
 
-def chunk_shape_for(shard_shape: Sequence[int], itemsize: int, target_bytes: int) -> tuple[int, ...]:
+def chunk_shape_for(
+    shard_shape: Sequence[int], itemsize: int, target_bytes: int
+) -> tuple[int, ...]:
     """The largest chunk shape that tiles ``shard_shape`` and fits ``target_bytes``.
 
     Axes are split from the outermost in, by their smallest divisors, so a
@@ -293,7 +300,7 @@ def describe_state(state: Any, *, chunk_bytes: int) -> tuple[list[SavedLeaf], li
     flat, _ = flatten(state)
     paths = [encode_path(p) for p, _ in flat]
     kinds = []
-    for (path, value) in flat:
+    for path, value in flat:
         try:
             kinds.append(leaf_kind(value))
         except UnsupportedLeafError as e:

@@ -32,9 +32,7 @@ Region = tuple[tuple[int, int], ...]
 
 
 def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
-    return tuple(
-        (s.indices(d)[0], s.indices(d)[1]) for s, d in zip(index, shape, strict=True)
-    )
+    return tuple((s.indices(d)[0], s.indices(d)[1]) for s, d in zip(index, shape, strict=True))
 
 
 @dataclass
@@ -103,7 +101,7 @@ def _stored_digest(data: np.ndarray) -> tuple[int, int]:
     if sys.byteorder != "little":
         data = data.astype(data.dtype.newbyteorder("<"))
     raw = np.require(data, requirements="C").reshape(-1).view(np.uint8)
-    crc = _crc32c.crc32c(raw)
+    crc = _crc32c.crc32c(raw.data)
     stored = _crc32c.crc32c(crc.to_bytes(4, "little"), crc)
     return raw.nbytes + 4, int(stored)
 
@@ -142,9 +140,7 @@ class ArrayWriter:
         At most ``max_inflight_bytes`` of chunk writes are outstanding, which
         bounds TensorStore's transient buffers.
         """
-        stores = {
-            h.leaf.name: self.open(step, h.leaf, create=True) for h in arrays if h.leaf.name
-        }
+        stores = {h.leaf.name: self.open(step, h.leaf, create=True) for h in arrays if h.leaf.name}
         records: dict[str, tuple[ChunkRecord, ...]] = {}
         inflight: deque[tuple[Any, int]] = deque()
         pending_bytes = 0

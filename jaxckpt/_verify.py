@@ -115,7 +115,8 @@ def _check_array_metadata(
                 Problem(
                     path=path,
                     chunk=None,
-                    message=f"zarr.json {field} is {meta.get(field)!r}, expected {expected[field]!r}",
+                    message=f"zarr.json {field} is {meta.get(field)!r}, "
+                    f"expected {expected[field]!r}",
                 )
             ]
     return []

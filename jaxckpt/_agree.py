@@ -1,0 +1,54 @@
+"""Decisions made once, by the primary process, and shared with every host.
+
+Uses the JAX distributed coordination service's key-value store, whose reads
+take a timeout, so a dead primary makes the others fail instead of hang. With
+one process this is the identity.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import jax
+
+from jaxckpt.errors import CheckpointError
+
+
+class Agreement:
+    """Shares the primary's decisions for one manager; keys are namespaced by root."""
+
+    def __init__(self, namespace: str, *, primary: int = 0, timeout_s: float = 300.0) -> None:
+        self._namespace = namespace
+        self._primary = primary
+        self._timeout_s = timeout_s
+        self._counter = itertools.count()
+
+    def agree(self, name: str, value: Any) -> Any:
+        """Returns the primary's ``value`` on every process (JSON-serialisable).
+
+        Every process must call ``agree`` in the same order with the same ``name``.
+
+        Raises:
+          CheckpointError: the primary did not publish within the timeout.
+        """
+        if jax.process_count() == 1:
+            return value
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            raise CheckpointError("multi-process jaxckpt needs jax.distributed.initialize()")
+        key = f"jaxckpt/{self._namespace}/{name}/{next(self._counter)}"
+        if jax.process_index() == self._primary:
+            client.key_value_set(key, json.dumps(value))
+            return value
+        try:
+            raw = client.blocking_key_value_get(key, int(self._timeout_s * 1000))
+        except Exception as e:
+            raise CheckpointError(
+                f"process {jax.process_index()}: no decision {name!r} from the primary "
+                f"within {self._timeout_s:.0f}s: {e}"
+            ) from e
+        return json.loads(raw)

@@ -1,0 +1,425 @@
+"""Object-store roots (``gs://bucket/prefix``, ``s3://bucket/prefix``) on TensorStore kvstores.
+
+The small objects of the commit protocol (markers, manifests) go through the
+same TensorStore ``gcs`` / ``s3`` kvstore drivers as the array data, so one set
+of credentials, endpoints and retry settings serves both paths.
+
+Create-only writes use TensorStore's "no value" generation as the ``if_equal``
+condition, which the drivers send as ``ifGenerationMatch=0`` (GCS) or
+``If-None-Match: *`` (S3; for endpoints other than AWS, TensorStore also sends
+a HEAD request first). A write whose condition fails resolves to an empty
+generation instead of raising. Servers that ignore the condition are detected
+on the first create-only write (see :attr:`ObjectStorage.conditional_writes_enforced`)
+and get a weaker fallback: check, write, read back and compare. The fallback
+never overwrites a key that existed before the call, but two writers racing
+for the same key can both succeed when one's write and read-back fit between
+the other's check and write; the stored object is then the later write.
+
+Endpoints. S3 takes ``endpoint`` or ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
+and puts it in the kvstore spec. TensorStore's ``gcs`` spec has no endpoint
+member: its driver reads the process-wide ``TENSORSTORE_GCS_HTTP_URL``
+environment variable on every request. An explicit ``endpoint`` or the
+``STORAGE_EMULATOR_HOST`` that Google's client libraries honour is therefore
+copied into ``TENSORSTORE_GCS_HTTP_URL`` when the storage is opened, which
+means one process talks to one GCS endpoint at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import logging
+import os
+import threading
+import uuid
+from typing import Any, TypeVar
+
+import tensorstore as ts
+
+from jaxckpt._storage import PreconditionFailed
+from jaxckpt.errors import StorageError
+
+__all__ = ["ObjectStorage", "ObjectStoreOptions", "open_object_storage"]
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_GCS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
+_PROBE_PREFIX = ".jaxckpt-probe/"
+_CREATE_ATTEMPTS = 3
+_MAX_DETAIL = 400
+
+# absl status code names (as TensorStore prefixes its messages) -> errno.
+_STATUS_ERRNO = {
+    "NOT_FOUND": errno.ENOENT,
+    "PERMISSION_DENIED": errno.EACCES,
+    "UNAUTHENTICATED": errno.EACCES,
+    "INVALID_ARGUMENT": errno.EINVAL,
+    "FAILED_PRECONDITION": errno.EIO,
+    "DEADLINE_EXCEEDED": errno.ETIMEDOUT,
+    "UNAVAILABLE": errno.EHOSTUNREACH,
+    "ABORTED": errno.EIO,
+    "RESOURCE_EXHAUSTED": errno.EDQUOT,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ObjectStoreOptions:
+    """Options of a ``gs://`` or ``s3://`` root.
+
+    Attributes:
+      endpoint: base URL of the service, e.g. ``http://127.0.0.1:9000``. None
+        uses ``AWS_ENDPOINT_URL_S3`` then ``AWS_ENDPOINT_URL`` (S3) or
+        ``STORAGE_EMULATOR_HOST`` (GCS), else the public service.
+      region: S3 region; None uses ``AWS_REGION``, ``AWS_DEFAULT_REGION``, then
+        ``us-east-1``. Not valid for GCS.
+      max_retries: attempts per request on transient errors (TensorStore's
+        ``*_request_retries.max_retries``).
+      initial_delay_s: first backoff delay between attempts.
+      max_delay_s: largest backoff delay; with the defaults a dead endpoint
+        fails after about 16 s.
+      request_concurrency: concurrent HTTP requests per TensorStore context.
+      timeout_s: deadline of one metadata operation (read, write, list, delete
+        of a prefix), covering stalled connections that retries do not; None
+        waits forever.
+    """
+
+    endpoint: str | None = None
+    region: str | None = None
+    max_retries: int = 5
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 8.0
+    request_concurrency: int = 32
+    timeout_s: float | None = 300.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint must start with http:// or https://, got {self.endpoint!r}")
+        if self.region is not None and not self.region:
+            raise ValueError("region must be a non-empty string or None")
+        for name in ("max_retries", "request_concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0.001 <= self.initial_delay_s <= self.max_delay_s:
+            raise ValueError(
+                "need 0.001 <= initial_delay_s <= max_delay_s, got "
+                f"{self.initial_delay_s!r} and {self.max_delay_s!r}"
+            )
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")
+
+
+@functools.cache
+def _no_value_generation() -> bytes:
+    """TensorStore's encoding of "the key does not exist" as a generation.
+
+    The byte string is internal to TensorStore and changed between releases
+    (``b"\\x05"`` before 0.1.8x, ``b"\\x02"`` in 0.1.86), so it is read from the
+    in-memory driver, which reports exactly this generation for missing keys.
+    """
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    return store.read("missing").result().stamp.generation
+
+
+def _duration(seconds: float) -> str:
+    return f"{round(seconds * 1e6)}us"
+
+
+def _resolve_gcs_endpoint(explicit: str | None) -> str | None:
+    """Points TensorStore's GCS driver at ``explicit`` or ``STORAGE_EMULATOR_HOST``."""
+    endpoint = explicit
+    if endpoint is None:
+        host = os.environ.get("STORAGE_EMULATOR_HOST")
+        if host:
+            endpoint = host if "://" in host else f"http://{host}"
+    if endpoint is None:
+        return os.environ.get(_GCS_URL_ENV) or None
+    endpoint = endpoint.rstrip("/")
+    current = os.environ.get(_GCS_URL_ENV)
+    if current != endpoint:
+        if current:
+            _log.warning(
+                "redirecting every TensorStore GCS request in this process from %s to %s",
+                current,
+                endpoint,
+            )
+        os.environ[_GCS_URL_ENV] = endpoint
+    return endpoint
+
+
+class ObjectStorage:
+    """A checkpoint root in a GCS or S3 bucket, accessed through TensorStore.
+
+    Use :func:`jaxckpt._storage.open_storage` (or :func:`open_object_storage`)
+    rather than constructing this directly.
+    """
+
+    def __init__(self, uri: str, options: ObjectStoreOptions) -> None:
+        scheme, sep, rest = uri.partition("://")
+        bucket, _, prefix = rest.partition("/")
+        if not sep or scheme not in ("gs", "s3") or not bucket:
+            raise StorageError(
+                errno.EINVAL, f"invalid object-store root {uri!r}: use gs://BUCKET/PREFIX or s3://…"
+            )
+        if scheme == "gs" and options.region is not None:
+            raise ValueError("region applies to s3:// roots only")
+        self._scheme = scheme
+        self._bucket = bucket
+        self._prefix = prefix.strip("/")
+        self._options = options
+        self._driver = "gcs" if scheme == "gs" else "s3"
+        self._extra: dict[str, Any] = {}
+        if scheme == "s3":
+            self._endpoint = (
+                options.endpoint
+                or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL")
+                or None
+            )
+            region = (
+                options.region
+                or os.environ.get("AWS_REGION")
+                or os.environ.get("AWS_DEFAULT_REGION")
+                or "us-east-1"
+            )
+            self._extra["aws_region"] = region
+            if self._endpoint:
+                self._extra["endpoint"] = self._endpoint.rstrip("/")
+        else:
+            self._endpoint = _resolve_gcs_endpoint(options.endpoint)
+        # The condition sent with create-only writes; an instance attribute so
+        # that tests can simulate a server that ignores conditions.
+        self._if_absent = _no_value_generation()
+        self._enforced: bool | None = None
+        self._bucket_checked = False
+        self._probe_lock = threading.Lock()
+        self._open_lock = threading.Lock()
+        self._store: ts.KvStore | None = None
+
+    @property
+    def _kv(self) -> ts.KvStore:
+        """The bucket-wide kvstore, opened on first use (opening sends no request)."""
+        with self._open_lock:
+            if self._store is None:
+                spec = {"driver": self._driver, "bucket": self._bucket, "path": "", **self._extra}
+                context = ts.Context(self.context_spec())
+                try:
+                    self._store = ts.KvStore.open(spec, context=context).result()
+                except (ValueError, NotImplementedError) as e:
+                    raise self._error("open", "", e) from e
+            return self._store
+
+    # -- naming and errors -------------------------------------------------
+
+    @property
+    def uri(self) -> str:
+        base = f"{self._scheme}://{self._bucket}"
+        return f"{base}/{self._prefix}" if self._prefix else base
+
+    def __repr__(self) -> str:
+        return f"ObjectStorage({self.uri!r}, endpoint={self._endpoint!r})"
+
+    def _name(self, key: str) -> str:
+        """The object name of ``key`` inside the bucket."""
+        if key.startswith("/"):
+            raise ValueError(f"storage keys are relative, got {key!r}")
+        return f"{self._prefix}/{key}" if self._prefix else key
+
+    def _dir(self, prefix: str) -> str:
+        """The object-name prefix of the keys under ``prefix`` ('' or ends with '/')."""
+        prefix = prefix.strip("/")
+        name = self._name(prefix) if prefix else self._prefix
+        return f"{name}/" if name else ""
+
+    def _error(self, action: str, name: str, exc: BaseException) -> StorageError:
+        where = f"{self._scheme}://{self._bucket}/{name}"
+        if isinstance(exc, TimeoutError):
+            detail = f"no answer within {self._options.timeout_s} s"
+            return StorageError(errno.ETIMEDOUT, f"cannot {action} {where}: {detail}")
+        detail = str(exc)
+        if len(detail) > _MAX_DETAIL:
+            detail = detail[:_MAX_DETAIL] + " …"
+        code = detail.split(":", 1)[0]
+        if "NoSuchBucket" in detail or (code == "NOT_FOUND" and action != "read"):
+            detail = f"bucket {self._bucket!r} does not exist or is not accessible ({detail})"
+        if self._endpoint:
+            detail += f" [endpoint {self._endpoint}]"
+        return StorageError(
+            _STATUS_ERRNO.get(code, errno.EIO), f"cannot {action} {where}: {detail}"
+        )
+
+    def _wait(self, future: ts.Future[_T], action: str, name: str) -> _T:
+        try:
+            return future.result(timeout=self._options.timeout_s)
+        except TimeoutError as e:
+            future.cancel()
+            raise self._error(action, name, e) from e
+        except (ValueError, NotImplementedError) as e:
+            raise self._error(action, name, e) from e
+
+    def _check_bucket(self) -> None:
+        """Raises StorageError unless the bucket answers a (one-key) listing.
+
+        GCS and S3 report a missing bucket on reads and deletes as a missing
+        object, so those calls check the bucket once per storage object.
+        """
+        if self._bucket_checked:
+            return
+        name = self._name(f"{_PROBE_PREFIX}bucket-check")
+        key_range = ts.KvStore.KeyRange(name, name + "\0")
+        self._wait(self._kv.list(key_range), "list", name)
+        self._bucket_checked = True
+
+    # -- Storage protocol --------------------------------------------------
+
+    def read(self, key: str) -> bytes | None:
+        name = self._name(key)
+        result = self._wait(self._kv.read(name), "read", name)
+        if result.state != "value":
+            self._check_bucket()
+            return None
+        return bytes(result.value)
+
+    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        name = self._name(key)
+        if not exclusive:
+            self._wait(self._kv.write(name, bytes(data)), "write", name)
+            return
+        if self.conditional_writes_enforced:
+            self._create(name, bytes(data))
+        else:
+            self._create_fallback(name, bytes(data))
+
+    def _create(self, name: str, data: bytes) -> None:
+        for _ in range(_CREATE_ATTEMPTS):
+            stamp = self._wait(self._kv.write(name, data, if_equal=self._if_absent), "write", name)
+            if stamp.generation:
+                return
+            # The condition failed: the key exists, or (S3) the bucket is missing.
+            if self._wait(self._kv.read(name), "read", name).state == "value":
+                raise PreconditionFailed(f"{self._scheme}://{self._bucket}/{name}")
+            self._bucket_checked = False
+            self._check_bucket()
+            # The key was deleted between the write and the read: try again.
+        raise StorageError(
+            errno.EAGAIN,
+            f"cannot write {self._scheme}://{self._bucket}/{name}: create-only write was refused "
+            f"{_CREATE_ATTEMPTS} times although the key is absent",
+        )
+
+    def _create_fallback(self, name: str, data: bytes) -> None:
+        where = f"{self._scheme}://{self._bucket}/{name}"
+        if self._wait(self._kv.read(name), "read", name).state == "value":
+            raise PreconditionFailed(where)
+        self._wait(self._kv.write(name, data, if_equal=self._if_absent), "write", name)
+        stored = self._wait(self._kv.read(name), "read", name)
+        if stored.state != "value" or bytes(stored.value) != data:
+            raise PreconditionFailed(where)
+
+    @property
+    def conditional_writes_enforced(self) -> bool:
+        """Whether the server refuses a create-only write to an existing key.
+
+        Measured once, on first use, by creating a probe object under
+        ``.jaxckpt-probe/`` twice and deleting it (three requests). This
+        detects servers that ignore the condition altogether; it cannot tell an
+        atomic check from TensorStore's HEAD-then-PUT on S3-compatible servers.
+        """
+        with self._probe_lock:
+            if self._enforced is None:
+                self._enforced = self._probe_conditions()
+            return self._enforced
+
+    def _probe_conditions(self) -> bool:
+        name = self._name(f"{_PROBE_PREFIX}{uuid.uuid4().hex}")
+        try:
+            first = self._wait(self._kv.write(name, b"1", if_equal=self._if_absent), "write", name)
+            if not first.generation:
+                self._check_bucket()
+                return True
+            second = self._wait(self._kv.write(name, b"2", if_equal=self._if_absent), "write", name)
+        finally:
+            self._wait(self._kv.write(name, None), "delete", name)
+        enforced = not second.generation
+        if not enforced:
+            _log.warning(
+                "%s ignores create-only conditions; using check-write-verify, which two "
+                "concurrent writers of one key can both pass",
+                self._endpoint or self._driver,
+            )
+        return enforced
+
+    def delete(self, key: str) -> None:
+        name = self._name(key)
+        self._wait(self._kv.write(name, None), "delete", name)
+        self._check_bucket()
+
+    def _list_names(self, directory: str) -> list[str]:
+        if directory:
+            end = directory[:-1] + chr(ord(directory[-1]) + 1)
+            key_range = ts.KvStore.KeyRange(directory, end)
+        else:
+            key_range = ts.KvStore.KeyRange()
+        found = self._wait(self._kv.list(key_range), "list", directory)
+        # Filter again: some emulators ignore the range and list the whole bucket.
+        names = (raw.decode("utf-8") for raw in found)
+        return [n for n in names if n.startswith(directory) and not n.endswith("/")]
+
+    def delete_prefix(self, prefix: str) -> None:
+        directory = self._dir(prefix)
+        names = self._list_names(directory)
+        # Deleted one by one (TensorStore's delete_range trusts the server's
+        # listing, and an emulator that ignores ranges turns it into "delete
+        # the bucket"); the requests still run concurrently.
+        futures = [(name, self._kv.write(name, None)) for name in names]
+        for name, future in futures:
+            self._wait(future, "delete", name)
+
+    def list(self, prefix: str) -> list[str]:
+        directory = self._dir(prefix)
+        root = f"{self._prefix}/" if self._prefix else ""
+        return sorted(name[len(root) :] for name in self._list_names(directory))
+
+    def kvstore_spec(self, prefix: str) -> dict[str, Any]:
+        path = self._dir(prefix)
+        return {"driver": self._driver, "bucket": self._bucket, "path": path, **self._extra}
+
+    def context_spec(self) -> dict[str, Any]:
+        o = self._options
+        retries = {
+            "max_retries": o.max_retries,
+            "initial_delay": _duration(o.initial_delay_s),
+            "max_delay": _duration(o.max_delay_s),
+        }
+        return {
+            f"{self._driver}_request_retries": retries,
+            f"{self._driver}_request_concurrency": {"limit": o.request_concurrency},
+        }
+
+
+def open_object_storage(uri: str, **kwargs: Any) -> ObjectStorage:
+    """Opens a ``gs://bucket/prefix`` or ``s3://bucket/prefix`` root.
+
+    Opening sends no request; the first operation does.
+
+    Args:
+      uri: the root; the prefix may be empty.
+      **kwargs: the fields of :class:`ObjectStoreOptions`.
+
+    Returns:
+      An :class:`ObjectStorage` implementing :class:`jaxckpt._storage.Storage`.
+
+    Raises:
+      TypeError: an unknown option.
+      ValueError: an invalid option value.
+      StorageError: a malformed URI or bucket name.
+
+    >>> storage = open_object_storage("s3://my-bucket/run1", region="eu-west-1")
+    >>> storage.uri
+    's3://my-bucket/run1'
+    >>> storage.kvstore_spec("step_1/")["path"]
+    'run1/step_1/'
+    """
+    return ObjectStorage(uri, ObjectStoreOptions(**kwargs))

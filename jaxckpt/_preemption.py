@@ -1,0 +1,63 @@
+"""Preemption notices: SIGTERM/SIGINT and JAX's preemption sync point.
+
+A :class:`PreemptionWatcher` turns a signal into a flag that the save policy
+reads (``OnPreemption``), so the training loop saves at the next step
+boundary and can then exit cleanly. The handlers it replaces are restored by
+:meth:`PreemptionWatcher.close`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("jaxckpt")
+
+
+class PreemptionWatcher:
+    """Sets :attr:`preempted` when the process is told to stop."""
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+        self._event = threading.Event()
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("preemption signals can only be watched from the main thread")
+            return
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        log.warning("received %s: the next step will be saved", signal.Signals(signum).name)
+        self._event.set()
+
+    def notify(self) -> None:
+        """Marks the process as preempted (for schedulers with their own notice)."""
+        self._event.set()
+
+    def preempted(self, step: int) -> bool:
+        """True once a notice arrived; also asks JAX's preemption sync point."""
+        if self._event.is_set():
+            return True
+        if _jax_sync_point(step):
+            self._event.set()
+        return self._event.is_set()
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def _jax_sync_point(step: int) -> bool:
+    """JAX's multi-host preemption sync point, when the distributed service runs."""
+    try:
+        from jax._src import distributed
+        from jax.experimental import multihost_utils
+    except ImportError:  # pragma: no cover - very old jax
+        return False
+    if getattr(distributed.global_state, "preemption_sync_manager", None) is None:
+        return False
+    return bool(multihost_utils.reached_preemption_sync_point(step))

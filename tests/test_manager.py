@@ -1,0 +1,444 @@
+"""Contract tests of CheckpointManager on local roots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt import policy
+
+
+def _state(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {
+            "w": jnp.asarray(rng.standard_normal((64, 32), dtype=np.float32)),
+            "b": jnp.asarray(rng.standard_normal(32), dtype=jnp.bfloat16),
+        },
+        "f16": jnp.asarray(rng.standard_normal(7), dtype=jnp.float16),
+        "i8": np.asarray(rng.integers(-128, 127, (5, 3)), dtype=np.int8),
+        "u16": jnp.asarray(rng.integers(0, 65535, 9), dtype=jnp.uint16),
+        "mask": jnp.asarray(rng.integers(0, 2, (4, 4)).astype(bool)),
+        "scalar": jnp.float32(seed + 0.5),
+        "empty": np.zeros((0, 3), np.float32),
+        "step": seed,
+        "lr": 0.125,
+        "name": "run-α",
+        "flag": True,
+        "nothing": None,
+        "layers": [jnp.ones(3) * seed, {"k": jnp.arange(4, dtype=jnp.int32)}],
+    }
+
+
+def _bits(x) -> bytes:
+    a = np.asarray(x)
+    return a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
+
+
+def assert_tree_bitexact(a, b) -> None:
+    la, ta = jax.tree_util.tree_flatten(a, is_leaf=lambda x: x is None)
+    lb, tb = jax.tree_util.tree_flatten(b, is_leaf=lambda x: x is None)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        if hasattr(x, "dtype"):
+            assert np.asarray(x).dtype == np.asarray(y).dtype
+            assert _bits(x) == _bits(y)
+        else:
+            assert x == y and type(x) is type(y)
+
+
+@pytest.fixture
+def root(tmp_path: pathlib.Path) -> str:
+    return str(tmp_path / "ckpt")
+
+
+def test_round_trip_with_target_keeps_structure_dtypes_and_values(root):
+    state = _state(3)
+    with jaxckpt.CheckpointManager(root) as mgr:
+        assert mgr.save(3, state) is True
+    restored = jaxckpt.CheckpointManager(root).restore(target=state)
+    assert_tree_bitexact(restored, state)
+    assert isinstance(restored["params"]["w"], jax.Array)
+    assert restored["params"]["w"].sharding == state["params"]["w"].sharding
+
+
+def test_restore_without_target_gives_numpy_in_saved_nesting(root):
+    state = _state(1)
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, state)
+    restored = jaxckpt.CheckpointManager(root).restore()
+    assert isinstance(restored["params"]["w"], np.ndarray)
+    assert isinstance(restored["layers"], list) and restored["layers"][1]["k"].dtype == np.int32
+    assert restored["name"] == "run-α" and restored["nothing"] is None and restored["lr"] == 0.125
+    assert restored["params"]["b"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(restored["params"]["w"], np.asarray(state["params"]["w"]))
+    assert restored["empty"].shape == (0, 3)
+    assert restored["scalar"].shape == () and restored["scalar"] == np.float32(1.5)
+
+
+def test_restore_into_shape_dtype_structs_with_sharding_and_dtype_cast(root):
+    state = {"w": jnp.arange(24.0).reshape(4, 6), "n": 7}
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(0, state)
+    device = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    target = {"w": jax.ShapeDtypeStruct((4, 6), jnp.bfloat16, sharding=sharding), "n": 0}
+    out = jaxckpt.CheckpointManager(root).restore(0, target=target)
+    assert out["w"].dtype == jnp.bfloat16 and out["w"].sharding == sharding
+    np.testing.assert_array_equal(np.asarray(out["w"], np.float32), np.arange(24.0).reshape(4, 6))
+    assert out["n"] == 7  # non-array leaves come back with their saved values
+
+
+def test_prng_keys_round_trip(root):
+    state = {"new": jax.random.key(42), "old": jax.random.PRNGKey(7)}
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(0, state)
+    out = jaxckpt.CheckpointManager(root).restore(target=state)
+    assert jax.dtypes.issubdtype(out["new"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(
+        jax.random.key_data(out["new"]), jax.random.key_data(state["new"])
+    )
+    np.testing.assert_array_equal(out["old"], state["old"])
+
+
+def test_caller_may_donate_buffers_right_after_save(root):
+    state = {"w": jnp.arange(1 << 16, dtype=jnp.float32)}
+    expected = np.asarray(state["w"]).copy()
+    update = jax.jit(lambda s: {"w": s["w"] * 0 - 1}, donate_argnums=0)
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, state)
+        new = update(state)
+        new = update(new)
+        mgr.wait()
+    np.testing.assert_array_equal(np.asarray(new["w"]), -np.ones(1 << 16, np.float32))
+    out = jaxckpt.CheckpointManager(root).restore(1)
+    np.testing.assert_array_equal(out["w"], expected)
+
+
+def test_numpy_leaves_are_copied_so_caller_may_overwrite_them(root):
+    arr = np.arange(1000, dtype=np.int64)
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"a": arr})
+        arr[:] = -5
+    np.testing.assert_array_equal(jaxckpt.CheckpointManager(root).restore(1)["a"], np.arange(1000))
+
+
+def test_steps_latest_and_one_save_in_flight(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        assert mgr.steps() == [] and mgr.latest_step() is None
+        for s in (5, 1, 9):
+            assert mgr.save(s, {"x": jnp.full(3, s)})
+        mgr.wait()
+        assert mgr.steps() == [1, 5, 9] and mgr.latest_step() == 9
+        stats = mgr.save_stats()
+        assert [s.step for s in stats] == [5, 1, 9] and all(s.nbytes > 0 for s in stats)
+    assert jaxckpt.CheckpointManager(root).restore()["x"].tolist() == [9, 9, 9]
+
+
+def test_saving_an_existing_step_raises(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(2, {"x": 1})
+        mgr.wait()
+        with pytest.raises(jaxckpt.StepAlreadyExistsError, match="step 2 already exists"):
+            mgr.save(2, {"x": 2})
+    assert jaxckpt.CheckpointManager(root).restore(2) == {"x": 1}
+
+
+def test_missing_step_error_lists_committed_steps(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"x": 1})
+        mgr.save(4, {"x": 1})
+    with pytest.raises(
+        jaxckpt.StepNotFoundError, match=r"step 3 not found .*committed steps: 1, 4"
+    ):
+        jaxckpt.CheckpointManager(root).restore(3)
+    with pytest.raises(FileNotFoundError):
+        jaxckpt.CheckpointManager(root).metadata(3)
+
+
+def test_restore_with_no_steps_raises(root):
+    with pytest.raises(jaxckpt.StepNotFoundError, match="no committed steps"):
+        jaxckpt.CheckpointManager(root).restore()
+
+
+def test_tree_mismatch_names_every_path(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"a": jnp.zeros((2, 3)), "b": jnp.zeros(4), "c": 1})
+    target = {"a": jnp.zeros((2, 4)), "d": jnp.zeros(4), "c": 1}
+    with pytest.raises(jaxckpt.TreeMismatchError) as info:
+        jaxckpt.CheckpointManager(root).restore(1, target=target)
+    text = str(info.value)
+    assert "shape mismatch at ['a']: saved (2, 3) float32, target (2, 4) float32" in text
+    assert "not in checkpoint: ['d']" in text
+    assert "not in target: ['b'] (saved (4,) float32)" in text
+
+
+def test_unsupported_leaf_names_path_and_writes_nothing(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"\['opt'\]\[1\].*object"):
+            mgr.save(1, {"opt": [1, object()]})
+        assert mgr.steps() == []
+    assert not os.path.exists(os.path.join(root, "steps", "1"))
+    assert not os.path.exists(os.path.join(root, "pending", "1.json"))
+
+
+def test_metadata_describes_tree_and_user_metadata(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.zeros((8, 2), jnp.bfloat16), "n": 3}, metadata={"git": "abc"})
+    meta = jaxckpt.CheckpointManager(root).metadata(1)
+    assert meta.user_metadata == {"git": "abc"} and meta.step == 1 and meta.nbytes > 0
+    by_path = {leaf.path: leaf for leaf in meta.tree}
+    assert by_path["['w']"].shape == (8, 2) and by_path["['w']"].dtype == "bfloat16"
+    assert by_path["['w']"].nbytes == 32 and by_path["['w']"].sharding["type"]
+    assert by_path["['n']"].kind == "value" and by_path["['n']"].value == 3
+
+
+def _chunk_files(root: str, step: int, name: str) -> list[str]:
+    """Chunk files of an array, in file-name order (c/0, c/1, c/10, ...)."""
+    base = os.path.join(root, "steps", str(step), "arrays", name, "c")
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs)
+
+
+def _flip_byte(path: str, offset: int = 5) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_corrupt_chunk_is_detected_named_and_falls_back(root, caplog):
+    with jaxckpt.CheckpointManager(root, chunk_bytes=1024) as mgr:
+        mgr.save(1, {"w": jnp.arange(4096.0)})
+        mgr.save(2, {"w": jnp.arange(4096.0) + 1})
+    bad = os.path.join(root, "steps", "2", "arrays", "w", "c", "2")
+    _flip_byte(bad)
+    mgr = jaxckpt.CheckpointManager(root)
+    with pytest.raises(jaxckpt.CorruptCheckpointError) as info:
+        mgr.restore(2)
+    assert "step 2" in str(info.value) and "['w']" in str(info.value) and "c/2" in str(info.value)
+    with caplog.at_level(logging.WARNING, logger="jaxckpt"):
+        out = mgr.restore()
+    np.testing.assert_array_equal(out["w"], np.arange(4096.0))
+    assert "falling back to step 1" in caplog.text
+    report = mgr.verify(2)
+    assert not report.ok and [(p.path, p.chunk) for p in report.problems] == [("['w']", "c/2")]
+    assert report.chunks_checked == 16
+    assert mgr.verify(1).ok
+
+
+def test_missing_chunk_is_corruption_not_zeros(root):
+    with jaxckpt.CheckpointManager(root, chunk_bytes=1024) as mgr:
+        mgr.save(1, {"w": jnp.arange(1024.0)})
+    os.unlink(_chunk_files(root, 1, "w")[0])
+    mgr = jaxckpt.CheckpointManager(root, fallback_on_corrupt=False)
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"chunk c/0 .*missing"):
+        mgr.restore()
+    assert mgr.verify(1).problems[0].message == "missing"
+
+
+def test_corrupt_manifest_or_tree_record_is_detected(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(8.0)})
+    _flip_byte(os.path.join(root, "steps", "1", "tree.json"), 3)
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"tree\.json does not match"):
+        jaxckpt.CheckpointManager(root).restore(1)
+    assert not jaxckpt.CheckpointManager(root).verify(1).ok
+
+
+def test_partial_step_is_invisible_and_collected_by_next_writer(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(8.0)})
+        mgr.save(2, {"w": jnp.arange(8.0)})
+    os.unlink(os.path.join(root, "commits", "2.json"))  # as if killed before the marker
+    with open(os.path.join(root, "pending", "2.json"), "w") as f:
+        f.write(json.dumps({"format": "jaxckpt", "version": 1, "operation": "save", "started": 0}))
+    reader = jaxckpt.CheckpointManager(root, read_only=True)
+    assert reader.steps() == [1]
+    with pytest.raises(jaxckpt.UncommittedStepError, match=r"step 2 .* partial"):
+        reader.restore(2)
+    assert os.path.isdir(os.path.join(root, "steps", "2"))  # read-only: nothing removed
+    jaxckpt.CheckpointManager(root).close()  # a writer collects garbage on open
+    assert not os.path.exists(os.path.join(root, "steps", "2"))
+    assert os.listdir(os.path.join(root, "pending")) == []
+
+
+def test_torn_marker_is_not_a_commit(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(8.0)})
+    path = os.path.join(root, "commits", "1.json")
+    data = pathlib.Path(path).read_bytes()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    assert jaxckpt.CheckpointManager(root, read_only=True).steps() == []
+    with jaxckpt.CheckpointManager(root) as mgr:
+        assert mgr.steps() == []
+        mgr.save(1, {"w": jnp.arange(8.0) * 2})
+    np.testing.assert_array_equal(
+        jaxckpt.CheckpointManager(root).restore(1)["w"], np.arange(8.0) * 2
+    )
+
+
+def test_newer_format_version_is_refused(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(8.0)})
+    path = os.path.join(root, "commits", "1.json")
+    marker = json.loads(pathlib.Path(path).read_text())
+    marker["version"] = 99
+    marker.pop("marker_crc32c")
+    from jaxckpt._records import crc32c, dumps
+
+    marker["marker_crc32c"] = crc32c(dumps(marker))
+    pathlib.Path(path).write_bytes(dumps(marker))
+    with pytest.raises(jaxckpt.UnsupportedFormatError, match="format version 99"):
+        jaxckpt.CheckpointManager(root, read_only=True).restore(1)
+
+
+def test_background_failure_surfaces_on_wait_and_step_is_not_listed(root, monkeypatch):
+    from jaxckpt import _tsio
+
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(8.0)})
+        mgr.wait()
+
+        def boom(self, step, arrays):
+            raise OSError("simulated I/O error")
+
+        monkeypatch.setattr(_tsio.ArrayWriter, "write", boom)
+        assert mgr.save(2, {"w": jnp.arange(8.0)})
+        with pytest.raises(jaxckpt.SaveFailedError, match=r"step 2 .*simulated I/O error"):
+            mgr.wait()
+        monkeypatch.undo()
+        assert mgr.steps() == [1]
+        mgr.save(3, {"w": jnp.arange(8.0)})
+    assert jaxckpt.CheckpointManager(root).steps() == [1, 3]
+
+
+def test_background_failure_surfaces_on_next_save(root, monkeypatch):
+    from jaxckpt import _tsio
+
+    mgr = jaxckpt.CheckpointManager(root)
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", lambda *a: 1 / 0)
+    mgr.save(1, {"w": jnp.arange(8.0)})
+    with pytest.raises(jaxckpt.SaveFailedError, match="step 1"):
+        mgr.save(2, {"w": jnp.arange(8.0)})
+    monkeypatch.undo()
+    mgr.close()
+
+
+def test_root_that_cannot_be_created_names_the_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(jaxckpt.StorageError, match=str(blocker)):
+        jaxckpt.CheckpointManager(str(blocker / "ckpt"))
+
+
+def test_read_only_manager_on_missing_root_says_not_a_root(tmp_path):
+    with pytest.raises(jaxckpt.NotACheckpointRootError, match="not a jaxckpt root"):
+        jaxckpt.CheckpointManager(str(tmp_path / "nope"), read_only=True)
+
+
+def test_file_uri_root(tmp_path):
+    with jaxckpt.CheckpointManager(f"file://{tmp_path}") as mgr:
+        mgr.save(1, {"x": jnp.ones(2)})
+    assert jaxckpt.CheckpointManager(str(tmp_path)).steps() == [1]
+
+
+def test_bad_step_numbers_are_rejected(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        for bad in (-1, 1.5, True, "3"):
+            with pytest.raises(ValueError, match="non-negative int"):
+                mgr.save(bad, {"x": 1})
+
+
+def test_checkpoint_opens_with_zarr_python_alone(root):
+    import zarr
+
+    w = np.arange(60, dtype=np.float32).reshape(6, 10)
+    with jaxckpt.CheckpointManager(root, chunk_bytes=64) as mgr:
+        mgr.save(7, {"params": {"w": jnp.asarray(w)}, "i": jnp.arange(5, dtype=jnp.int8)})
+    group = zarr.open_group(os.path.join(root, "steps", "7", "arrays"), mode="r")
+    assert sorted(group.array_keys()) == ["i", "params.w"]
+    np.testing.assert_array_equal(group["params.w"][...], w)
+    np.testing.assert_array_equal(group["i"][...], np.arange(5, dtype=np.int8))
+    assert group["params.w"].chunks == (1, 10)
+
+
+def test_delete_retracts_marker_then_data(root):
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"x": jnp.ones(2)})
+        mgr.save(2, {"x": jnp.ones(2)})
+        mgr.wait()
+        mgr.delete(1)
+        assert mgr.steps() == [2]
+        with pytest.raises(jaxckpt.StepNotFoundError):
+            mgr.delete(1)
+    assert sorted(os.listdir(os.path.join(root, "steps"))) == ["2"]
+
+
+def test_full_disk_fails_cleanly_and_keeps_earlier_steps(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=4M tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.fail("this test needs root to mount a small tmpfs (CI runs as root)")
+    try:
+        root = str(mnt / "ckpt")
+        with jaxckpt.CheckpointManager(root) as mgr:
+            mgr.save(1, {"w": jnp.ones(1 << 18, jnp.float32)})  # 1 MiB
+            mgr.wait()
+            mgr.save(2, {"w": jnp.ones(1 << 20, jnp.float32)})  # 4 MiB: does not fit
+            with pytest.raises(jaxckpt.SaveFailedError, match="step 2"):
+                mgr.wait()
+        mgr = jaxckpt.CheckpointManager(root)  # next writer collects the partial step
+        assert mgr.steps() == [1]
+        np.testing.assert_array_equal(mgr.restore()["w"], np.ones(1 << 18, np.float32))
+        assert not os.path.exists(os.path.join(root, "steps", "2"))
+    finally:
+        os.system(f"umount {mnt}")
+
+
+def test_save_policy_and_force(root):
+    with jaxckpt.CheckpointManager(root, save_policy=policy.EveryNSteps(10)) as mgr:
+        results = {s: mgr.save(s, {"s": s}) for s in range(1, 25)}
+        assert [s for s, saved in results.items() if saved] == [10, 20]
+        assert mgr.save(21, {"s": 21}, force=True) is True
+        mgr.wait()
+        assert mgr.steps() == [10, 20, 21]
+
+
+def test_retention_deletes_in_background_and_explain_says_why(root):
+    retention = policy.KeepLast(2) | policy.KeepBest(1, metric="loss", mode="min")
+    with jaxckpt.CheckpointManager(root, retention=retention) as mgr:
+        for s, loss in [(1, 5.0), (2, 1.0), (3, 4.0), (4, 3.0), (5, 2.0)]:
+            mgr.save(s, {"s": s}, metrics={"loss": loss}, keep=(s == 1))
+        mgr.wait()
+        mgr.wait_for_deletions(timeout_s=30)
+        assert mgr.steps() == [1, 2, 4, 5]
+        why = mgr.explain()
+        assert why[1] == ("pinned",) and "newest" in why[5]
+        assert any("KeepBest" in r for r in why[2])
+    assert sorted(os.listdir(os.path.join(root, "steps")), key=int) == ["1", "2", "4", "5"]
+
+
+def test_public_api_names():
+    assert set(jaxckpt.__all__) == {
+        "CheckpointError", "CheckpointManager", "CheckpointOptions", "CorruptCheckpointError",
+        "LeafInfo", "NotACheckpointRootError", "Problem", "SaveFailedError", "SaveStats",
+        "SaveTimeoutError", "StepAlreadyExistsError", "StepMetadata", "StepNotFoundError",
+        "StorageError", "TreeMismatchError", "UncommittedStepError", "UnsupportedFormatError",
+        "UnsupportedLeafError", "VerifyReport", "policy",
+    }  # fmt: skip
+    for name in jaxckpt.__all__:
+        assert getattr(jaxckpt, name) is not None
+    for name in jaxckpt.__all__:
+        obj = getattr(jaxckpt, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, jaxckpt.CheckpointError) and obj.__doc__
