@@ -1,0 +1,39 @@
+"""End-to-end retention: policies drive real saves and deletions on a local root."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+
+import jaxckpt
+from jaxckpt import policy
+
+EXPECTED = [10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 19980, 19990, 20000]
+
+
+def test_every_10_steps_keep_last_3_and_milestones_over_20000_steps(tmp_path: pathlib.Path):
+    root = str(tmp_path / "run")
+    mgr = jaxckpt.CheckpointManager(
+        root,
+        save_policy=policy.EveryNSteps(10),
+        retention=policy.KeepLast(3) | policy.KeepMilestones(series=(1, 2, 5)),
+    )
+    saved = 0
+    state = {"w": np.zeros(4, np.float32), "step": 0}
+    for step in range(1, 20001):
+        state["w"][:] = step
+        state["step"] = step
+        saved += mgr.save(step, state)
+    mgr.close()
+    assert saved == 2000
+    # The storage itself, not only steps(): markers and step data of exactly these steps.
+    markers = sorted(int(n.removesuffix(".json")) for n in os.listdir(os.path.join(root, "commits")))
+    data = sorted(int(n) for n in os.listdir(os.path.join(root, "steps")))
+    assert markers == EXPECTED and data == EXPECTED
+    assert not os.listdir(os.path.join(root, "pending"))
+    reader = jaxckpt.CheckpointManager(root, read_only=True)
+    assert reader.steps() == EXPECTED
+    assert reader.restore(5000)["step"] == 5000
+    np.testing.assert_array_equal(reader.restore()["w"], np.full(4, 20000, np.float32))
