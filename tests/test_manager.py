@@ -11,48 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
 from jaxckpt import policy
-
-
-def _state(seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return {
-        "params": {
-            "w": jnp.asarray(rng.standard_normal((64, 32), dtype=np.float32)),
-            "b": jnp.asarray(rng.standard_normal(32), dtype=jnp.bfloat16),
-        },
-        "f16": jnp.asarray(rng.standard_normal(7), dtype=jnp.float16),
-        "i8": np.asarray(rng.integers(-128, 127, (5, 3)), dtype=np.int8),
-        "u16": jnp.asarray(rng.integers(0, 65535, 9), dtype=jnp.uint16),
-        "mask": jnp.asarray(rng.integers(0, 2, (4, 4)).astype(bool)),
-        "scalar": jnp.float32(seed + 0.5),
-        "empty": np.zeros((0, 3), np.float32),
-        "step": seed,
-        "lr": 0.125,
-        "name": "run-α",
-        "flag": True,
-        "nothing": None,
-        "layers": [jnp.ones(3) * seed, {"k": jnp.arange(4, dtype=jnp.int32)}],
-    }
-
-
-def _bits(x) -> bytes:
-    a = np.asarray(x)
-    return a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
-
-
-def assert_tree_bitexact(a, b) -> None:
-    la, ta = jax.tree_util.tree_flatten(a, is_leaf=lambda x: x is None)
-    lb, tb = jax.tree_util.tree_flatten(b, is_leaf=lambda x: x is None)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        if hasattr(x, "dtype"):
-            assert np.asarray(x).dtype == np.asarray(y).dtype
-            assert _bits(x) == _bits(y)
-        else:
-            assert x == y and type(x) is type(y)
 
 
 @pytest.fixture
@@ -61,7 +23,7 @@ def root(tmp_path: pathlib.Path) -> str:
 
 
 def test_round_trip_with_target_keeps_structure_dtypes_and_values(root):
-    state = _state(3)
+    state = sample_state(3)
     with jaxckpt.CheckpointManager(root) as mgr:
         assert mgr.save(3, state) is True
     restored = jaxckpt.CheckpointManager(root).restore(target=state)
@@ -71,7 +33,7 @@ def test_round_trip_with_target_keeps_structure_dtypes_and_values(root):
 
 
 def test_restore_without_target_gives_numpy_in_saved_nesting(root):
-    state = _state(1)
+    state = sample_state(1)
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, state)
     restored = jaxckpt.CheckpointManager(root).restore()

@@ -1,0 +1,95 @@
+"""The manager's core contract on every backend: local directory, S3 server, GCS emulator."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import servers
+from trees import assert_tree_bitexact, sample_state
+
+import jaxckpt
+from jaxckpt._records import json_record
+from jaxckpt._storage import open_storage
+
+
+def test_round_trip_all_dtypes_and_tree_shapes(storage_root):
+    state = sample_state(2)
+    with jaxckpt.CheckpointManager(storage_root, chunk_bytes=256) as mgr:
+        assert mgr.save(2, state)
+        mgr.wait()
+        assert mgr.steps() == [2]
+    reader = jaxckpt.CheckpointManager(storage_root, read_only=True)
+    assert_tree_bitexact(reader.restore(target=state), state)
+    plain = reader.restore(2)
+    assert plain["name"] == "run-α" and plain["layers"][1]["k"].tolist() == [0, 1, 2, 3]
+    assert reader.verify(2).ok
+
+
+def test_missing_step_and_tree_mismatch(storage_root):
+    with jaxckpt.CheckpointManager(storage_root) as mgr:
+        mgr.save(1, {"a": jnp.zeros((2, 3))})
+    mgr = jaxckpt.CheckpointManager(storage_root)
+    with pytest.raises(jaxckpt.StepNotFoundError, match=r"step 5 not found .*committed steps: 1"):
+        mgr.restore(5)
+    with pytest.raises(jaxckpt.TreeMismatchError, match=r"not in checkpoint: \['b'\]"):
+        mgr.restore(1, target={"a": jnp.zeros((2, 3)), "b": jnp.zeros(1)})
+
+
+def test_corrupted_object_is_detected_and_restore_falls_back(storage_root):
+    with jaxckpt.CheckpointManager(storage_root, chunk_bytes=512) as mgr:
+        mgr.save(1, {"w": jnp.arange(1024.0)})
+        mgr.save(2, {"w": jnp.arange(1024.0) * 2})
+    servers.corrupt_object(f"{storage_root}/steps/2/arrays/w/c/3")
+    mgr = jaxckpt.CheckpointManager(storage_root)
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"step 2: \['w'\]: chunk c/3"):
+        mgr.restore(2)
+    np.testing.assert_array_equal(mgr.restore()["w"], np.arange(1024.0))
+    report = mgr.verify(2)
+    assert not report.ok and report.problems[0].chunk == "c/3"
+
+
+def test_partial_step_is_invisible_and_garbage_collected(storage_root):
+    with jaxckpt.CheckpointManager(storage_root) as mgr:
+        mgr.save(1, {"w": jnp.arange(8.0)})
+        mgr.save(2, {"w": jnp.arange(8.0)})
+    storage = open_storage(storage_root)
+    storage.delete("commits/2.json")  # as if killed just before the marker
+    storage.write("pending/2.json", json_record(operation="save", started=0.0))
+    assert jaxckpt.CheckpointManager(storage_root, read_only=True).steps() == [1]
+    assert storage.list("steps/2/")
+    jaxckpt.CheckpointManager(storage_root).close()  # the next writer collects it
+    assert storage.list("steps/2/") == [] and storage.list("pending/") == []
+    assert jaxckpt.CheckpointManager(storage_root).steps() == [1]
+
+
+def test_background_failure_keeps_earlier_steps(storage_root, monkeypatch):
+    from jaxckpt import _tsio
+
+    mgr = jaxckpt.CheckpointManager(storage_root)
+    mgr.save(1, {"w": jnp.arange(8.0)})
+    mgr.wait()
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", lambda *a: 1 / 0)
+    mgr.save(2, {"w": jnp.arange(8.0)})
+    with pytest.raises(jaxckpt.SaveFailedError, match="step 2"):
+        mgr.wait()
+    monkeypatch.undo()
+    mgr.close()
+    again = jaxckpt.CheckpointManager(storage_root)
+    assert again.steps() == [1]
+    np.testing.assert_array_equal(again.restore()["w"], np.arange(8.0))
+
+
+def test_delete_and_retention(storage_root):
+    from jaxckpt import policy
+
+    with jaxckpt.CheckpointManager(storage_root, retention=policy.KeepLast(2)) as mgr:
+        for s in range(1, 6):
+            mgr.save(s, {"s": s, "w": jnp.full(4, s)})
+        mgr.wait()
+        mgr.wait_for_deletions(timeout_s=60)
+        assert mgr.steps() == [4, 5]
+        mgr.delete(4)
+        assert mgr.steps() == [5]
+    storage = open_storage(storage_root)
+    assert {k.split("/")[1] for k in storage.list("steps/")} == {"5"}
