@@ -242,13 +242,14 @@ class ObjectStorage:
         if len(detail) > _MAX_DETAIL:
             detail = detail[:_MAX_DETAIL] + " …"
         code = detail.split(":", 1)[0]
-        if "NoSuchBucket" in detail or (code == "NOT_FOUND" and action != "read"):
+        # A missing key is not an error for TensorStore, so NOT_FOUND means the bucket.
+        if "NoSuchBucket" in detail or code == "NOT_FOUND":
             detail = f"bucket {self._bucket!r} does not exist or is not accessible ({detail})"
         if self._endpoint:
             detail += f" [endpoint {self._endpoint}]"
-        return StorageError(
-            _STATUS_ERRNO.get(code, errno.EIO), f"cannot {action} {where}: {detail}"
-        )
+        # TensorStore drops the "INVALID_ARGUMENT: " prefix (bad bucket names, specs).
+        default = errno.EINVAL if action == "open" else errno.EIO
+        return StorageError(_STATUS_ERRNO.get(code, default), f"cannot {action} {where}: {detail}")
 
     def _wait(self, future: ts.Future[_T], action: str, name: str) -> _T:
         try:
@@ -259,17 +260,16 @@ class ObjectStorage:
         except (ValueError, NotImplementedError) as e:
             raise self._error(action, name, e) from e
 
-    def _check_bucket(self) -> None:
-        """Raises StorageError unless the bucket answers a (one-key) listing.
+    def _check_bucket(self, action: str, name: str) -> None:
+        """Raises StorageError about ``action`` on ``name`` unless the bucket exists.
 
         GCS and S3 report a missing bucket on reads and deletes as a missing
-        object, so those calls check the bucket once per storage object.
+        object, so those calls list one key once per storage object.
         """
         if self._bucket_checked:
             return
-        name = self._name(f"{_PROBE_PREFIX}bucket-check")
-        key_range = ts.KvStore.KeyRange(name, name + "\0")
-        self._wait(self._kv.list(key_range), "list", name)
+        probe = self._name(f"{_PROBE_PREFIX}bucket-check")
+        self._wait(self._kv.list(ts.KvStore.KeyRange(probe, probe + "\0")), action, name)
         self._bucket_checked = True
 
     # -- Storage protocol --------------------------------------------------
@@ -278,7 +278,7 @@ class ObjectStorage:
         name = self._name(key)
         result = self._wait(self._kv.read(name), "read", name)
         if result.state != "value":
-            self._check_bucket()
+            self._check_bucket("read", name)
             return None
         return bytes(result.value)
 
@@ -287,7 +287,7 @@ class ObjectStorage:
         if not exclusive:
             self._wait(self._kv.write(name, bytes(data)), "write", name)
             return
-        if self.conditional_writes_enforced:
+        if self._conditions_enforced(name):
             self._create(name, bytes(data))
         else:
             self._create_fallback(name, bytes(data))
@@ -301,7 +301,7 @@ class ObjectStorage:
             if self._wait(self._kv.read(name), "read", name).state == "value":
                 raise PreconditionFailed(f"{self._scheme}://{self._bucket}/{name}")
             self._bucket_checked = False
-            self._check_bucket()
+            self._check_bucket("write", name)
             # The key was deleted between the write and the read: try again.
         raise StorageError(
             errno.EAGAIN,
@@ -327,21 +327,26 @@ class ObjectStorage:
         detects servers that ignore the condition altogether; it cannot tell an
         atomic check from TensorStore's HEAD-then-PUT on S3-compatible servers.
         """
+        return self._conditions_enforced(self._name(f"{_PROBE_PREFIX}conditions"))
+
+    def _conditions_enforced(self, for_name: str) -> bool:
         with self._probe_lock:
             if self._enforced is None:
-                self._enforced = self._probe_conditions()
+                self._enforced = self._probe_conditions(for_name)
             return self._enforced
 
-    def _probe_conditions(self) -> bool:
+    def _probe_conditions(self, for_name: str) -> bool:
+        """Measures condition support; errors name ``for_name``, the caller's key."""
         name = self._name(f"{_PROBE_PREFIX}{uuid.uuid4().hex}")
+        write = self._kv.write(name, b"1", if_equal=self._if_absent)
+        if not self._wait(write, "write", for_name).generation:
+            self._check_bucket("write", for_name)
+            return True
         try:
-            first = self._wait(self._kv.write(name, b"1", if_equal=self._if_absent), "write", name)
-            if not first.generation:
-                self._check_bucket()
-                return True
-            second = self._wait(self._kv.write(name, b"2", if_equal=self._if_absent), "write", name)
+            write = self._kv.write(name, b"2", if_equal=self._if_absent)
+            second = self._wait(write, "write", for_name)
         finally:
-            self._wait(self._kv.write(name, None), "delete", name)
+            self._wait(self._kv.write(name, None), "write", for_name)
         enforced = not second.generation
         if not enforced:
             _log.warning(
@@ -354,7 +359,7 @@ class ObjectStorage:
     def delete(self, key: str) -> None:
         name = self._name(key)
         self._wait(self._kv.write(name, None), "delete", name)
-        self._check_bucket()
+        self._check_bucket("delete", name)
 
     def _list_names(self, directory: str) -> list[str]:
         if directory:

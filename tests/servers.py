@@ -1,0 +1,323 @@
+"""Loopback object-store servers for tests, and a helper to corrupt stored objects.
+
+``conftest.py`` calls :func:`isolate_cloud_env` at import time and starts the
+servers once per session through fixtures; test modules import this module as
+``servers`` (conftest puts ``tests/`` on ``sys.path``).
+
+* S3: ``moto_server`` from the virtual environment.
+* GCS: ``gcp-storage-emulator``, started through this file (``python servers.py
+  gcs-emulator HOST PORT``) so that three gaps in it can be patched to behave as
+  real GCS does; see :func:`_run_gcs_emulator`.
+
+Everything listens on 127.0.0.1, and the environment keeps every credential
+lookup (AWS instance metadata, GCE metadata, gcloud files) off the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+BUCKET = "jaxckpt-test"
+CLOSED_PORT = "127.0.0.1:9"  # the discard port: nothing listens there on CI machines
+
+# Set for the whole test session (and inherited by the servers).
+CLOUD_TEST_ENV = {
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_ACCESS_KEY_ID": "AKIAIOSFODNN7EXAMPLE",
+    "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "GCE_METADATA_ROOT": CLOSED_PORT,
+    "GCE_METADATA_HOST": CLOSED_PORT,
+    "GCE_METADATA_IP": CLOSED_PORT,
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+}
+# Removed for the session: a developer's real credentials or endpoints.
+SCRUBBED_ENV = (
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_REGION",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+    "STORAGE_EMULATOR_HOST",
+    "TENSORSTORE_GCS_HTTP_URL",
+)
+
+
+def isolate_cloud_env(environ: MutableMapping[str, str], scratch_dir: str) -> None:
+    """Points every cloud credential lookup at loopback or nowhere.
+
+    ``CLOUDSDK_CONFIG`` names a directory that does not exist, so neither
+    google-auth nor TensorStore finds gcloud application-default credentials;
+    with no credentials, TensorStore's GCS driver probes ``GCE_METADATA_ROOT``
+    (a closed loopback port) and then sends unauthenticated requests, and
+    google-cloud-storage uses anonymous credentials when
+    ``STORAGE_EMULATOR_HOST`` is set.
+    """
+    for name in SCRUBBED_ENV:
+        environ.pop(name, None)
+    environ.update(CLOUD_TEST_ENV)
+    environ["CLOUDSDK_CONFIG"] = os.path.join(scratch_dir, f"no-gcloud-config-{uuid.uuid4().hex}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass
+class Server:
+    """A server subprocess with one bucket created in it."""
+
+    name: str
+    endpoint: str
+    bucket: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def log_tail(self, n: int = 2000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+
+def _spawn(name: str, argv: list[str], probe_path: str, log_dir: Path, port: int) -> Server:
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(name, f"http://127.0.0.1:{port}", BUCKET, process, log_path)
+    deadline = time.monotonic() + 30
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(server.endpoint + probe_path, timeout=2):
+                return server
+        except urllib.error.HTTPError:
+            return server  # it answers; an error status is still an answer
+        except OSError:
+            if time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"{name} did not answer in 30 s:\n{server.log_tail()}") from None
+            time.sleep(0.05)
+
+
+def start_moto(log_dir: Path) -> Server:
+    """Starts ``moto_server`` on a free loopback port with bucket :data:`BUCKET`."""
+    port = free_port()
+    binary = str(Path(sys.executable).parent / "moto_server")
+    server = _spawn("moto", [binary, "-H", "127.0.0.1", "-p", str(port)], "/", log_dir, port)
+    try:
+        s3_client(server.endpoint).create_bucket(Bucket=server.bucket)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_gcs_emulator(log_dir: Path, *, patched: bool = True) -> Server:
+    """Starts the GCS emulator on a free loopback port with bucket :data:`BUCKET`.
+
+    Args:
+      log_dir: where the server's log goes.
+      patched: run it with the fixes of :func:`_run_gcs_emulator`; False runs
+        ``gcp-storage-emulator start`` as released.
+    """
+    port = free_port()
+    if patched:
+        argv = [sys.executable, __file__, "gcs-emulator", "127.0.0.1", str(port)]
+    else:
+        binary = str(Path(sys.executable).parent / "gcp-storage-emulator")
+        argv = [binary, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"]
+    server = _spawn("gcs-emulator", argv, "/storage/v1/b?project=test", log_dir, port)
+    try:
+        request = urllib.request.Request(
+            f"{server.endpoint}/storage/v1/b?project=test",
+            data=json.dumps({"name": server.bucket}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def s3_client(endpoint: str | None = None) -> Any:
+    """A boto3 S3 client for ``endpoint`` (default: ``AWS_ENDPOINT_URL_S3``)."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint or os.environ["AWS_ENDPOINT_URL_S3"],
+        region_name=os.environ.get("AWS_DEFAULT_REGION", "us-east-1"),
+    )
+
+
+def gcs_client() -> Any:
+    """A google-cloud-storage client for the emulator named by ``STORAGE_EMULATOR_HOST``."""
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    return storage.Client(project="test", credentials=AnonymousCredentials())
+
+
+def corrupt_object(uri: str, offset: int | None = None) -> int:
+    """Flips all bits of one byte of a stored object, through the store's own API.
+
+    Works on any backend the test fixtures provide: a local path or
+    ``file://`` URI, ``s3://bucket/key`` (boto3 against ``AWS_ENDPOINT_URL_S3``)
+    and ``gs://bucket/key`` (google-cloud-storage against
+    ``STORAGE_EMULATOR_HOST``).
+
+    Args:
+      uri: the object, e.g. ``storage.uri + "/step_1/params/c/0/0"``.
+      offset: the byte to flip; default the middle byte.
+
+    Returns:
+      The offset of the flipped byte.
+    """
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme == "file":
+        path = Path(rest if sep else uri)
+        data = bytearray(path.read_bytes())
+        offset = _flip(data, offset, uri)
+        path.write_bytes(bytes(data))
+        return offset
+    bucket, _, key = rest.partition("/")
+    if scheme == "s3":
+        client = s3_client()
+        data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+        offset = _flip(data, offset, uri)
+        client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+        return offset
+    if scheme == "gs":
+        blob = gcs_client().bucket(bucket).blob(key)
+        data = bytearray(blob.download_as_bytes())
+        offset = _flip(data, offset, uri)
+        blob.upload_from_string(bytes(data))
+        return offset
+    raise ValueError(f"cannot corrupt {uri!r}: unknown scheme")
+
+
+def _flip(data: bytearray, offset: int | None, uri: str) -> int:
+    if not data:
+        raise ValueError(f"cannot corrupt {uri}: the object is empty")
+    offset = len(data) // 2 if offset is None else offset
+    data[offset] ^= 0xFF
+    return offset
+
+
+def _run_gcs_emulator(host: str, port: int) -> None:
+    """Runs gcp-storage-emulator (in memory) with three GCS behaviours patched in.
+
+    The emulator, as measured with 2026.7.19, (1) fails a media upload of an
+    empty object (it reads the empty body as None and calls ``len(None)``);
+    (2) ignores ``startOffset``/``endOffset`` when listing, so TensorStore's
+    range listings and ``delete_range`` cover the whole bucket; (3) ignores
+    ``ifGenerationMatch`` on uploads, so create-only writes overwrite. Real
+    GCS does all three, and the code under test relies on them, so they are
+    patched here, as is its listen backlog. The emulator serves one request at a time (a plain
+    ``http.server.HTTPServer``), so the generation check and the upload are
+    atomic with respect to other requests.
+    """
+    import http.server
+    import logging
+    from http import HTTPStatus
+
+    from gcp_storage_emulator import server
+    from gcp_storage_emulator.exceptions import NotFound
+    from gcp_storage_emulator.handlers import objects
+
+    original_insert, original_ls = objects.insert, objects.ls
+    original_media_upload = objects._media_upload
+
+    def media_upload(request: Any, response: Any, storage: Any) -> Any:
+        if request.data is None:
+            request._data = b""
+        return original_media_upload(request, response, storage)
+
+    def insert(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        condition = request.query.get("ifGenerationMatch")
+        if condition:
+            name = request.query.get("name", [None])[0]
+            if name is None and isinstance(request.data, dict):
+                name = request.data.get("meta", {}).get("name")
+            try:
+                obj = storage.get_file_obj(request.params["bucket_name"], name)
+                current = int(obj.get("generation") or 0)
+            except NotFound:
+                current = 0
+            if current != int(condition[0]):
+                response.status = HTTPStatus.PRECONDITION_FAILED
+                response.json(
+                    {
+                        "error": {
+                            "code": 412,
+                            "message": "At least one of the pre-conditions did not hold.",
+                            "errors": [{"reason": "conditionNotMet"}],
+                        }
+                    }
+                )
+                return None
+        return original_insert(request, response, storage, *args, **kwargs)
+
+    def ls(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_ls(request, response, storage, *args, **kwargs)
+        start = request.query.get("startOffset", [""])[0]
+        end = request.query.get("endOffset", [""])[0]
+        if (start or end) and response.status == HTTPStatus.OK and response._content:
+            body = json.loads(response._content)
+            body["items"] = [
+                item
+                for item in body.get("items") or []
+                if item["name"] >= start and (not end or item["name"] < end)
+            ]
+            response.json(body)
+        return result
+
+    objects._media_upload = media_upload
+    objects.insert = insert
+    objects.ls = ls
+    for _, handlers in server.HANDLERS:
+        for method, handler in list(handlers.items()):
+            if handler is original_insert:
+                handlers[method] = insert
+            elif handler is original_ls:
+                handlers[method] = ls
+    # Not a GCS behaviour, but a test-speed one: the default listen backlog of
+    # 5 drops the SYNs of TensorStore's concurrent requests, costing 1 s each.
+    http.server.HTTPServer.request_queue_size = 128
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"patched gcp-storage-emulator on {host}:{port}", flush=True)
+    server.create_server(host, port, in_memory=True).run()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] != "gcs-emulator":
+        sys.exit(f"usage: {sys.argv[0]} gcs-emulator HOST PORT")
+    _run_gcs_emulator(sys.argv[2], int(sys.argv[3]))

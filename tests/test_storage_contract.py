@@ -1,0 +1,265 @@
+"""The Storage contract, run against a local directory, moto (S3) and the GCS emulator."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import servers
+import tensorstore as ts
+
+from jaxckpt import _objectstore
+from jaxckpt._storage import PreconditionFailed, Storage, open_storage
+from jaxckpt.errors import CheckpointError, StorageError
+
+
+@pytest.fixture
+def storage(storage_root: str) -> Storage:
+    return open_storage(storage_root)
+
+
+def test_implements_protocol_and_names_its_root(storage: Storage, storage_root: str) -> None:
+    assert isinstance(storage, Storage)
+    expected = storage_root if "://" in storage_root else os.path.abspath(storage_root)
+    assert storage.uri == expected
+
+
+@pytest.mark.parametrize("size", [0, 1, 5 << 20], ids=["empty", "1B", "5MiB"])
+def test_write_read_round_trip(storage: Storage, size: int) -> None:
+    data = os.urandom(size)
+    storage.write("step_1/manifest.json", data)
+    assert storage.read("step_1/manifest.json") == data
+
+
+def test_read_missing_returns_none(storage: Storage) -> None:
+    assert storage.read("nope") is None
+    assert storage.read("no/such/dir/key") is None
+
+
+def test_plain_write_replaces(storage: Storage) -> None:
+    storage.write("k", b"old")
+    storage.write("k", b"new")
+    assert storage.read("k") == b"new"
+
+
+def test_exclusive_write_creates_once(storage: Storage) -> None:
+    storage.write("step_1/COMMITTED", b"first", exclusive=True)
+    with pytest.raises(PreconditionFailed):
+        storage.write("step_1/COMMITTED", b"second", exclusive=True)
+    assert storage.read("step_1/COMMITTED") == b"first"
+    assert storage.list("") == ["step_1/COMMITTED"]  # nothing else left behind
+
+
+def _race_to_create(hosts: list[Storage], key: str) -> list[bytes]:
+    """Every host writes ``key`` create-only at once; returns the winners' payloads."""
+    barrier = threading.Barrier(len(hosts))
+    won: list[bytes] = []
+
+    def create(host: Storage, payload: bytes) -> None:
+        barrier.wait()
+        try:
+            host.write(key, payload, exclusive=True)
+        except PreconditionFailed:
+            return
+        won.append(payload)
+
+    threads = [
+        threading.Thread(target=create, args=(host, f"host {i}".encode()))
+        for i, host in enumerate(hosts)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return won
+
+
+def test_exclusive_create_race_has_one_winner(storage_root: str) -> None:
+    # Three "hosts", each with its own storage object, race for the same keys.
+    hosts = [open_storage(storage_root) for _ in range(3)]
+    for host in hosts:  # measure outside the race
+        assert getattr(host, "conditional_writes_enforced", True)
+    for round_ in range(5):
+        won = _race_to_create(hosts, f"race/{round_}")
+        assert len(won) == 1, f"round {round_}: winners {won}"
+        assert hosts[0].read(f"race/{round_}") == won[0]
+
+
+def test_delete_is_idempotent(storage: Storage) -> None:
+    storage.write("a/b", b"x")
+    storage.delete("a/b")
+    assert storage.read("a/b") is None
+    storage.delete("a/b")
+    storage.delete("never/existed")
+
+
+def test_delete_prefix_removes_only_that_prefix(storage: Storage) -> None:
+    for key in ["a/x", "a/y/z", "ab/c", "abc", "b/a/x"]:
+        storage.write(key, b"v")
+    storage.delete_prefix("a/")
+    assert storage.list("") == ["ab/c", "abc", "b/a/x"]
+    storage.delete_prefix("missing/")
+
+
+def test_list_is_recursive_sorted_and_relative(storage: Storage) -> None:
+    keys = ["s/2/z", "s/10/a", "s/1/b/c", "t", "s/1/a"]
+    for key in keys:
+        storage.write(key, b"")
+    assert storage.list("") == sorted(keys)
+    assert storage.list("s/") == ["s/1/a", "s/1/b/c", "s/10/a", "s/2/z"]
+    assert storage.list("s/1/") == ["s/1/a", "s/1/b/c"]
+    assert storage.list("s/1") == ["s/1/a", "s/1/b/c"]  # a prefix names a directory
+    assert storage.list("nothing/") == []
+
+
+def test_kvstore_spec_serves_tensorstore_zarr3(storage: Storage) -> None:
+    expected = np.arange(48 * 40, dtype=np.float32).reshape(48, 40)
+    spec = {
+        "driver": "zarr3",
+        "kvstore": storage.kvstore_spec("step_1/params/w/"),
+        "metadata": {
+            "shape": list(expected.shape),
+            "data_type": "float32",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [16, 16]}},
+        },
+    }
+    context = ts.Context(storage.context_spec())
+    ts.open(spec, create=True, context=context).result().write(expected).result()
+    spec.pop("metadata")
+    got = ts.open(spec, open=True, context=ts.Context(storage.context_spec())).result()
+    np.testing.assert_array_equal(got.read().result(), expected)
+    keys = storage.list("step_1/")
+    assert "step_1/params/w/zarr.json" in keys
+    assert len(keys) == 1 + 3 * 3  # metadata + 3x3 chunks
+
+
+def test_corrupt_object_flips_one_byte(storage: Storage) -> None:
+    data = bytes(range(256)) * 4
+    storage.write("step_1/params/c/0/0", data)
+    offset = servers.corrupt_object(f"{storage.uri}/step_1/params/c/0/0")
+    got = storage.read("step_1/params/c/0/0")
+    assert got is not None and len(got) == len(data)
+    assert [i for i in range(len(data)) if got[i] != data[i]] == [offset]
+    assert got[offset] == data[offset] ^ 0xFF
+
+
+# -- object stores only ----------------------------------------------------
+
+
+def _missing_bucket(root: str) -> str:
+    scheme = root.split("://", 1)[0]
+    return f"{scheme}://jaxckpt-missing-{uuid.uuid4().hex[:12]}/run"
+
+
+@pytest.mark.parametrize("operation", ["read", "write", "create", "delete", "list"])
+def test_missing_bucket_raises_storage_error_naming_uri(object_root: str, operation: str) -> None:
+    root = _missing_bucket(object_root)
+    storage = open_storage(root, max_retries=2, initial_delay_s=0.05, max_delay_s=0.1)
+    call = {
+        "read": lambda: storage.read("k"),
+        "write": lambda: storage.write("k", b"x"),
+        "create": lambda: storage.write("k", b"x", exclusive=True),
+        "delete": lambda: storage.delete("k"),
+        "list": lambda: storage.list("steps/"),
+    }[operation]
+    with pytest.raises(StorageError) as info:
+        call()
+    assert isinstance(info.value, CheckpointError) and isinstance(info.value, OSError)
+    assert f"cannot {'write' if operation == 'create' else operation} {root}/" in str(info.value)
+
+
+def test_unreachable_endpoint_fails_in_bounded_time(
+    object_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GCS endpoint is process-wide (TENSORSTORE_GCS_HTTP_URL): restore it afterwards.
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", os.environ.get("TENSORSTORE_GCS_HTTP_URL", ""))
+    dead = f"http://{servers.CLOSED_PORT}"
+    storage = open_storage(object_root, endpoint=dead, max_retries=3, initial_delay_s=0.05)
+    for call in (lambda: storage.write("k", b"x"), lambda: storage.read("k")):
+        start = time.monotonic()
+        with pytest.raises(StorageError) as info:
+            call()
+        assert time.monotonic() - start < 30
+        assert object_root in str(info.value) and dead in str(info.value)
+
+
+def test_default_retries_are_bounded() -> None:
+    options = _objectstore.ObjectStoreOptions()
+    delays = [
+        min(options.initial_delay_s * 2**i, options.max_delay_s) for i in range(options.max_retries)
+    ]
+    assert sum(delays) < 30  # a dead endpoint fails a call in ~16 s (measured), not minutes
+    spec = open_storage("s3://bucket/run").context_spec()
+    assert spec["s3_request_retries"] == {
+        "max_retries": 5,
+        "initial_delay": "500000us",
+        "max_delay": "8000000us",
+    }
+    assert open_storage("gs://bucket/run").context_spec()["gcs_request_concurrency"] == {
+        "limit": 32
+    }
+
+
+def test_server_enforces_conditions(object_root: str) -> None:
+    storage = open_storage(object_root)
+    assert isinstance(storage, _objectstore.ObjectStorage)
+    assert storage.conditional_writes_enforced
+    assert storage.list("") == []  # the probe cleaned up after itself
+
+
+def test_fallback_when_server_ignores_conditions(
+    object_root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = open_storage(object_root)
+    assert isinstance(storage, _objectstore.ObjectStorage)
+    storage._if_absent = b""  # an empty generation means "unconditional"
+    assert not storage.conditional_writes_enforced
+    assert "ignores create-only conditions" in caplog.text
+    storage.write("COMMITTED", b"first", exclusive=True)
+    with pytest.raises(PreconditionFailed):
+        storage.write("COMMITTED", b"second", exclusive=True)
+    assert storage.read("COMMITTED") == b"first"
+    assert storage.list("") == ["COMMITTED"]
+
+
+def test_no_value_generation_means_absent() -> None:
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    absent = _objectstore._no_value_generation()
+    assert store.write("k", b"1", if_equal=absent).result().generation
+    assert not store.write("k", b"2", if_equal=absent).result().generation
+    assert store["k"] == b"1"
+
+
+def test_kvstore_spec_paths() -> None:
+    storage = open_storage("s3://bucket/runs/a/", endpoint="http://127.0.0.1:1", region="eu-west-1")
+    assert storage.uri == "s3://bucket/runs/a"
+    assert storage.kvstore_spec("step_1/") == {
+        "driver": "s3",
+        "bucket": "bucket",
+        "path": "runs/a/step_1/",
+        "endpoint": "http://127.0.0.1:1",
+        "aws_region": "eu-west-1",
+    }
+    assert open_storage("s3://bucket").kvstore_spec("x")["path"] == "x/"
+
+
+@pytest.mark.parametrize(
+    ("uri", "options", "error"),
+    [
+        ("s3://b/p", {"max_retries": 0}, ValueError),
+        ("s3://b/p", {"initial_delay_s": 10.0, "max_delay_s": 1.0}, ValueError),
+        ("s3://b/p", {"endpoint": "127.0.0.1:9000"}, ValueError),
+        ("s3://b/p", {"request_concurrency": True}, ValueError),
+        ("s3://b/p", {"timeout_s": 0}, ValueError),
+        ("s3://b/p", {"retries": 3}, TypeError),
+        ("gs://b/p", {"region": "us-east-1"}, ValueError),
+        ("s3:///p", {}, StorageError),
+    ],
+)
+def test_options_are_validated(uri: str, options: dict[str, object], error: type) -> None:
+    with pytest.raises(error):
+        open_storage(uri, **options)
