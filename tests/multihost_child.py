@@ -1,0 +1,232 @@
+"""One JAX process of a multi-host checkpoint test, on CPU devices with gloo.
+
+Usage::
+
+    python tests/multihost_child.py --coordinator 127.0.0.1:PORT --num-processes P
+        --process-id I --devices D --root ROOT --mode {save,restore,save_and_die}
+        [--mesh AxB] [--spec data,model] [--steps 1,2] [--save-timeout S]
+        [--primary-host H]
+
+The process joins a ``jax.distributed`` group of ``P`` processes with ``D``
+CPU devices each, builds a ``('data', 'model')`` mesh of shape ``AxB`` over
+all ``P*D`` devices, and then:
+
+* ``save``: saves :func:`build_state` for each of ``--steps`` and waits for
+  each commit; the sharded leaves use the save layout of :data:`SAVE_SPECS`.
+* ``restore``: ``restore()`` without a step onto the mesh, with ``--spec``
+  for the sharded leaves (the replicated ones stay replicated); prints the
+  step it got (every process of the group must get the same one) and checks
+  every addressable shard of every array against :func:`expected` for it.
+* ``save_and_die``: commits the first step, then saves the second; one
+  process of the group is started with ``JAXCKPT_PAUSE_AT`` set, which is
+  armed only for that second save, and the test SIGKILLs it while it pauses.
+  The survivors report the ``CheckpointError`` they get and how long it took.
+
+Values are a deterministic function of the leaf, the step and the global
+index, so any process can check any shard. Protocol lines go to stdout:
+``READY``, ``SAVED s``, ``COMMITTED s``, ``RESTORED s``, ``CHECKED n``,
+``FAILED <error class> <seconds>``, ``DONE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+PAUSE_ENV = "JAXCKPT_PAUSE_AT"
+
+# The sharded leaves, their shapes and how the save lays them out on the mesh:
+# x is sharded on 'data' and replicated on 'model'; y is sharded on both; z is
+# sharded on 'model' and replicated on 'data', so its replicas sit on
+# different processes when 'data' spans processes.
+SHARDED: dict[str, tuple[int, ...]] = {"x": (16, 8), "y": (16, 8), "z": (16, 8)}
+SAVE_SPECS = {"x": ("data",), "y": ("data", "model"), "z": ("model",)}
+# Fully replicated jax.Arrays and a host (numpy) array, identical on every process.
+REPLICATED: dict[str, tuple[tuple[int, ...], Any]] = {
+    "rep": ((4, 4), np.float32),
+    "count": ((), np.int32),
+}
+HOST: dict[str, tuple[tuple[int, ...], Any]] = {"host": ((3,), np.int32)}
+VALUES = {"lr": 0.5, "name": "run-7"}
+OFFSETS = {"x": 0, "y": 1, "z": 2, "rep": 3, "count": 4, "host": 5}
+
+
+def expected(name: str, step: int) -> np.ndarray:
+    """The whole global value of array leaf ``name`` at ``step`` (exact in float32)."""
+    shape: tuple[int, ...]
+    dtype: Any
+    if name in SHARDED:
+        shape, dtype = SHARDED[name], np.float32
+    else:
+        shape, dtype = {**REPLICATED, **HOST}[name]
+    base = 100_000 * step + 1_000 * OFFSETS[name]
+    return (np.arange(math.prod(shape)) + base).reshape(shape).astype(dtype)
+
+
+def value_leaves(step: int) -> dict[str, Any]:
+    return {**VALUES, "step": step}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--coordinator", required=True)
+    p.add_argument("--num-processes", type=int, required=True)
+    p.add_argument("--process-id", type=int, required=True)
+    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--mode", choices=("save", "restore", "save_and_die"), required=True)
+    p.add_argument("--mesh", default=None, help="AxB for axes ('data', 'model')")
+    p.add_argument("--spec", default="data", help="PartitionSpec of x, y, z on restore")
+    p.add_argument("--steps", default="1", help="comma-separated steps to save")
+    p.add_argument("--save-timeout", type=float, default=20.0)
+    p.add_argument("--primary-host", type=int, default=0, help="CheckpointOptions.primary_host")
+    p.add_argument("--init-timeout", type=int, default=60)
+    return p.parse_args(argv)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _spec(text: str) -> tuple[str | None, ...]:
+    return tuple(None if s in ("", "None") else s for s in text.split(","))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    ).strip()
+    pause_at = os.environ.pop(PAUSE_ENV, None)  # armed only for the save that must die
+
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=args.init_timeout,
+    )
+    assert jax.process_count() == args.num_processes
+    assert jax.local_device_count() == args.devices, jax.local_devices()
+
+    import jaxckpt
+
+    mesh = _mesh(jax, args.mesh, args.num_processes * args.devices)
+    manager = jaxckpt.CheckpointManager(
+        args.root, save_timeout_s=args.save_timeout, primary_host=args.primary_host
+    )
+    _say("READY")
+    steps = [int(s) for s in args.steps.split(",")]
+    if args.mode == "save":
+        for step in steps:
+            _save(manager, mesh, step)
+    elif args.mode == "restore":
+        _restore(manager, mesh, _spec(args.spec))
+    else:
+        _save(manager, mesh, steps[0])
+        if pause_at is not None:
+            os.environ[PAUSE_ENV] = pause_at
+        start = time.monotonic()
+        try:
+            _save(manager, mesh, steps[1])
+        except jaxckpt.CheckpointError as e:
+            _say(f"FAILED {type(e).__name__} {time.monotonic() - start:.1f}")
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            # A peer is dead: skip the shutdown barriers of Orbax and jax.distributed.
+            os._exit(0)
+        _say(f"UNEXPECTED commit of step {steps[1]}")
+        os._exit(1)
+    manager.close()
+    _say("DONE")
+    return 0
+
+
+def _mesh(jax: Any, text: str | None, n: int) -> Any:
+    a, b = (int(x) for x in text.split("x")) if text else (n, 1)
+    if a * b != n:
+        raise SystemExit(f"--mesh {text} needs {a * b} devices, have {n}")
+    return jax.sharding.Mesh(np.array(jax.devices()).reshape(a, b), ("data", "model"))
+
+
+def _sharding(jax: Any, mesh: Any, spec: tuple[str | None, ...]) -> Any:
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def build_state(mesh: Any, step: int) -> dict[str, Any]:
+    """The state of ``step``: sharded and replicated jax.Arrays, a numpy array, values."""
+    import jax
+
+    def global_array(name: str, spec: tuple[str | None, ...]) -> jax.Array:
+        full = expected(name, step)
+        sharding = _sharding(jax, mesh, spec)
+        return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
+
+    state: dict[str, Any] = {n: global_array(n, SAVE_SPECS[n]) for n in SHARDED}
+    state.update({n: global_array(n, ()) for n in REPLICATED})
+    state.update({n: expected(n, step) for n in HOST})
+    state.update(value_leaves(step))
+    return state
+
+
+def _save(manager: Any, mesh: Any, step: int) -> None:
+    manager.save(step, build_state(mesh, step))
+    _say(f"SAVED {step}")
+    manager.wait()
+    _say(f"COMMITTED {step}")
+
+
+def _restore(manager: Any, mesh: Any, spec: tuple[str | None, ...]) -> None:
+    import jax
+
+    target: dict[str, Any] = {}
+    for name, shape in SHARDED.items():
+        target[name] = jax.ShapeDtypeStruct(shape, np.float32, sharding=_sharding(jax, mesh, spec))
+    for name, (shape, dtype) in REPLICATED.items():
+        target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding(jax, mesh, ()))
+    for name, (shape, dtype) in HOST.items():
+        target[name] = np.zeros(shape, dtype)
+    target.update(value_leaves(0))
+    restored = manager.restore(target=target)
+    step = restored["step"]  # a value leaf: which step this process actually restored
+    _say(f"RESTORED {step}")
+    checked = 0
+    for name in [*SHARDED, *REPLICATED]:
+        checked += _check_array(name, restored[name], target[name].sharding, step)
+    for name in HOST:
+        np.testing.assert_array_equal(restored[name], expected(name, step), err_msg=name)
+        checked += 1
+    if {k: restored[k] for k in VALUES} != VALUES:
+        raise AssertionError(f"values: { ({k: restored[k] for k in VALUES}) } != {VALUES}")
+    _say(f"CHECKED {checked}")
+
+
+def _check_array(name: str, array: Any, sharding: Any, step: int) -> int:
+    """Checks that every addressable shard holds its slice of :func:`expected`."""
+    import jax
+
+    if not isinstance(array, jax.Array) or array.sharding != sharding:
+        raise AssertionError(f"{name}: {type(array).__name__} {getattr(array, 'sharding', None)}")
+    full = expected(name, step)
+    if array.dtype != full.dtype or array.shape != full.shape:
+        raise AssertionError(f"{name}: {array.shape} {array.dtype} != {full.shape} {full.dtype}")
+    shards = array.addressable_shards
+    if {s.device for s in shards} != set(jax.local_devices()):
+        raise AssertionError(f"{name}: shards on {[s.device for s in shards]}")
+    for shard in shards:
+        np.testing.assert_array_equal(
+            np.asarray(shard.data), full[shard.index], err_msg=f"{name} {shard.index}"
+        )
+    return len(shards)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
