@@ -52,3 +52,39 @@ class Agreement:
                 f"within {self._timeout_s:.0f}s: {e}"
             ) from e
         return json.loads(raw)
+
+    def any_true(self, name: str, flag: bool) -> bool:
+        """True on every process when ``flag`` is true on any process.
+
+        Every process must call ``any_true`` in the same order with the same ``name``.
+
+        Raises:
+          CheckpointError: some process did not publish its flag within the timeout.
+        """
+        if jax.process_count() == 1:
+            return flag
+        client = self._client()
+        prefix = f"jaxckpt/{self._namespace}/{name}/{next(self._counter)}/"
+        client.key_value_set(prefix + str(jax.process_index()), "1" if flag else "0")
+        flags = []
+        for p in range(jax.process_count()):
+            try:
+                flags.append(client.blocking_key_value_get(prefix + str(p), self._timeout_ms))
+            except Exception as e:
+                raise CheckpointError(
+                    f"process {jax.process_index()}: no {name!r} flag from process {p} "
+                    f"within {self._timeout_s:.0f}s: {e}"
+                ) from e
+        return "1" in flags
+
+    @property
+    def _timeout_ms(self) -> int:
+        return int(self._timeout_s * 1000)
+
+    def _client(self) -> Any:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            raise CheckpointError("multi-process jaxckpt needs jax.distributed.initialize()")
+        return client

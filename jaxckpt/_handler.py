@@ -51,14 +51,15 @@ class SaveArgs(ocp.args.CheckpointArgs):
 class ZarrHandler(ocp.AsyncCheckpointHandler):
     """Saves a described pytree as zarr v3 arrays, one writer per chunk."""
 
-    def __init__(self, writer: StepWriter) -> None:
+    def __init__(self, writer: StepWriter, *, primary_host: int = 0) -> None:
         self._writer = writer
+        self._primary_host = primary_host
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-write")
         self.last_blocking_s = 0.0
 
     async def async_save(self, directory: epath.Path, args: SaveArgs) -> list[Future[None]]:
         start = time.perf_counter()
-        primary = jax.process_index() == 0
+        primary = jax.process_index() == self._primary_host
         arrays = [
             snapshot_array(leaf, value, primary=primary)
             for leaf, value in zip(args.leaves, args.values, strict=True)
@@ -152,10 +153,18 @@ def step_path_class(writer: StepWriter) -> type[atomicity_types.TemporaryPath]:
 
 
 def make_checkpointer(
-    writer: StepWriter, *, timeout_s: float, on_done: Callable[[], None] | None = None
+    writer: StepWriter,
+    *,
+    timeout_s: float,
+    primary_host: int = 0,
+    on_done: Callable[[], None] | None = None,
 ) -> tuple[ocp.AsyncCheckpointer, ZarrHandler]:
-    """An AsyncCheckpointer wired to jaxckpt's handler and commit protocol."""
-    handler = ZarrHandler(writer)
+    """An AsyncCheckpointer wired to jaxckpt's handler and commit protocol.
+
+    ``primary_host`` creates and commits each step (Orbax's primary host) and
+    writes the numpy leaves, as it writes the tree record in the manager.
+    """
+    handler = ZarrHandler(writer, primary_host=primary_host)
     checkpointer = ocp.AsyncCheckpointer(
         handler,
         timeout_secs=max(1, int(timeout_s)),
@@ -167,5 +176,6 @@ def make_checkpointer(
         file_options=ocp.options.FileOptions(skip_sync_file_validations=True),
         checkpoint_metadata_store=NoopMetadataStore(),
         temporary_path_class=step_path_class(writer),
+        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=primary_host),
     )
     return checkpointer, handler

@@ -245,7 +245,9 @@ class CheckpointManager:
     def _ensure_checkpointer(self) -> tuple[Any, _handler.ZarrHandler]:
         if self._checkpointer is None:
             self._checkpointer, self._handler = _handler.make_checkpointer(
-                _Writer(self), timeout_s=self.options.save_timeout_s
+                _Writer(self),
+                timeout_s=self.options.save_timeout_s,
+                primary_host=self.options.primary_host,
             )
         assert self._handler is not None
         return self._checkpointer, self._handler
@@ -313,14 +315,23 @@ class CheckpointManager:
         if not candidates:
             raise StepNotFoundError(f"no committed steps under {self.root}")
         for i, s in enumerate(candidates):
+            # Each process reads only its own regions, so one may find a corrupt
+            # chunk that the others never read: all fall back together, or none.
             try:
-                return self._restore_step(s, target)
+                restored, error = self._restore_step(s, target), None
             except CorruptCheckpointError as e:
-                if not self.options.fallback_on_corrupt or i == len(candidates) - 1:
-                    raise
-                log.warning(
-                    "step %d is corrupt (%s); falling back to step %d", s, e, candidates[i + 1]
+                restored, error = None, e
+            if not self._agreement.any_true("restore-corrupt", error is not None):
+                return restored
+            if error is None:
+                error = CorruptCheckpointError(
+                    f"step {s} under {self.root} is corrupt in a region another process read"
                 )
+            if not self.options.fallback_on_corrupt or i == len(candidates) - 1:
+                raise error
+            log.warning(
+                "step %d is corrupt (%s); falling back to step %d", s, error, candidates[i + 1]
+            )
         raise AssertionError("unreachable")
 
     def _restore_step(self, step: int, target: Any) -> Any:

@@ -200,7 +200,8 @@ def open_storage(root: str | os.PathLike[str], **kwargs: Any) -> Storage:
     Args:
       root: a local path, ``file://`` URI, ``gs://bucket/prefix`` or
         ``s3://bucket/prefix``.
-      **kwargs: backend options (see :class:`jaxckpt.StorageOptions`).
+      **kwargs: backend options: ``io_concurrency`` for local roots; ``endpoint``,
+        ``region``, ``max_retries``, ... for object stores (see ``_objectstore.py``).
 
     Raises:
       StorageError: the URI scheme is not supported.

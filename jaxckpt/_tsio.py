@@ -96,14 +96,31 @@ def _chunk_key(chunk: Region, chunk_shape: Sequence[int]) -> str:
     return "c/" + "/".join(str(lo // c) for (lo, _), c in zip(chunk, chunk_shape, strict=True))
 
 
+TRAILER_BYTES = 4  # the crc32c codec appends CRC32C(raw), little-endian
+
+
 def _stored_digest(data: np.ndarray) -> tuple[int, int]:
-    """Size and CRC32C of the stored chunk object: raw bytes + crc32c trailer."""
+    """Size of the stored chunk object and CRC32C of its raw bytes (the trailer's value).
+
+    Not the CRC32C of the whole object: the CRC32C of any ``raw || crc32c(raw)``
+    is the constant residue 0x48674BC7, so it would not identify the content.
+    """
     if sys.byteorder != "little":
         data = data.astype(data.dtype.newbyteorder("<"))
     raw = np.require(data, requirements="C").reshape(-1).view(np.uint8)
-    crc = _crc32c.crc32c(raw.data)
-    stored = _crc32c.crc32c(crc.to_bytes(4, "little"), crc)
-    return raw.nbytes + 4, int(stored)
+    return raw.nbytes + TRAILER_BYTES, int(_crc32c.crc32c(raw.data))
+
+
+def chunk_problem(stored: bytes, record: ChunkRecord) -> str | None:
+    """Why a stored chunk object does not match its manifest record, or None."""
+    if len(stored) != record.size:
+        return f"size {len(stored)} != recorded {record.size}"
+    raw, trailer = stored[:-TRAILER_BYTES], stored[-TRAILER_BYTES:]
+    if int(_crc32c.crc32c(raw)) != record.crc32c:
+        return "checksum mismatch"
+    if trailer != record.crc32c.to_bytes(TRAILER_BYTES, "little"):
+        return "checksum trailer mismatch"
+    return None
 
 
 class ArrayWriter:
@@ -144,6 +161,7 @@ class ArrayWriter:
         records: dict[str, tuple[ChunkRecord, ...]] = {}
         inflight: deque[tuple[Any, int]] = deque()
         pending_bytes = 0
+        first = True
         for host in arrays:
             leaf = host.leaf
             assert leaf.name is not None
@@ -161,7 +179,8 @@ class ArrayWriter:
                     size, crc = _stored_digest(piece)
                     key = _chunk_key(chunk, leaf.chunk_shape)
                     chunk_records.append(ChunkRecord(key=key, size=size, crc32c=crc))
-                    if not inflight and not records and not chunk_records:
+                    if first:  # this process's first chunk, whichever array it is in
+                        first = False
                         fut.result()
                         reached("data_started", step)
                     inflight.append((fut, piece.nbytes))
@@ -226,9 +245,4 @@ def check_chunks(
             yield chunk, "missing", 0
             continue
         data = result.value
-        if len(data) != chunk.size:
-            yield chunk, f"size {len(data)} != recorded {chunk.size}", len(data)
-        elif int(_crc32c.crc32c(data)) != chunk.crc32c:
-            yield chunk, "checksum mismatch", len(data)
-        else:
-            yield chunk, None, len(data)
+        yield chunk, chunk_problem(data, chunk), len(data)

@@ -29,7 +29,9 @@ def test_every_10_steps_keep_last_3_and_milestones_over_20000_steps(tmp_path: pa
     mgr.close()
     assert saved == 2000
     # The storage itself, not only steps(): markers and step data of exactly these steps.
-    markers = sorted(int(n.removesuffix(".json")) for n in os.listdir(os.path.join(root, "commits")))
+    markers = sorted(
+        int(n.removesuffix(".json")) for n in os.listdir(os.path.join(root, "commits"))
+    )
     data = sorted(int(n) for n in os.listdir(os.path.join(root, "steps")))
     assert markers == EXPECTED and data == EXPECTED
     assert not os.listdir(os.path.join(root, "pending"))
