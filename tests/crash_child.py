@@ -1,0 +1,155 @@
+"""A checkpoint writer for the crash tests: saves deterministic states until it is killed.
+
+Usage::
+
+    python tests/crash_child.py ROOT --start N --steps K --mb M [--seed S]
+        [--delete STEP] [--arm save:STEP | --arm delete:STEP] [--no-gc]
+        [--storage-options JSON]
+
+It opens ``jaxckpt.CheckpointManager(ROOT)`` and saves steps ``N .. N+K-1``,
+printing ``SAVED s`` to stdout once ``save()`` returns and ``COMMITTED s``
+once ``wait()`` returns (the next state is computed in between, while the save
+is written in the background); with ``--delete`` it then deletes that step and
+prints ``DELETED s``. Step ``s`` holds :func:`host_state` ``(seed, s, mb)``,
+so the parent can recompute exactly what a step must contain.
+
+``JAXCKPT_PAUSE_AT`` (see ``jaxckpt/_phases.py``) pauses at the first save or
+delete that reaches the phase. ``--arm OP:STEP`` narrows that to one
+operation: the variable is removed at start-up and put back just before that
+save or delete, so a single process can commit a few steps and then pause in
+a later one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+CHUNK_BYTES = 1 << 20  # 1 MiB chunks, so the large leaves have many chunks
+PAUSE_ENV = "JAXCKPT_PAUSE_AT"
+
+
+def host_state(seed: int, step: int, mb: float) -> dict[str, Any]:
+    """The state saved as ``step``: numpy arrays and Python values, about ``mb`` MiB.
+
+    Leaves: a multi-chunk float32 matrix, a bfloat16 embedding, int32/int64
+    and bool arrays, float32 with NaN/inf/-0.0 bit patterns, a 0-d counter,
+    and Python int/float/str/None values.
+    """
+    import ml_dtypes
+
+    rng = np.random.default_rng([seed, step])
+    total = max(int(mb * (1 << 20)), 1 << 16)
+    cols = 256
+    w_rows = max(2, total // 2 // (4 * cols) // 2 * 2)  # even, so it splits over 2 devices
+    emb_rows = max(1, total // 4 // (2 * 128))
+    n_mu = max(8, total // 8 // 4)
+    n_ids = max(1, total // 8 // 8)
+    mu = rng.standard_normal(n_mu, dtype=np.float32)
+    mu[:4] = [np.nan, np.inf, -np.inf, -0.0]
+    return {
+        "params": {
+            "w": rng.standard_normal((w_rows, cols), dtype=np.float32),
+            "emb": rng.standard_normal((emb_rows, 128), dtype=np.float32).astype(
+                ml_dtypes.bfloat16
+            ),
+            "bias": rng.integers(-(2**31), 2**31 - 1, size=(3, 5), dtype=np.int32),
+        },
+        "opt": {
+            "mu": mu,
+            "count": np.asarray(step, dtype=np.int32),
+            "mask": rng.random(1000) < 0.5,
+        },
+        "ids": rng.integers(-(2**62), 2**62, size=n_ids, dtype=np.int64),
+        "step": step,
+        "lr": float(rng.random()),
+        "name": f"run-{seed}",
+        "none": None,
+    }
+
+
+def device_state(seed: int, step: int, mb: float) -> dict[str, Any]:
+    """:func:`host_state` with some leaves as ``jax.Array``; ``w`` sharded over the devices."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    state = host_state(seed, step, mb)
+    devices = jax.local_devices()
+    if len(devices) > 1 and state["params"]["w"].shape[0] % len(devices) == 0:
+        mesh = Mesh(np.array(devices), ("d",))
+        sharding = NamedSharding(mesh, PartitionSpec("d", None))
+        state["params"]["w"] = jax.device_put(state["params"]["w"], sharding)
+    else:
+        state["params"]["w"] = jax.device_put(state["params"]["w"])
+    state["params"]["emb"] = jax.device_put(state["params"]["emb"])
+    state["opt"]["count"] = jax.device_put(state["opt"]["count"])
+    return state
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Saves deterministic states until killed.")
+    p.add_argument("root")
+    p.add_argument("--start", type=int, default=1)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--mb", type=float, default=4.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--delete", type=int, default=None, help="delete this step after saving")
+    p.add_argument("--arm", default=None, help="save:STEP or delete:STEP")
+    p.add_argument("--no-gc", action="store_true", help="open with gc_on_open=False")
+    p.add_argument("--storage-options", default="{}", help="JSON object")
+    args = p.parse_args(argv)
+    if args.arm is not None:
+        op, _, step = args.arm.partition(":")
+        if op not in ("save", "delete") or not step.isdigit():
+            p.error(f"--arm takes save:STEP or delete:STEP, got {args.arm!r}")
+        args.arm = (op, int(step))
+    return args
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    pause_at = os.environ.pop(PAUSE_ENV, None) if args.arm is not None else None
+
+    def arm(op: str, step: int) -> None:
+        if pause_at is not None and args.arm == (op, step):
+            os.environ[PAUSE_ENV] = pause_at
+
+    import jaxckpt
+
+    manager = jaxckpt.CheckpointManager(
+        args.root,
+        chunk_bytes=CHUNK_BYTES,
+        gc_on_open=not args.no_gc,
+        storage_options=json.loads(args.storage_options),
+    )
+    _say("OPENED")
+    stop = args.start + args.steps
+    state = device_state(args.seed, args.start, args.mb) if args.steps > 0 else None
+    for step in range(args.start, stop):
+        arm("save", step)
+        manager.save(step, state)
+        _say(f"SAVED {step}")
+        # Like a training loop, compute the next state while this one is written.
+        state = device_state(args.seed, step + 1, args.mb) if step + 1 < stop else None
+        manager.wait()
+        _say(f"COMMITTED {step}")
+    if args.delete is not None:
+        arm("delete", args.delete)
+        manager.delete(args.delete)
+        _say(f"DELETED {args.delete}")
+    manager.close()
+    _say("DONE")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
