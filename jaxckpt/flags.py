@@ -1,0 +1,256 @@
+"""Opt-in absl flags for the checkpoint manager.
+
+Nothing is defined at import: call :func:`define_flags` before parsing, then build the
+manager with :func:`manager_from_flags` (or the options with :func:`options_from_flags`).
+absl is imported only by these functions, so the rest of jaxckpt never depends on it.
+
+>>> from absl import flags
+>>> fv = flags.FlagValues()
+>>> define_flags(fv)
+>>> _ = fv(["train", "--checkpoint_root=/tmp/run", "--checkpoint_every_steps=500",
+...         "--checkpoint_keep_last=3", "--checkpoint_keep_milestones=1,2,5"])
+>>> opts = options_from_flags(fv)
+>>> opts.save_policy
+AnySave(policies=(EveryNSteps(n=500), OnPreemption()))
+>>> opts.retention
+AnyKeep(policies=(KeepLast(k=3), KeepMilestones(series=(1, 2, 5))))
+
+Flags (all prefixed ``checkpoint_``):
+
+* ``--checkpoint_root``: where checkpoints go (a path, ``gs://`` or ``s3://``).
+* ``--checkpoint_every_steps`` / ``--checkpoint_every_seconds``: periodic saves.
+* ``--checkpoint_mtbf_hours``: save at Daly's optimal interval for this MTBF
+  (:class:`jaxckpt.policy.Adaptive`), capped by ``--checkpoint_max_overhead``.
+* ``--checkpoint_on_preemption``: save at the next step after SIGTERM (default on).
+* ``--checkpoint_keep_last``, ``--checkpoint_keep_milestones``, ``--checkpoint_keep_every``:
+  retention; unset keeps every step.
+* ``--checkpoint_async``: when off, ``save`` returns only once the step is committed.
+* ``--checkpoint_timeout_seconds``: a save must commit within this.
+
+With no interval flag, every ``save`` call saves. The save policies combine with ``|``: a
+step is saved when any of them says so.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from absl import flags as absl_flags
+
+    from jaxckpt._manager import CheckpointManager
+    from jaxckpt._options import CheckpointOptions
+    from jaxckpt.policy import RetentionPolicy, SavePolicy
+
+__all__ = [
+    "FLAG_NAMES",
+    "define_flags",
+    "manager_from_flags",
+    "options_from_flags",
+    "retention_from_flags",
+    "save_policy_from_flags",
+]
+
+FLAG_NAMES = (
+    "checkpoint_root",
+    "checkpoint_every_steps",
+    "checkpoint_every_seconds",
+    "checkpoint_mtbf_hours",
+    "checkpoint_max_overhead",
+    "checkpoint_on_preemption",
+    "checkpoint_keep_last",
+    "checkpoint_keep_milestones",
+    "checkpoint_keep_every",
+    "checkpoint_async",
+    "checkpoint_timeout_seconds",
+)
+
+
+def _default_flag_values() -> absl_flags.FlagValues:
+    from absl import flags
+
+    return flags.FLAGS
+
+
+def define_flags(flag_values: absl_flags.FlagValues | None = None) -> None:
+    """Defines the ``checkpoint_*`` flags in ``flag_values`` (default ``absl.flags.FLAGS``).
+
+    Calling it again on the same ``flag_values`` does nothing, so a library and its
+    script may both call it.
+    """
+    from absl import flags
+
+    fv = flag_values if flag_values is not None else flags.FLAGS
+    if "checkpoint_root" in fv:
+        return
+    module = "jaxckpt.flags"
+    kw: dict[str, Any] = {"flag_values": fv, "module_name": module}
+    flags.DEFINE_string(
+        "checkpoint_root", None, "Checkpoint root: a directory, gs://bucket/path or s3://...", **kw
+    )
+    flags.DEFINE_integer(
+        "checkpoint_every_steps",
+        None,
+        "Save at steps that are multiples of N.",
+        lower_bound=1,
+        **kw,
+    )
+    flags.DEFINE_float(
+        "checkpoint_every_seconds", None, "Save when this many seconds passed.", lower_bound=0, **kw
+    )
+    flags.DEFINE_float(
+        "checkpoint_mtbf_hours",
+        None,
+        "Mean time between failures of the job: save at Daly's optimal interval.",
+        lower_bound=0,
+        **kw,
+    )
+    flags.DEFINE_float(
+        "checkpoint_max_overhead",
+        0.02,
+        "With --checkpoint_mtbf_hours: at most this fraction of time blocked on saves.",
+        lower_bound=0,
+        upper_bound=1,
+        **kw,
+    )
+    flags.DEFINE_bool(
+        "checkpoint_on_preemption",
+        True,
+        "Save at the next step after SIGTERM/SIGINT (see CheckpointManager.preempted).",
+        **kw,
+    )
+    flags.DEFINE_integer(
+        "checkpoint_keep_last", None, "Keep the N newest steps.", lower_bound=1, **kw
+    )
+    flags.DEFINE_list(
+        "checkpoint_keep_milestones",
+        [],
+        "Keep a logarithmic trail of steps s*10^j for these s, e.g. 1,2,5.",
+        **kw,
+    )
+    flags.DEFINE_integer(
+        "checkpoint_keep_every", None, "Keep steps that are multiples of N.", lower_bound=1, **kw
+    )
+    flags.DEFINE_bool(
+        "checkpoint_async",
+        True,
+        "Write checkpoints in the background; off: save() returns once the step is committed.",
+        **kw,
+    )
+    flags.DEFINE_float(
+        "checkpoint_timeout_seconds", 600.0, "A save must commit within this.", lower_bound=0, **kw
+    )
+
+
+def _fv(flag_values: absl_flags.FlagValues | None) -> absl_flags.FlagValues:
+    return flag_values if flag_values is not None else _default_flag_values()
+
+
+def save_policy_from_flags(flag_values: absl_flags.FlagValues | None = None) -> SavePolicy | None:
+    """The save policy the flags describe; None (save on every call) when no interval is set."""
+    from jaxckpt import policy
+
+    fv = _fv(flag_values)
+    parts: list[SavePolicy] = []
+    if fv.checkpoint_every_steps is not None:
+        parts.append(policy.EveryNSteps(fv.checkpoint_every_steps))
+    if fv.checkpoint_every_seconds is not None:
+        parts.append(policy.EveryNSeconds(fv.checkpoint_every_seconds))
+    if fv.checkpoint_mtbf_hours is not None:
+        parts.append(
+            policy.Adaptive(fv.checkpoint_mtbf_hours, max_overhead=fv.checkpoint_max_overhead)
+        )
+    if not parts:
+        return None
+    if fv.checkpoint_on_preemption:
+        parts.append(policy.OnPreemption())
+    return parts[0] if len(parts) == 1 else policy.AnySave(policies=tuple(parts))
+
+
+def retention_from_flags(
+    flag_values: absl_flags.FlagValues | None = None,
+) -> RetentionPolicy | None:
+    """The retention policy the flags describe; None (keep everything) when none is set.
+
+    Raises:
+      ValueError: ``--checkpoint_keep_milestones`` is not a list of positive integers.
+    """
+    from jaxckpt import policy
+
+    fv = _fv(flag_values)
+    parts: list[RetentionPolicy] = []
+    if fv.checkpoint_keep_last is not None:
+        parts.append(policy.KeepLast(fv.checkpoint_keep_last))
+    if fv.checkpoint_keep_milestones:
+        try:
+            series = [int(s) for s in fv.checkpoint_keep_milestones]
+        except ValueError:
+            raise ValueError(
+                "--checkpoint_keep_milestones must be integers such as 1,2,5, got "
+                f"{','.join(fv.checkpoint_keep_milestones)!r}"
+            ) from None
+        parts.append(policy.KeepMilestones(series))
+    if fv.checkpoint_keep_every is not None:
+        parts.append(policy.KeepEvery(fv.checkpoint_keep_every))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else policy.AnyKeep(policies=tuple(parts))
+
+
+def options_from_flags(
+    flag_values: absl_flags.FlagValues | None = None, **overrides: Any
+) -> CheckpointOptions:
+    """A :class:`jaxckpt.CheckpointOptions` from the parsed flags.
+
+    ``--checkpoint_root`` and ``--checkpoint_async`` are not options; see
+    :func:`manager_from_flags`. ``overrides`` replace fields (e.g. ``storage_options``).
+    """
+    from jaxckpt._options import CheckpointOptions
+
+    fv = _fv(flag_values)
+    fields: dict[str, Any] = {
+        "save_policy": save_policy_from_flags(fv),
+        "retention": retention_from_flags(fv),
+        "save_timeout_s": fv.checkpoint_timeout_seconds,
+    }
+    fields.update(overrides)
+    return CheckpointOptions(**fields)
+
+
+def manager_from_flags(
+    flag_values: absl_flags.FlagValues | None = None, **overrides: Any
+) -> CheckpointManager:
+    """Opens the manager of ``--checkpoint_root`` with the options the flags describe.
+
+    With ``--nocheckpoint_async`` the returned manager's ``save`` waits until the step is
+    committed before returning (a :class:`CheckpointManager` subclass).
+
+    Raises:
+      ValueError: ``--checkpoint_root`` is not set.
+    """
+    fv = _fv(flag_values)
+    if not fv.checkpoint_root:
+        raise ValueError("--checkpoint_root is required")
+    options = options_from_flags(fv, **overrides)
+    if fv.checkpoint_async:
+        from jaxckpt._manager import CheckpointManager
+
+        return CheckpointManager(fv.checkpoint_root, options)
+    return _sync_manager_class()(fv.checkpoint_root, options)
+
+
+@functools.cache
+def _sync_manager_class() -> type[CheckpointManager]:
+    from jaxckpt._manager import CheckpointManager
+
+    class SyncCheckpointManager(CheckpointManager):
+        """A manager whose ``save`` returns only once the step is committed."""
+
+        def save(self, step: int, state: Any, **kwargs: Any) -> bool:
+            started = super().save(step, state, **kwargs)
+            if started:
+                self.wait()
+            return started
+
+    return SyncCheckpointManager
