@@ -1,0 +1,164 @@
+"""scripts/train.py resumes exactly after SIGKILL, and saves then exits 0 on SIGTERM.
+
+Each test runs the real training script in fresh processes on two CPU devices (the
+parameters are sharded over them). The processes share a JAX compilation cache, so only
+the first ones compile.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jaxckpt
+
+TRAIN = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+STEPS = 30
+TINY = [
+    "--batch_size=4",
+    "--seq_len=16",
+    "--d_model=32",
+    "--num_heads=2",
+    "--num_layers=2",
+    "--log_every=5",
+    "--checkpoint_every_steps=5",
+    "--checkpoint_keep_last=2",
+    "--simulated_step_seconds=0.05",  # so that a kill lands mid-run
+]
+TIMEOUT_S = 120.0
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Run:
+    """``scripts/train.py`` in a child process, its log lines collected as they come."""
+
+    def __init__(self, root: Path, cache: Path, *extra: str) -> None:
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_PLATFORMS": "cpu",
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(TRAIN),
+                f"--checkpoint_root={root}",
+                f"--compilation_cache={cache}",
+                *TINY,
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        """The first new log line matching ``pattern``."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=deadline - time.monotonic())
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            if m := re.search(pattern, line):
+                return m
+        self.proc.kill()
+        raise AssertionError(f"no line matching {pattern!r}; log:\n{self.log()}")
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"did not exit; log:\n{self.log()}") from None
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("jax-cache")
+
+
+def _final(root: Path, step: int = STEPS) -> dict:
+    return jaxckpt.CheckpointManager(root, read_only=True).restore(step)
+
+
+def _bits(tree: dict) -> dict[str, bytes]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        a = np.asarray(leaf)
+        out[jax.tree_util.keystr(path)] = a.dtype.str.encode() + str(a.shape).encode() + a.tobytes()
+    return out
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path, cache):
+    straight = Run(tmp_path / "straight", cache, f"--steps={STEPS}")
+    killed = Run(tmp_path / "resumed", cache, f"--steps={STEPS}")
+    committed = int(killed.wait_for(r"checkpoint: step (10|15) committed").group(1))
+    killed.proc.send_signal(signal.SIGKILL)
+    assert killed.finish() == -signal.SIGKILL
+    latest = jaxckpt.CheckpointManager(tmp_path / "resumed", read_only=True).latest_step()
+    assert latest is not None and committed <= latest < STEPS, killed.log()
+
+    resumed = Run(tmp_path / "resumed", cache, f"--steps={STEPS}")
+    resumed_from = int(resumed.wait_for(r"resumed from step (\d+)").group(1))
+    assert resumed_from == latest
+    assert resumed.finish() == 0, resumed.log()
+    assert straight.finish() == 0, straight.log()
+    assert "fresh start" in straight.log() and "resumed" not in straight.log()
+
+    a, b = _final(tmp_path / "straight"), _final(tmp_path / "resumed")
+    assert a["step"] == b["step"] == STEPS
+    assert a["data_position"] == b["data_position"] == STEPS * 4
+    bits_a, bits_b = _bits(a), _bits(b)
+    assert bits_a.keys() == bits_b.keys()
+    assert any("['optimizer']['opt_state']" in k and "mu" in k for k in bits_a)
+    assert any(k.startswith("['model']") for k in bits_a) and "['rng']" in bits_a
+    different = [k for k in bits_a if bits_a[k] != bits_b[k]]
+    assert not different, different
+
+
+def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path, cache):
+    run = Run(tmp_path / "root", cache, "--steps=100000")
+    seen = int(run.wait_for(r"step (\d+): loss").group(1))
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish() == 0, run.log()
+    preempted = re.search(r"preempted: step (\d+) saved and committed", run.log())
+    assert preempted is not None, run.log()
+    saved = int(preempted.group(1))
+    assert saved >= seen
+    mgr = jaxckpt.CheckpointManager(tmp_path / "root", read_only=True)
+    assert mgr.latest_step() == saved
+    assert mgr.restore(saved)["step"] == saved
+    assert mgr.verify(saved).ok
+    assert re.search(r"checkpoint overhead [\d.]+ s of [\d.]+ s wall = [\d.]+%", run.log())
+    assert re.search(rf"checkpoint: step {saved} committed, [\d.]+ KiB in [\d.]+ s", run.log())
