@@ -163,7 +163,8 @@ class CheckpointManager:
         """Starts an asynchronous save of ``state`` as ``step``.
 
         Returns once the state is copied to host memory; the caller may then
-        donate or overwrite its buffers. Waits for the previous save first.
+        donate or overwrite its buffers. When the policy says save, waits for the
+        previous save first; when it declines, returns False at once.
 
         Args:
           step: the step number (a non-negative int, unique under the root).
@@ -183,9 +184,9 @@ class CheckpointManager:
         """
         self._check_writable()
         _check_step(step)
-        self.wait()
         if not force and not self._policy_says_save(step):
-            return False
+            return False  # without waiting: the in-flight save keeps running
+        self.wait()
         if self._protocol.read_marker(step) is not None:
             raise StepAlreadyExistsError(f"step {step} already exists under {self.root}")
         leaves, values = describe_state(state, chunk_bytes=self.options.chunk_bytes)
