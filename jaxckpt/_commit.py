@@ -317,6 +317,9 @@ class CommitProtocol:
             step = _step_from_key(key, "pending")
             if step is not None and self.read_marker(step) is not None:
                 self.storage.delete(key)
+        for key in self.storage.list("commits/") + self.storage.list("pending/"):
+            if key.rsplit("/", 1)[-1].startswith("."):  # a crashed create-only write's temp file
+                self.storage.delete(key)
         if removed:
             log.info("removed partial steps %s under %s", removed, self.storage.uri)
         return removed

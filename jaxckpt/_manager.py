@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import tensorstore as ts
@@ -185,7 +185,8 @@ class CheckpointManager:
         self._check_writable()
         _check_step(step)
         if not force and not self._policy_says_save(step):
-            return False  # without waiting: the in-flight save keeps running
+            self._check_background()  # a finished failed save still surfaces, without waiting
+            return False
         self.wait()
         if self._protocol.read_marker(step) is not None:
             raise StepAlreadyExistsError(f"step {step} already exists under {self.root}")
@@ -265,19 +266,30 @@ class CheckpointManager:
         try:
             self._checkpointer.wait_until_finished()
         except Exception as e:
-            with self._lock:
-                step = self._inflight.step if self._inflight else None
-                self._inflight = None
-            if step is not None:
-                self._recorder.failed(step)
-            if isinstance(e, TimeoutError):
-                raise SaveTimeoutError(
-                    f"save of step {step} under {self.root} did not commit within "
-                    f"{self.options.save_timeout_s:.0f}s: {e}"
-                ) from e
-            raise SaveFailedError(
-                f"background save of step {step} under {self.root} failed: {e}"
+            self._raise_failed(e)
+
+    def _check_background(self) -> None:
+        if self._checkpointer is None:
+            return
+        try:
+            self._checkpointer.check_for_errors()
+        except Exception as e:
+            self._raise_failed(e)
+
+    def _raise_failed(self, e: Exception) -> NoReturn:
+        with self._lock:
+            step = self._inflight.step if self._inflight else None
+            self._inflight = None
+        if step is not None:
+            self._recorder.failed(step)
+        if isinstance(e, TimeoutError):
+            raise SaveTimeoutError(
+                f"save of step {step} under {self.root} did not commit within "
+                f"{self.options.save_timeout_s:.0f}s: {e}"
             ) from e
+        raise SaveFailedError(
+            f"background save of step {step} under {self.root} failed: {e}"
+        ) from e
 
     def save_stats(self) -> list[SaveStats]:
         """Telemetry of the recent committed saves, oldest first."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import uuid
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -106,22 +107,29 @@ class LocalStorage:
             raise self._error("read", key, e) from e
 
     def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Writes and fsyncs ``key``; with ``exclusive``, atomically and create-only.
+
+        A create-only write goes to a hidden temporary file in the same
+        directory first and is then hard-linked to ``key`` (``link`` fails if
+        ``key`` exists, atomically, also on NFS), so a crash never leaves a
+        torn record under ``key``. No rename is involved.
+        """
         path = _join(self._root, key)
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+        directory, name = os.path.split(path)
         try:
-            _makedirs_durable(os.path.dirname(path))
-            try:
-                fd = os.open(path, flags, 0o644)
-            except FileExistsError as e:
-                raise PreconditionFailed(path) from e
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            _fsync_dir(os.path.dirname(path))
+            _makedirs_durable(directory)
+            if not exclusive:
+                _write_file(path, data)
+            else:
+                tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+                _write_file(tmp, data)
+                try:
+                    os.link(tmp, path)
+                except FileExistsError as e:
+                    raise PreconditionFailed(path) from e
+                finally:
+                    os.unlink(tmp)
+            _fsync_dir(directory)
         except PreconditionFailed:
             raise
         except OSError as e:
@@ -170,6 +178,17 @@ class LocalStorage:
             "file_io_concurrency": {"limit": self._io_concurrency},
             "file_io_sync": True,
         }
+
+
+def _write_file(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:

@@ -404,3 +404,31 @@ def test_public_api_names():
         obj = getattr(jaxckpt, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, jaxckpt.CheckpointError) and obj.__doc__
+
+
+def test_declined_save_surfaces_a_finished_background_failure(root, monkeypatch):
+    from jaxckpt import _tsio
+
+    mgr = jaxckpt.CheckpointManager(root, save_policy=policy.EveryNSteps(10))
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", lambda *a: 1 / 0)
+    assert mgr.save(10, {"w": jnp.arange(8.0)})
+    mgr._checkpointer._async_manager._thread.join(timeout=30)  # let the failure land
+    with pytest.raises(jaxckpt.SaveFailedError, match="step 10"):
+        mgr.save(11, {"w": jnp.arange(8.0)})
+    monkeypatch.undo()
+    assert mgr.save(12, {"w": 1}) is False
+    mgr.close()
+
+
+def test_create_only_local_writes_never_leave_a_torn_record(tmp_path):
+    from jaxckpt._storage import LocalStorage, PreconditionFailed
+
+    storage = LocalStorage(str(tmp_path))
+    storage.write("commits/1.json", b"first", exclusive=True)
+    with pytest.raises(PreconditionFailed):
+        storage.write("commits/1.json", b"second", exclusive=True)
+    assert storage.read("commits/1.json") == b"first"
+    assert storage.list("commits/") == ["commits/1.json"]  # no temporary files left behind
+    (tmp_path / "commits" / ".2.json.dead.tmp").write_bytes(b"half")  # a crash mid-create
+    jaxckpt.CheckpointManager(str(tmp_path)).close()  # GC also drops the bogus marker
+    assert storage.list("commits/") == []
