@@ -9,7 +9,7 @@ imports neither jax nor numpy.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,3 +189,15 @@ def load_json_record(data: bytes, what: str) -> dict[str, Any]:
 def json_record(**fields: Any) -> bytes:
     """Encodes a versioned JSON record."""
     return dumps({"format": FORMAT, "version": FORMAT_VERSION, **fields})
+
+
+def path_text(parts: Sequence[Sequence[Any]]) -> str:
+    """Readable form of an encoded tree path, the same text as ``jax.tree_util.keystr``.
+
+    >>> path_text([["d", "params"], ["a", "kernel"], ["s", 0]])
+    "['params'].kernel[0]"
+    """
+    text = ""
+    for kind, key in parts:
+        text += f".{key}" if kind == "a" else f"[{key!r}]" if kind == "d" else f"[{key}]"
+    return text or "<root>"

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxckpt._records import path_text as decoded_path_str
 from jaxckpt.errors import TreeMismatchError, UnsupportedLeafError
 
 VALUE_TYPES = (bool, int, float, str, type(None))
@@ -54,19 +55,6 @@ def encode_path(path: Sequence[Any]) -> list[list[Any]]:
         else:
             out.append(["d", str(k)])
     return out
-
-
-def decoded_path_str(parts: Sequence[Sequence[Any]]) -> str:
-    """Readable form of an encoded path, matching :func:`path_str`."""
-    text = ""
-    for kind, key in parts:
-        if kind == "a":
-            text += f".{key}"
-        elif kind == "d":
-            text += f"[{key!r}]"
-        else:
-            text += f"[{key}]"
-    return text or "<root>"
 
 
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")

@@ -21,30 +21,25 @@ blocking overhead ...2.00 % of training time
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import re
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TextIO
 
 from jaxckpt import policy
 from jaxckpt._commit import (
     TREE_FILE,
     CommitProtocol,
-    arrays_prefix,
-    pending_key,
-    step_prefix,
 )
-from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart, crc32c, load_json_record
-from jaxckpt._storage import LocalStorage, Storage, open_storage
+from jaxckpt._copy import copy_step
+from jaxckpt._records import CommitMarker, load_json_record, path_text
+from jaxckpt._storage import LocalStorage, open_storage
 from jaxckpt._telemetry import human_bytes
-from jaxckpt.errors import CheckpointError, CorruptCheckpointError, NotACheckpointRootError
+from jaxckpt.errors import CheckpointError, NotACheckpointRootError
 
 __all__ = ["main"]
 
@@ -114,14 +109,6 @@ def _itemsize(dtype: str) -> int:
         return 1
     bits = re.search(r"\d+", dtype)
     return max(1, int(bits.group()) // 8) if bits else 1
-
-
-def _path_text(parts: Sequence[Sequence[Any]]) -> str:
-    """Readable form of an encoded tree path (same text as ``jax.tree_util.keystr``)."""
-    text = ""
-    for kind, key in parts:
-        text += f".{key}" if kind == "a" else f"[{key!r}]" if kind == "d" else f"[{key}]"
-    return text or "<root>"
 
 
 def _describe_sharding(sharding: dict[str, Any] | None) -> str:
@@ -267,7 +254,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         shape = None if is_value else list(leaf["shape"])
         leaves.append(
             {
-                "path": _path_text(leaf["path"]),
+                "path": path_text(leaf["path"]),
                 "kind": leaf["kind"],
                 "shape": shape,
                 "dtype": leaf.get("dtype"),
@@ -484,146 +471,6 @@ def _split_source(text: str) -> tuple[str, int | None]:
     return text, None
 
 
-def _copy_objects(
-    src: Storage, dst: Storage, keys: Sequence[str], chunks: dict[str, ChunkRecord]
-) -> None:
-    """Copies ``keys``; those in ``chunks`` must match their manifest record."""
-    from jaxckpt._tsio import chunk_problem
-
-    def one(key: str) -> None:
-        data = src.read(key)
-        if data is None:
-            raise CorruptCheckpointError(f"{src.uri}/{key} is missing; not copied")
-        record = chunks.get(key)
-        problem = chunk_problem(data, record) if record is not None else None
-        if problem is not None:
-            raise CorruptCheckpointError(
-                f"{src.uri}/{key} does not match its manifest record ({problem}); not copied"
-            )
-        dst.write(key, data)
-
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(one, keys))
-
-
-def _copy_step_raw(src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker) -> int:
-    """Copies a step's arrays byte for byte (chunks checked) and its manifest parts.
-
-    Returns the bytes of the chunks copied, as the manifest counts them.
-    """
-    step = marker.step
-    chunks: dict[str, ChunkRecord] = {}
-    for part in src.read_manifest(marker):
-        for name, records in part.arrays.items():
-            for c in records:
-                chunks[f"{arrays_prefix(step)}{name}/{c.key}"] = c
-    keys = sorted(set(src.storage.list(arrays_prefix(step))) | set(chunks))
-    manifests = [step_prefix(step) + n for n in marker.files if n.startswith("manifest/")]
-    _copy_objects(src.storage, dst.storage, [*keys, *manifests], chunks)
-    return sum(c.size for c in chunks.values())
-
-
-def _zstd_metadata(leaf: Any, level: int) -> dict[str, Any]:
-    from jaxckpt._tsio import zarr_metadata
-
-    meta = zarr_metadata(leaf)
-    meta["codecs"] = [
-        meta["codecs"][0],
-        {"name": "zstd", "configuration": {"level": level, "checksum": False}},
-        *meta["codecs"][1:],
-    ]
-    return meta
-
-
-def _copy_step_compressed(
-    src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker, level: int
-) -> int:
-    """Re-encodes a step's arrays with zstd and writes one manifest of the stored chunks."""
-    import tensorstore as ts
-
-    from jaxckpt._restore import load_step
-
-    step = marker.step
-    loaded = load_step(src, marker)
-    src_ctx = ts.Context(src.storage.context_spec())
-    dst_ctx = ts.Context(dst.storage.context_spec())
-    group = src.storage.read(arrays_prefix(step) + "zarr.json")
-    if group is not None:
-        dst.storage.write(arrays_prefix(step) + "zarr.json", group)
-    records: dict[str, tuple[ChunkRecord, ...]] = {}
-    for leaf in loaded.leaves:
-        if leaf.kind == "value" or leaf.name is None:
-            continue
-        prefix = arrays_prefix(step) + leaf.name + "/"
-        try:
-            source_spec: dict[str, Any] = {
-                "driver": "zarr3",
-                "kvstore": src.storage.kvstore_spec(prefix),
-            }
-            source_spec["fill_missing_data_reads"] = False
-            source = ts.open(source_spec, open=True, read=True, context=src_ctx).result()
-            target_spec: dict[str, Any] = {
-                "driver": "zarr3",
-                "kvstore": dst.storage.kvstore_spec(prefix),
-            }
-            target_spec["metadata"] = _zstd_metadata(leaf, level)
-            target_spec["store_data_equal_to_fill_value"] = True  # every chunk is an object
-            target = ts.open(target_spec, create=True, open=True, context=dst_ctx).result()
-            keys = [c.key for c in loaded.chunks.get(leaf.name, ())]
-            _transcode(source, target, keys, leaf.shape, leaf.chunk_shape)
-            kv = ts.KvStore.open(dst.storage.kvstore_spec(prefix), context=dst_ctx).result()
-            records[leaf.name] = tuple(_stored_chunks(kv, keys))
-        except ValueError as e:  # TensorStore reports failures as ValueError
-            raise CheckpointError(
-                f"step {step}: cannot copy {leaf.path_text} ({src.where(prefix)}): {e}"
-            ) from e
-    part = ManifestPart(step=step, process=0, num_processes=1, arrays=records)
-    dst.write_manifest_part(part)
-    return part.nbytes
-
-
-def _stored_chunks(kv: Any, keys: Sequence[str]) -> list[ChunkRecord]:
-    """The manifest records of stored chunks: size, and CRC32C of the bytes before the trailer."""
-    from jaxckpt._tsio import TRAILER_BYTES, chunk_problem
-
-    records = []
-    for key, fut in [(k, kv.read(k)) for k in keys]:
-        result = fut.result()
-        if result.state != "value":
-            raise CheckpointError(f"chunk {key} was not stored under {kv.url}")
-        data = result.value
-        record = ChunkRecord(key=key, size=len(data), crc32c=crc32c(data[:-TRAILER_BYTES]))
-        problem = chunk_problem(data, record)
-        if problem is not None:
-            raise CheckpointError(f"chunk {key} under {kv.url} reads back wrong: {problem}")
-        records.append(record)
-    return records
-
-
-def _transcode(
-    source: Any, target: Any, keys: Sequence[str], shape: Sequence[int], chunk: Sequence[int]
-) -> None:
-    """Reads each chunk of ``source`` and writes it to ``target``, a window at a time."""
-    reads: deque[tuple[tuple[slice, ...], Any]] = deque()
-    writes: deque[Any] = deque()
-    todo = iter(keys)
-    while True:
-        while len(reads) < 16 and (key := next(todo, None)) is not None:
-            idx = [int(i) for i in key.split("/")[1:]]
-            region = tuple(
-                slice(i * c, min((i + 1) * c, d)) for i, c, d in zip(idx, chunk, shape, strict=True)
-            )
-            reads.append((region, source[region].read()))
-        if not reads:
-            break
-        region, fut = reads.popleft()
-        writes.append(target[region].write(fut.result()))
-        while len(writes) > 16:
-            writes.popleft().result()
-    for w in writes:
-        w.result()
-
-
 def cmd_cp(args: argparse.Namespace) -> int:
     src_uri, only = _split_source(args.src)
     src = _open_root(src_uri)
@@ -639,23 +486,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             print(f"step {step}: already committed under {dst.storage.uri}, skipped")
             continue
         start = time.monotonic()
-        dst.begin_save(step)
-        try:
-            if args.compress == "zstd":
-                nbytes = _copy_step_compressed(src, dst, marker, args.level)
-                num_processes = 1
-            else:
-                nbytes = _copy_step_raw(src, dst, marker)
-                num_processes = marker.num_processes
-            dst.write_tree(step, src.read_step_file(marker, TREE_FILE))
-            dst.commit(
-                step, num_processes=num_processes, metrics=dict(marker.metrics), keep=marker.keep
-            )
-        except BaseException:
-            with contextlib.suppress(Exception):  # leave no partial step behind
-                dst.storage.delete_prefix(step_prefix(step))
-                dst.storage.delete(pending_key(step))
-            raise
+        nbytes = copy_step(src, dst, marker, compress=args.compress, level=args.level)
         seconds = time.monotonic() - start
         ratio = f", {nbytes / marker.nbytes:.0%} of the source" if args.compress else ""
         print(
