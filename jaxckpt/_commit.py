@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from jaxckpt import policy
 from jaxckpt._phases import reached
 from jaxckpt._records import (
     CommitMarker,
@@ -340,3 +341,17 @@ def _brief(steps: list[int], limit: int = 20) -> str:
     head = ", ".join(map(str, steps[: limit // 2]))
     tail = ", ".join(map(str, steps[-limit // 2 :]))
     return f"{head}, ... {tail} ({len(steps)} steps)"
+
+
+def retention_decision(
+    committed: dict[int, CommitMarker],
+    retention: policy.RetentionPolicy | None,
+    *,
+    protected: Iterable[int] = (),
+) -> policy.RetentionDecision:
+    """What ``retention`` keeps and deletes among committed steps (metrics, pins from markers)."""
+    infos = [
+        policy.StepInfo(step=s, metrics=dict(m.metrics) or None, pinned=m.keep)
+        for s, m in committed.items()
+    ]
+    return policy.decide_retention(retention, infos, protected=set(protected))

@@ -23,7 +23,7 @@ from etils import epath
 
 from jaxckpt import _handler, policy
 from jaxckpt._agree import Agreement
-from jaxckpt._commit import CommitProtocol, step_prefix
+from jaxckpt._commit import CommitProtocol, retention_decision, step_prefix
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._phases import reached
 from jaxckpt._preemption import PreemptionWatcher
@@ -399,16 +399,13 @@ class CheckpointManager:
         return {s: decision.keep.get(s, ()) for s in sorted(self._protocol.committed())}
 
     def _retention_decision(self) -> policy.RetentionDecision:
-        committed = self._protocol.committed()
-        infos = [
-            policy.StepInfo(step=s, metrics=dict(m.metrics) or None, pinned=m.keep)
-            for s, m in committed.items()
-        ]
         with self._lock:
             protected = set(self._restoring)
             if self._inflight is not None:
                 protected.add(self._inflight.step)
-        return policy.decide_retention(self.options.retention, infos, protected=protected)
+        return retention_decision(
+            self._protocol.committed(), self.options.retention, protected=protected
+        )
 
     def _apply_retention(self) -> None:
         try:

@@ -34,6 +34,7 @@ from jaxckpt import policy
 from jaxckpt._commit import (
     TREE_FILE,
     CommitProtocol,
+    retention_decision,
 )
 from jaxckpt._copy import copy_step
 from jaxckpt._records import CommitMarker, load_json_record, path_text
@@ -129,27 +130,12 @@ def _describe_sharding(sharding: dict[str, Any] | None) -> str:
 
 
 def _retention(args: argparse.Namespace) -> policy.RetentionPolicy | None:
-    parts: list[policy.RetentionPolicy] = []
-    if args.keep_last is not None:
-        parts.append(policy.KeepLast(args.keep_last))
+    series = None
     if args.keep_milestones is not None:
         series = [int(s) for s in args.keep_milestones.split(",") if s.strip()]
-        parts.append(policy.KeepMilestones(series))
-    if args.keep_every is not None:
-        parts.append(policy.KeepEvery(args.keep_every))
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else policy.AnyKeep(policies=tuple(parts))
-
-
-def _decide(
-    committed: dict[int, CommitMarker], retention: policy.RetentionPolicy | None
-) -> policy.RetentionDecision:
-    infos = [
-        policy.StepInfo(step=s, metrics=dict(m.metrics) or None, pinned=m.keep)
-        for s, m in committed.items()
-    ]
-    return policy.decide_retention(retention, infos)
+    return policy.retention_from(
+        keep_last=args.keep_last, keep_milestones=series, keep_every=args.keep_every
+    )
 
 
 def _json_out(obj: Any) -> None:
@@ -164,7 +150,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     committed = protocol.committed()
     partial = protocol.partial_steps()
     retention = _retention(args)
-    decision = _decide(committed, retention)
+    decision = retention_decision(committed, retention)
     if args.json:
         _json_out(
             {
@@ -417,7 +403,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         return 2
     protocol = _open_root(args.root)
     committed = protocol.committed()
-    decision = _decide(committed, retention)
+    decision = retention_decision(committed, retention)
     verb = "would delete" if args.dry_run else "delete"
     for s in committed:
         if s in decision.keep:

@@ -179,9 +179,7 @@ def retention_from_flags(
     from jaxckpt import policy
 
     fv = _fv(flag_values)
-    parts: list[RetentionPolicy] = []
-    if fv.checkpoint_keep_last is not None:
-        parts.append(policy.KeepLast(fv.checkpoint_keep_last))
+    series = None
     if fv.checkpoint_keep_milestones:
         try:
             series = [int(s) for s in fv.checkpoint_keep_milestones]
@@ -190,12 +188,11 @@ def retention_from_flags(
                 "--checkpoint_keep_milestones must be integers such as 1,2,5, got "
                 f"{','.join(fv.checkpoint_keep_milestones)!r}"
             ) from None
-        parts.append(policy.KeepMilestones(series))
-    if fv.checkpoint_keep_every is not None:
-        parts.append(policy.KeepEvery(fv.checkpoint_keep_every))
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else policy.AnyKeep(policies=tuple(parts))
+    return policy.retention_from(
+        keep_last=fv.checkpoint_keep_last,
+        keep_milestones=series,
+        keep_every=fv.checkpoint_keep_every,
+    )
 
 
 def options_from_flags(

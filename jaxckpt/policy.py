@@ -52,6 +52,7 @@ __all__ = [
     "StepInfo",
     "daly_interval",
     "decide_retention",
+    "retention_from",
 ]
 
 
@@ -511,3 +512,30 @@ def decide_retention(
         keep=dict(sorted(keep.items())),
         delete=tuple(s for s in numbers if s not in keep),
     )
+
+
+def retention_from(
+    *,
+    keep_last: int | None = None,
+    keep_milestones: Sequence[int] | None = None,
+    keep_every: int | None = None,
+) -> RetentionPolicy | None:
+    """The union of the simple keep rules that are set; None when none is.
+
+    This is what the ``jaxckpt prune`` flags and the absl flags build.
+
+    >>> retention_from(keep_last=3, keep_milestones=(1, 2, 5)) == KeepLast(3) | KeepMilestones()
+    True
+    >>> retention_from() is None
+    True
+    """
+    parts: list[RetentionPolicy] = []
+    if keep_last is not None:
+        parts.append(KeepLast(keep_last))
+    if keep_milestones:
+        parts.append(KeepMilestones(tuple(keep_milestones)))
+    if keep_every is not None:
+        parts.append(KeepEvery(keep_every))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else AnyKeep(policies=tuple(parts))

@@ -82,6 +82,7 @@ def test_public_surface() -> None:
         "StepInfo",
         "daly_interval",
         "decide_retention",
+        "retention_from",
     ]
 
 
