@@ -314,7 +314,9 @@ class CheckpointManager:
             back to older steps if it is corrupt (``fallback_on_corrupt``).
           target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (with shardings)
             giving the structure, dtypes and shardings of the result. Without it,
-            arrays come back as numpy arrays in the saved nesting.
+            arrays come back as numpy arrays in the saved nesting. Numpy results
+            are read-only (usually views of the buffers read, to avoid a copy);
+            ``np.array(x)`` gives a writable copy.
 
         Raises:
           StepNotFoundError: no such committed step (the message lists them).

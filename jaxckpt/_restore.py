@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._commit import TREE_FILE, CommitProtocol
+from jaxckpt._chunkread import RegionRequest, plain_leaves, read_regions
+from jaxckpt._commit import TREE_FILE, CommitProtocol, arrays_prefix
 from jaxckpt._records import ChunkRecord, CommitMarker
 from jaxckpt._tree import (
     SavedLeaf,
@@ -73,30 +74,47 @@ class StepReader:
         self, loaded: LoadedStep, leaves: Sequence[SavedLeaf], targets: Sequence[Any]
     ) -> list[Any]:
         step = loaded.marker.step
+        arrays = [leaf for leaf in leaves if leaf.kind != "value" and leaf.name is not None]
+        kv = ts.KvStore.open(
+            self._protocol.storage.kvstore_spec(arrays_prefix(step)), context=self._context
+        ).result()
+        plain = plain_leaves(kv, arrays)
         stores = {
             leaf.name: self._arrays.open(step, leaf, create=False)
-            for leaf in leaves
-            if leaf.kind != "value" and leaf.name is not None
+            for leaf in arrays
+            if leaf.name not in plain
         }
         plans: list[tuple[dict[Any, Region], dict[Region, Any]] | None] = []
+        requests: list[RegionRequest] = []
         for leaf, target in zip(leaves, targets, strict=True):
             if leaf.kind == "value" or leaf.name is None:
                 plans.append(None)
                 continue
-            store = self._opened(loaded, leaf, stores[leaf.name])
             regions = _regions_for(leaf, target)
-            reads = {r: read_region(store, r) for r in set(regions.values())}
-            plans.append((regions, reads))
+            unique = sorted(set(regions.values()))
+            if leaf.name in plain:
+                requests.extend(RegionRequest(leaf=leaf, region=r) for r in unique)
+                plans.append((regions, {}))
+            else:
+                store = self._opened(loaded, leaf, stores[leaf.name])
+                plans.append((regions, {r: read_region(store, r) for r in unique}))
+        fast = read_regions(
+            kv, step, requests, loaded.chunks, where=self._protocol.where(arrays_prefix(step))
+        )
+        fast_data = {(r.leaf.name, r.region): a for r, a in zip(requests, fast, strict=True)}
         values = []
         for leaf, target, plan in zip(leaves, targets, plans, strict=True):
             if plan is None:
                 values.append(leaf.value)
                 continue
             regions, reads = plan
-            try:
-                data = {r: np.asarray(f.result()) for r, f in reads.items()}
-            except ValueError as e:
-                raise self._diagnose(loaded, leaf, e) from e
+            if leaf.name in plain:
+                data = {r: fast_data[(leaf.name, r)] for r in set(regions.values())}
+            else:
+                try:
+                    data = {r: np.asarray(f.result()) for r, f in reads.items()}
+                except ValueError as e:
+                    raise self._diagnose(loaded, leaf, e) from e
             values.append(_assemble(leaf, target, regions, data))
         return values
 
@@ -166,7 +184,10 @@ def _assemble(
     sharding = _target_sharding(target)
     if sharding is None:
         array = data[regions[None]]
-        return array.astype(target_dtype, copy=False) if target_dtype is not None else array
+        if target_dtype is not None:
+            array = array.astype(target_dtype, copy=False)
+        array.flags.writeable = False  # often a view of the read buffer: read-only, always
+        return array
     pieces = [
         jax.device_put(data[region].astype(target_dtype, copy=False), device)
         for device, region in regions.items()

@@ -90,7 +90,7 @@ def _chunks_of(region: Region, chunk_shape: Sequence[int]) -> Iterator[Region]:
         )
 
 
-def _chunk_key(chunk: Region, chunk_shape: Sequence[int]) -> str:
+def chunk_key(chunk: Region, chunk_shape: Sequence[int]) -> str:
     if not chunk:
         return "c"
     return "c/" + "/".join(str(lo // c) for (lo, _), c in zip(chunk, chunk_shape, strict=True))
@@ -115,7 +115,8 @@ def chunk_problem(stored: bytes, record: ChunkRecord) -> str | None:
     """Why a stored chunk object does not match its manifest record, or None."""
     if len(stored) != record.size:
         return f"size {len(stored)} != recorded {record.size}"
-    raw, trailer = stored[:-TRAILER_BYTES], stored[-TRAILER_BYTES:]
+    view = memoryview(stored)
+    raw, trailer = view[:-TRAILER_BYTES], bytes(view[-TRAILER_BYTES:])
     if int(_crc32c.crc32c(raw)) != record.crc32c:
         return "checksum mismatch"
     if trailer != record.crc32c.to_bytes(TRAILER_BYTES, "little"):
@@ -177,7 +178,7 @@ class ArrayWriter:
                     target = store[tuple(slice(lo, hi) for lo, hi in chunk)]
                     fut = target.write(piece, can_reference_source_data_indefinitely=True)
                     size, crc = _stored_digest(piece)
-                    key = _chunk_key(chunk, leaf.chunk_shape)
+                    key = chunk_key(chunk, leaf.chunk_shape)
                     chunk_records.append(ChunkRecord(key=key, size=size, crc32c=crc))
                     if first:  # this process's first chunk, whichever array it is in
                         first = False

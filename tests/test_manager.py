@@ -432,3 +432,14 @@ def test_create_only_local_writes_never_leave_a_torn_record(tmp_path):
     (tmp_path / "commits" / ".2.json.dead.tmp").write_bytes(b"half")  # a crash mid-create
     jaxckpt.CheckpointManager(str(tmp_path)).close()  # GC also drops the bogus marker
     assert storage.list("commits/") == []
+
+
+def test_numpy_results_are_read_only_views_or_arrays(root):
+    with jaxckpt.CheckpointManager(root, chunk_bytes=64) as mgr:
+        mgr.save(1, {"one_chunk": np.arange(4.0), "many_chunks": np.arange(64.0)})
+    out = jaxckpt.CheckpointManager(root).restore(1)
+    for value in out.values():
+        assert not value.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            value[0] = 1.0
+    np.testing.assert_array_equal(out["many_chunks"], np.arange(64.0))

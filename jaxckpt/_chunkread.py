@@ -1,0 +1,146 @@
+"""Fast reads of plain jaxckpt arrays, straight from their chunk objects.
+
+An array written by jaxckpt stores each chunk as ``raw little-endian bytes ||
+crc32c(raw)`` (zarr codecs ``bytes`` + ``crc32c``). Reading those objects
+through the kvstore and checking them against the manifest here (hardware
+CRC32C over the buffer, no copy) is about twice as fast as TensorStore's zarr
+decode path, and names the damaged chunk directly. Arrays with any other codec
+chain (e.g. ``jaxckpt cp --compress zstd`` archives) are read through
+TensorStore instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from jaxckpt._records import ChunkRecord
+from jaxckpt._tree import SavedLeaf, np_dtype
+from jaxckpt._tsio import TRAILER_BYTES, Region, chunk_key, chunk_problem, zarr_metadata
+from jaxckpt.errors import CorruptCheckpointError, StorageError
+
+
+@dataclass(frozen=True)
+class RegionRequest:
+    """A region of one leaf to read into a fresh numpy array."""
+
+    leaf: SavedLeaf
+    region: Region
+
+
+def plain_leaves(kv: ts.KvStore, leaves: Sequence[SavedLeaf]) -> set[str]:
+    """Names of the leaves whose zarr.json has exactly jaxckpt's plain codec chain."""
+    futures = {leaf.name: kv.read(f"{leaf.name}/zarr.json") for leaf in leaves if leaf.name}
+    plain = set()
+    for leaf in leaves:
+        if leaf.name is None:
+            continue
+        try:
+            result = futures[leaf.name].result()
+            meta = json.loads(result.value) if result.state == "value" else {}
+        except (ValueError, json.JSONDecodeError):
+            continue  # the TensorStore path reports it with the chunk diagnosis
+        if meta.get("codecs") == zarr_metadata(leaf)["codecs"]:
+            plain.add(leaf.name)
+    return plain
+
+
+def _cells(region: Region, chunk_shape: Sequence[int]) -> Iterator[Region]:
+    """The chunk regions (full chunk extent) that overlap ``region``."""
+    ranges = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(region, chunk_shape, strict=True)]
+    for index in itertools.product(*ranges):
+        yield tuple((i * c, (i + 1) * c) for i, c in zip(index, chunk_shape, strict=True))
+
+
+def read_regions(
+    kv: ts.KvStore,
+    step: int,
+    requests: Sequence[RegionRequest],
+    chunks: Mapping[str, Sequence[ChunkRecord]],
+    *,
+    where: str,
+    window_bytes: int = 512 << 20,
+) -> list[np.ndarray]:
+    """Reads every requested region, checking each chunk against its manifest record.
+
+    Raises:
+      CorruptCheckpointError: a chunk is missing, unlisted, or fails size/CRC32C
+        (the step, tree path and chunk are named).
+      StorageError: the store failed.
+    """
+    outputs: list[np.ndarray | None] = [None] * len(requests)
+    records = {name: {c.key: c for c in cs} for name, cs in chunks.items()}
+    inflight: deque[tuple[int, Region, str, Any]] = deque()
+    inflight_bytes = 0
+    for i, request in enumerate(requests):
+        leaf = request.leaf
+        for cell in _cells(request.region, leaf.chunk_shape):
+            key = chunk_key(cell, leaf.chunk_shape)
+            inflight.append((i, cell, key, kv.read(f"{leaf.name}/{key}")))
+            inflight_bytes += math.prod(leaf.chunk_shape) * np_dtype(leaf.dtype or "").itemsize
+            while inflight_bytes > window_bytes and inflight:
+                inflight_bytes -= _place(
+                    inflight.popleft(), requests, outputs, records, step, where
+                )
+    while inflight:
+        _place(inflight.popleft(), requests, outputs, records, step, where)
+    return [
+        out if out is not None else np.empty(_extent(r.region), np_dtype(r.leaf.dtype or ""))
+        for out, r in zip(outputs, requests, strict=True)
+    ]
+
+
+def _extent(region: Region) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in region)
+
+
+def _place(
+    item: tuple[int, Region, str, Any],
+    requests: Sequence[RegionRequest],
+    outputs: list[np.ndarray | None],
+    records: Mapping[str, Mapping[str, ChunkRecord]],
+    step: int,
+    where: str,
+) -> int:
+    """Checks one chunk and copies its overlap into the output; returns its size."""
+    i, cell, key, future = item
+    leaf, region = requests[i].leaf, requests[i].region
+    dtype = np_dtype(leaf.dtype or "")
+    location = f"step {step}: {leaf.path_text}: chunk {key} of {where}/{leaf.name}"
+    try:
+        result = future.result()
+    except ValueError as e:  # TensorStore reports failures as ValueError
+        raise StorageError(f"{location}: cannot read: {e}") from e
+    record = records.get(leaf.name or "", {}).get(key)
+    if result.state != "value":
+        raise CorruptCheckpointError(f"{location}: missing")
+    if record is None:
+        raise CorruptCheckpointError(f"{location}: not listed in the manifest")
+    data = result.value
+    problem = chunk_problem(data, record)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{location}: {problem}")
+    chunk = np.frombuffer(data, dtype=dtype, count=(len(data) - TRAILER_BYTES) // dtype.itemsize)
+    chunk = chunk.reshape(_extent(cell))
+    if cell == region:  # the common case: hand out the read buffer itself, no copy
+        outputs[i] = chunk
+        return len(data)
+    out = outputs[i]
+    if out is None:
+        # Fresh pages cost a fault each on first touch; only resharded reads pay it.
+        out = outputs[i] = np.empty(_extent(region), dtype)
+    src, dst = [], []
+    for (clo, chi), (rlo, rhi) in zip(cell, region, strict=True):
+        lo, hi = max(clo, rlo), min(chi, rhi)
+        src.append(slice(lo - clo, hi - clo))
+        dst.append(slice(lo - rlo, hi - rlo))
+    out[tuple(dst)] = chunk[tuple(src)]
+    return len(data)
