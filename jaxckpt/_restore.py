@@ -98,9 +98,7 @@ class StepReader:
             else:
                 store = self._opened(loaded, leaf, stores[leaf.name])
                 plans.append((regions, {r: read_region(store, r) for r in unique}))
-        fast = read_regions(
-            kv, step, requests, loaded.chunks, where=self._protocol.where(arrays_prefix(step))
-        )
+        fast = read_regions(self._protocol.storage, step, requests, loaded.chunks)
         fast_data = {(r.leaf.name, r.region): a for r, a in zip(requests, fast, strict=True)}
         values = []
         for leaf, target, plan in zip(leaves, targets, plans, strict=True):
