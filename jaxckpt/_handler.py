@@ -13,6 +13,7 @@ used: the final path is never renamed, and the metadata store is a no-op.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,6 +111,19 @@ class NoopMetadataStore:
 
     def close(self) -> None:
         pass
+
+
+def orbax_step_path(step: int) -> epath.Path:
+    """The directory handed to Orbax for ``step``: a placeholder it never touches.
+
+    Orbax only needs a path whose name is the step (barrier keys use it): the
+    handler writes through jaxckpt's storage, :class:`StepPath` commits through
+    the marker protocol, the metadata store is a no-op and file validations are
+    skipped. A local placeholder, rather than the root's URI, guarantees that no
+    Orbax or etils code path can open a ``gs://``/``s3://`` URL with its own
+    client (which would ignore jaxckpt's endpoint and credentials settings).
+    """
+    return epath.Path(tempfile.gettempdir()) / "jaxckpt-orbax-placeholder" / str(step)
 
 
 def step_path_class(writer: StepWriter) -> type[atomicity_types.TemporaryPath]:

@@ -19,11 +19,10 @@ from typing import Any, NoReturn
 
 import jax
 import tensorstore as ts
-from etils import epath
 
 from jaxckpt import _handler, policy
 from jaxckpt._agree import Agreement
-from jaxckpt._commit import CommitProtocol, retention_decision, step_prefix
+from jaxckpt._commit import CommitProtocol, retention_decision
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._phases import reached
 from jaxckpt._preemption import PreemptionWatcher
@@ -198,7 +197,7 @@ class CheckpointManager:
         self._recorder.started(step)
         try:
             checkpointer.save(
-                epath.Path(self._protocol.where(step_prefix(step)).rstrip("/")),
+                _handler.orbax_step_path(step),
                 args=_handler.SaveArgs(step=step, leaves=leaves, values=values),
             )
         except Exception as e:

@@ -93,3 +93,28 @@ def test_delete_and_retention(storage_root):
         assert mgr.steps() == [5]
     storage = open_storage(storage_root)
     assert {k.split("/")[1] for k in storage.list("steps/")} == {"5"}
+
+
+def test_orbax_never_sees_the_root_uri_and_its_placeholder_is_never_created(storage_root):
+    import os
+
+    from jaxckpt import _handler
+
+    placeholder = _handler.orbax_step_path(1)
+    with jaxckpt.CheckpointManager(storage_root) as mgr:
+        mgr.save(1, {"w": jnp.arange(4.0)})
+    assert not os.path.exists(str(placeholder)) and not os.path.exists(str(placeholder.parent))
+    assert jaxckpt.CheckpointManager(storage_root).steps() == [1]
+
+
+def test_explicit_s3_endpoint_option_without_environment(s3_server, monkeypatch):
+    """An endpoint given only as an option serves the data path and the records alike."""
+    import uuid
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    options = {"endpoint": s3_server.endpoint, "max_retries": 1}
+    with jaxckpt.CheckpointManager(root, storage_options=options) as mgr:
+        mgr.save(1, {"w": jnp.arange(4.0)})
+    reader = jaxckpt.CheckpointManager(root, storage_options=options, read_only=True)
+    np.testing.assert_array_equal(reader.restore(1)["w"], np.arange(4.0))
