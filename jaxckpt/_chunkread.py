@@ -93,7 +93,7 @@ def read_regions(
             itemsize = np_dtype(leaf.dtype or "").itemsize
             for cell in _cells(request.region, leaf.chunk_shape):
                 key = chunk_key(cell, leaf.chunk_shape)
-                future = pool.submit(storage.read, f"{arrays_prefix(step)}{leaf.name}/{key}")
+                future = pool.submit(storage.read_buffer, f"{arrays_prefix(step)}{leaf.name}/{key}")
                 inflight.append((i, cell, key, future))
                 inflight_bytes += math.prod(leaf.chunk_shape) * itemsize
                 while inflight_bytes > window_bytes and inflight:
@@ -107,7 +107,7 @@ def read_regions(
     ]
 
 
-_Pending = tuple[int, Region, str, "Future[bytes | None]"]
+_Pending = tuple[int, Region, str, "Future[bytes | np.ndarray | None]"]
 
 
 def _place(

@@ -274,6 +274,10 @@ class ObjectStorage:
 
     # -- Storage protocol --------------------------------------------------
 
+    def read_buffer(self, key: str) -> bytes | None:
+        """The object's bytes (TensorStore hands them over as one ``bytes``)."""
+        return self.read(key)
+
     def read(self, key: str) -> bytes | None:
         name = self._name(key)
         result = self._wait(self._kv.read(name), "read", name)

@@ -186,8 +186,8 @@ def _assemble(
             array = array.astype(target_dtype, copy=False)
         array.flags.writeable = False  # often a view of the read buffer: read-only, always
         return array
-    pieces = [
-        jax.device_put(data[region].astype(target_dtype, copy=False), device)
+    pieces = [  # may_alias: on CPU an aligned read buffer becomes the array, no copy
+        jax.device_put(data[region].astype(target_dtype, copy=False), device, may_alias=True)
         for device, region in regions.items()
     ]
     return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)

@@ -111,11 +111,11 @@ def _stored_digest(data: np.ndarray) -> tuple[int, int]:
     return raw.nbytes + TRAILER_BYTES, int(_crc32c.crc32c(raw.data))
 
 
-def chunk_problem(stored: bytes, record: ChunkRecord) -> str | None:
+def chunk_problem(stored: bytes | np.ndarray, record: ChunkRecord) -> str | None:
     """Why a stored chunk object does not match its manifest record, or None."""
     if len(stored) != record.size:
         return f"size {len(stored)} != recorded {record.size}"
-    view = memoryview(stored)
+    view = memoryview(stored) if isinstance(stored, bytes) else stored.data
     raw, trailer = view[:-TRAILER_BYTES], bytes(view[-TRAILER_BYTES:])
     if int(_crc32c.crc32c(raw)) != record.crc32c:
         return "checksum mismatch"

@@ -263,3 +263,13 @@ def test_kvstore_spec_paths() -> None:
 def test_options_are_validated(uri: str, options: dict[str, object], error: type) -> None:
     with pytest.raises(error):
         open_storage(uri, **options)
+
+
+def test_read_buffer_matches_read_and_is_aligned_locally(storage: Storage) -> None:
+    data = np.random.default_rng(0).bytes(3 << 20)
+    storage.write("big/object", data)
+    buffer = storage.read_buffer("big/object")
+    assert buffer is not None and bytes(buffer) == data
+    if isinstance(buffer, np.ndarray):  # local roots: aligned for zero-copy device_put
+        assert buffer.ctypes.data % 64 == 0
+    assert storage.read_buffer("big/missing") is None
