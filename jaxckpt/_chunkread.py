@@ -24,7 +24,7 @@ import tensorstore as ts
 
 from jaxckpt._commit import arrays_prefix
 from jaxckpt._records import ChunkRecord
-from jaxckpt._storage import Storage
+from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf, np_dtype
 from jaxckpt._tsio import TRAILER_BYTES, Region, chunk_key, chunk_problem, zarr_metadata
 from jaxckpt.errors import CorruptCheckpointError
@@ -140,7 +140,9 @@ def _place(
     out = outputs[i]
     if out is None:
         # Fresh pages cost a fault each on first touch; only resharded reads pay it.
-        out = outputs[i] = np.empty(_extent(region), dtype)
+        shape = _extent(region)
+        nbytes = math.prod(shape) * dtype.itemsize
+        out = outputs[i] = aligned_empty(nbytes).view(dtype).reshape(shape)  # aliasable
     src, dst = [], []
     for (clo, chi), (rlo, rhi) in zip(cell, region, strict=True):
         lo, hi = max(clo, rlo), min(chi, rhi)
