@@ -239,6 +239,8 @@ def valid_marker_steps(storage: Storage) -> list[int]:
     """Steps whose ``commits/<s>.json`` parses, checks out and names ``s``; their files intact."""
     steps = []
     for key in storage.list("commits/"):
+        if key.rsplit("/", 1)[-1].startswith("."):
+            continue  # a create-only write's temporary file (killed mid-create): never a marker
         step = int(key.removeprefix("commits/").removesuffix(".json"))
         try:
             marker = CommitMarker.from_bytes(storage.read(key) or b"", key)
