@@ -2,11 +2,11 @@
 
 An array written by jaxckpt stores each chunk as ``raw little-endian bytes ||
 crc32c(raw)`` (zarr codecs ``bytes`` + ``crc32c``). Reading those objects
-through the kvstore and checking them against the manifest here (hardware
-CRC32C over the buffer, no copy) is several times faster than TensorStore's
-zarr decode path here, and names the damaged chunk directly. Arrays with any other codec
-chain (e.g. ``jaxckpt cp --compress zstd`` archives) are read through
-TensorStore instead.
+with :meth:`Storage.read_buffer` on a thread pool and checking them against
+the manifest (hardware CRC32C over the buffer, no copy) is several times
+faster than TensorStore's zarr decode path, and names the damaged chunk
+directly. Arrays with any other codec chain (e.g. ``jaxckpt cp --compress
+zstd`` archives) are read through TensorStore instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tensorstore as ts
 from jaxckpt._commit import arrays_prefix
 from jaxckpt._records import ChunkRecord
 from jaxckpt._storage import Storage, aligned_empty
-from jaxckpt._tree import SavedLeaf, np_dtype
+from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import TRAILER_BYTES, Region, chunk_key, chunk_problem, zarr_metadata
 from jaxckpt.errors import CorruptCheckpointError
 
@@ -73,9 +73,10 @@ def read_regions(
 ) -> list[np.ndarray]:
     """Reads every requested region, checking each chunk against its manifest record.
 
-    Chunk objects are read by a small thread pool through :meth:`Storage.read`
-    (a local read releases the GIL and lands in one bytes object, which becomes
-    the array without another copy), at most ``window_bytes`` ahead.
+    Chunk objects are read by a small thread pool through
+    :meth:`Storage.read_buffer` (locally: ``readinto`` an aligned buffer, which
+    releases the GIL and becomes the array without another copy), at most
+    ``window_bytes`` ahead.
 
     Raises:
       CorruptCheckpointError: a chunk is missing, unlisted, or fails size/CRC32C
@@ -90,7 +91,7 @@ def read_regions(
     with ThreadPoolExecutor(workers, thread_name_prefix="jaxckpt-read") as pool:
         for i, request in enumerate(requests):
             leaf = request.leaf
-            itemsize = np_dtype(leaf.dtype or "").itemsize
+            itemsize = leaf.numpy_dtype.itemsize
             for cell in _cells(request.region, leaf.chunk_shape):
                 key = chunk_key(cell, leaf.chunk_shape)
                 future = pool.submit(storage.read_buffer, f"{arrays_prefix(step)}{leaf.name}/{key}")
@@ -102,7 +103,7 @@ def read_regions(
         while inflight:
             _place(inflight.popleft(), requests, outputs, records, step, where)
     return [
-        out if out is not None else np.empty(_extent(r.region), np_dtype(r.leaf.dtype or ""))
+        out if out is not None else np.empty(_extent(r.region), r.leaf.numpy_dtype)
         for out, r in zip(outputs, requests, strict=True)
     ]
 
@@ -121,7 +122,7 @@ def _place(
     """Checks one chunk and copies its overlap into the output; returns its size."""
     i, cell, key, future = item
     leaf, region = requests[i].leaf, requests[i].region
-    dtype = np_dtype(leaf.dtype or "")
+    dtype = leaf.numpy_dtype
     location = f"step {step}: {leaf.path_text}: chunk {key} of {where}{leaf.name}"
     data = future.result()  # a StorageError names the object
     record = records.get(leaf.name or "", {}).get(key)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -43,6 +43,7 @@ from jaxckpt.errors import (
     CorruptCheckpointError,
     NotACheckpointRootError,
     StepAlreadyExistsError,
+    StepNotFoundError,
     UncommittedStepError,
     UnsupportedFormatError,
 )
@@ -87,6 +88,10 @@ class PartialStep:
     operation: str
     started: float | None
     reason: str
+
+    def expired(self, grace_s: float, now: float) -> bool:
+        """Older than ``grace_s`` (a step of unknown age always is)."""
+        return self.started is None or now - self.started >= grace_s
 
 
 class CommitProtocol:
@@ -159,8 +164,6 @@ class CommitProtocol:
           UncommittedStepError: the step has data but no valid marker.
           StepNotFoundError: no such step.
         """
-        from jaxckpt.errors import StepNotFoundError
-
         marker = self.read_marker(step)
         if marker is not None:
             return marker
@@ -299,27 +302,34 @@ class CommitProtocol:
             )
         return result
 
-    def collect_garbage(self, *, older_than_s: float = 0.0) -> list[int]:
+    def collect_garbage(
+        self, *, older_than_s: float = 0.0, partials: Sequence[PartialStep] | None = None
+    ) -> list[int]:
         """Removes partial steps whose pending record is older than ``older_than_s``.
 
         Stale pending records of committed steps (a crash between the marker and
-        the cleanup) are removed too. Returns the partial steps removed.
+        the cleanup) and temporary files of crashed create-only writes are
+        removed too. Returns the partial steps removed.
+
+        Args:
+          partials: the result of :meth:`partial_steps`, if the caller has it.
         """
         now = time.time()
         removed = []
-        for partial in self.partial_steps():
-            if partial.started is not None and now - partial.started < older_than_s:
+        for partial in self.partial_steps() if partials is None else partials:
+            if not partial.expired(older_than_s, now):
                 continue
             self.storage.delete(marker_key(partial.step))
             self.storage.delete_prefix(step_prefix(partial.step))
             self.storage.delete(pending_key(partial.step))
             removed.append(partial.step)
-        for key in self.storage.list("pending/"):
+        pending = self.storage.list("pending/")
+        for key in pending + self.storage.list("commits/"):
+            if key.rsplit("/", 1)[-1].startswith("."):  # a crashed create-only write's temp file
+                self.storage.delete(key)
+        for key in pending:
             step = _step_from_key(key, "pending")
             if step is not None and self.read_marker(step) is not None:
-                self.storage.delete(key)
-        for key in self.storage.list("commits/") + self.storage.list("pending/"):
-            if key.rsplit("/", 1)[-1].startswith("."):  # a crashed create-only write's temp file
                 self.storage.delete(key)
         if removed:
             log.info("removed partial steps %s under %s", removed, self.storage.uri)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -56,17 +55,14 @@ class ZarrHandler(ocp.AsyncCheckpointHandler):
         self._writer = writer
         self._primary_host = primary_host
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-write")
-        self.last_blocking_s = 0.0
 
     async def async_save(self, directory: epath.Path, args: SaveArgs) -> list[Future[None]]:
-        start = time.perf_counter()
         primary = jax.process_index() == self._primary_host
         arrays = [
             snapshot_array(leaf, value, primary=primary)
             for leaf, value in zip(args.leaves, args.values, strict=True)
             if leaf.kind != "value"
         ]
-        self.last_blocking_s = time.perf_counter() - start
         return [self._executor.submit(self._writer.write, args.step, args.leaves, arrays)]
 
     def save(self, directory: epath.Path, *args: Any, **kwargs: Any) -> None:
@@ -171,7 +167,6 @@ def make_checkpointer(
     *,
     timeout_s: float,
     primary_host: int = 0,
-    on_done: Callable[[], None] | None = None,
 ) -> tuple[ocp.AsyncCheckpointer, ZarrHandler]:
     """An AsyncCheckpointer wired to jaxckpt's handler and commit protocol.
 
@@ -184,7 +179,6 @@ def make_checkpointer(
         timeout_secs=max(1, int(timeout_s)),
         async_options=ocp.options.AsyncOptions(
             timeout_secs=max(1, int(timeout_s)),
-            post_finalization_callback=on_done,
             create_directories_asynchronously=False,
         ),
         file_options=ocp.options.FileOptions(skip_sync_file_validations=True),

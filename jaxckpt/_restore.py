@@ -18,11 +18,10 @@ from jaxckpt._tree import (
     SavedLeaf,
     flatten,
     match_target,
-    np_dtype,
     path_str,
     unflatten_saved,
 )
-from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region
+from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region, region_of
 from jaxckpt.errors import CorruptCheckpointError, StorageError
 
 
@@ -162,19 +161,15 @@ def _regions_for(leaf: SavedLeaf, target: Any) -> dict[Any, Region]:
     if sharding is None or leaf.kind == "key":
         return {None: full_region(leaf.shape)}
     index_map = sharding.addressable_devices_indices_map(leaf.shape)
-    return {
-        device: tuple(
-            (s.indices(d)[0], s.indices(d)[1]) for s, d in zip(index or (), leaf.shape, strict=True)
-        )
-        for device, index in index_map.items()
-    }
+    return {device: region_of(index or (), leaf.shape) for device, index in index_map.items()}
 
 
 def _assemble(
     leaf: SavedLeaf, target: Any, regions: dict[Any, Region], data: dict[Region, np.ndarray]
 ) -> Any:
-    saved_dtype = np_dtype(leaf.dtype or "float32")
-    target_dtype = np.dtype(getattr(target, "dtype", saved_dtype)) if leaf.kind != "key" else None
+    target_dtype = (
+        np.dtype(getattr(target, "dtype", leaf.numpy_dtype)) if leaf.kind != "key" else None
+    )
     if leaf.kind == "key":
         keys = jax.random.wrap_key_data(jax.numpy.asarray(data[regions[None]]), impl=leaf.key_impl)
         sharding = _target_sharding(target)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt._records import path_text as decoded_path_str
+from jaxckpt._records import path_text
 from jaxckpt.errors import TreeMismatchError, UnsupportedLeafError
 
 VALUE_TYPES = (bool, int, float, str, type(None))
@@ -123,13 +123,19 @@ class SavedLeaf:
 
     @property
     def path_text(self) -> str:
-        return decoded_path_str(self.path)
+        return path_text(self.path)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The numpy dtype of an array leaf (``bfloat16`` included)."""
+        assert self.dtype is not None, f"{self.path_text} is not an array leaf"
+        return np_dtype(self.dtype)
 
     @property
     def nbytes(self) -> int:
         if self.dtype is None:
             return 0
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(_np_dtype(self.dtype)).itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * self.numpy_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "kind": self.kind}
@@ -162,13 +168,9 @@ class SavedLeaf:
         )
 
 
-def _np_dtype(name: str) -> np.dtype:
-    return np.dtype(jax.numpy.dtype(name))
-
-
 def np_dtype(name: str) -> np.dtype:
     """The numpy dtype for a saved dtype name (``bfloat16`` included)."""
-    return _np_dtype(name)
+    return np.dtype(jax.numpy.dtype(name))
 
 
 def unflatten_saved(leaves: Sequence[SavedLeaf], values: Sequence[Any]) -> Any:

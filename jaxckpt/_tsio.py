@@ -2,7 +2,7 @@
 
 Each array leaf is one zarr v3 array with an uncompressed ``bytes`` codec and
 a ``crc32c`` codec, so every stored chunk is ``raw little-endian bytes ||
-crc32c(raw)``; TensorStore verifies that trailer on every read. Chunks tile
+crc32c(raw)``, which any zarr reader verifies (restores check it in ``_chunkread``). Chunks tile
 each shard exactly, so every chunk has exactly one writer: the process that
 owns the shard's ``replica_id == 0`` copy.
 """
@@ -31,7 +31,8 @@ from jaxckpt._tree import SavedLeaf
 Region = tuple[tuple[int, int], ...]
 
 
-def _region(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
+def region_of(index: tuple[slice, ...], shape: Sequence[int]) -> Region:
+    """``(start, stop)`` per axis of a shard index such as ``Shard.index``."""
     return tuple((s.indices(d)[0], s.indices(d)[1]) for s, d in zip(index, shape, strict=True))
 
 
@@ -41,10 +42,6 @@ class HostArray:
 
     leaf: SavedLeaf
     pieces: list[tuple[Region, np.ndarray]] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for _, a in self.pieces)
 
 
 def zarr_metadata(leaf: SavedLeaf) -> dict[str, Any]:
@@ -75,7 +72,7 @@ def snapshot_array(leaf: SavedLeaf, value: Any, *, primary: bool) -> HostArray:
         for s in shards:
             s.data.copy_to_host_async()
         for s in shards:
-            host.pieces.append((_region(s.index, value.shape), np.asarray(s.data)))
+            host.pieces.append((region_of(s.index, value.shape), np.asarray(s.data)))
     elif primary:
         array = np.array(value, copy=True)
         host.pieces.append((tuple((0, d) for d in array.shape), array))

@@ -426,7 +426,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     protocol = _open_root(args.root)
     now = time.time()
     partial = protocol.partial_steps()
-    old = [p for p in partial if p.started is None or now - p.started >= args.grace]
+    old = [p for p in partial if p.expired(args.grace, now)]
     for p in partial:
         age = f"started {_ago(p.started)}" if p.started is not None else "age unknown"
         if p in old:
@@ -437,7 +437,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"would remove {len(old)} partial steps older than {human_duration(args.grace)}")
         return 0
-    removed = protocol.collect_garbage(older_than_s=args.grace)
+    removed = protocol.collect_garbage(older_than_s=args.grace, partials=partial)
     print(f"removed {len(removed)} partial steps older than {human_duration(args.grace)}")
     return 0
 
