@@ -167,15 +167,16 @@ def make_checkpointer(
     *,
     timeout_s: float,
     primary_host: int = 0,
-) -> tuple[ocp.AsyncCheckpointer, ZarrHandler]:
+) -> ocp.AsyncCheckpointer:
     """An AsyncCheckpointer wired to jaxckpt's handler and commit protocol.
+
+    Closing the checkpointer closes the handler (and its writer thread).
 
     ``primary_host`` creates and commits each step (Orbax's primary host) and
     writes the numpy leaves, as it writes the tree record in the manager.
     """
-    handler = ZarrHandler(writer, primary_host=primary_host)
-    checkpointer = ocp.AsyncCheckpointer(
-        handler,
+    return ocp.AsyncCheckpointer(
+        ZarrHandler(writer, primary_host=primary_host),
         timeout_secs=max(1, int(timeout_s)),
         async_options=ocp.options.AsyncOptions(
             timeout_secs=max(1, int(timeout_s)),
@@ -186,4 +187,3 @@ def make_checkpointer(
         temporary_path_class=step_path_class(writer),
         multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=primary_host),
     )
-    return checkpointer, handler

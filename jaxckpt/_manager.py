@@ -122,7 +122,6 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._inflight: _Inflight | None = None
         self._checkpointer: Any = None
-        self._handler: _handler.ZarrHandler | None = None
         self._closed = False
         self._primary = jax.process_index() == self.options.primary_host
         self._agreement = Agreement(
@@ -191,7 +190,7 @@ class CheckpointManager:
             raise StepAlreadyExistsError(f"step {step} already exists under {self.root}")
         leaves, values = describe_state(state, chunk_bytes=self.options.chunk_bytes)
         tree = self._tree_record(step, leaves, metadata)
-        checkpointer, _ = self._ensure_checkpointer()
+        checkpointer = self._ensure_checkpointer()
         with self._lock:
             self._inflight = _Inflight(step=step, tree=tree, metrics=metrics, keep=keep)
         self._recorder.started(step)
@@ -243,15 +242,14 @@ class CheckpointManager:
                 f"step {step}: metadata and non-array leaves must be JSON-serialisable: {e}"
             ) from e
 
-    def _ensure_checkpointer(self) -> tuple[Any, _handler.ZarrHandler]:
+    def _ensure_checkpointer(self) -> Any:
         if self._checkpointer is None:
-            self._checkpointer, self._handler = _handler.make_checkpointer(
+            self._checkpointer = _handler.make_checkpointer(
                 _Writer(self),
                 timeout_s=self.options.save_timeout_s,
                 primary_host=self.options.primary_host,
             )
-        assert self._handler is not None
-        return self._checkpointer, self._handler
+        return self._checkpointer
 
     def wait(self) -> None:
         """Blocks until the in-flight save is committed.
