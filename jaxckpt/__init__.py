@@ -25,6 +25,7 @@ from jaxckpt.errors import TreeMismatchError as TreeMismatchError
 from jaxckpt.errors import UncommittedStepError as UncommittedStepError
 from jaxckpt.errors import UnsupportedFormatError as UnsupportedFormatError
 from jaxckpt.errors import UnsupportedLeafError as UnsupportedLeafError
+from jaxckpt.errors import WriterFencedError as WriterFencedError
 
 if TYPE_CHECKING:
     from jaxckpt import policy as policy
@@ -78,5 +79,6 @@ __all__ = [
     "UnsupportedFormatError",
     "UnsupportedLeafError",
     "VerifyReport",
+    "WriterFencedError",
     "policy",
 ]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._commit import arrays_prefix
+from jaxckpt._layout import StepLocation
 from jaxckpt._records import ChunkRecord
 from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf
@@ -64,7 +64,7 @@ def _cells(region: Region, chunk_shape: Sequence[int]) -> Iterator[Region]:
 
 def read_regions(
     storage: Storage,
-    step: int,
+    loc: StepLocation,
     requests: Sequence[RegionRequest],
     chunks: Mapping[str, Sequence[ChunkRecord]],
     *,
@@ -85,7 +85,8 @@ def read_regions(
     """
     outputs: list[np.ndarray | None] = [None] * len(requests)
     records = {name: {c.key: c for c in cs} for name, cs in chunks.items()}
-    where = f"{storage.uri.rstrip('/')}/{arrays_prefix(step)}"
+    step = loc.step
+    where = f"{storage.uri.rstrip('/')}/{loc.arrays_prefix}"
     inflight: deque[_Pending] = deque()
     inflight_bytes = 0
     with ThreadPoolExecutor(workers, thread_name_prefix="jaxckpt-read") as pool:
@@ -94,7 +95,9 @@ def read_regions(
             itemsize = leaf.numpy_dtype.itemsize
             for cell in _cells(request.region, leaf.chunk_shape):
                 key = chunk_key(cell, leaf.chunk_shape)
-                future = pool.submit(storage.read_buffer, f"{arrays_prefix(step)}{leaf.name}/{key}")
+                future = pool.submit(
+                    storage.read_buffer, f"{loc.array_prefix(leaf.name or '')}{key}"
+                )
                 inflight.append((i, cell, key, future))
                 inflight_bytes += math.prod(leaf.chunk_shape) * itemsize
                 while inflight_bytes > window_bytes and inflight:

@@ -1,22 +1,16 @@
 """The commit-marker protocol. Imports no jax, so listing tools start fast.
 
-Layout under a root (keys are relative to the root)::
+Keys come from :mod:`jaxckpt._layout`; epochs and visibility from
+:mod:`jaxckpt._fence`; garbage collection lives in :mod:`jaxckpt._gc`.
 
-    jaxckpt.json                      root record (format, version)
-    pending/<step>.json               intent: a save or delete of <step> is under way
-    steps/<step>/arrays/<name>/...    zarr v3 arrays (one per array leaf)
-    steps/<step>/arrays/zarr.json     zarr v3 group, so zarr-python can open the arrays
-    steps/<step>/manifest/<proc>.json chunks written by process <proc>, with CRC32C
-    steps/<step>/tree.json            the tree: paths, array metadata, non-array values
-    commits/<step>.json               the commit marker, written last
-
-A save writes ``pending``, then data, then the manifest parts and the tree
-record (each durable before the next phase), then creates the marker with a
-create-only write, then removes ``pending``. A delete writes ``pending``,
-removes the marker, then the data, then ``pending``. So at every instant a
-step is either committed (a valid marker) or partial (data without a valid
-marker, always announced by a ``pending`` record), and partial steps are
-garbage-collected. Nothing relies on rename.
+A save of step *s* is one *attempt* with its own prefix: ``pending`` record,
+then data, manifest parts and the tree record (each durable before the next
+phase), then the commit marker ``commits/<s>.e<epoch>.json`` with a
+create-only write, naming the attempt and its files' checksums; then the
+pending record goes. Two writers of one step never share a key, so the data a
+marker names is exactly what its writer wrote. A delete writes a pending
+record, retracts the marker, then removes the attempt's data. Nothing relies
+on rename, nothing overwrites data a valid marker names.
 """
 
 from __future__ import annotations
@@ -26,11 +20,25 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import TypeVar
 
 from jaxckpt import policy
+from jaxckpt._fence import EpochReader, EpochRecord, Epochs
+from jaxckpt._layout import (
+    COMMITS,
+    PENDING,
+    ROOT_RECORD,
+    TREE_FILE,
+    MarkerRef,
+    StepLocation,
+    is_manifest_name,
+    manifest_name,
+    marker_key,
+    parse_marker_key,
+)
 from jaxckpt._phases import reached
 from jaxckpt._records import (
+    FORMAT_VERSION,
     CommitMarker,
     FileDigest,
     ManifestPart,
@@ -46,69 +54,41 @@ from jaxckpt.errors import (
     StepNotFoundError,
     UncommittedStepError,
     UnsupportedFormatError,
+    WriterFencedError,
 )
 
 log = logging.getLogger("jaxckpt")
 
-ROOT_RECORD = "jaxckpt.json"
-TREE_FILE = "tree.json"
-
-
-def step_prefix(step: int) -> str:
-    return f"steps/{step}/"
-
-
-def arrays_prefix(step: int) -> str:
-    return f"steps/{step}/arrays/"
-
-
-def marker_key(step: int) -> str:
-    return f"commits/{step}.json"
-
-
-def pending_key(step: int) -> str:
-    return f"pending/{step}.json"
-
-
-def manifest_key(process: int) -> str:
-    return f"manifest/{process}.json"
-
-
-def _step_from_key(key: str, directory: str) -> int | None:
-    name = key[len(directory) + 1 :]
-    stem = name[: -len(".json")] if name.endswith(".json") else ""
-    return int(stem) if stem.isdigit() else None
-
-
-@dataclass(frozen=True, kw_only=True)
-class PartialStep:
-    """A step with data or a pending record but no valid commit marker."""
-
-    step: int
-    operation: str
-    started: float | None
-    reason: str
-
-    def expired(self, grace_s: float, now: float) -> bool:
-        """Older than ``grace_s`` (a step of unknown age always is)."""
-        return self.started is None or now - self.started >= grace_s
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class CommitProtocol:
-    """Reads and writes the protocol's records on one :class:`Storage` root."""
+    """Reads and writes the protocol's records on one :class:`Storage` root.
+
+    A protocol with an ``epoch`` (see :meth:`take_epoch`) is a writer: it
+    checks the fence before it begins, commits or deletes. One without an
+    epoch (the CLI's ``prune``, ``gc``, ``cp``) writes as an operator in the
+    current epoch and never fences anyone.
+    """
 
     def __init__(self, storage: Storage, *, list_workers: int = 16) -> None:
         self.storage = storage
+        self.epochs = EpochReader(storage)
+        self.epoch: int | None = None
         self._list_workers = list_workers
 
     def where(self, key: str = "") -> str:
         """The full URI of ``key``, for messages."""
         return f"{self.storage.uri.rstrip('/')}/{key}"
 
-    # -- root ---------------------------------------------------------------
+    # -- root and epochs ----------------------------------------------------
 
     def ensure_root(self, *, create: bool) -> None:
-        """Checks the root record; with ``create``, writes it if absent.
+        """Checks the root record; with ``create``, writes (or upgrades) it.
+
+        A writable open upgrades a format-1 root record to this format, so a
+        jaxckpt too old to honour writer epochs refuses to write to it.
 
         Raises:
           NotACheckpointRootError: no root record and not ``create``.
@@ -123,79 +103,159 @@ class CommitProtocol:
             with contextlib.suppress(PreconditionFailed):  # another process created it
                 self.storage.write(ROOT_RECORD, json_record(created=time.time()), exclusive=True)
             data = self.storage.read(ROOT_RECORD) or b""
-        load_json_record(data, self.where(ROOT_RECORD))
+        record = load_json_record(data, self.where(ROOT_RECORD))
+        if create and record.get("version", 0) < FORMAT_VERSION:
+            upgraded = {k: v for k, v in record.items() if k not in ("format", "version")}
+            self.storage.write(ROOT_RECORD, json_record(**upgraded, upgraded=time.time()))
+
+    def take_epoch(self) -> EpochRecord:
+        """Makes this protocol the root's writer with a new epoch; fences older writers."""
+        record = self.epochs.take(lambda epochs: self.visible_refs(epochs))
+        self.epoch = record.epoch
+        log.info(
+            "writer epoch %d of %s (resumed from step %s)",
+            record.epoch,
+            self.storage.uri,
+            record.resumed_from,
+        )
+        return record
+
+    def check_fence(self, action: str) -> None:
+        """Raises if a newer writer took over the root (no-op without an epoch).
+
+        Raises:
+          WriterFencedError: a newer epoch exists.
+        """
+        if self.epoch is None:
+            return
+        newest = self.epochs.newest()
+        if newest > self.epoch:
+            raise WriterFencedError(
+                f"cannot {action}: writer epoch {self.epoch} of {self.storage.uri} was fenced "
+                f"by epoch {newest} (another process opened the root for writing)"
+            )
+
+    def write_epoch(self) -> int:
+        """The epoch new attempts are written in: this writer's, else the current one."""
+        return self.epoch if self.epoch is not None else self.epochs.newest()
 
     # -- committed steps ----------------------------------------------------
 
-    def read_marker(self, step: int) -> CommitMarker | None:
-        """The step's valid marker, or None when absent or torn.
+    def marker_refs(self) -> list[MarkerRef]:
+        """Every marker object under ``commits/`` (valid or not, visible or not)."""
+        refs = (parse_marker_key(k) for k in self.storage.list(COMMITS))
+        return sorted(r for r in refs if r is not None)
+
+    def visible_refs(
+        self, epochs: Epochs | None = None, refs: Sequence[MarkerRef] | None = None
+    ) -> dict[int, MarkerRef]:
+        """Steps whose marker is visible by the epoch rule (from keys only, no reads)."""
+        epochs = self.epochs.load() if epochs is None else epochs
+        result: dict[int, MarkerRef] = {}
+        for ref in self.marker_refs() if refs is None else refs:
+            if epochs.visible(ref):
+                result[ref.step] = max(ref, result.get(ref.step, ref))
+        return result
+
+    def read_ref(self, ref: MarkerRef) -> CommitMarker | None:
+        """The marker behind ``ref``, or None when absent or invalid (logged).
 
         Raises:
           UnsupportedFormatError: the marker has a newer format version.
         """
-        data = self.storage.read(marker_key(step))
+        data = self.storage.read(ref.key)
         if data is None:
             return None
         try:
-            marker = CommitMarker.from_bytes(data, self.where(marker_key(step)))
+            marker = CommitMarker.from_bytes(data, self.where(ref.key))
         except UnsupportedFormatError:
             raise
         except CorruptCheckpointError as e:
-            log.warning("ignoring invalid commit marker: %s", e)
+            log.warning("damaged commit marker (step %d not restorable): %s", ref.step, e)
             return None
-        return marker if marker.step == step else None
+        if marker.step != ref.step or marker.epoch != ref.epoch:
+            log.warning(
+                "damaged commit marker %s: names another step or epoch", self.where(ref.key)
+            )
+            return None
+        return marker
 
-    def marker_steps(self) -> list[int]:
-        """Steps that have a marker object (valid or not), from one listing."""
-        keys = self.storage.list("commits/")
-        steps = (_step_from_key(k, "commits") for k in keys)
-        return sorted(s for s in steps if s is not None)
+    def read_marker(self, step: int) -> CommitMarker | None:
+        """The step's visible, valid marker, or None."""
+        ref = self.visible_refs().get(step)
+        return None if ref is None else self.read_ref(ref)
 
     def committed(self) -> dict[int, CommitMarker]:
-        """Every committed step with its validated marker, ascending."""
-        steps = self.marker_steps()
-        markers = self._map(self.read_marker, steps)
-        return {s: m for s, m in zip(steps, markers, strict=True) if m is not None}
+        """Every visible committed step with its validated marker, ascending."""
+        refs = sorted(self.visible_refs().values())
+        markers = self.map(self.read_ref, refs)
+        return {r.step: m for r, m in zip(refs, markers, strict=True) if m is not None}
+
+    def latest(self) -> CommitMarker | None:
+        """The newest visible valid marker, reading markers newest first until one is valid."""
+        for ref in sorted(self.visible_refs().values(), reverse=True):
+            marker = self.read_ref(ref)
+            if marker is not None:
+                return marker
+        return None
 
     def require_marker(self, step: int) -> CommitMarker:
         """The marker of a committed step.
 
         Raises:
-          UncommittedStepError: the step has data but no valid marker.
+          UncommittedStepError: the step has a save under way or a damaged marker.
           StepNotFoundError: no such step.
         """
-        marker = self.read_marker(step)
+        ref = self.visible_refs().get(step)
+        marker = None if ref is None else self.read_ref(ref)
         if marker is not None:
             return marker
-        if self.storage.read(pending_key(step)) is not None:
+        if ref is not None:
+            raise CorruptCheckpointError(
+                f"step {step} under {self.storage.uri} has a damaged commit marker "
+                f"({self.where(ref.key)}); its data is kept: run `jaxckpt verify` / `jaxckpt ls`"
+            )
+        if self.storage.list(f"{PENDING}{step}/") or self.storage.read(f"{PENDING}{step}.json"):
             raise UncommittedStepError(
                 f"step {step} under {self.storage.uri} is partial (no valid commit marker)"
             )
         steps = sorted(self.committed())
         raise StepNotFoundError(
-            f"step {step} not found under {self.storage.uri}; committed steps: {_brief(steps)}"
+            f"step {step} not found under {self.storage.uri}; committed steps: {brief(steps)}"
         )
+
+    def still_committed(self, marker: CommitMarker) -> bool:
+        """Whether ``marker``'s attempt is still the step's visible commit."""
+        ref = self.visible_refs().get(marker.step)
+        return ref is not None and ref.key == marker.key
 
     # -- writing a step -----------------------------------------------------
 
-    def begin_save(self, step: int) -> None:
-        """Announces a save of ``step``, clearing leftovers of a partial one.
+    def begin_save(self, loc: StepLocation) -> None:
+        """Announces a save attempt (its pending record). Never deletes anything.
 
         Raises:
-          StepAlreadyExistsError: ``step`` is committed.
+          StepAlreadyExistsError: the step is committed (or has a damaged marker).
+          WriterFencedError: a newer writer took over.
         """
-        if self.read_marker(step) is not None:
-            raise StepAlreadyExistsError(f"step {step} already exists under {self.storage.uri}")
-        self.storage.write(pending_key(step), json_record(operation="save", started=time.time()))
-        self.storage.delete(marker_key(step))  # a torn marker from a crashed attempt
-        self.storage.delete_prefix(step_prefix(step))
-        reached("pending_written", step)
+        ref = self.visible_refs().get(loc.step)
+        if ref is not None:
+            damaged = "" if self.read_ref(ref) is not None else " (with a damaged marker)"
+            raise StepAlreadyExistsError(
+                f"step {loc.step} already exists under {self.storage.uri}{damaged}"
+            )
+        self.check_fence(f"save step {loc.step}")
+        record = json_record(
+            operation="save", started=time.time(), step=loc.step, attempt=loc.attempt
+        )
+        self.storage.write(loc.pending_key, record)
+        reached("pending_written", loc.step)
 
-    def write_manifest_part(self, part: ManifestPart) -> None:
-        self.storage.write(step_prefix(part.step) + manifest_key(part.process), part.to_bytes())
+    def write_manifest_part(self, loc: StepLocation, part: ManifestPart) -> None:
+        self.storage.write(loc.key(manifest_name(part.process)), part.to_bytes())
 
-    def write_tree(self, step: int, tree: bytes) -> None:
-        self.storage.write(step_prefix(step) + TREE_FILE, tree)
+    def write_tree(self, loc: StepLocation, tree: bytes) -> None:
+        self.storage.write(loc.tree_key, tree)
 
     def read_step_file(self, marker: CommitMarker, name: str) -> bytes:
         """Reads a file listed in the marker and checks its size and CRC32C.
@@ -203,7 +263,7 @@ class CommitProtocol:
         Raises:
           CorruptCheckpointError: missing or altered.
         """
-        key = step_prefix(marker.step) + name
+        key = marker.location.key(name)
         data = self.storage.read(key)
         expected = marker.files.get(name)
         if data is None or expected is None:
@@ -215,127 +275,112 @@ class CommitProtocol:
         return data
 
     def read_manifest(self, marker: CommitMarker) -> list[ManifestPart]:
-        names = sorted(n for n in marker.files if n.startswith("manifest/"))
+        names = sorted(n for n in marker.files if is_manifest_name(n))
         return [
             ManifestPart.from_bytes(self.read_step_file(marker, n), self.where(n)) for n in names
         ]
 
     def commit(
         self,
-        step: int,
+        loc: StepLocation,
         *,
         num_processes: int,
         metrics: dict[str, float] | None = None,
         keep: bool = False,
     ) -> CommitMarker:
-        """Writes the commit marker once every process's manifest part is present.
+        """Writes the commit marker once the attempt's records and chunks are all present.
 
         Raises:
-          CheckpointError: a manifest part or the tree record is missing.
+          CheckpointError: a manifest part, the tree record or a listed chunk is missing.
           StepAlreadyExistsError: another writer committed this step first.
+          WriterFencedError: a newer writer took over.
         """
-        names = [TREE_FILE] + [manifest_key(p) for p in range(num_processes)]
+        step = loc.step
         files: dict[str, FileDigest] = {}
-        nbytes = 0
-        for name in names:
-            key = step_prefix(step) + name
-            data = self.storage.read(key)
+        parts = []
+        for name in [TREE_FILE] + [manifest_name(p) for p in range(num_processes)]:
+            data = self.storage.read(loc.key(name))
             if data is None:
-                raise CheckpointError(f"cannot commit step {step}: {self.where(key)} is missing")
+                raise CheckpointError(
+                    f"cannot commit step {step}: {self.where(loc.key(name))} is missing"
+                )
             files[name] = FileDigest.of(data)
-            if name.startswith("manifest/"):
-                nbytes += ManifestPart.from_bytes(data, self.where(key)).nbytes
+            if is_manifest_name(name):
+                parts.append(ManifestPart.from_bytes(data, self.where(loc.key(name))))
+        self._check_chunks_present(loc, parts)
         marker = CommitMarker(
             step=step,
             time=time.time(),
             num_processes=num_processes,
             files=files,
-            nbytes=nbytes,
+            nbytes=sum(p.nbytes for p in parts),
             metrics=dict(metrics or {}),
             keep=keep,
+            attempt=loc.attempt,
+            epoch=loc.epoch,
         )
+        self.check_fence(f"commit step {step}")
+        if step in self.visible_refs():
+            raise StepAlreadyExistsError(
+                f"step {step} was committed by another writer under {self.storage.uri}"
+            )
         reached("before_marker", step)
         try:
-            self.storage.write(marker_key(step), marker.to_bytes(), exclusive=True)
+            self.storage.write(marker_key(step, loc.epoch), marker.to_bytes(), exclusive=True)
         except PreconditionFailed as e:
             raise StepAlreadyExistsError(
                 f"step {step} was committed by another writer under {self.storage.uri}"
             ) from e
         reached("marker_written", step)
-        self.storage.delete(pending_key(step))
+        self.storage.delete(loc.pending_key)
         return marker
 
-    # -- deleting and garbage collection ------------------------------------
+    def _check_chunks_present(self, loc: StepLocation, parts: Sequence[ManifestPart]) -> None:
+        """Every chunk the manifest parts list exists (one listing of the attempt)."""
+        present = set(self.storage.list(loc.arrays_prefix))
+        for part in parts:
+            for name, chunks in part.arrays.items():
+                for chunk in chunks:
+                    if loc.array_prefix(name) + chunk.key not in present:
+                        raise CheckpointError(
+                            f"cannot commit step {loc.step}: chunk {chunk.key} of {name} "
+                            f"({self.where(loc.array_prefix(name) + chunk.key)}) is missing"
+                        )
 
-    def delete(self, step: int) -> None:
-        """Deletes a step: retract the marker first, then the data."""
-        self.storage.write(pending_key(step), json_record(operation="delete", started=time.time()))
-        self.storage.delete(marker_key(step))
-        reached("delete_retracted", step)
-        self.storage.delete_prefix(step_prefix(step))
-        self.storage.delete(pending_key(step))
+    def abandon(self, loc: StepLocation) -> None:
+        """Removes an uncommitted attempt of this writer (never one a marker names)."""
+        self.storage.delete_prefix(loc.prefix)
+        self.storage.delete(loc.pending_key)
 
-    def partial_steps(self) -> list[PartialStep]:
-        """Steps with a pending record or a torn marker and no valid marker."""
-        pending = self.storage.list("pending/")
-        candidates: dict[int, str] = {}
-        for key in pending:
-            step = _step_from_key(key, "pending")
-            if step is not None:
-                candidates[step] = "pending record without a valid commit marker"
-        for step in self.marker_steps():
-            candidates.setdefault(step, "invalid commit marker")
-        result = []
-        for step, reason in sorted(candidates.items()):
-            if self.read_marker(step) is not None:
-                continue
-            operation, started = "unknown", None
-            raw = self.storage.read(pending_key(step))
-            if raw is not None:
-                try:
-                    record = load_json_record(raw, self.where(pending_key(step)))
-                    operation, started = record.get("operation", "unknown"), record.get("started")
-                except CheckpointError:
-                    pass
-            result.append(
-                PartialStep(step=step, operation=operation, started=started, reason=reason)
-            )
-        return result
+    # -- deleting -----------------------------------------------------------
 
-    def collect_garbage(
-        self, *, older_than_s: float = 0.0, partials: Sequence[PartialStep] | None = None
-    ) -> list[int]:
-        """Removes partial steps whose pending record is older than ``older_than_s``.
+    def delete(self, step: int, *, marker: CommitMarker | None = None) -> None:
+        """Deletes a committed step: retract the marker first, then the attempt's data.
 
-        Stale pending records of committed steps (a crash between the marker and
-        the cleanup) and temporary files of crashed create-only writes are
-        removed too. Returns the partial steps removed.
-
-        Args:
-          partials: the result of :meth:`partial_steps`, if the caller has it.
+        Raises:
+          StepNotFoundError: no such committed step.
+          WriterFencedError: a newer writer took over, or the step is a newer writer's.
         """
-        now = time.time()
-        removed = []
-        for partial in self.partial_steps() if partials is None else partials:
-            if not partial.expired(older_than_s, now):
-                continue
-            self.storage.delete(marker_key(partial.step))
-            self.storage.delete_prefix(step_prefix(partial.step))
-            self.storage.delete(pending_key(partial.step))
-            removed.append(partial.step)
-        pending = self.storage.list("pending/")
-        for key in pending + self.storage.list("commits/"):
-            if key.rsplit("/", 1)[-1].startswith("."):  # a crashed create-only write's temp file
-                self.storage.delete(key)
-        for key in pending:
-            step = _step_from_key(key, "pending")
-            if step is not None and self.read_marker(step) is not None:
-                self.storage.delete(key)
-        if removed:
-            log.info("removed partial steps %s under %s", removed, self.storage.uri)
-        return removed
+        marker = marker or self.require_marker(step)
+        self.check_fence(f"delete step {step}")
+        if self.epoch is not None and marker.epoch > self.epoch:
+            raise WriterFencedError(
+                f"cannot delete step {step} under {self.storage.uri}: it was committed by "
+                f"writer epoch {marker.epoch}, newer than this writer's {self.epoch}"
+            )
+        self.retract(marker.location, marker.key)
 
-    def _map(self, fn: Callable[[int], CommitMarker | None], items: Iterable[int]) -> list:
+    def retract(self, loc: StepLocation, key: str) -> None:
+        """Deletes a marker and then the data it names, announced by a pending record."""
+        record = json_record(operation="delete", started=time.time(), step=loc.step)
+        self.storage.write(loc.pending_key, record)
+        self.storage.delete(key)
+        reached("delete_retracted", loc.step)
+        self.storage.delete_prefix(loc.prefix)
+        self.storage.delete(loc.pending_key)
+
+    def map(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+        """``fn`` over ``items`` on a small thread pool (many small reads)."""
         items = list(items)
         if len(items) <= 1:
             return [fn(i) for i in items]
@@ -343,7 +388,8 @@ class CommitProtocol:
             return list(pool.map(fn, items))
 
 
-def _brief(steps: list[int], limit: int = 20) -> str:
+def brief(steps: list[int], limit: int = 20) -> str:
+    """A short text of a list of steps (first and last few of a long one)."""
     if not steps:
         return "none"
     if len(steps) <= limit:

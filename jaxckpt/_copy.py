@@ -1,7 +1,8 @@
 """Copying committed steps between roots (``jaxckpt cp``), optionally recompressed.
 
-The destination gets the same commit protocol as a save: pending record, data,
-manifest and tree, then the marker last. A failed copy leaves no partial step.
+The destination gets the same commit protocol as a save, in a fresh attempt of
+the destination's current epoch: pending record, data, manifest and tree, then
+the marker last. A failed copy removes its own attempt and nothing else.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jaxckpt._commit import TREE_FILE, CommitProtocol, arrays_prefix, pending_key, step_prefix
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._layout import TREE_FILE, StepLocation, is_manifest_name, new_attempt
 from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart, crc32c
 from jaxckpt._storage import Storage
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
@@ -32,32 +34,36 @@ def copy_step(
       compress: None copies chunks byte for byte (each checked against the
         manifest); ``"zstd"`` re-encodes them with a zstd codec for archival.
     """
-    step = marker.step
-    dst.begin_save(step)
+    loc = StepLocation(marker.step, new_attempt(dst.write_epoch()))
+    dst.begin_save(loc)
     try:
         if compress == "zstd":
-            nbytes = _copy_step_compressed(src, dst, marker, level)
+            nbytes = _copy_step_compressed(src, dst, marker, loc, level)
             num_processes = 1
         else:
-            nbytes = _copy_step_raw(src, dst, marker)
+            nbytes = _copy_step_raw(src, dst, marker, loc)
             num_processes = marker.num_processes
-        dst.write_tree(step, src.read_step_file(marker, TREE_FILE))
-        dst.commit(
-            step, num_processes=num_processes, metrics=dict(marker.metrics), keep=marker.keep
-        )
+        dst.write_tree(loc, src.read_step_file(marker, TREE_FILE))
+        dst.commit(loc, num_processes=num_processes, metrics=dict(marker.metrics), keep=marker.keep)
     except BaseException:
-        with contextlib.suppress(Exception):  # leave no partial step behind
-            dst.storage.delete_prefix(step_prefix(step))
-            dst.storage.delete(pending_key(step))
+        with contextlib.suppress(Exception):  # leave no partial attempt behind
+            dst.abandon(loc)
         raise
     return nbytes
 
 
 def _copy_objects(
-    src: Storage, dst: Storage, keys: Sequence[str], chunks: dict[str, ChunkRecord]
+    src: Storage,
+    dst: Storage,
+    keys: Sequence[str],
+    chunks: dict[str, ChunkRecord],
+    rename: tuple[str, str],
 ) -> None:
-    """Copies ``keys``; those in ``chunks`` must match their manifest record."""
+    """Copies ``keys`` (``rename``: source prefix → destination prefix); those in
+    ``chunks`` must match their manifest record."""
     from jaxckpt._tsio import chunk_problem
+
+    old, new = rename
 
     def one(key: str) -> None:
         data = src.read(key)
@@ -69,26 +75,28 @@ def _copy_objects(
             raise CorruptCheckpointError(
                 f"{src.uri}/{key} does not match its manifest record ({problem}); not copied"
             )
-        dst.write(key, data)
+        dst.write(new + key[len(old) :], data)
 
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(one, keys))
 
 
-def _copy_step_raw(src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker) -> int:
+def _copy_step_raw(
+    src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker, loc: StepLocation
+) -> int:
     """Copies a step's arrays byte for byte (chunks checked) and its manifest parts.
 
     Returns the bytes of the chunks copied, as the manifest counts them.
     """
-    step = marker.step
+    here = marker.location
     chunks: dict[str, ChunkRecord] = {}
     for part in src.read_manifest(marker):
         for name, records in part.arrays.items():
             for c in records:
-                chunks[f"{arrays_prefix(step)}{name}/{c.key}"] = c
-    keys = sorted(set(src.storage.list(arrays_prefix(step))) | set(chunks))
-    manifests = [step_prefix(step) + n for n in marker.files if n.startswith("manifest/")]
-    _copy_objects(src.storage, dst.storage, [*keys, *manifests], chunks)
+                chunks[here.array_prefix(name) + c.key] = c
+    keys = sorted(set(src.storage.list(here.arrays_prefix)) | set(chunks))
+    manifests = [here.key(n) for n in marker.files if is_manifest_name(n)]
+    _copy_objects(src.storage, dst.storage, [*keys, *manifests], chunks, (here.prefix, loc.prefix))
     return sum(c.size for c in chunks.values())
 
 
@@ -105,7 +113,7 @@ def _zstd_metadata(leaf: Any, level: int) -> dict[str, Any]:
 
 
 def _copy_step_compressed(
-    src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker, level: int
+    src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker, loc: StepLocation, level: int
 ) -> int:
     """Re-encodes a step's arrays with zstd and writes one manifest of the stored chunks."""
     import tensorstore as ts
@@ -116,14 +124,16 @@ def _copy_step_compressed(
     loaded = load_step(src, marker)
     src_ctx = ts.Context(src.storage.context_spec())
     dst_ctx = ts.Context(dst.storage.context_spec())
-    group = src.storage.read(arrays_prefix(step) + "zarr.json")
+    here = marker.location
+    group = src.storage.read(here.arrays_prefix + "zarr.json")
     if group is not None:
-        dst.storage.write(arrays_prefix(step) + "zarr.json", group)
+        dst.storage.write(loc.arrays_prefix + "zarr.json", group)
     records: dict[str, tuple[ChunkRecord, ...]] = {}
     for leaf in loaded.leaves:
         if leaf.kind == "value" or leaf.name is None:
             continue
-        prefix = arrays_prefix(step) + leaf.name + "/"
+        prefix = here.array_prefix(leaf.name)
+        out = loc.array_prefix(leaf.name)
         try:
             source_spec: dict[str, Any] = {
                 "driver": "zarr3",
@@ -133,21 +143,21 @@ def _copy_step_compressed(
             source = ts.open(source_spec, open=True, read=True, context=src_ctx).result()
             target_spec: dict[str, Any] = {
                 "driver": "zarr3",
-                "kvstore": dst.storage.kvstore_spec(prefix),
+                "kvstore": dst.storage.kvstore_spec(out),
             }
             target_spec["metadata"] = _zstd_metadata(leaf, level)
             target_spec["store_data_equal_to_fill_value"] = True  # every chunk is an object
             target = ts.open(target_spec, create=True, open=True, context=dst_ctx).result()
             keys = [c.key for c in loaded.chunks.get(leaf.name, ())]
             _transcode(source, target, keys, leaf.shape, leaf.chunk_shape)
-            kv = ts.KvStore.open(dst.storage.kvstore_spec(prefix), context=dst_ctx).result()
+            kv = ts.KvStore.open(dst.storage.kvstore_spec(out), context=dst_ctx).result()
             records[leaf.name] = tuple(_stored_chunks(kv, keys))
         except ValueError as e:  # TensorStore reports failures as ValueError
             raise CheckpointError(
                 f"step {step}: cannot copy {leaf.path_text} ({src.where(prefix)}): {e}"
             ) from e
     part = ManifestPart(step=step, process=0, num_processes=1, arrays=records)
-    dst.write_manifest_part(part)
+    dst.write_manifest_part(loc, part)
     return part.nbytes
 
 

@@ -1,8 +1,8 @@
 """CheckpointManager: the public entry point that ties the pieces together.
 
 A save goes manager → Orbax AsyncCheckpointer → :class:`~jaxckpt._handler.ZarrHandler`
-→ :class:`~jaxckpt._tsio.ArrayWriter` → TensorStore; the commit goes through
-:class:`~jaxckpt._commit.CommitProtocol`.
+→ :class:`~jaxckpt._save.SaveSession` → :class:`~jaxckpt._tsio.ArrayWriter` → TensorStore;
+the commit goes through :class:`~jaxckpt._commit.CommitProtocol`.
 """
 
 from __future__ import annotations
@@ -20,18 +20,19 @@ from typing import Any, NoReturn
 import jax
 import tensorstore as ts
 
-from jaxckpt import _handler, policy
+from jaxckpt import _gc, _handler, errors, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol, retention_decision
+from jaxckpt._layout import StepLocation, new_attempt
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._phases import reached
 from jaxckpt._preemption import PreemptionWatcher
-from jaxckpt._records import ManifestPart, json_record
+from jaxckpt._records import CommitMarker, json_record
 from jaxckpt._restore import StepReader, load_step
+from jaxckpt._save import Inflight, SaveSession
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
 from jaxckpt._tree import SavedLeaf, describe_state
-from jaxckpt._tsio import ArrayWriter, HostArray
+from jaxckpt._tsio import ArrayWriter
 from jaxckpt._verify import VerifyReport, verify_step
 from jaxckpt.errors import (
     CheckpointError,
@@ -40,6 +41,7 @@ from jaxckpt.errors import (
     SaveTimeoutError,
     StepAlreadyExistsError,
     StepNotFoundError,
+    WriterFencedError,
 )
 
 log = logging.getLogger("jaxckpt")
@@ -69,15 +71,6 @@ class StepMetadata:
     keep: bool
     user_metadata: Any
     tree: tuple[LeafInfo, ...]
-
-
-@dataclass
-class _Inflight:
-    step: int
-    tree: bytes
-    metrics: dict[str, float] | None
-    keep: bool
-    nbytes: int = 0
 
 
 def _check_step(step: Any) -> int:
@@ -120,12 +113,19 @@ class CheckpointManager:
         self._reader = StepReader(self._protocol, self._arrays, self._context)
         self._recorder = SaveRecorder()
         self._lock = threading.Lock()
-        self._inflight: _Inflight | None = None
+        self._primary = jax.process_index() == self.options.primary_host
+        self._session = SaveSession(
+            self._protocol,
+            self._arrays,
+            self._recorder,
+            primary=self._primary,
+            on_commit=self._committed,
+        )
         self._checkpointer: Any = None
         self._closed = False
-        self._primary = jax.process_index() == self.options.primary_host
+        self._fenced: WriterFencedError | None = None
         self._agreement = Agreement(
-            f"{zlib.crc32(self.root.encode()):08x}",
+            _namespace(self.root),
             primary=self.options.primary_host,
             timeout_s=self.options.save_timeout_s,
         )
@@ -136,15 +136,25 @@ class CheckpointManager:
         self._watcher = PreemptionWatcher() if _wants_preemption(self.options.save_policy) else None
         if self.options.read_only:
             self._protocol.ensure_root(create=False)
-        elif self._primary:  # other hosts write only after the primary began a step
+            return
+        epoch = None
+        if self._primary:  # other hosts write only after the primary began a step
             self._protocol.ensure_root(create=True)
+            epoch = self._protocol.take_epoch().epoch
             if self.options.gc_on_open:
-                self._protocol.collect_garbage()
+                found = _gc.scan(self._protocol, full=False)
+                _gc.collect(self._protocol, found, grace_s=self.options.gc_grace_s)
+        self._protocol.epoch = self._agreement.agree("epoch", epoch)  # one epoch per job
 
     @property
     def root(self) -> str:
         """The root's URI."""
         return self._storage.uri
+
+    @property
+    def epoch(self) -> int | None:
+        """This writer's epoch (None for a read-only manager)."""
+        return self._protocol.epoch
 
     # -- saving --------------------------------------------------------------
 
@@ -179,6 +189,7 @@ class CheckpointManager:
           StepAlreadyExistsError: ``step`` is already committed.
           UnsupportedLeafError: a leaf cannot be saved (the path is named).
           SaveFailedError: the previous background save failed.
+          WriterFencedError: another process opened the root for writing since.
         """
         self._check_writable()
         _check_step(step)
@@ -191,18 +202,21 @@ class CheckpointManager:
         leaves, values = describe_state(state, chunk_bytes=self.options.chunk_bytes)
         tree = self._tree_record(step, leaves, metadata)
         checkpointer = self._ensure_checkpointer()
-        with self._lock:
-            self._inflight = _Inflight(step=step, tree=tree, metrics=metrics, keep=keep)
-        self._recorder.started(step)
+        attempt = self._agreement.agree("attempt", new_attempt(self._protocol.write_epoch()))
+        self._session.start(
+            Inflight(loc=StepLocation(step, attempt), tree=tree, metrics=metrics, keep=keep)
+        )
         try:
             checkpointer.save(
                 _handler.orbax_step_path(step),
                 args=_handler.SaveArgs(step=step, leaves=leaves, values=values),
             )
         except Exception as e:
-            self._recorder.failed(step)
-            with self._lock:
-                self._inflight = None
+            self._session.end(failed=True)
+            fenced = _fence_error(e)
+            if fenced is not None:
+                self._fenced = fenced
+                raise fenced from e
             if isinstance(e, CheckpointError):
                 raise
             raise SaveFailedError(f"save of step {step} under {self.root} failed: {e}") from e
@@ -245,7 +259,7 @@ class CheckpointManager:
     def _ensure_checkpointer(self) -> Any:
         if self._checkpointer is None:
             self._checkpointer = _handler.make_checkpointer(
-                _Writer(self),
+                self._session,
                 timeout_s=self.options.save_timeout_s,
                 primary_host=self.options.primary_host,
             )
@@ -257,7 +271,10 @@ class CheckpointManager:
         Raises:
           SaveFailedError: the background save failed (the step is not committed).
           SaveTimeoutError: it did not commit within ``save_timeout_s``.
+          WriterFencedError: another process took over the root; nothing more commits.
         """
+        if self._fenced is not None:
+            raise self._fenced
         if self._checkpointer is None:
             return
         try:
@@ -274,11 +291,12 @@ class CheckpointManager:
             self._raise_failed(e)
 
     def _raise_failed(self, e: Exception) -> NoReturn:
-        with self._lock:
-            step = self._inflight.step if self._inflight else None
-            self._inflight = None
-        if step is not None:
-            self._recorder.failed(step)
+        inflight = self._session.end(failed=True)
+        step = inflight.step if inflight else None
+        fenced = _fence_error(e)
+        if fenced is not None:
+            self._fenced = fenced
+            raise fenced from e
         if isinstance(e, TimeoutError):
             raise SaveTimeoutError(
                 f"save of step {step} under {self.root} did not commit within "
@@ -295,16 +313,25 @@ class CheckpointManager:
     # -- reading -------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
-        return sorted(self._protocol.committed())
+        """Committed steps, ascending (the primary's view, on every process).
+
+        On several processes this is collective: call it on every process.
+        """
+        return list(self._agreement.agree("steps", sorted(self._protocol.committed())))
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest committed step, or None (reads the newest markers only).
+
+        On several processes this is collective: call it on every process.
+        """
+        marker = self._protocol.latest()
+        return self._agreement.agree("latest", None if marker is None else marker.step)
 
     def restore(self, step: int | None = None, *, target: Any = None) -> Any:
         """Restores a committed step (the newest by default).
+
+        On several processes this is collective: every process restores the
+        same step and attempt, the primary's choice.
 
         Args:
           step: the step to restore; None means the newest committed step, falling
@@ -316,45 +343,70 @@ class CheckpointManager:
             ``np.array(x)`` gives a writable copy.
 
         Raises:
-          StepNotFoundError: no such committed step (the message lists them).
+          StepNotFoundError: no such committed step (the message lists them), or
+            it was deleted while being restored.
           TreeMismatchError: ``target`` does not match the saved tree.
           CorruptCheckpointError: a chunk fails its checksum (step, path and chunk named).
         """
         self.wait()
         if step is not None:
-            return self._restore_step(_check_step(step), target)
+            return self._restore_agreed(self._agreed_marker(_check_step(step)), target)
         candidates = self._agreement.agree("restore", sorted(self._protocol.committed())[::-1])
         if not candidates:
             raise StepNotFoundError(f"no committed steps under {self.root}")
         for i, s in enumerate(candidates):
-            # Each process reads only its own regions, so one may find a corrupt
-            # chunk that the others never read: all fall back together, or none.
             try:
-                restored, error = self._restore_step(s, target), None
-            except CorruptCheckpointError as e:
-                restored, error = None, e
-            if not self._agreement.any_true("restore-corrupt", error is not None):
-                return restored
-            if error is None:
-                error = CorruptCheckpointError(
-                    f"step {s} under {self.root} is corrupt in a region another process read"
+                marker = self._agreed_marker(s)
+            except StepNotFoundError:
+                continue  # deleted since the listing: try the next one
+            try:
+                return self._restore_agreed(marker, target)
+            except CorruptCheckpointError as error:
+                if not self.options.fallback_on_corrupt or i == len(candidates) - 1:
+                    raise
+                log.warning(
+                    "step %d is corrupt (%s); falling back to step %d", s, error, candidates[i + 1]
                 )
-            if not self.options.fallback_on_corrupt or i == len(candidates) - 1:
-                raise error
-            log.warning(
-                "step %d is corrupt (%s); falling back to step %d", s, error, candidates[i + 1]
-            )
-        raise AssertionError("unreachable")
+        raise StepNotFoundError(f"no committed step under {self.root} could be restored")
 
-    def _restore_step(self, step: int, target: Any) -> Any:
+    def _agreed_marker(self, step: int) -> CommitMarker:
+        """The primary's marker of ``step`` (its attempt and checksums), on every process."""
+        if jax.process_count() == 1:
+            return self._protocol.require_marker(step)
+        kind, data = None, None
+        if self._primary:
+            try:
+                data = self._protocol.require_marker(step).to_bytes().decode()
+            except CheckpointError as e:
+                kind, data = type(e).__name__, str(e)
+        kind, data = self._agreement.agree("marker", [kind, data])
+        if kind is not None:  # the primary's error, of the same class, on every process
+            error_class = getattr(errors, kind, CheckpointError)
+            raise error_class(data)
+        return CommitMarker.from_bytes(data.encode(), f"commit marker of step {step}")
+
+    def _restore_agreed(self, marker: CommitMarker, target: Any) -> Any:
+        # Each process reads only its own regions, so one may find a corrupt
+        # chunk that the others never read: all fail (and fall back) together.
+        step = marker.step
         with self._lock:
             self._restoring.add(step)
         try:
-            marker = self._protocol.require_marker(step)
-            return self._reader.restore(load_step(self._protocol, marker), target)
+            restored, error = self._reader.restore(load_step(self._protocol, marker), target), None
+        except CorruptCheckpointError as e:
+            restored, error = None, e
         finally:
             with self._lock:
                 self._restoring.discard(step)
+        if error is not None and not self._protocol.still_committed(marker):
+            raise StepNotFoundError(
+                f"step {step} under {self.root} was deleted while it was being restored"
+            ) from error
+        if not self._agreement.any_true("restore-corrupt", error is not None):
+            return restored
+        raise error or CorruptCheckpointError(
+            f"step {step} under {self.root} is corrupt in a region another process read"
+        )
 
     def metadata(self, step: int) -> StepMetadata:
         """The user metadata and a description of the saved tree of ``step``."""
@@ -400,8 +452,9 @@ class CheckpointManager:
     def _retention_decision(self) -> policy.RetentionDecision:
         with self._lock:
             protected = set(self._restoring)
-            if self._inflight is not None:
-                protected.add(self._inflight.step)
+        inflight = self._session.current()
+        if inflight is not None:
+            protected.add(inflight.step)
         return retention_decision(
             self._protocol.committed(), self.options.retention, protected=protected
         )
@@ -411,12 +464,15 @@ class CheckpointManager:
             for step in self._retention_decision().delete:
                 log.info("retention: deleting step %d under %s", step, self.root)
                 self._protocol.delete(step)
+        except WriterFencedError as e:
+            self._fenced = e
+            log.error("retention under %s stopped: %s", self.root, e)
         except Exception:
             log.exception(
                 "retention under %s failed; it will be retried after the next save", self.root
             )
 
-    def _schedule_retention(self) -> None:
+    def _committed(self, marker: CommitMarker) -> None:
         if self.options.retention is None or not self._primary:
             return
         self._deletion = self._deleter.submit(self._apply_retention)
@@ -434,31 +490,55 @@ class CheckpointManager:
         Raises:
           StepNotFoundError: no such step.
           CheckpointError: the step is being saved.
+          WriterFencedError: another process took over the root.
         """
         self._check_writable()
-        self._protocol.require_marker(_check_step(step))
-        with self._lock:
-            if self._inflight is not None and self._inflight.step == step:
-                raise CheckpointError(f"step {step} is being saved; wait() before deleting it")
-        self._protocol.delete(step)
+        marker = self._protocol.require_marker(_check_step(step))
+        inflight = self._session.current()
+        if inflight is not None and inflight.step == step:
+            raise CheckpointError(f"step {step} is being saved; wait() before deleting it")
+        self._protocol.delete(step, marker=marker)
 
-    def garbage_collect(self, *, older_than_s: float = 0.0) -> list[int]:
-        """Removes partial (uncommitted) steps; returns their numbers."""
+    def garbage_collect(
+        self, *, older_than_s: float | None = None, force: bool = False
+    ) -> list[int]:
+        """Removes partial, orphaned and fenced attempts; returns their steps.
+
+        Args:
+          older_than_s: attempts of the current epoch younger than this are kept
+            (default ``gc_grace_s``); this manager's own in-flight save always is.
+          force: also remove damaged commit markers and their steps' data.
+        """
         self._check_writable()
-        with self._lock:
-            busy = self._inflight.step if self._inflight else None
-        if busy is not None:
+        if self._session.current() is not None:
             self.wait()
-        return self._protocol.collect_garbage(older_than_s=older_than_s)
+        self._protocol.check_fence("collect garbage")
+        grace = self.options.gc_grace_s if older_than_s is None else older_than_s
+        found = _gc.scan(self._protocol, full=True)
+        removed = _gc.collect(self._protocol, found, grace_s=grace, force=force)
+        return sorted({loc.step for loc in removed})
 
     # -- lifecycle -----------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for the in-flight save and releases resources. Idempotent."""
+        """Waits for the in-flight save and releases resources. Idempotent.
+
+        Raises:
+          SaveFailedError: the in-flight save failed or was interrupted (e.g. a
+            ``KeyboardInterrupt`` in ``wait()``) and did not commit.
+          WriterFencedError: another process took over the root.
+        """
         if self._closed:
             return
         try:
             self.wait()
+            inflight = self._session.current()
+            if inflight is not None:  # wait() was interrupted and the commit never came
+                self._session.end(failed=True)
+                raise SaveFailedError(
+                    f"save of step {inflight.step} under {self.root} did not commit "
+                    "(the save was interrupted); it is not restorable"
+                )
         finally:
             self._closed = True
             if self._checkpointer is not None:
@@ -484,51 +564,33 @@ class CheckpointManager:
             raise CheckpointError(f"the manager of {self.root} is closed")
         if self.options.read_only:
             raise CheckpointError(f"the manager of {self.root} is read-only")
+        if self._fenced is not None:
+            raise self._fenced
+
+
+_opened: dict[str, int] = {}
+_opened_lock = threading.Lock()
+
+
+def _namespace(root: str) -> str:
+    """Agreement keys of the n-th manager of ``root`` in this process (same on every host)."""
+    with _opened_lock:
+        n = _opened[root] = _opened.get(root, -1) + 1
+    return f"{zlib.crc32(root.encode()):08x}.{n}"
+
+
+def _fence_error(e: BaseException) -> WriterFencedError | None:
+    """The WriterFencedError behind ``e`` (Orbax wraps background errors), if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, WriterFencedError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def _wants_preemption(save_policy: Any) -> bool:
     parts = save_policy.policies if isinstance(save_policy, policy.AnySave) else (save_policy,)
     return any(isinstance(p, policy.OnPreemption) for p in parts)
-
-
-class _Writer:
-    """The manager's side of a save, called by the Orbax handler and commit path."""
-
-    def __init__(self, manager: CheckpointManager) -> None:
-        self._m = manager
-
-    def begin(self, step: int) -> None:
-        self._m._protocol.begin_save(step)
-
-    def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None:
-        m = self._m
-        inflight = m._inflight
-        assert inflight is not None and inflight.step == step
-        if m._primary:
-            m._arrays.write_group(step)
-            m._protocol.write_tree(step, inflight.tree)
-        records = m._arrays.write(step, arrays)
-        part = ManifestPart(
-            step=step,
-            process=jax.process_index(),
-            num_processes=jax.process_count(),
-            arrays=records,
-        )
-        m._protocol.write_manifest_part(part)
-        reached("manifest_written", step)
-        inflight.nbytes = part.nbytes
-
-    def commit(self, step: int) -> None:
-        m = self._m
-        inflight = m._inflight
-        assert inflight is not None and inflight.step == step
-        m._protocol.commit(
-            step,
-            num_processes=jax.process_count(),
-            metrics=inflight.metrics,
-            keep=inflight.keep,
-        )
-        m._recorder.committed(step, inflight.nbytes)
-        with m._lock:
-            m._inflight = None
-        m._schedule_retention()

@@ -23,7 +23,10 @@ class CheckpointOptions:
       fallback_on_corrupt: ``restore()`` without a step falls back to the
         newest older step that reads back intact.
       read_only: never write to the root (no root record, no garbage collection).
-      gc_on_open: a writable manager removes partial steps when it opens.
+      gc_on_open: a writable manager removes partial attempts of fenced writers
+        (and stale ones) when it opens.
+      gc_grace_s: an uncommitted attempt of the current writer epoch younger
+        than this is live, never garbage (``jaxckpt gc`` during training).
       storage_options: backend options, e.g. ``{"endpoint": "http://..."}`` for
         S3-compatible stores (see the README).
       primary_host: the process that writes records and commits.
@@ -37,6 +40,7 @@ class CheckpointOptions:
     fallback_on_corrupt: bool = True
     read_only: bool = False
     gc_on_open: bool = True
+    gc_grace_s: float = 3600.0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     primary_host: int = 0
 
@@ -45,5 +49,7 @@ class CheckpointOptions:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
+        if self.gc_grace_s < 0:
+            raise ValueError(f"gc_grace_s must be non-negative, got {self.gc_grace_s}")
         if self.save_timeout_s <= 0:
             raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")

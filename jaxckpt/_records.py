@@ -15,10 +15,12 @@ from typing import Any
 
 import crc32c as _crc32c
 
+from jaxckpt._layout import StepLocation, marker_key, parse_attempt
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 
 FORMAT = "jaxckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: save attempts under their own prefix, markers name attempt and epoch (see _layout)."""
 
 
 def crc32c(data: bytes | memoryview) -> int:
@@ -124,10 +126,22 @@ class CommitMarker:
     nbytes: int
     metrics: Mapping[str, float] = field(default_factory=dict)
     keep: bool = False
+    attempt: str | None = None
+    epoch: int = 0
     version: int = FORMAT_VERSION
 
+    @property
+    def location(self) -> StepLocation:
+        """Where the attempt this marker vouches for keeps its data."""
+        return StepLocation(self.step, self.attempt)
+
+    @property
+    def key(self) -> str:
+        """This marker's own key under ``commits/``."""
+        return marker_key(self.step, None if self.attempt is None else self.epoch)
+
     def _body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "format": FORMAT,
             "version": self.version,
             "step": self.step,
@@ -138,6 +152,10 @@ class CommitMarker:
             "metrics": dict(self.metrics),
             "keep": self.keep,
         }
+        if self.version >= 2:
+            body["attempt"] = self.attempt
+            body["epoch"] = self.epoch
+        return body
 
     def to_bytes(self) -> bytes:
         body = self._body()
@@ -157,6 +175,9 @@ class CommitMarker:
         stored = obj.pop("marker_crc32c", None)
         if stored != crc32c(dumps(obj)):
             raise CorruptCheckpointError(f"{what}: marker checksum mismatch")
+        attempt = obj.get("attempt")
+        if obj["version"] >= 2 and (not isinstance(attempt, str) or not parse_attempt(attempt)):
+            raise CorruptCheckpointError(f"{what}: names no valid save attempt")
         return cls(
             step=obj["step"],
             time=obj["time"],
@@ -165,6 +186,8 @@ class CommitMarker:
             nbytes=obj["nbytes"],
             metrics=obj.get("metrics", {}),
             keep=obj.get("keep", False),
+            attempt=attempt if obj["version"] >= 2 else None,
+            epoch=int(obj.get("epoch", 0)),
             version=obj["version"],
         )
 

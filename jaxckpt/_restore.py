@@ -12,7 +12,8 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt._chunkread import RegionRequest, plain_leaves, read_regions
-from jaxckpt._commit import TREE_FILE, CommitProtocol, arrays_prefix
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._layout import TREE_FILE
 from jaxckpt._records import ChunkRecord, CommitMarker
 from jaxckpt._tree import (
     SavedLeaf,
@@ -72,14 +73,14 @@ class StepReader:
     def _read_all(
         self, loaded: LoadedStep, leaves: Sequence[SavedLeaf], targets: Sequence[Any]
     ) -> list[Any]:
-        step = loaded.marker.step
+        loc = loaded.marker.location
         arrays = [leaf for leaf in leaves if leaf.kind != "value" and leaf.name is not None]
         kv = ts.KvStore.open(
-            self._protocol.storage.kvstore_spec(arrays_prefix(step)), context=self._context
+            self._protocol.storage.kvstore_spec(loc.arrays_prefix), context=self._context
         ).result()
         plain = plain_leaves(kv, arrays)
         stores = {
-            leaf.name: self._arrays.open(step, leaf, create=False)
+            leaf.name: self._arrays.open(loc, leaf, create=False)
             for leaf in arrays
             if leaf.name not in plain
         }
@@ -97,7 +98,7 @@ class StepReader:
             else:
                 store = self._opened(loaded, leaf, stores[leaf.name])
                 plans.append((regions, {r: read_region(store, r) for r in unique}))
-        fast = read_regions(self._protocol.storage, step, requests, loaded.chunks)
+        fast = read_regions(self._protocol.storage, loc, requests, loaded.chunks)
         fast_data = {(r.leaf.name, r.region): a for r, a in zip(requests, fast, strict=True)}
         values = []
         for leaf, target, plan in zip(leaves, targets, plans, strict=True):
@@ -123,13 +124,13 @@ class StepReader:
 
     def _diagnose(self, loaded: LoadedStep, leaf: SavedLeaf, exc: Exception) -> Exception:
         step = loaded.marker.step
-        where = self._protocol.where(f"steps/{step}/arrays/{leaf.name}")
+        where = self._protocol.where(loaded.marker.location.array_prefix(leaf.name or ""))
         bad = [
             (chunk, problem)
             for chunk, problem, _ in check_chunks(
                 self._protocol.storage,
                 self._context,
-                step,
+                loaded.marker.location,
                 leaf,
                 loaded.chunks.get(leaf.name or "", ()),
             )

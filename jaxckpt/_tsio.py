@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._commit import arrays_prefix
+from jaxckpt._layout import StepLocation
 from jaxckpt._phases import reached
 from jaxckpt._records import ChunkRecord, dumps
 from jaxckpt._storage import Storage
@@ -131,11 +131,11 @@ class ArrayWriter:
         self._context = context
         self._max_inflight = max_inflight_bytes
 
-    def open(self, step: int, leaf: SavedLeaf, *, create: bool) -> ts.Future:
+    def open(self, loc: StepLocation, leaf: SavedLeaf, *, create: bool) -> ts.Future:
         assert leaf.name is not None
         spec: dict[str, Any] = {
             "driver": "zarr3",
-            "kvstore": self._storage.kvstore_spec(arrays_prefix(step) + leaf.name + "/"),
+            "kvstore": self._storage.kvstore_spec(loc.array_prefix(leaf.name)),
         }
         if create:
             spec["metadata"] = zarr_metadata(leaf)
@@ -144,18 +144,21 @@ class ArrayWriter:
         spec["fill_missing_data_reads"] = False
         return ts.open(spec, open=True, read=True, context=self._context)
 
-    def write_group(self, step: int) -> None:
+    def write_group(self, loc: StepLocation) -> None:
         """The zarr v3 group record that makes ``arrays/`` openable by zarr-python."""
-        group = {"zarr_format": 3, "node_type": "group", "attributes": {"jaxckpt_step": step}}
-        self._storage.write(arrays_prefix(step) + "zarr.json", dumps(group))
+        group = {"zarr_format": 3, "node_type": "group", "attributes": {"jaxckpt_step": loc.step}}
+        self._storage.write(loc.arrays_prefix + "zarr.json", dumps(group))
 
-    def write(self, step: int, arrays: Sequence[HostArray]) -> dict[str, tuple[ChunkRecord, ...]]:
+    def write(
+        self, loc: StepLocation, arrays: Sequence[HostArray]
+    ) -> dict[str, tuple[ChunkRecord, ...]]:
         """Writes every piece, chunk by chunk; returns the chunk records per array.
 
         At most ``max_inflight_bytes`` of chunk writes are outstanding, which
         bounds TensorStore's transient buffers.
         """
-        stores = {h.leaf.name: self.open(step, h.leaf, create=True) for h in arrays if h.leaf.name}
+        step = loc.step
+        stores = {h.leaf.name: self.open(loc, h.leaf, create=True) for h in arrays if h.leaf.name}
         records: dict[str, tuple[ChunkRecord, ...]] = {}
         inflight: deque[tuple[Any, int]] = deque()
         pending_bytes = 0
@@ -212,7 +215,7 @@ def expected_chunk_count(leaf: SavedLeaf) -> int:
 def check_chunks(
     storage: Storage,
     context: ts.Context,
-    step: int,
+    loc: StepLocation,
     leaf: SavedLeaf,
     chunks: Sequence[ChunkRecord],
     *,
@@ -221,7 +224,7 @@ def check_chunks(
     """Re-reads each stored chunk; yields ``(chunk, problem or None, bytes read)``."""
     assert leaf.name is not None
     kv = ts.KvStore.open(
-        storage.kvstore_spec(arrays_prefix(step) + leaf.name + "/"), context=context
+        storage.kvstore_spec(loc.array_prefix(leaf.name)), context=context
     ).result()
     queue: deque[tuple[ChunkRecord, Any]] = deque()
     it = iter(chunks)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import tensorstore as ts
 
-from jaxckpt._commit import CommitProtocol, arrays_prefix
+from jaxckpt._commit import CommitProtocol
 from jaxckpt._restore import LoadedStep, load_step
 from jaxckpt._tsio import check_chunks, expected_chunk_count, zarr_metadata
 from jaxckpt.errors import CheckpointError
@@ -80,7 +80,9 @@ def verify_step(
                     message=f"manifest lists {len(chunks)} chunks, the array has {expected}",
                 )
             )
-        for chunk, problem, nbytes in check_chunks(protocol.storage, context, step, leaf, chunks):
+        for chunk, problem, nbytes in check_chunks(
+            protocol.storage, context, marker.location, leaf, chunks
+        ):
             chunks_checked += 1
             bytes_checked += nbytes
             if on_progress is not None:
@@ -100,7 +102,7 @@ def _check_array_metadata(
     protocol: CommitProtocol, loaded: LoadedStep, name: str, path: str
 ) -> list[Problem]:
     leaf = next(x for x in loaded.leaves if x.name == name)
-    key = arrays_prefix(loaded.marker.step) + name + "/zarr.json"
+    key = loaded.marker.location.array_prefix(name) + "zarr.json"
     raw = protocol.storage.read(key)
     if raw is None:
         return [Problem(path=path, chunk=None, message=f"{protocol.where(key)} is missing")]

@@ -146,9 +146,12 @@ def _json_out(obj: Any) -> None:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from jaxckpt._gc import scan
+
     protocol = _open_root(args.root)
-    committed = protocol.committed()
-    partial = protocol.partial_steps()
+    found = scan(protocol, full=True)
+    committed = dict(sorted(found.committed.items()))
+    partial = found.attempts
     retention = _retention(args)
     decision = retention_decision(committed, retention)
     if args.json:
@@ -169,11 +172,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 "partial": [
                     {
                         "step": p.step,
+                        "attempt": p.location.attempt,
+                        "kind": p.kind,
                         "operation": p.operation,
                         "started": p.started,
-                        "reason": p.reason,
                     }
                     for p in partial
+                ],
+                "damaged": [
+                    {"step": s, "marker": protocol.where(r.key)} for s, r in found.damaged.items()
+                ],
+                "fenced": [
+                    {"step": m.step, "epoch": m.epoch, "attempt": m.attempt} for m in found.hidden
                 ],
             }
         )
@@ -181,9 +191,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     total = sum(m.nbytes for m in committed.values())
     print(
         f"{protocol.storage.uri}: {len(committed)} committed steps ({human_bytes(total)})"
-        + (f", {len(partial)} partial" if partial else "")
+        + (f", {len(partial)} partial or orphaned" if partial else "")
+        + (f", {len(found.damaged)} DAMAGED" if found.damaged else "")
+        + (f", {len(found.hidden)} fenced" if found.hidden else "")
     )
-    if not committed and not partial:
+    if not committed and not partial and not found.damaged and not found.hidden:
         return 0
     rows = [["STEP", "STATE", "SIZE", "COMMITTED", "KEPT BY"]]
     for s, m in committed.items():
@@ -196,8 +208,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         when = f"{_local_time(m.time)} ({_ago(m.time)})"
         rows.append([str(s), "committed", human_bytes(m.nbytes), when, kept])
     for p in partial:
-        when = f"started {_ago(p.started)}" if p.started is not None else "-"
-        rows.append([str(p.step), f"partial ({p.operation})", "-", when, p.reason])
+        age = p.age(time.time())
+        when = f"started {_ago(time.time() - age)}" if age is not None else "-"
+        state = f"partial ({p.operation})" if p.kind == "partial" else "orphaned"
+        rows.append([str(p.step), state, "-", when, f"attempt {p.location.attempt or '(v1)'}"])
+    for s, ref in found.damaged.items():
+        rows.append([str(s), "DAMAGED", "-", "-", f"invalid commit marker {ref.key}; data kept"])
+    for m in found.hidden:
+        rows.append([str(m.step), "fenced", "-", "-", f"committed by fenced epoch {m.epoch}"])
     rows[1:] = sorted(rows[1:], key=lambda r: int(r[0]))
     _print_table(rows, sys.stdout, right=(0, 2))
     if retention is None:
@@ -363,12 +381,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         for problem in report.problems:
             print(f"jaxckpt: step {step}: {problem}", file=sys.stderr)
-    bad = [r.step for r in reports if not r.ok]
+    damaged = sorted(set(protocol.visible_refs()) - set(committed)) if args.all else []
+    for s in damaged:
+        _err(f"step {s}: the commit marker is damaged; the step cannot be restored")
+    bad = [r.step for r in reports if not r.ok] + damaged
     if args.json:
         _json_out(
             {
                 "root": protocol.storage.uri,
                 "ok": not bad,
+                "damaged": damaged,
                 "steps": [
                     {
                         "step": r.step,
@@ -423,22 +445,41 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    from jaxckpt._gc import collect, is_live, scan
+
     protocol = _open_root(args.root)
     now = time.time()
-    partial = protocol.partial_steps()
-    old = [p for p in partial if p.expired(args.grace, now)]
-    for p in partial:
-        age = f"started {_ago(p.started)}" if p.started is not None else "age unknown"
-        if p in old:
-            action = "would remove" if args.dry_run else "remove"
+    found = scan(protocol, full=True)
+    current = found.epochs.newest
+    old = []
+    for p in found.attempts:
+        age = p.age(now)
+        age_text = f"started {_ago(now - age)}" if age is not None else "age unknown"
+        if p.step in found.damaged and not args.force:
+            action = "keep (damaged step)"
+        elif is_live(p, current, args.grace, now):
+            action = "keep (live writer)"
         else:
-            action = "keep (within grace period)"
-        print(f"{action:<26} step {p.step} ({p.operation}, {age}): {p.reason}")
+            old.append(p)
+            action = "would remove" if args.dry_run else "remove"
+        what = f"{p.kind} {p.operation or ''}".strip()
+        print(f"{action:<26} step {p.step} ({what}, {age_text}): {p.location.attempt or 'v1'}")
+    for m in found.hidden:
+        print(
+            f"{'would remove' if args.dry_run else 'remove':<26} step {m.step} "
+            f"(committed by fenced epoch {m.epoch} after a takeover)"
+        )
+    for s, ref in found.damaged.items():
+        action = ("would remove" if args.dry_run else "remove") if args.force else "keep"
+        print(
+            f"{action:<26} step {s}: damaged commit marker {ref.key}"
+            + ("" if args.force else " (use --force to remove)")
+        )
     if args.dry_run:
-        print(f"would remove {len(old)} partial steps older than {human_duration(args.grace)}")
+        print(f"would remove {len(old) + len(found.hidden)} attempts")
         return 0
-    removed = protocol.collect_garbage(older_than_s=args.grace, partials=partial)
-    print(f"removed {len(removed)} partial steps older than {human_duration(args.grace)}")
+    removed = collect(protocol, found, grace_s=args.grace, force=args.force)
+    print(f"removed {len(removed)} attempts (grace {human_duration(args.grace)})")
     return 0
 
 
@@ -579,6 +620,9 @@ def _parser() -> argparse.ArgumentParser:
     p = command("gc", cmd_gc, "remove partial (uncommitted) steps older than a grace period")
     p.add_argument("root")
     p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS", help="default 3600")
+    p.add_argument(
+        "--force", action="store_true", help="also remove damaged commit markers and their data"
+    )
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
 
     p = command("cp", cmd_cp, "copy committed steps to another root, committing each there")

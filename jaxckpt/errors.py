@@ -104,3 +104,14 @@ class SaveTimeoutError(CheckpointError, TimeoutError):
     The step is not committed. Check the other hosts and the storage endpoint,
     or raise ``save_timeout_s``.
     """
+
+
+class WriterFencedError(CheckpointError):
+    """A newer writer took over the root; this manager may no longer commit or delete.
+
+    Another process opened the root for writing (a restarted job, a duplicate
+    pod), which fences every older writer so that a zombie cannot overwrite or
+    delete what the new job relies on. Stop this process; if it is the job you
+    want to keep, restart it (it will take over again and resume from the
+    newest committed step).
+    """

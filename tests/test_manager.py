@@ -11,10 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from rootpaths import data_steps, step_dir
 from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
 from jaxckpt import policy
+from jaxckpt._storage import open_storage
 
 
 @pytest.fixture
@@ -148,8 +150,8 @@ def test_unsupported_leaf_names_path_and_writes_nothing(root):
         with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"\['opt'\]\[1\].*object"):
             mgr.save(1, {"opt": [1, object()]})
         assert mgr.steps() == []
-    assert not os.path.exists(os.path.join(root, "steps", "1"))
-    assert not os.path.exists(os.path.join(root, "pending", "1.json"))
+    assert not os.path.exists(os.path.join(root, "attempts"))
+    assert not os.path.exists(os.path.join(root, "pending"))
 
 
 def test_metadata_describes_tree_and_user_metadata(root):
@@ -165,7 +167,7 @@ def test_metadata_describes_tree_and_user_metadata(root):
 
 def _chunk_files(root: str, step: int, name: str) -> list[str]:
     """Chunk files of an array, in file-name order (c/0, c/1, c/10, ...)."""
-    base = os.path.join(root, "steps", str(step), "arrays", name, "c")
+    base = step_dir(root, step, "arrays", name, "c")
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs)
 
 
@@ -181,7 +183,7 @@ def test_corrupt_chunk_is_detected_named_and_falls_back(root, caplog):
     with jaxckpt.CheckpointManager(root, chunk_bytes=1024) as mgr:
         mgr.save(1, {"w": jnp.arange(4096.0)})
         mgr.save(2, {"w": jnp.arange(4096.0) + 1})
-    bad = os.path.join(root, "steps", "2", "arrays", "w", "c", "2")
+    bad = step_dir(root, 2, "arrays", "w", "c", "2")
     _flip_byte(bad)
     mgr = jaxckpt.CheckpointManager(root)
     with pytest.raises(jaxckpt.CorruptCheckpointError) as info:
@@ -210,7 +212,7 @@ def test_missing_chunk_is_corruption_not_zeros(root):
 def test_corrupt_manifest_or_tree_record_is_detected(root):
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"w": jnp.arange(8.0)})
-    _flip_byte(os.path.join(root, "steps", "1", "tree.json"), 3)
+    _flip_byte(step_dir(root, 1, "tree.json"), 3)
     with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"tree\.json does not match"):
         jaxckpt.CheckpointManager(root).restore(1)
     assert not jaxckpt.CheckpointManager(root).verify(1).ok
@@ -220,29 +222,41 @@ def test_partial_step_is_invisible_and_collected_by_next_writer(root):
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"w": jnp.arange(8.0)})
         mgr.save(2, {"w": jnp.arange(8.0)})
-    os.unlink(os.path.join(root, "commits", "2.json"))  # as if killed before the marker
-    with open(os.path.join(root, "pending", "2.json"), "w") as f:
-        f.write(json.dumps({"format": "jaxckpt", "version": 1, "operation": "save", "started": 0}))
+    data = step_dir(root, 2)
+    attempt = os.path.basename(data.rstrip("/"))
+    (marker,) = pathlib.Path(root, "commits").glob("2.*.json")
+    marker.unlink()  # as if killed before the marker
+    os.makedirs(os.path.join(root, "pending", "2"), exist_ok=True)
+    with open(os.path.join(root, "pending", "2", f"{attempt}.json"), "w") as f:
+        f.write(json.dumps({"format": "jaxckpt", "version": 2, "operation": "save", "started": 0}))
     reader = jaxckpt.CheckpointManager(root, read_only=True)
     assert reader.steps() == [1]
     with pytest.raises(jaxckpt.UncommittedStepError, match=r"step 2 .* partial"):
         reader.restore(2)
-    assert os.path.isdir(os.path.join(root, "steps", "2"))  # read-only: nothing removed
-    jaxckpt.CheckpointManager(root).close()  # a writer collects garbage on open
-    assert not os.path.exists(os.path.join(root, "steps", "2"))
-    assert os.listdir(os.path.join(root, "pending")) == []
+    assert os.path.isdir(data)  # read-only: nothing removed
+    jaxckpt.CheckpointManager(root).close()  # a new writer epoch fences the attempt and collects it
+    assert not os.path.exists(data)
+    assert os.listdir(os.path.join(root, "pending", "2")) == []
 
 
 def test_torn_marker_is_not_a_commit(root):
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"w": jnp.arange(8.0)})
-    path = os.path.join(root, "commits", "1.json")
-    data = pathlib.Path(path).read_bytes()
-    with open(path, "wb") as f:
-        f.write(data[: len(data) // 2])
+    data_dir = step_dir(root, 1)
+    (path,) = pathlib.Path(root, "commits").glob("1.*.json")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
     assert jaxckpt.CheckpointManager(root, read_only=True).steps() == []
-    with jaxckpt.CheckpointManager(root) as mgr:
+    with jaxckpt.CheckpointManager(root) as mgr:  # damage is corruption, not garbage
         assert mgr.steps() == []
+        with pytest.raises(jaxckpt.CorruptCheckpointError, match="damaged commit marker"):
+            mgr.restore(1)
+        with pytest.raises(jaxckpt.StepAlreadyExistsError, match="damaged marker"):
+            mgr.save(1, {"w": jnp.arange(8.0) * 2})
+        assert mgr.garbage_collect() == []
+        assert os.path.isdir(data_dir) and path.exists()
+        assert mgr.garbage_collect(force=True) == [1]
+        assert not os.path.exists(data_dir) and not path.exists()
         mgr.save(1, {"w": jnp.arange(8.0) * 2})
     np.testing.assert_array_equal(
         jaxckpt.CheckpointManager(root).restore(1)["w"], np.arange(8.0) * 2
@@ -252,7 +266,7 @@ def test_torn_marker_is_not_a_commit(root):
 def test_newer_format_version_is_refused(root):
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"w": jnp.arange(8.0)})
-    path = os.path.join(root, "commits", "1.json")
+    (path,) = pathlib.Path(root, "commits").glob("1.*.json")
     marker = json.loads(pathlib.Path(path).read_text())
     marker["version"] = 99
     marker.pop("marker_crc32c")
@@ -327,7 +341,7 @@ def test_checkpoint_opens_with_zarr_python_alone(root):
     w = np.arange(60, dtype=np.float32).reshape(6, 10)
     with jaxckpt.CheckpointManager(root, chunk_bytes=64) as mgr:
         mgr.save(7, {"params": {"w": jnp.asarray(w)}, "i": jnp.arange(5, dtype=jnp.int8)})
-    group = zarr.open_group(os.path.join(root, "steps", "7", "arrays"), mode="r")
+    group = zarr.open_group(step_dir(root, 7, "arrays"), mode="r")
     assert sorted(group.array_keys()) == ["i", "params.w"]
     np.testing.assert_array_equal(group["params.w"][...], w)
     np.testing.assert_array_equal(group["i"][...], np.arange(5, dtype=np.int8))
@@ -343,7 +357,7 @@ def test_delete_retracts_marker_then_data(root):
         assert mgr.steps() == [2]
         with pytest.raises(jaxckpt.StepNotFoundError):
             mgr.delete(1)
-    assert sorted(os.listdir(os.path.join(root, "steps"))) == ["2"]
+    assert data_steps(open_storage(root)) == {2}
 
 
 def test_full_disk_fails_cleanly_and_keeps_earlier_steps(tmp_path):
@@ -362,7 +376,7 @@ def test_full_disk_fails_cleanly_and_keeps_earlier_steps(tmp_path):
         mgr = jaxckpt.CheckpointManager(root)  # next writer collects the partial step
         assert mgr.steps() == [1]
         np.testing.assert_array_equal(mgr.restore()["w"], np.ones(1 << 18, np.float32))
-        assert not os.path.exists(os.path.join(root, "steps", "2"))
+        assert data_steps(open_storage(root)) == {1}
     finally:
         os.system(f"umount {mnt}")
 
@@ -387,7 +401,7 @@ def test_retention_deletes_in_background_and_explain_says_why(root):
         why = mgr.explain()
         assert why[1] == ("pinned",) and "newest" in why[5]
         assert any("KeepBest" in r for r in why[2])
-    assert sorted(os.listdir(os.path.join(root, "steps")), key=int) == ["1", "2", "4", "5"]
+    assert data_steps(open_storage(root)) == {1, 2, 4, 5}
 
 
 def test_public_api_names():
@@ -396,7 +410,7 @@ def test_public_api_names():
         "LeafInfo", "NotACheckpointRootError", "Problem", "SaveFailedError", "SaveStats",
         "SaveTimeoutError", "StepAlreadyExistsError", "StepMetadata", "StepNotFoundError",
         "StorageError", "TreeMismatchError", "UncommittedStepError", "UnsupportedFormatError",
-        "UnsupportedLeafError", "VerifyReport", "policy",
+        "UnsupportedLeafError", "VerifyReport", "WriterFencedError", "policy",
     }  # fmt: skip
     for name in jaxckpt.__all__:
         assert getattr(jaxckpt, name) is not None
@@ -430,8 +444,8 @@ def test_create_only_local_writes_never_leave_a_torn_record(tmp_path):
     assert storage.read("commits/1.json") == b"first"
     assert storage.list("commits/") == ["commits/1.json"]  # no temporary files left behind
     (tmp_path / "commits" / ".2.json.dead.tmp").write_bytes(b"half")  # a crash mid-create
-    jaxckpt.CheckpointManager(str(tmp_path)).close()  # GC also drops the bogus marker
-    assert storage.list("commits/") == []
+    jaxckpt.CheckpointManager(str(tmp_path)).close()  # GC also drops the temp file
+    assert storage.list("commits/") == ["commits/1.json"]
 
 
 def test_numpy_results_are_read_only_views_or_arrays(root):

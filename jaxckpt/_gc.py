@@ -1,0 +1,199 @@
+"""What lies under a root besides committed steps, and garbage collection of it.
+
+Shared by the manager (on every writable open), ``jaxckpt ls`` and ``jaxckpt gc``.
+
+* **partial**: an attempt with a pending record and no valid marker naming it
+  (a save under way, or one that died).
+* **orphaned**: attempt data with neither a pending record nor a marker (a
+  marker deleted by hand); found only by a full scan, which lists all data.
+* **hidden**: a valid marker of an older epoch that a newer epoch does not
+  know: a fenced writer committed after the takeover. Never listed.
+* **damaged**: a visible marker that does not parse or fails its checksum.
+  Create-only writes are atomic on every backend, so a crash cannot produce
+  one: it is corruption, reported and kept (removed only with ``force``).
+
+Collection removes partial and orphaned attempts of *fenced* epochs (older
+than the newest) and those older than the grace period, hidden steps, and
+stale pending records of committed attempts. A live writer's attempt (newest
+epoch, younger than the grace period) is never touched. Imports no jax.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._fence import Epochs
+from jaxckpt._layout import (
+    ATTEMPTS,
+    COMMITS,
+    LEGACY_STEPS,
+    PENDING,
+    WRITERS,
+    MarkerRef,
+    StepLocation,
+    is_temp_key,
+    parse_attempt,
+    parse_data_key,
+    parse_pending_key,
+)
+from jaxckpt._records import CommitMarker, load_json_record
+from jaxckpt.errors import CheckpointError
+
+log = logging.getLogger("jaxckpt")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attempt:
+    """An attempt (or format-1 step) with data or a pending record but no marker."""
+
+    location: StepLocation
+    kind: str  # "partial" or "orphaned"
+    operation: str | None = None
+    started: float | None = None
+
+    @property
+    def step(self) -> int:
+        return self.location.step
+
+    def age(self, now: float) -> float | None:
+        started = self.started
+        if started is None and self.location.attempt:
+            parsed = parse_attempt(self.location.attempt)
+            started = parsed[1] if parsed else None
+        return None if started is None else now - started
+
+
+@dataclass(frozen=True, kw_only=True)
+class RootScan:
+    """Everything under a root at one moment, classified."""
+
+    epochs: Epochs
+    committed: dict[int, CommitMarker]
+    damaged: dict[int, MarkerRef]
+    hidden: list[CommitMarker]
+    attempts: list[Attempt]
+    stale_pending: list[str]
+    temp_keys: list[str]
+    full: bool
+    named: set[StepLocation] = field(default_factory=set)
+
+
+def scan(protocol: CommitProtocol, *, full: bool) -> RootScan:
+    """Classifies what is under the root.
+
+    Without ``full`` it reads only ``pending/``, ``commits/`` and ``writers/``
+    listings and the markers of steps with a pending record or a hidden
+    marker (cheap enough for every writable open); ``full`` also reads every
+    visible marker (to find damaged ones) and lists all data (orphans).
+    """
+    storage = protocol.storage
+    data_keys = storage.list(ATTEMPTS) + storage.list(LEGACY_STEPS) if full else []
+    pending_keys = storage.list(PENDING)
+    refs = protocol.marker_refs()
+    epochs = protocol.epochs.load()
+    visible = protocol.visible_refs(epochs, refs)
+    pending = {loc: key for key in pending_keys if (loc := parse_pending_key(key))}
+    to_read = [r for r in refs if not epochs.visible(r)]
+    if full:
+        to_read += list(visible.values())
+    else:
+        steps = {loc.step for loc in pending}
+        to_read += [visible[s] for s in steps if s in visible]
+    markers = dict(zip(to_read, protocol.map(protocol.read_ref, to_read), strict=True))
+    committed = {
+        r.step: m for r, m in markers.items() if m is not None and visible.get(r.step) == r
+    }
+    damaged = {r.step: r for r, m in markers.items() if m is None and visible.get(r.step) == r}
+    hidden = [m for r, m in markers.items() if m is not None and not epochs.visible(r)]
+    named = {m.location for m in committed.values()}
+    attempts, stale = [], []
+    for loc, key in sorted(pending.items(), key=lambda kv: kv[1]):
+        if loc in named:
+            stale.append(key)
+            continue
+        operation, started = _pending_info(protocol, key)
+        attempts.append(Attempt(location=loc, kind="partial", operation=operation, started=started))
+    seen = set(pending) | named | {m.location for m in hidden}
+    for loc in sorted({loc for k in data_keys if (loc := parse_data_key(k))}, key=str):
+        if loc not in seen:
+            attempts.append(Attempt(location=loc, kind="orphaned"))
+    temp = [
+        k for k in pending_keys + storage.list(COMMITS) + storage.list(WRITERS) if is_temp_key(k)
+    ]
+    return RootScan(
+        epochs=epochs,
+        committed=committed,
+        damaged=damaged,
+        hidden=hidden,
+        attempts=attempts,
+        stale_pending=stale,
+        temp_keys=temp,
+        full=full,
+        named=named,
+    )
+
+
+def _pending_info(protocol: CommitProtocol, key: str) -> tuple[str | None, float | None]:
+    raw = protocol.storage.read(key)
+    if raw is None:
+        return None, None
+    try:
+        record = load_json_record(raw, protocol.where(key))
+    except CheckpointError:
+        return None, None
+    return record.get("operation"), record.get("started")
+
+
+def is_live(attempt: Attempt, current_epoch: int, grace_s: float, now: float) -> bool:
+    """A writer may still be working on it: newest epoch and younger than the grace period."""
+    if attempt.operation == "delete":
+        return False  # a delete whose marker is gone: finishing it is always right
+    if attempt.location.epoch < current_epoch:
+        return False
+    age = attempt.age(now)
+    return age is not None and age < grace_s
+
+
+def collect(
+    protocol: CommitProtocol,
+    found: RootScan,
+    *,
+    grace_s: float,
+    force: bool = False,
+) -> list[StepLocation]:
+    """Removes what ``found`` shows is garbage; returns the attempts removed.
+
+    Args:
+      grace_s: attempts of the newest epoch younger than this are live and kept.
+      force: also remove damaged markers and every unnamed attempt of their steps.
+    """
+    now = time.time()
+    current = max(found.epochs.newest, protocol.epoch or 0)
+    removed: list[StepLocation] = []
+    for marker in found.hidden:
+        log.info(
+            "removing %s of fenced writer epoch %d (committed after a takeover)",
+            marker.location,
+            marker.epoch,
+        )
+        protocol.retract(marker.location, marker.key)
+        removed.append(marker.location)
+    for attempt in found.attempts:
+        if attempt.step in found.damaged and not force:
+            continue
+        if is_live(attempt, current, grace_s, now):
+            continue
+        protocol.abandon(attempt.location)
+        removed.append(attempt.location)
+    if force:
+        for step, ref in found.damaged.items():
+            log.warning("removing the damaged commit marker of step %d (--force)", step)
+            protocol.storage.delete(ref.key)
+    for key in found.stale_pending + found.temp_keys:
+        protocol.storage.delete(key)
+    if removed:
+        log.info("removed %s under %s", ", ".join(map(str, removed)), protocol.storage.uri)
+    return removed

@@ -1,0 +1,176 @@
+"""Where everything lives under a root: the only module that builds storage keys.
+
+Format version 2 (``FORMAT_VERSION`` in ``_records``) keeps every save
+attempt under its own prefix, so two writers never share a key::
+
+    jaxckpt.json                               root record (format, version)
+    writers/<epoch>.json                       a writer's epoch, create-only (see _fence)
+    pending/<step>/<attempt>.json              intent: a save or delete of that attempt
+    attempts/<step>/<attempt>/tree.json        the tree record
+    attempts/<step>/<attempt>/manifest/<p>.json  chunks written by process <p>
+    attempts/<step>/<attempt>/arrays/...       zarr v3 arrays (one per array leaf)
+    commits/<step>.e<epoch>.json               the commit marker; names its attempt
+
+Format version 1 (roots written before writer fencing) is still read::
+
+    pending/<step>.json
+    steps/<step>/{tree.json,manifest/<p>.json,arrays/...}
+    commits/<step>.json
+
+An attempt id is ``e<epoch>-<unix seconds>-<random hex>``: the epoch and the
+start time can be read from any key under the attempt, so garbage collection
+can tell a fenced or stale attempt from a live one without reading anything.
+Imports neither jax nor numpy.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+ROOT_RECORD = "jaxckpt.json"
+TREE_FILE = "tree.json"
+COMMITS = "commits/"
+PENDING = "pending/"
+WRITERS = "writers/"
+ATTEMPTS = "attempts/"
+LEGACY_STEPS = "steps/"
+
+_ATTEMPT = re.compile(r"e(\d+)-(\d+)-([0-9a-f]+)")
+_MARKER_V2 = re.compile(r"(\d+)\.e(\d+)\.json")
+_V1_JSON = re.compile(r"(\d+)\.json")
+
+
+def new_attempt(epoch: int, now: float | None = None) -> str:
+    """A fresh, unique attempt id for a save in ``epoch``."""
+    started = int(time.time() if now is None else now)
+    return f"e{epoch}-{started}-{secrets.token_hex(6)}"
+
+
+def parse_attempt(attempt: str) -> tuple[int, float] | None:
+    """``(epoch, start time)`` of an attempt id, or None if it is not one."""
+    m = _ATTEMPT.fullmatch(attempt)
+    return (int(m.group(1)), float(m.group(2))) if m else None
+
+
+def manifest_name(process: int) -> str:
+    """The name, relative to a step's prefix, of process ``process``'s manifest part."""
+    return f"manifest/{process}.json"
+
+
+def is_manifest_name(name: str) -> bool:
+    return name.startswith("manifest/")
+
+
+@dataclass(frozen=True)
+class StepLocation:
+    """Where one save attempt of one step keeps its data and records.
+
+    ``attempt`` is None for a format-1 step (``steps/<step>/``).
+    """
+
+    step: int
+    attempt: str | None = None
+
+    @property
+    def prefix(self) -> str:
+        if self.attempt is None:
+            return f"{LEGACY_STEPS}{self.step}/"
+        return f"{ATTEMPTS}{self.step}/{self.attempt}/"
+
+    @property
+    def arrays_prefix(self) -> str:
+        return self.prefix + "arrays/"
+
+    def array_prefix(self, name: str) -> str:
+        """The prefix of one zarr array (a leaf's ``name``)."""
+        return f"{self.arrays_prefix}{name}/"
+
+    @property
+    def tree_key(self) -> str:
+        return self.prefix + TREE_FILE
+
+    def key(self, name: str) -> str:
+        """A record of the step by its name in the marker (``tree.json``, ``manifest/0.json``)."""
+        return self.prefix + name
+
+    @property
+    def pending_key(self) -> str:
+        if self.attempt is None:
+            return f"{PENDING}{self.step}.json"
+        return f"{PENDING}{self.step}/{self.attempt}.json"
+
+    @property
+    def epoch(self) -> int:
+        """The epoch that wrote this attempt (0 for format 1)."""
+        parsed = parse_attempt(self.attempt) if self.attempt else None
+        return parsed[0] if parsed else 0
+
+    def __str__(self) -> str:
+        return f"step {self.step}" + (f" (attempt {self.attempt})" if self.attempt else "")
+
+
+@dataclass(frozen=True, order=True)
+class MarkerRef:
+    """A commit marker known from its key alone: the step and the epoch that wrote it."""
+
+    step: int
+    epoch: int
+    key: str
+
+
+def marker_key(step: int, epoch: int | None) -> str:
+    """The marker key of ``step`` (``epoch`` None: the format-1 key)."""
+    return f"{COMMITS}{step}.json" if epoch is None else f"{COMMITS}{step}.e{epoch}.json"
+
+
+def parse_marker_key(key: str) -> MarkerRef | None:
+    """The marker a ``commits/`` key names (format 1: epoch 0), or None."""
+    name = key[len(COMMITS) :] if key.startswith(COMMITS) else ""
+    m = _MARKER_V2.fullmatch(name)
+    if m:
+        return MarkerRef(step=int(m.group(1)), epoch=int(m.group(2)), key=key)
+    m = _V1_JSON.fullmatch(name)
+    return MarkerRef(step=int(m.group(1)), epoch=0, key=key) if m else None
+
+
+def parse_pending_key(key: str) -> StepLocation | None:
+    """The attempt a ``pending/`` key announces, or None."""
+    name = key[len(PENDING) :] if key.startswith(PENDING) else ""
+    m = _V1_JSON.fullmatch(name)
+    if m:
+        return StepLocation(int(m.group(1)))
+    step, _, rest = name.partition("/")
+    attempt = rest[: -len(".json")] if rest.endswith(".json") else ""
+    if step.isdigit() and parse_attempt(attempt):
+        return StepLocation(int(step), attempt)
+    return None
+
+
+def parse_data_key(key: str) -> StepLocation | None:
+    """The attempt (or format-1 step) a data key belongs to, or None."""
+    if key.startswith(ATTEMPTS):
+        parts = key[len(ATTEMPTS) :].split("/", 2)
+        if len(parts) >= 2 and parts[0].isdigit() and parse_attempt(parts[1]):
+            return StepLocation(int(parts[0]), parts[1])
+    elif key.startswith(LEGACY_STEPS):
+        step = key[len(LEGACY_STEPS) :].split("/", 1)[0]
+        if step.isdigit():
+            return StepLocation(int(step))
+    return None
+
+
+def epoch_key(epoch: int) -> str:
+    return f"{WRITERS}{epoch}.json"
+
+
+def parse_epoch_key(key: str) -> int | None:
+    m = _V1_JSON.fullmatch(key[len(WRITERS) :]) if key.startswith(WRITERS) else None
+    return int(m.group(1)) if m else None
+
+
+def is_temp_key(key: str) -> bool:
+    """A crashed create-only write's hidden temp file (local roots)."""
+    return key.rsplit("/", 1)[-1].startswith(".")

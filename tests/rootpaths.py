@@ -1,0 +1,36 @@
+"""Where a committed step's data lives, for tests that damage or inspect it directly.
+
+Tests never build storage keys by hand: a step's objects live under the
+attempt its commit marker names (``attempts/<step>/<attempt>/`` in format 2,
+``steps/<step>/`` in format 1).
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._layout import ATTEMPTS, LEGACY_STEPS, parse_data_key
+from jaxckpt._storage import Storage, open_storage
+
+
+def step_key(root: str, step: int) -> str:
+    """The key prefix (ending in ``/``) of the committed attempt of ``step``."""
+    return CommitProtocol(open_storage(root)).require_marker(step).location.prefix
+
+
+def step_dir(root: str, step: int, *parts: str) -> str:
+    """The local path of the committed attempt of ``step`` (a local root), joined with ``parts``."""
+    return os.path.join(root, step_key(root, step), *parts)
+
+
+def chunk_path(root: str, step: int, array: str, *index: int) -> str:
+    """The local path (or URI) of one chunk object of a committed step."""
+    key = step_key(root, step) + f"arrays/{array}/c/" + "/".join(map(str, index))
+    return f"{root.rstrip('/')}/{key}"
+
+
+def data_steps(storage: Storage) -> set[int]:
+    """Steps with any data object under the root (committed or not)."""
+    keys = storage.list(ATTEMPTS) + storage.list(LEGACY_STEPS)
+    return {loc.step for k in keys if (loc := parse_data_key(k))}
