@@ -113,7 +113,7 @@ class CommitProtocol:
         record = self.epochs.take(lambda epochs: self.visible_refs(epochs))
         self.epoch = record.epoch
         log.info(
-            "writer epoch %d of %s (resumed from step %s)",
+            "took writer epoch %d of %s (newest step at takeover: %s)",
             record.epoch,
             self.storage.uri,
             record.resumed_from,

@@ -281,6 +281,8 @@ class CheckpointManager:
             self._checkpointer.wait_until_finished()
         except Exception as e:
             self._raise_failed(e)
+        if not self._primary and self._session.current() is not None:
+            self._session.end(failed=False)  # Orbax's final barrier: the primary committed
 
     def _check_background(self) -> None:
         if self._checkpointer is None:

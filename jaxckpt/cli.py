@@ -458,7 +458,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if p.step in found.damaged and not args.force:
             action = "keep (damaged step)"
         elif is_live(p, current, args.grace, now):
-            action = "keep (live writer)"
+            action = "keep (within grace period)"
         else:
             old.append(p)
             action = "would remove" if args.dry_run else "remove"

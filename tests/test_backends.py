@@ -6,9 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import servers
+from rootpaths import chunk_path, data_steps
 from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
+from jaxckpt._commit import CommitProtocol
 from jaxckpt._records import json_record
 from jaxckpt._storage import open_storage
 
@@ -40,7 +42,7 @@ def test_corrupted_object_is_detected_and_restore_falls_back(storage_root):
     with jaxckpt.CheckpointManager(storage_root, chunk_bytes=512) as mgr:
         mgr.save(1, {"w": jnp.arange(1024.0)})
         mgr.save(2, {"w": jnp.arange(1024.0) * 2})
-    servers.corrupt_object(f"{storage_root}/steps/2/arrays/w/c/3")
+    servers.corrupt_object(chunk_path(storage_root, 2, "w", 3))
     mgr = jaxckpt.CheckpointManager(storage_root)
     with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"step 2: \['w'\]: chunk c/3"):
         mgr.restore(2)
@@ -54,12 +56,13 @@ def test_partial_step_is_invisible_and_garbage_collected(storage_root):
         mgr.save(1, {"w": jnp.arange(8.0)})
         mgr.save(2, {"w": jnp.arange(8.0)})
     storage = open_storage(storage_root)
-    storage.delete("commits/2.json")  # as if killed just before the marker
-    storage.write("pending/2.json", json_record(operation="save", started=0.0))
+    marker = CommitProtocol(storage).require_marker(2)
+    storage.delete(marker.key)  # as if killed just before the marker
+    storage.write(marker.location.pending_key, json_record(operation="save", started=0.0))
     assert jaxckpt.CheckpointManager(storage_root, read_only=True).steps() == [1]
-    assert storage.list("steps/2/")
+    assert storage.list(marker.location.prefix)
     jaxckpt.CheckpointManager(storage_root).close()  # the next writer collects it
-    assert storage.list("steps/2/") == [] and storage.list("pending/") == []
+    assert storage.list(marker.location.prefix) == [] and storage.list("pending/") == []
     assert jaxckpt.CheckpointManager(storage_root).steps() == [1]
 
 
@@ -92,7 +95,7 @@ def test_delete_and_retention(storage_root):
         mgr.delete(4)
         assert mgr.steps() == [5]
     storage = open_storage(storage_root)
-    assert {k.split("/")[1] for k in storage.list("steps/")} == {"5"}
+    assert data_steps(storage) == {5}
 
 
 def test_orbax_never_sees_the_root_uri_and_its_placeholder_is_never_created(storage_root):

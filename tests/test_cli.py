@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from rootpaths import data_steps, step_dir
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt._commit import CommitProtocol, pending_key, step_prefix
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._gc import scan
+from jaxckpt._layout import StepLocation, new_attempt
 from jaxckpt._records import json_record
 from jaxckpt._storage import open_storage
 
@@ -88,8 +91,10 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 def _partial(root: str, step: int, *, age_s: float) -> None:
     """Leaves a partial save of ``step`` that started ``age_s`` seconds ago."""
     storage = open_storage(root)
-    storage.write(pending_key(step), json_record(operation="save", started=time.time() - age_s))
-    storage.write(step_prefix(step) + "arrays/x/c/0", b"half-written")
+    started = time.time() - age_s
+    loc = StepLocation(step, new_attempt(CommitProtocol(storage).epochs.newest(), started))
+    storage.write(loc.pending_key, json_record(operation="save", started=started))
+    storage.write(loc.arrays_prefix + "x/c/0", b"half-written")
 
 
 # ---------------------------------------------------------------------------------- ls
@@ -240,7 +245,7 @@ def test_verify_all_steps(capsys, saved_root):
 
 
 def test_verify_names_the_damaged_chunk(capsys, root):
-    chunk = Path(root, "steps", "10", "arrays", "params.w", "c", "0", "0")
+    chunk = Path(step_dir(root, 10, "arrays", "params.w", "c", "0", "0"))
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0xFF
     chunk.write_bytes(bytes(data))
@@ -289,8 +294,8 @@ def test_prune_deletes_what_the_rules_do_not_keep(capsys, root):
     rc, out, _ = run(capsys, "prune", root, "--keep-last=1", "--keep-every=10")
     assert rc == 0 and "deleted 2 steps" in out
     assert jaxckpt.CheckpointManager(root, read_only=True).steps() == [2, 10, 20, 30]
-    assert not Path(root, "steps", "1").exists() and not Path(root, "steps", "5").exists()
-    assert not list(Path(root, "pending").glob("*"))
+    assert data_steps(open_storage(root)) == {2, 10, 20, 30}
+    assert open_storage(root).list("pending/") == []
     rc, _, err = run(capsys, "prune", root)
     assert rc == 2 and "needs a retention rule" in err
 
@@ -304,11 +309,11 @@ def test_gc_removes_only_partial_steps_older_than_the_grace(capsys, root):
     rc, out, _ = run(capsys, "gc", root, "--dry-run")
     assert rc == 0 and "would remove               step 40" in out
     assert "keep (within grace period) step 50" in out
-    assert Path(root, "steps", "40").exists()
+    assert {40, 50} <= data_steps(open_storage(root))
     rc, out, _ = run(capsys, "gc", root, "--grace=3600")
-    assert rc == 0 and "removed 1 partial steps older than 1.0 h" in out
-    assert not Path(root, "steps", "40").exists() and Path(root, "steps", "50").exists()
-    assert [p.step for p in CommitProtocol(open_storage(root)).partial_steps()] == [50]
+    assert rc == 0 and "removed 1 attempts (grace 1.0 h)" in out
+    assert data_steps(open_storage(root)) == {*STEPS, 50}
+    assert [p.step for p in scan(CommitProtocol(open_storage(root)), full=True).attempts] == [50]
     assert jaxckpt.CheckpointManager(root, read_only=True).steps() == list(STEPS)
 
 
@@ -350,7 +355,7 @@ def test_cp_one_step_with_zstd_restores_like_any_other(capsys, saved_root, tmp_p
     rc, out, _ = run(capsys, "cp", f"{saved_root}:30", dst, "--compress", "zstd")
     assert rc == 0 and "of the source" in out
     assert jaxckpt.CheckpointManager(dst, read_only=True).steps() == [30]
-    meta = json.loads(Path(dst, "steps", "30", "arrays", "emb", "zarr.json").read_bytes())
+    meta = json.loads(Path(step_dir(dst, 30, "arrays", "emb", "zarr.json")).read_bytes())
     assert [c["name"] for c in meta["codecs"]] == ["bytes", "zstd", "crc32c"]
     src_size = run_json(capsys, "ls", saved_root)["committed"][-1]["nbytes"]
     dst_size = run_json(capsys, "ls", dst)["committed"][0]["nbytes"]
@@ -368,13 +373,13 @@ def test_cp_refuses_the_same_root(capsys, saved_root):
 
 
 def test_cp_does_not_copy_a_damaged_step(capsys, root, tmp_path):
-    chunk = Path(root, "steps", "5", "arrays", "emb", "c", "0", "0")
+    chunk = Path(step_dir(root, 5, "arrays", "emb", "c", "0", "0"))
     chunk.write_bytes(b"\0" + chunk.read_bytes()[1:])
     dst = str(tmp_path / "dst")
     rc, _, err = run(capsys, "cp", f"{root}:5", dst)
     assert rc == 1 and "emb/c/0/0 does not match its manifest record" in err
     assert jaxckpt.CheckpointManager(dst, read_only=True).steps() == []
-    assert not Path(dst, "steps", "5").exists() and not list(Path(dst, "pending").glob("*"))
+    assert data_steps(open_storage(dst)) == set() and open_storage(dst).list("pending/") == []
 
 
 def test_cp_to_every_backend_and_back(capsys, saved_root, storage_root, tmp_path):

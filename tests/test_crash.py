@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._commit import marker_key, pending_key, step_prefix
+from jaxckpt._layout import StepLocation, new_attempt, parse_marker_key, parse_pending_key
 from jaxckpt._phases import PHASES
 from jaxckpt._records import CommitMarker, FileDigest, json_record
 from jaxckpt._storage import Storage, open_storage
@@ -235,25 +235,46 @@ def assert_bit_exact(actual: Any, expected: Any) -> None:
             assert type(a) is type(e) and a == e, f"{where}: {a!r} != {e!r}"
 
 
-def valid_marker_steps(storage: Storage) -> list[int]:
-    """Steps whose ``commits/<s>.json`` parses, checks out and names ``s``; their files intact."""
-    steps = []
+def valid_markers(storage: Storage) -> dict[int, CommitMarker]:
+    """Markers under ``commits/`` that parse, check out and name their step; files intact.
+
+    One writer at a time runs here, so no epoch hides a marker.
+    """
+    markers = {}
     for key in storage.list("commits/"):
-        if key.rsplit("/", 1)[-1].startswith("."):
-            continue  # a create-only write's temporary file (killed mid-create): never a marker
-        step = int(key.removeprefix("commits/").removesuffix(".json"))
-        try:
-            marker = CommitMarker.from_bytes(storage.read(key) or b"", key)
-        except CorruptCheckpointError:
-            continue  # torn: a crash while the marker was being written
-        if marker.step != step:
-            continue
+        ref = parse_marker_key(key)
+        if ref is None:
+            continue  # e.g. a create-only write's temporary file (killed mid-create)
+        marker = CommitMarker.from_bytes(storage.read(key) or b"", key)  # never torn
+        assert marker.step == ref.step, key
         for name, digest in marker.files.items():
-            data = storage.read(step_prefix(step) + name)
-            assert data is not None, f"committed step {step}: {name} is missing"
-            assert FileDigest.of(data) == digest, f"committed step {step}: {name} is altered"
-        steps.append(step)
-    return sorted(steps)
+            data = storage.read(marker.location.key(name))
+            assert data is not None, f"committed step {ref.step}: {name} is missing"
+            assert FileDigest.of(data) == digest, f"committed step {ref.step}: {name} is altered"
+        markers[ref.step] = marker
+    return dict(sorted(markers.items()))
+
+
+def valid_marker_steps(storage: Storage) -> list[int]:
+    return list(valid_markers(storage))
+
+
+def attempt_keys(storage: Storage, step: int) -> list[str]:
+    """Every data key of every attempt of ``step``."""
+    return storage.list(f"attempts/{step}/")
+
+
+def pending_records(storage: Storage, step: int, *, planted: bool = True) -> list[dict[str, Any]]:
+    """Pending records of ``step`` (``planted=False``: not those ``plant_leftovers`` wrote)."""
+    locs = [(k, loc) for k in storage.list("pending/") if (loc := parse_pending_key(k))]
+    keys = [k for k, loc in locs if loc.step == step and (planted or loc.epoch != 0)]
+    return [json.loads(storage.read(k) or b"{}") for k in keys]
+
+
+def marker_of(storage: Storage, step: int) -> bytes | None:
+    keys = [k for k in storage.list("commits/") if (r := parse_marker_key(k)) and r.step == step]
+    assert len(keys) <= 1, keys
+    return storage.read(keys[0]) if keys else None
 
 
 def chunk_keys(keys: list[str]) -> list[str]:
@@ -262,40 +283,40 @@ def chunk_keys(keys: list[str]) -> list[str]:
 
 def landing(storage: Storage, step: int) -> str:
     """Where in the protocol the writer of ``step`` stopped, judged from storage."""
-    keys = storage.list(step_prefix(step))
-    marker = storage.read(marker_key(step))
-    pending = storage.read(pending_key(step))
+    keys = attempt_keys(storage, step)
+    marker = marker_of(storage, step)
+    pending = pending_records(storage, step)
     if marker is not None:
         try:
-            CommitMarker.from_bytes(marker, marker_key(step))
+            CommitMarker.from_bytes(marker, f"marker of {step}")
         except CorruptCheckpointError:
             return "torn marker"
-        return "marker written" + (", pending left" if pending is not None else "")
+        return "marker written" + (", pending left" if pending else "")
     if any("/manifest/" in k for k in keys):
         return "manifest written"
     if chunk_keys(keys):
         return "data written (partly or wholly)"
-    if pending is not None:
+    if pending:
         return "pending written"
     return "between saves"
 
 
 def assert_landed_at(storage: Storage, step: int, phase: str) -> None:
     """Storage shows the kill really happened at ``phase`` of ``step``."""
-    keys = storage.list(step_prefix(step))
-    pending = storage.read(pending_key(step))
-    marker = storage.read(marker_key(step))
-    manifest = step_prefix(step) + "manifest/0.json"
-    assert pending is not None, f"{phase}: no pending record for step {step}"
-    operation = json.loads(pending)["operation"]
+    keys = [k for k in attempt_keys(storage, step) if not k.startswith(f"attempts/{step}/e0-")]
+    records = pending_records(storage, step, planted=False)
+    marker = marker_of(storage, step)
+    manifests = [k for k in keys if k.endswith("/manifest/0.json")]
+    assert len(records) == 1, f"{phase}: pending records for step {step}: {records}"
+    operation = records[0]["operation"]
     assert operation == ("delete" if phase == "delete_retracted" else "save")
     assert (marker is not None) == (phase == "marker_written"), f"{phase}: marker {marker!r}"
     if phase == "pending_written":
         assert keys == [], f"{phase}: leftover files {keys}"
     elif phase in ("data_started", "data_written"):
-        assert chunk_keys(keys) and manifest not in keys, f"{phase}: {keys}"
+        assert chunk_keys(keys) and not manifests, f"{phase}: {keys}"
     else:
-        assert manifest in keys, f"{phase}: {keys}"
+        assert manifests, f"{phase}: {keys}"
 
 
 def check_recovery(
@@ -330,14 +351,14 @@ def check_recovery(
     # (c) the next writer removes the partial step: only committed steps remain.
     with root.manager() as writer:
         keys = storage.list("")
-        allowed = {"jaxckpt.json"} | {marker_key(s) for s in committed}
-        prefixes = tuple(step_prefix(s) for s in committed)
+        markers = valid_markers(storage)
+        allowed = {"jaxckpt.json"} | {m.key for m in markers.values()}
+        prefixes = ("writers/", *(m.location.prefix for m in markers.values()))
         stray = [k for k in keys if k not in allowed and not k.startswith(prefixes)]
         assert stray == [], f"left behind after the crash of step {killed}: {stray}"
         assert not any(k.startswith("pending/") for k in keys)
-        if root.local_path is not None and killed not in committed:
-            assert not (root.local_path / "steps" / str(killed)).exists()
-            assert not (root.local_path / "pending" / f"{killed}.json").exists()
+        if killed not in committed:
+            assert attempt_keys(storage, killed) == []
         assert writer.steps() == committed
 
         # (d) the killed step number can be saved again and restores bit-exactly.
@@ -430,13 +451,16 @@ def _kill_points() -> list[Any]:
 
 
 def plant_leftovers(storage: Storage, step: int) -> list[str]:
-    """The debris of a save of ``step`` killed while writing its marker; returns the stray keys."""
-    storage.write(pending_key(step), json_record(operation="save", started=time.time()))
-    storage.write(marker_key(step), b'{"format":"jaxckpt","version":1,"step":')  # torn
-    stray = [step_prefix(step) + "arrays/params.w/c/99/0", step_prefix(step) + "stray.bin"]
+    """The debris of a save of ``step`` by an earlier writer killed before its marker.
+
+    Returns the stray keys: an attempt of epoch 0, which every later writer's epoch fences.
+    """
+    loc = StepLocation(step, new_attempt(0))
+    storage.write(loc.pending_key, json_record(operation="save", started=time.time()))
+    stray = [loc.arrays_prefix + "params.w/c/0/0", loc.prefix + "manifest/0.json"]
     for key in stray:
         storage.write(key, b"\xde\xad\xbe\xef" * 64)
-    return stray
+    return [loc.pending_key, *stray]
 
 
 def test_phases_cover_the_protocol() -> None:
@@ -463,7 +487,7 @@ def test_kill_at_phase(crash_root: CrashRoot, point: KillPoint) -> None:
     )
     assert_landed_at(storage, point.step, point.phase)
     keys = storage.list("")
-    assert not set(stray) & set(keys), "the save did not clear the earlier attempt's files"
+    assert set(stray) <= set(keys), "a save deleted another attempt's files"
     check_recovery(crash_root, killed=point.step, committed=point.committed_after(), mb=point.mb)
 
 

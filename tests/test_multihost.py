@@ -36,9 +36,10 @@ from typing import Any
 
 import pytest
 import servers
+from rootpaths import chunk_path
 
 import jaxckpt
-from jaxckpt._commit import CommitProtocol, arrays_prefix, step_prefix
+from jaxckpt._commit import CommitProtocol
 from jaxckpt._records import ManifestPart
 from jaxckpt._storage import open_storage
 
@@ -207,7 +208,9 @@ def committed_steps(root: str) -> list[int]:
 def check_written_once(root: str, step: int, processes: int) -> None:
     """The chunk objects hold exactly the logical bytes; each has one writer."""
     storage = open_storage(root)
-    prefix = arrays_prefix(step)
+    marker = CommitProtocol(storage).read_marker(step)
+    assert marker is not None
+    prefix = marker.location.arrays_prefix
     stored: dict[tuple[str, str], int] = {}
     for key in storage.list(prefix):
         name, _, chunk = key[len(prefix) :].partition("/")
@@ -221,7 +224,7 @@ def check_written_once(root: str, step: int, processes: int) -> None:
     assert sum(size - TRAILER for size in stored.values()) == logical, stored
     assert {name for name, _ in stored} == set(ARRAYS)
 
-    manifest = step_prefix(step) + "manifest/"
+    manifest = marker.location.prefix + "manifest/"
     assert storage.list(manifest) == [f"{manifest}{p}.json" for p in range(processes)]
     writers: dict[tuple[str, str], list[int]] = {}
     for p in range(processes):
@@ -237,8 +240,6 @@ def check_written_once(root: str, step: int, processes: int) -> None:
     shared = {chunk: ps for chunk, ps in writers.items() if len(ps) != 1}
     assert not shared, f"chunks in more than one manifest part: {shared}"
     assert set(writers) == set(stored), set(writers) ^ set(stored)
-    marker = CommitProtocol(storage).read_marker(step)
-    assert marker is not None
     assert marker.num_processes == processes
     assert marker.nbytes == sum(stored.values())
 
@@ -280,7 +281,7 @@ def test_hosts_agree_when_one_host_reads_a_corrupt_chunk(saved_local: str, tmp_p
     shutil.copytree(saved_local, root)
     # y is saved in 8x4 chunks; restored with P('model', 'data') on a 2x2 mesh
     # over 4 processes, chunk c/1/1 (rows 8:16, columns 4:8) is read by process 3 only.
-    servers.corrupt_object(str(root / arrays_prefix(STEPS[-1]) / "y" / "c" / "1" / "1"))
+    servers.corrupt_object(chunk_path(str(root), STEPS[-1], "y", 1, 1))
     restore(tmp_path, str(root), processes=4, devices=1, mesh="2x2", spec="model,data")
 
 

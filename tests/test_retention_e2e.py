@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import numpy as np
+from rootpaths import data_steps
 
 import jaxckpt
 from jaxckpt import policy
+from jaxckpt._layout import parse_marker_key
+from jaxckpt._storage import open_storage
 
 EXPECTED = [10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 19980, 19990, 20000]
 
@@ -29,12 +31,10 @@ def test_every_10_steps_keep_last_3_and_milestones_over_20000_steps(tmp_path: pa
     mgr.close()
     assert saved == 2000
     # The storage itself, not only steps(): markers and step data of exactly these steps.
-    markers = sorted(
-        int(n.removesuffix(".json")) for n in os.listdir(os.path.join(root, "commits"))
-    )
-    data = sorted(int(n) for n in os.listdir(os.path.join(root, "steps")))
-    assert markers == EXPECTED and data == EXPECTED
-    assert not os.listdir(os.path.join(root, "pending"))
+    storage = open_storage(root)
+    markers = sorted(r.step for k in storage.list("commits/") if (r := parse_marker_key(k)))
+    assert markers == EXPECTED and sorted(data_steps(storage)) == EXPECTED
+    assert storage.list("pending/") == []
     reader = jaxckpt.CheckpointManager(root, read_only=True)
     assert reader.steps() == EXPECTED
     assert reader.restore(5000)["step"] == 5000
