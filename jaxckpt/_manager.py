@@ -283,6 +283,23 @@ class CheckpointManager:
             self._raise_failed(e)
         if not self._primary and self._session.current() is not None:
             self._session.end(failed=False)  # Orbax's final barrier: the primary committed
+        self._await_commit()
+
+    def _await_commit(self) -> None:
+        """Waits until the in-flight save committed or failed.
+
+        Orbax joins its background thread, but a ``KeyboardInterrupt`` during
+        ``Thread.join`` can leave the thread looking finished to later joins
+        (CPython < 3.13), so the session's own state decides, with a deadline.
+        """
+        deadline = time.monotonic() + self.options.save_timeout_s
+        while (inflight := self._session.current()) is not None:
+            self._check_background()
+            if time.monotonic() > deadline:
+                self._raise_failed(
+                    TimeoutError(f"step {inflight.step} neither committed nor failed")
+                )
+            time.sleep(0.02)
 
     def _check_background(self) -> None:
         if self._checkpointer is None:
@@ -525,22 +542,18 @@ class CheckpointManager:
     def close(self) -> None:
         """Waits for the in-flight save and releases resources. Idempotent.
 
+        After a ``KeyboardInterrupt`` in ``wait()`` it still waits for the
+        in-flight save: it returns once the step committed, or raises.
+
         Raises:
-          SaveFailedError: the in-flight save failed or was interrupted (e.g. a
-            ``KeyboardInterrupt`` in ``wait()``) and did not commit.
+          SaveFailedError: the in-flight save failed and did not commit.
+          SaveTimeoutError: it did not commit within ``save_timeout_s``.
           WriterFencedError: another process took over the root.
         """
         if self._closed:
             return
         try:
-            self.wait()
-            inflight = self._session.current()
-            if inflight is not None:  # wait() was interrupted and the commit never came
-                self._session.end(failed=True)
-                raise SaveFailedError(
-                    f"save of step {inflight.step} under {self.root} did not commit "
-                    "(the save was interrupted); it is not restorable"
-                )
+            self.wait()  # after an interrupted wait() too: commits or raises
         finally:
             self._closed = True
             if self._checkpointer is not None:
