@@ -50,7 +50,7 @@ class Attempt:
     """An attempt (or format-1 step) with data or a pending record but no marker."""
 
     location: StepLocation
-    kind: str  # "partial" or "orphaned"
+    kind: str  # "partial", "orphaned", or "damaged" (data of a step whose marker is damaged)
     operation: str | None = None
     started: float | None = None
 
@@ -119,7 +119,8 @@ def scan(protocol: CommitProtocol, *, full: bool) -> RootScan:
     seen = set(pending) | named | {m.location for m in hidden}
     for loc in sorted({loc for k in data_keys if (loc := parse_data_key(k))}, key=str):
         if loc not in seen:
-            attempts.append(Attempt(location=loc, kind="orphaned"))
+            kind = "damaged" if loc.step in damaged else "orphaned"
+            attempts.append(Attempt(location=loc, kind=kind))
     temp = [
         k for k in pending_keys + storage.list(COMMITS) + storage.list(WRITERS) if is_temp_key(k)
     ]

@@ -312,7 +312,7 @@ class CheckpointManager:
     def _raise_failed(self, e: Exception) -> NoReturn:
         inflight = self._session.end(failed=True)
         step = inflight.step if inflight else None
-        fenced = _fence_error(e)
+        fenced = _fence_error(e) or self._fenced_now(step)
         if fenced is not None:
             self._fenced = fenced
             raise fenced from e
@@ -324,6 +324,16 @@ class CheckpointManager:
         raise SaveFailedError(
             f"background save of step {step} under {self.root} failed: {e}"
         ) from e
+
+    def _fenced_now(self, step: int | None) -> WriterFencedError | None:
+        """A newer writer took over (its garbage collection may be why a save failed)."""
+        try:
+            self._protocol.check_fence(f"commit step {step}")
+        except WriterFencedError as e:
+            return e
+        except CheckpointError:
+            pass  # the store is failing: report the save's own error
+        return None
 
     def save_stats(self) -> list[SaveStats]:
         """Telemetry of the recent committed saves, oldest first."""

@@ -151,7 +151,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     protocol = _open_root(args.root)
     found = scan(protocol, full=True)
     committed = dict(sorted(found.committed.items()))
-    partial = found.attempts
+    partial = [a for a in found.attempts if a.kind != "damaged"]
     retention = _retention(args)
     decision = retention_decision(committed, retention)
     if args.json:

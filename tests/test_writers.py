@@ -1,0 +1,364 @@
+"""Many writers, one truth: immutable attempts, writer fencing, damage that deletes nothing.
+
+Real processes (``writer_child.py``) race on one step and play a zombie job
+beside a restarted one, on a local directory, S3 (moto) and GCS (emulator).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rootpaths import step_dir
+
+import jaxckpt
+from jaxckpt import _restore, cli
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._gc import scan
+from jaxckpt._storage import Storage, open_storage
+
+CHILD = Path(__file__).with_name("writer_child.py")
+_spec = importlib.util.spec_from_file_location("jaxckpt_writer_child", CHILD)
+assert _spec is not None and _spec.loader is not None
+child = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(child)
+
+CHILD_TIMEOUT_S = 120.0  # importing jax on a loaded 2-core machine, plus a few saves
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> str:
+    return str(tmp_path / "ckpt")
+
+
+def _spawn(root: str, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), root, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _finish(proc: subprocess.Popen[str]) -> list[str]:
+    out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    assert proc.returncode == 0, err[-3000:]
+    return out.splitlines()
+
+
+def _bits(tree: dict[str, Any]) -> dict[str, bytes]:
+    return {k: np.ascontiguousarray(v).tobytes() for k, v in sorted(tree.items())}
+
+
+def _attempt_prefixes(storage: Storage) -> set[str]:
+    return {"/".join(k.split("/")[:3]) + "/" for k in storage.list("attempts/")}
+
+
+# -- two writers of one step ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("rounds", [2])
+def test_two_processes_saving_one_step_commit_exactly_one_writers_data(
+    storage_root: str, rounds: int
+) -> None:
+    for r in range(rounds):
+        root = f"{storage_root.rstrip('/')}/round{r}"
+        at = time.time() + 8.0  # both have imported jax by then
+        procs = {v: _spawn(root, "race", "--step", "5", "--value", str(v), "--at", str(at))
+                 for v in (100 + r, 200 + r)}  # fmt: skip
+        outs = {v: _finish(p) for v, p in procs.items()}
+        committed = [v for v, lines in outs.items() if "COMMITTED 5" in lines]
+        assert len(committed) == 1, outs
+        winner = committed[0]
+        loser = next(v for v in outs if v != winner)
+        assert any(line.startswith(("FENCED", "EXISTS")) for line in outs[loser]), outs
+        reader = jaxckpt.CheckpointManager(root, read_only=True)
+        assert reader.steps() == [5]
+        assert _bits(reader.restore(5)) == _bits(child.state(winner))
+        assert reader.verify(5).ok
+        with jaxckpt.CheckpointManager(root) as writer:  # collects the loser's attempt
+            assert writer.steps() == [5]
+        storage = open_storage(root)
+        marker = CommitProtocol(storage).require_marker(5)
+        assert _attempt_prefixes(storage) == {marker.location.prefix}
+        assert storage.list("pending/") == []
+
+
+def test_older_writer_is_fenced_and_the_committed_step_is_the_newer_ones(root: str) -> None:
+    from jaxckpt import _tsio
+
+    old = jaxckpt.CheckpointManager(root, chunk_bytes=4096)
+    old.save(1, child.state(1))
+    old.wait()
+    slow = threading.Event()
+    write = _tsio.ArrayWriter.write
+
+    def slow_write(self: Any, *a: Any, **k: Any) -> Any:
+        slow.wait(30)
+        return write(self, *a, **k)
+
+    _tsio.ArrayWriter.write = slow_write  # type: ignore[method-assign]
+    try:
+        old.save(5, child.state(500))  # in flight when the new writer takes over
+        new = jaxckpt.CheckpointManager(root, chunk_bytes=4096)
+        assert new.epoch == old.epoch + 1  # type: ignore[operator]
+    finally:
+        _tsio.ArrayWriter.write = write  # type: ignore[method-assign]
+        slow.set()
+    new.save(5, child.state(5))
+    new.wait()
+    with pytest.raises(jaxckpt.WriterFencedError, match="fenced by epoch"):
+        old.wait()
+    for call in (lambda: old.save(6, child.state(6)), old.wait, old.close):
+        with pytest.raises(jaxckpt.WriterFencedError):
+            call()
+    with pytest.raises(jaxckpt.WriterFencedError):
+        old._protocol.delete(5)  # an older epoch never deletes a newer writer's step
+    assert new.steps() == [1, 5]
+    assert _bits(new.restore(5)) == _bits(child.state(5))
+    new.close()
+
+
+# -- a zombie beside a restarted job --------------------------------------------------
+
+
+def test_zombie_job_is_fenced_and_never_wins(storage_root: str) -> None:
+    zombie = _spawn(storage_root, "loop", "--start", "1", "--pause", "0.05", "--keep-last", "2")
+    assert zombie.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while sum(line.startswith("COMMITTED") for line in seen) < 3:
+        assert time.monotonic() < deadline and zombie.poll() is None, seen
+        seen.append(zombie.stdout.readline().strip())
+    with jaxckpt.CheckpointManager(storage_root, chunk_bytes=4096) as job:  # the restarted job
+        resumed = job.latest_step()
+        assert resumed is not None
+        assert _bits(job.restore()) == _bits(child.state(resumed))
+        mine = list(range(resumed + 1000, resumed + 1003))
+        for step in mine:
+            job.save(step, child.state(step))
+        job.wait()
+    lines = seen + _finish(zombie)
+    assert lines[-1].startswith("FENCED"), lines
+    reader = jaxckpt.CheckpointManager(storage_root, read_only=True)
+    listed = reader.steps()
+    assert set(mine) <= set(listed), listed  # the zombie's retention deleted none of them
+    zombie_steps = [s for s in listed if s < 1000]
+    assert zombie_steps and max(zombie_steps) <= resumed, (listed, resumed)
+    for step in listed:
+        assert _bits(reader.restore(step)) == _bits(child.state(step)), step
+        assert reader.verify(step).ok, step
+    with jaxckpt.CheckpointManager(storage_root) as gc:
+        gc.garbage_collect(older_than_s=0)
+    storage = open_storage(storage_root)
+    protocol = CommitProtocol(storage)
+    named = {m.location.prefix for m in protocol.committed().values()}
+    assert _attempt_prefixes(storage) == named
+    assert storage.list("pending/") == []
+    assert {k.split("/")[1].split(".e")[0] for k in storage.list("commits/")} == {
+        str(s) for s in listed
+    }
+
+
+def test_marker_committed_after_a_takeover_is_never_listed(root: str) -> None:
+    """The fence check races with a takeover; visibility alone must hide the late commit."""
+    old = jaxckpt.CheckpointManager(root)
+    old.save(1, {"w": jnp.arange(4.0)})
+    old.wait()
+    new = jaxckpt.CheckpointManager(root)
+    old._protocol.check_fence = lambda action: None  # type: ignore[method-assign]
+    old.save(2, {"w": jnp.arange(4.0) * 2})  # committed by a writer that missed the fence
+    old.wait()
+    assert new.steps() == [1]
+    assert jaxckpt.CheckpointManager(root, read_only=True).steps() == [1]
+    assert new.latest_step() == 1
+    assert [m.step for m in scan(new._protocol, full=False).hidden] == [2]
+    new.save(2, {"w": jnp.arange(4.0) * 3})  # the late marker does not block the new writer
+    new.wait()
+    np.testing.assert_array_equal(new.restore(2)["w"], np.arange(4.0) * 3)
+    assert new.garbage_collect() == [2]  # the hidden step of the fenced epoch
+    assert sorted(open_storage(root).list("commits/")) == ["commits/1.e1.json", "commits/2.e2.json"]
+    new.close()
+
+
+# -- operators beside a live job -----------------------------------------------------
+
+
+def test_gc_and_prune_by_an_operator_leave_the_live_save_alone(
+    root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        JAXCKPT_PAUSE_AT="data_written",
+        JAXCKPT_PAUSE_S="6",
+    )
+    crash_child = Path(__file__).with_name("crash_child.py")
+    args = ["--seed", "1", "--start", "1", "--steps", "3", "--mb", "1", "--arm", "save:3"]
+    proc = subprocess.Popen(
+        [sys.executable, str(crash_child), root, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stderr is not None
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while "JAXCKPT_PHASE data_written 3" not in (line := proc.stderr.readline()):
+        assert line and time.monotonic() < deadline, "the child never paused"
+    assert cli.main(["gc", root]) == 0  # default grace: the live attempt is kept
+    assert cli.main(["prune", root, "--keep-last=1"]) == 0
+    assert "keep (within grace period) step 3" in capsys.readouterr().out
+    out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    assert proc.returncode == 0, err[-3000:]
+    assert "COMMITTED 3" in out.splitlines(), out
+    reader = jaxckpt.CheckpointManager(root, read_only=True)
+    assert reader.steps() == [2, 3] and reader.verify(3).ok
+
+
+# -- damage is corruption, not garbage ------------------------------------------------
+
+
+def test_a_flipped_byte_in_a_marker_deletes_nothing(
+    root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with jaxckpt.CheckpointManager(root) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"w": jnp.full(8, float(s))})
+    data = step_dir(root, 3)
+    (marker,) = pathlib.Path(root, "commits").glob("3.*.json")
+    raw = bytearray(marker.read_bytes())
+    raw[raw.index(b'"nbytes":') + 9] ^= 0x01  # a digit of nbytes: still JSON, CRC fails
+    marker.write_bytes(bytes(raw))
+    with jaxckpt.CheckpointManager(root) as mgr:  # a writable open deletes nothing
+        assert mgr.steps() == [1, 2]
+        with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"step 3 .*damaged"):
+            mgr.restore(3)
+        np.testing.assert_array_equal(mgr.restore()["w"], np.full(8, 2.0))
+    assert os.path.isdir(data) and marker.exists()
+    capsys.readouterr()
+    assert cli.main(["ls", root]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].endswith("2 committed steps (72 B), 1 DAMAGED"), lines[0]
+    assert any(line.split()[:2] == ["3", "DAMAGED"] for line in lines), out
+    assert cli.main(["verify", root, "--all"]) == 1
+    assert "step 3: the commit marker is damaged" in capsys.readouterr().err
+    assert cli.main(["gc", root, "--grace=0"]) == 0
+    assert os.path.isdir(data) and marker.exists()
+    assert cli.main(["gc", root, "--grace=0", "--force"]) == 0
+    assert not os.path.exists(data) and not marker.exists()
+
+
+def test_data_without_a_marker_is_reported_orphaned_and_collected(
+    root: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(4.0)})
+        mgr.save(2, {"w": jnp.arange(4.0)})
+    data = step_dir(root, 1)
+    next(pathlib.Path(root, "commits").glob("1.*.json")).unlink()  # an operator's rm
+    capsys.readouterr()
+    assert cli.main(["ls", root, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [(p["step"], p["kind"]) for p in listing["partial"]] == [(1, "orphaned")]
+    with jaxckpt.CheckpointManager(root) as mgr:
+        assert os.path.isdir(data)  # opening only reads pending/: orphans need a full scan
+        assert mgr.garbage_collect() == [1]  # of a fenced epoch (the writer that saved it)
+    assert not os.path.exists(data)
+
+
+# -- Ctrl-C, restores racing deletes, listing at scale --------------------------------
+
+
+def test_close_after_ctrl_c_in_wait_commits_or_raises(root: str) -> None:
+    from jaxckpt import _tsio
+
+    write = _tsio.ArrayWriter.write
+
+    def slow_write(self: Any, *a: Any, **k: Any) -> Any:
+        time.sleep(1.5)
+        return write(self, *a, **k)
+
+    mgr = jaxckpt.CheckpointManager(root)
+    mgr.save(1, {"w": jnp.arange(4.0)})
+    mgr.wait()
+    _tsio.ArrayWriter.write = slow_write  # type: ignore[method-assign]
+    try:
+        mgr.save(2, {"w": jnp.arange(4.0) * 2})
+        timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+        timer.join(5)
+        mgr.close()  # returns only once step 2 is committed
+    finally:
+        _tsio.ArrayWriter.write = write  # type: ignore[method-assign]
+    reader = jaxckpt.CheckpointManager(root, read_only=True)
+    assert reader.steps() == [1, 2]
+    np.testing.assert_array_equal(reader.restore(2)["w"], np.arange(4.0) * 2)
+    assert open_storage(root).list("pending/") == []
+
+
+def test_a_step_deleted_during_its_restore_is_reported_as_deleted(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(4096.0)})
+    reader = jaxckpt.CheckpointManager(root, read_only=True)
+    restore = _restore.StepReader.restore
+
+    def delete_first(self: Any, loaded: Any, target: Any = None) -> Any:
+        CommitProtocol(open_storage(root)).delete(loaded.marker.step)  # an operator's prune
+        return restore(self, loaded, target)
+
+    monkeypatch.setattr(_restore.StepReader, "restore", delete_first)
+    with pytest.raises(jaxckpt.StepNotFoundError, match="deleted while it was being restored"):
+        reader.restore(1)
+
+
+def test_opening_and_latest_step_read_few_markers_at_300_steps(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(4.0)})
+    storage = open_storage(root)
+    marker = CommitProtocol(storage).require_marker(1)
+    protocol = CommitProtocol(storage)
+    for step in range(2, 301):  # 299 more markers (their data is never read here)
+        copy = type(marker)(**{**marker.__dict__, "step": step})
+        storage.write(copy.key, copy.to_bytes(), exclusive=True)
+    reads: list[str] = []
+    read = type(storage).read
+
+    def counting_read(self: Any, key: str) -> Any:
+        reads.append(key)
+        return read(self, key)
+
+    monkeypatch.setattr(type(storage), "read", counting_read)
+    mgr = jaxckpt.CheckpointManager(root)
+    assert mgr.latest_step() == 300
+    markers_read = [k for k in reads if k.startswith("commits/")]
+    assert markers_read == ["commits/300.e1.json"], markers_read
+    reads.clear()
+    assert mgr.steps() == list(range(1, 301))
+    assert len([k for k in reads if k.startswith("commits/")]) == 300
+    assert protocol.epochs.newest() == 2
+    mgr.close()
