@@ -12,9 +12,9 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 import jax
@@ -30,9 +30,10 @@ from jaxckpt._records import ManifestPart, json_record
 from jaxckpt._restore import StepReader, load_step
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
-from jaxckpt._tree import SavedLeaf, describe_state
+from jaxckpt._tree import PathMap, SavedLeaf, describe_state
 from jaxckpt._tsio import ArrayWriter, HostArray
 from jaxckpt._verify import VerifyReport, verify_step
+from jaxckpt._versions import writer_versions
 from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -69,6 +70,9 @@ class StepMetadata:
     keep: bool
     user_metadata: Any
     tree: tuple[LeafInfo, ...]
+    versions: Mapping[str, str] = field(default_factory=dict)
+    """Versions of jaxckpt, jax, orbax-checkpoint, tensorstore, numpy that wrote the step
+    (empty for steps written before they were recorded)."""
 
 
 @dataclass
@@ -236,7 +240,12 @@ class CheckpointManager:
 
     def _tree_record(self, step: int, leaves: Sequence[SavedLeaf], metadata: Any) -> bytes:
         try:
-            return json_record(step=step, leaves=[x.to_json() for x in leaves], metadata=metadata)
+            return json_record(
+                step=step,
+                leaves=[x.to_json() for x in leaves],
+                metadata=metadata,
+                versions=dict(writer_versions()),
+            )
         except (TypeError, ValueError) as e:
             raise CheckpointError(
                 f"step {step}: metadata and non-array leaves must be JSON-serialisable: {e}"
@@ -303,7 +312,14 @@ class CheckpointManager:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def restore(self, step: int | None = None, *, target: Any = None) -> Any:
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        target: Any = None,
+        partial: bool = False,
+        rename: PathMap | None = None,
+    ) -> Any:
         """Restores a committed step (the newest by default).
 
         Args:
@@ -314,15 +330,28 @@ class CheckpointManager:
             arrays come back as numpy arrays in the saved nesting. Numpy results
             are read-only (usually views of the buffers read, to avoid a copy);
             ``np.array(x)`` gives a writable copy.
+          partial: ``target`` may name a subset of the saved paths; only those are
+            read (saved leaves outside it are never opened, so they may even be
+            damaged). Without it, a target that lacks saved paths is an error.
+          rename: maps saved tree paths to the target's (model surgery): a mapping
+            ``{saved prefix: new prefix}`` of paths as ``jax.tree_util.keystr`` (and
+            ``jaxckpt inspect``) writes them, e.g. ``{"['params']['encoder']":
+            "['params']['enc']"}``, or a function from a saved path to its new path
+            or ``None`` to skip the leaf.
 
         Raises:
           StepNotFoundError: no such committed step (the message lists them).
-          TreeMismatchError: ``target`` does not match the saved tree.
+          TreeMismatchError: ``target`` does not match the saved tree (every missing,
+            extra and mismatched path is named).
           CorruptCheckpointError: a chunk fails its checksum (step, path and chunk named).
+          ValueError: ``partial`` or ``rename`` without a ``target``.
         """
+        if target is None and (partial or rename is not None):
+            raise ValueError("restore(partial=..., rename=...) needs a target")
         self.wait()
+        how = {"partial": partial, "rename": rename}
         if step is not None:
-            return self._restore_step(_check_step(step), target)
+            return self._restore_step(_check_step(step), target, **how)
         candidates = self._agreement.agree("restore", sorted(self._protocol.committed())[::-1])
         if not candidates:
             raise StepNotFoundError(f"no committed steps under {self.root}")
@@ -330,7 +359,7 @@ class CheckpointManager:
             # Each process reads only its own regions, so one may find a corrupt
             # chunk that the others never read: all fall back together, or none.
             try:
-                restored, error = self._restore_step(s, target), None
+                restored, error = self._restore_step(s, target, **how), None
             except CorruptCheckpointError as e:
                 restored, error = None, e
             if not self._agreement.any_true("restore-corrupt", error is not None):
@@ -346,12 +375,12 @@ class CheckpointManager:
             )
         raise AssertionError("unreachable")
 
-    def _restore_step(self, step: int, target: Any) -> Any:
+    def _restore_step(self, step: int, target: Any, **how: Any) -> Any:
         with self._lock:
             self._restoring.add(step)
         try:
             marker = self._protocol.require_marker(step)
-            return self._reader.restore(load_step(self._protocol, marker), target)
+            return self._reader.restore(load_step(self._protocol, marker), target, **how)
         finally:
             with self._lock:
                 self._restoring.discard(step)
@@ -380,6 +409,7 @@ class CheckpointManager:
             keep=marker.keep,
             user_metadata=loaded.user_metadata,
             tree=tree,
+            versions=dict(loaded.versions),
         )
 
     def verify(
