@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -9,9 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from absl import flags
 from flax import nnx
 
 import jaxckpt
+import jaxckpt.flags
 
 
 def _state() -> dict:
@@ -249,3 +254,39 @@ def test_nnx_dropout_rngs_outside_the_state_are_caught():
 
     report = jaxckpt.check_resume(jaxckpt.nnx_step_fn(graphdef, leaky), state, BATCHES, steps=2)
     assert report.verdict == "nondeterministic" and report.repeat_mismatches[0].step == 1
+
+
+# ---------------------------------------------------------------- flags and train.py
+
+
+def test_preflight_flag_runs_the_check_only_when_set(tmp_path: Path):
+    off = flags.FlagValues()
+    jaxckpt.flags.define_flags(off)
+    off(["prog"])
+    assert jaxckpt.flags.preflight_from_flags(clean_step, _state(), BATCHES, off) is None
+    on = flags.FlagValues()
+    jaxckpt.flags.define_flags(on)
+    scratch = str(tmp_path / "scratch")
+    on(["prog", "--checkpoint_preflight_steps=2", f"--checkpoint_preflight_root={scratch}"])
+    report = jaxckpt.flags.preflight_from_flags(clean_step, _state(), BATCHES, on)
+    assert report is not None and report.ok and report.steps == 2 and report.root == scratch
+
+
+def test_train_script_preflight_prints_the_report_before_training(tmp_path: Path):
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    tiny = ["--batch_size=4", "--seq_len=16", "--d_model=32", "--num_heads=2", "--num_layers=1"]
+    proc = subprocess.run(
+        [sys.executable, str(script), f"--checkpoint_root={tmp_path / 'run'}", "--steps=2",
+         "--preflight", "--checkpoint_preflight_steps=2", *tiny],
+        capture_output=True, text=True, env=env, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("check_resume: OK"), proc.stdout
+    assert "2 resumed steps matched" in proc.stdout
+    # Training ran after the check and committed its last step.
+    assert jaxckpt.CheckpointManager(tmp_path / "run", read_only=True).steps() == [2]
