@@ -442,6 +442,8 @@ def check_resume(
       steps: steps to run from each state.
       root: where to save: an empty scratch root on the storage the run will use (the
         step written there is deleted afterwards). Default: a temporary local directory.
+        With several processes, call it on every process with a ``root`` they share;
+        each process compares the shards it holds.
       target: the restore target the real resume uses (e.g. from ``nnx.eval_shape``
         with shardings attached), to check that code path too.
       has_aux: whether ``step_fn`` returns ``(state, aux)``; None infers it (a pair
