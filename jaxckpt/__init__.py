@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from jaxckpt._manager import LeafInfo as LeafInfo
     from jaxckpt._manager import StepMetadata as StepMetadata
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
+    from jaxckpt._preflight import LeafMismatch as LeafMismatch
+    from jaxckpt._preflight import ResumeReport as ResumeReport
+    from jaxckpt._preflight import check_resume as check_resume
+    from jaxckpt._preflight import nnx_step_fn as nnx_step_fn
     from jaxckpt._telemetry import SaveStats as SaveStats
     from jaxckpt._verify import Problem as Problem
     from jaxckpt._verify import VerifyReport as VerifyReport
@@ -42,6 +46,10 @@ _LAZY = {
     "LeafInfo": "jaxckpt._manager",
     "StepMetadata": "jaxckpt._manager",
     "CheckpointOptions": "jaxckpt._options",
+    "LeafMismatch": "jaxckpt._preflight",
+    "ResumeReport": "jaxckpt._preflight",
+    "check_resume": "jaxckpt._preflight",
+    "nnx_step_fn": "jaxckpt._preflight",
     "SaveStats": "jaxckpt._telemetry",
     "Problem": "jaxckpt._verify",
     "VerifyReport": "jaxckpt._verify",
@@ -65,8 +73,10 @@ __all__ = [
     "CheckpointOptions",
     "CorruptCheckpointError",
     "LeafInfo",
+    "LeafMismatch",
     "NotACheckpointRootError",
     "Problem",
+    "ResumeReport",
     "SaveFailedError",
     "SaveStats",
     "SaveTimeoutError",
@@ -80,5 +90,7 @@ __all__ = [
     "UnsupportedLeafError",
     "VerifyReport",
     "WriterFencedError",
+    "check_resume",
+    "nnx_step_fn",
     "policy",
 ]

@@ -12,9 +12,9 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 import jax
@@ -31,9 +31,10 @@ from jaxckpt._restore import StepReader, load_step
 from jaxckpt._save import Inflight, SaveSession
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
-from jaxckpt._tree import SavedLeaf, describe_state
+from jaxckpt._tree import PathMap, SavedLeaf, describe_state
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt._verify import VerifyReport, verify_step
+from jaxckpt._versions import writer_versions
 from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -71,6 +72,9 @@ class StepMetadata:
     keep: bool
     user_metadata: Any
     tree: tuple[LeafInfo, ...]
+    versions: Mapping[str, str] = field(default_factory=dict)
+    """Versions of jaxckpt, jax, orbax-checkpoint, tensorstore, numpy that wrote the step
+    (empty for steps written before they were recorded)."""
 
 
 def _check_step(step: Any) -> int:
@@ -250,7 +254,12 @@ class CheckpointManager:
 
     def _tree_record(self, step: int, leaves: Sequence[SavedLeaf], metadata: Any) -> bytes:
         try:
-            return json_record(step=step, leaves=[x.to_json() for x in leaves], metadata=metadata)
+            return json_record(
+                step=step,
+                leaves=[x.to_json() for x in leaves],
+                metadata=metadata,
+                versions=dict(writer_versions()),
+            )
         except (TypeError, ValueError) as e:
             raise CheckpointError(
                 f"step {step}: metadata and non-array leaves must be JSON-serialisable: {e}"
@@ -356,7 +365,14 @@ class CheckpointManager:
         marker = self._protocol.latest()
         return self._agreement.agree("latest", None if marker is None else marker.step)
 
-    def restore(self, step: int | None = None, *, target: Any = None) -> Any:
+    def restore(
+        self,
+        step: int | None = None,
+        *,
+        target: Any = None,
+        partial: bool = False,
+        rename: PathMap | None = None,
+    ) -> Any:
         """Restores a committed step (the newest by default).
 
         On several processes this is collective: every process restores the
@@ -370,16 +386,29 @@ class CheckpointManager:
             arrays come back as numpy arrays in the saved nesting. Numpy results
             are read-only (usually views of the buffers read, to avoid a copy);
             ``np.array(x)`` gives a writable copy.
+          partial: ``target`` may name a subset of the saved paths; only those are
+            read (saved leaves outside it are never opened, so they may even be
+            damaged). Without it, a target that lacks saved paths is an error.
+          rename: maps saved tree paths to the target's (model surgery): a mapping
+            ``{saved prefix: new prefix}`` of paths as ``jax.tree_util.keystr`` (and
+            ``jaxckpt inspect``) writes them, e.g. ``{"['params']['encoder']":
+            "['params']['enc']"}``, or a function from a saved path to its new path
+            or ``None`` to skip the leaf.
 
         Raises:
           StepNotFoundError: no such committed step (the message lists them), or
             it was deleted while being restored.
-          TreeMismatchError: ``target`` does not match the saved tree.
+          TreeMismatchError: ``target`` does not match the saved tree (every missing,
+            extra and mismatched path is named).
           CorruptCheckpointError: a chunk fails its checksum (step, path and chunk named).
+          ValueError: ``partial`` or ``rename`` without a ``target``.
         """
+        if target is None and (partial or rename is not None):
+            raise ValueError("restore(partial=..., rename=...) needs a target")
         self.wait()
+        how = {"partial": partial, "rename": rename}
         if step is not None:
-            return self._restore_agreed(self._agreed_marker(_check_step(step)), target)
+            return self._restore_agreed(self._agreed_marker(_check_step(step)), target, how)
         candidates = self._agreement.agree("restore", sorted(self._protocol.committed())[::-1])
         if not candidates:
             raise StepNotFoundError(f"no committed steps under {self.root}")
@@ -389,7 +418,7 @@ class CheckpointManager:
             except StepNotFoundError:
                 continue  # deleted since the listing: try the next one
             try:
-                return self._restore_agreed(marker, target)
+                return self._restore_agreed(marker, target, how)
             except CorruptCheckpointError as error:
                 if not self.options.fallback_on_corrupt or i == len(candidates) - 1:
                     raise
@@ -414,14 +443,17 @@ class CheckpointManager:
             raise error_class(data)
         return CommitMarker.from_bytes(data.encode(), f"commit marker of step {step}")
 
-    def _restore_agreed(self, marker: CommitMarker, target: Any) -> Any:
+    def _restore_agreed(self, marker: CommitMarker, target: Any, how: dict[str, Any]) -> Any:
         # Each process reads only its own regions, so one may find a corrupt
         # chunk that the others never read: all fail (and fall back) together.
         step = marker.step
         with self._lock:
             self._restoring.add(step)
         try:
-            restored, error = self._reader.restore(load_step(self._protocol, marker), target), None
+            restored, error = (
+                self._reader.restore(load_step(self._protocol, marker), target, **how),
+                None,
+            )
         except CorruptCheckpointError as e:
             restored, error = None, e
         finally:
@@ -461,6 +493,7 @@ class CheckpointManager:
             keep=marker.keep,
             user_metadata=loaded.user_metadata,
             tree=tree,
+            versions=dict(loaded.versions),
         )
 
     def verify(

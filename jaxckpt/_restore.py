@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -16,6 +16,7 @@ from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import TREE_FILE
 from jaxckpt._records import ChunkRecord, CommitMarker
 from jaxckpt._tree import (
+    PathMap,
     SavedLeaf,
     flatten,
     match_target,
@@ -34,6 +35,7 @@ class LoadedStep:
     leaves: tuple[SavedLeaf, ...]
     chunks: Mapping[str, tuple[ChunkRecord, ...]]
     user_metadata: Any
+    versions: Mapping[str, str] = field(default_factory=dict)
 
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
@@ -48,6 +50,7 @@ def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
         leaves=tuple(SavedLeaf.from_json(x) for x in tree["leaves"]),
         chunks={k: tuple(v) for k, v in chunks.items()},
         user_metadata=tree.get("metadata"),
+        versions=tree.get("versions") or {},
     )
 
 
@@ -59,14 +62,25 @@ class StepReader:
         self._arrays = arrays
         self._context = context
 
-    def restore(self, loaded: LoadedStep, target: Any = None) -> Any:
+    def restore(
+        self,
+        loaded: LoadedStep,
+        target: Any = None,
+        *,
+        partial: bool = False,
+        rename: PathMap | None = None,
+    ) -> Any:
+        """The step's values; with a target, only the leaves it names are read."""
         leaves = loaded.leaves
         if target is None:
+            if partial or rename is not None:
+                raise ValueError("partial= and rename= need a target")
             values = self._read_all(loaded, list(leaves), [None] * len(leaves))
             return unflatten_saved(leaves, values)
         flat, treedef = flatten(target)
         targets = [t for _, t in flat]
-        matched = match_target(leaves, [path_str(p) for p, _ in flat], targets)
+        paths = [path_str(p) for p, _ in flat]
+        matched = match_target(leaves, paths, targets, partial=partial, rename=rename)
         values = self._read_all(loaded, matched, targets)
         return jax.tree_util.tree_unflatten(treedef, values)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,16 +205,66 @@ def _finish(node: Any) -> Any:
     return node
 
 
+#: How saved tree paths map to a restore target's paths: ``{saved prefix: new prefix}``
+#: or a function from a saved path to its new path (``None`` drops the leaf).
+PathMap = Mapping[str, str] | Callable[[str], str | None]
+
+
+def rename_path(path: str, rename: PathMap) -> str | None:
+    """``path`` (a saved tree path, as ``jax.tree_util.keystr`` writes it) under ``rename``.
+
+    A mapping renames the longest prefix that ends at a path component boundary; a
+    path no prefix matches keeps its name. A callable gets the whole path.
+
+    >>> m = {"['params']['encoder']": "['params']['enc']", "['ema']": "['params_ema']"}
+    >>> rename_path("['params']['encoder']['kernel']", m)
+    "['params']['enc']['kernel']"
+    >>> rename_path("['params']['encoder_2']['kernel']", m)  # not a component boundary
+    "['params']['encoder_2']['kernel']"
+    >>> rename_path("['opt'][0].mu", lambda p: None if p.startswith("['opt']") else p) is None
+    True
+    """
+    if callable(rename):
+        return rename(path)
+    for prefix in sorted(rename, key=len, reverse=True):
+        rest = path[len(prefix) :]
+        if path.startswith(prefix) and (not rest or rest[0] in "[."):
+            return rename[prefix] + rest
+    return path
+
+
 def match_target(
-    saved: Sequence[SavedLeaf], target_paths: Sequence[str], target_leaves: Sequence[Any]
+    saved: Sequence[SavedLeaf],
+    target_paths: Sequence[str],
+    target_leaves: Sequence[Any],
+    *,
+    partial: bool = False,
+    rename: PathMap | None = None,
 ) -> list[SavedLeaf]:
     """The saved leaf for every target leaf, in target order.
 
+    Args:
+      saved: the leaves of the saved tree.
+      target_paths: the target's leaf paths (``keystr`` text), in order.
+      target_leaves: the target's leaves, in the same order.
+      partial: the target may be a subset of the saved tree: saved leaves it lacks
+        are not an error (and are never read).
+      rename: maps saved paths to target paths first (see :func:`rename_path`).
+
     Raises:
-      TreeMismatchError: naming every missing, extra or mismatched path.
+      TreeMismatchError: naming every missing, extra or mismatched path, and any
+        target path two saved leaves were renamed to.
     """
-    by_path = {leaf.path_text: leaf for leaf in saved}
+    by_path: dict[str, SavedLeaf] = {}
     problems: list[str] = []
+    for saved_leaf in saved:
+        old = saved_leaf.path_text
+        new = old if rename is None else rename_path(old, rename)
+        if new is None:
+            continue
+        if new in by_path:
+            problems.append(f"  two saved paths map to {new}: {by_path[new].path_text} and {old}")
+        by_path[new] = saved_leaf
     matched: list[SavedLeaf] = []
     for path, target in zip(target_paths, target_leaves, strict=True):
         leaf = by_path.get(path)
@@ -228,16 +278,18 @@ def match_target(
         if leaf.kind == "key" and jax.dtypes.issubdtype(target.dtype, jax.dtypes.prng_key):
             shape = jax.eval_shape(jax.random.key_data, target).shape
         if shape != leaf.shape:
+            saved_as = "" if leaf.path_text == path else f" (saved as {leaf.path_text})"
             problems.append(
-                f"  shape mismatch at {path}: saved {leaf.shape} {leaf.dtype}, "
+                f"  shape mismatch at {path}{saved_as}: saved {leaf.shape} {leaf.dtype}, "
                 f"target {_describe(target)}"
             )
-    extra = sorted(set(by_path) - set(target_paths))
-    for path in extra:
-        problems.append(f"  not in target: {path} (saved {_describe_saved(by_path[path])})")
+    if not partial:
+        for path in sorted(set(by_path) - set(target_paths)):
+            problems.append(f"  not in target: {path} (saved {_describe_saved(by_path[path])})")
     if problems:
+        hint = "" if partial else " (restore(..., partial=True) restores a subset)"
         raise TreeMismatchError(
-            "restore target does not match the saved tree:\n" + "\n".join(problems)
+            f"restore target does not match the saved tree{hint}:\n" + "\n".join(problems)
         )
     return matched
 

@@ -40,6 +40,7 @@ from jaxckpt._copy import copy_step
 from jaxckpt._records import CommitMarker, load_json_record, path_text
 from jaxckpt._storage import LocalStorage, open_storage
 from jaxckpt._telemetry import human_bytes
+from jaxckpt._versions import versions_text
 from jaxckpt.errors import CheckpointError, NotACheckpointRootError
 
 __all__ = ["main"]
@@ -280,6 +281,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "keep": marker.keep,
                 "metrics": dict(marker.metrics),
                 "metadata": tree.get("metadata"),
+                "versions": tree.get("versions"),
                 "leaves": leaves,
             }
         )
@@ -291,6 +293,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{human_bytes(marker.nbytes)} stored), {len(leaves) - len(arrays)} values"
         + (", pinned" if marker.keep else "")
     )
+    print(f"written by: {versions_text(tree.get('versions'))}")
     if marker.metrics:
         print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in marker.metrics.items()))
     if tree.get("metadata") is not None:

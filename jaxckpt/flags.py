@@ -26,6 +26,11 @@ Flags (all prefixed ``checkpoint_``):
   retention; unset keeps every step.
 * ``--checkpoint_async``: when off, ``save`` returns only once the step is committed.
 * ``--checkpoint_timeout_seconds``: a save must commit within this.
+* ``--checkpoint_preflight_steps``: before training, prove that a checkpoint of the
+  starting state resumes bit-exactly for N steps (:func:`preflight_from_flags`, which
+  runs :func:`jaxckpt.check_resume`); 0 (default) skips it.
+* ``--checkpoint_preflight_root``: an empty scratch root for that check (default: a
+  temporary local directory).
 
 With no interval flag, every ``save`` call saves. The save policies combine with ``|``: a
 step is saved when any of them says so.
@@ -34,6 +39,7 @@ step is saved when any of them says so.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,6 +47,7 @@ if TYPE_CHECKING:
 
     from jaxckpt._manager import CheckpointManager
     from jaxckpt._options import CheckpointOptions
+    from jaxckpt._preflight import ResumeReport
     from jaxckpt.policy import RetentionPolicy, SavePolicy
 
 __all__ = [
@@ -48,6 +55,7 @@ __all__ = [
     "define_flags",
     "manager_from_flags",
     "options_from_flags",
+    "preflight_from_flags",
     "retention_from_flags",
     "save_policy_from_flags",
 ]
@@ -64,6 +72,8 @@ FLAG_NAMES = (
     "checkpoint_keep_every",
     "checkpoint_async",
     "checkpoint_timeout_seconds",
+    "checkpoint_preflight_steps",
+    "checkpoint_preflight_root",
 )
 
 
@@ -140,6 +150,20 @@ def define_flags(flag_values: absl_flags.FlagValues | None = None) -> None:
     )
     flags.DEFINE_float(
         "checkpoint_timeout_seconds", 600.0, "A save must commit within this.", lower_bound=0, **kw
+    )
+    flags.DEFINE_integer(
+        "checkpoint_preflight_steps",
+        0,
+        "Before training, check that a checkpoint of the starting state resumes bit-exactly "
+        "for N steps (jaxckpt.check_resume); 0 skips the check.",
+        lower_bound=0,
+        **kw,
+    )
+    flags.DEFINE_string(
+        "checkpoint_preflight_root",
+        None,
+        "An empty scratch root for the pre-flight check (default: a temporary local directory).",
+        **kw,
     )
 
 
@@ -235,6 +259,38 @@ def manager_from_flags(
 
         return CheckpointManager(fv.checkpoint_root, options)
     return _sync_manager_class()(fv.checkpoint_root, options)
+
+
+def preflight_from_flags(
+    step_fn: Callable[[Any, Any], Any],
+    state: Any,
+    batches: Any,
+    flag_values: absl_flags.FlagValues | None = None,
+    **kwargs: Any,
+) -> ResumeReport | None:
+    """Runs :func:`jaxckpt.check_resume` when ``--checkpoint_preflight_steps`` is set.
+
+    Uses ``--checkpoint_preflight_root`` (or a temporary directory) and the options the
+    other flags describe; ``kwargs`` go to ``check_resume`` (e.g. ``target=``).
+
+    Returns:
+      The report (log or print it; stop the launch when ``not report.ok``), or None when
+      the flag is 0.
+    """
+    fv = _fv(flag_values)
+    if not fv.checkpoint_preflight_steps:
+        return None
+    from jaxckpt._preflight import check_resume
+
+    return check_resume(
+        step_fn,
+        state,
+        batches,
+        steps=fv.checkpoint_preflight_steps,
+        root=fv.checkpoint_preflight_root,
+        options=options_from_flags(fv),
+        **kwargs,
+    )
 
 
 @functools.cache

@@ -15,6 +15,9 @@ What it shows:
   was never interrupted.
 * **Preemption.** SIGTERM (or Ctrl-C) makes the next step boundary save; once that save
   is committed the script exits with status 0.
+* **Pre-flight.** ``--preflight`` (or ``--checkpoint_preflight_steps=N``) first proves
+  that a checkpoint of the starting state resumes bit-exactly (``jaxckpt.check_resume``)
+  and prints the report; a failed check exits with status 2 before any training.
 * **Overhead.** Each committed save is logged with its bytes and throughput, and the
   run ends with the seconds blocked on checkpoints as a share of wall time.
 
@@ -58,6 +61,13 @@ _SLEEP = flags.DEFINE_float(
     "simulated_step_seconds", 0.0, "Sleep this long per step, to act like a bigger model."
 )
 _CACHE = flags.DEFINE_string("compilation_cache", None, "JAX persistent compilation cache dir.")
+_PREFLIGHT = flags.DEFINE_bool(
+    "preflight",
+    False,
+    "Before training, check that a checkpoint of the starting state resumes bit-exactly "
+    "(jaxckpt.check_resume, --checkpoint_preflight_steps steps, default 10), print the "
+    "report, and exit with status 2 if it fails.",
+)
 
 jaxckpt.flags.define_flags()
 flags.FLAGS.set_default("checkpoint_every_steps", 50)
@@ -294,6 +304,30 @@ def restore_or_init(
     return restored, step
 
 
+def preflight(train_step: Any, state: Any, step: int, batches: Any, target: Any) -> None:
+    """Runs the resume pre-flight on the starting state when asked; exits if it fails.
+
+    The check restores into ``target``, the same abstract state a real resume uses, and
+    feeds the batches this run would train on next.
+    """
+    steps = flags.FLAGS.checkpoint_preflight_steps or (10 if _PREFLIGHT.value else 0)
+    if not steps:
+        return
+    start = time.perf_counter()
+    report = jaxckpt.check_resume(
+        train_step,
+        state,
+        [batches(step + i) for i in range(steps)],
+        steps=steps,
+        root=flags.FLAGS.checkpoint_preflight_root,
+        target=target,
+    )
+    print(report, flush=True)
+    logging.info("pre-flight (%.1f s): %s", time.perf_counter() - start, str(report).split("\n")[0])
+    if not report.ok:
+        raise SystemExit(2)
+
+
 def train(mgr: jaxckpt.CheckpointManager) -> None:
     corpus = load_corpus()
     devices = np.array(jax.devices())
@@ -306,12 +340,16 @@ def train(mgr: jaxckpt.CheckpointManager) -> None:
     start = time.perf_counter()
     state, step = restore_or_init(mgr, target, shardings, seed)
     train_step = make_train_step(model_def, opt_def, shardings, mesh)
+
+    def batch(i: int) -> jax.Array:
+        return jax.device_put(batch_at(corpus, i, _BATCH.value, _SEQ.value, seed), batch_sharding)
+
+    preflight(train_step, state, step, batch, target)
     overhead = Overhead(mgr)
     last_log = (step, time.perf_counter())
     preempted = False
     while step < _STEPS.value and not preempted:
-        batch = batch_at(corpus, step, _BATCH.value, _SEQ.value, seed)
-        state, loss = train_step(state, jax.device_put(batch, batch_sharding))
+        state, loss = train_step(state, batch(step))
         step += 1
         time.sleep(_SLEEP.value)
         metrics = {"loss": float(loss)}

@@ -407,10 +407,11 @@ def test_retention_deletes_in_background_and_explain_says_why(root):
 def test_public_api_names():
     assert set(jaxckpt.__all__) == {
         "CheckpointError", "CheckpointManager", "CheckpointOptions", "CorruptCheckpointError",
-        "LeafInfo", "NotACheckpointRootError", "Problem", "SaveFailedError", "SaveStats",
-        "SaveTimeoutError", "StepAlreadyExistsError", "StepMetadata", "StepNotFoundError",
-        "StorageError", "TreeMismatchError", "UncommittedStepError", "UnsupportedFormatError",
-        "UnsupportedLeafError", "VerifyReport", "WriterFencedError", "policy",
+        "LeafInfo", "LeafMismatch", "NotACheckpointRootError", "Problem", "ResumeReport",
+        "SaveFailedError", "SaveStats", "SaveTimeoutError", "StepAlreadyExistsError",
+        "StepMetadata", "StepNotFoundError", "StorageError", "TreeMismatchError",
+        "UncommittedStepError", "UnsupportedFormatError", "UnsupportedLeafError",
+        "VerifyReport", "WriterFencedError", "check_resume", "nnx_step_fn", "policy",
     }  # fmt: skip
     for name in jaxckpt.__all__:
         assert getattr(jaxckpt, name) is not None

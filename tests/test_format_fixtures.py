@@ -1,0 +1,99 @@
+"""Format stability: every committed fixture (tests/fixtures/v*/) restores bit-exactly, forever.
+
+Each fixture is a checkpoint root written by the jaxckpt of its format version
+(``tests/fixtures/make_fixture.py``) and the values it must restore to, stored beside it.
+A failure here means a change broke reading checkpoints that users already have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+from fixtures.fixture_check import load_expected, step_problems, target_from, version_dirs
+
+import jaxckpt
+from jaxckpt import cli
+
+VERSIONS = version_dirs()
+
+
+@pytest.fixture(params=VERSIONS, ids=[p.name for p in VERSIONS])
+def fixture(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path]:
+    """(the fixture's directory, a private copy of its root)."""
+    return request.param, Path(shutil.copytree(request.param / "root", tmp_path / "root"))
+
+
+def test_there_is_a_fixture_for_format_version_1():
+    assert [p.name for p in VERSIONS][:1] == ["v1"]
+
+
+def test_every_step_restores_bit_exactly_with_and_without_a_target(fixture):
+    version_dir, root = fixture
+    expected, arrays = load_expected(version_dir)
+    mgr = jaxckpt.CheckpointManager(root, read_only=True)
+    assert mgr.steps() == sorted(int(s) for s in expected["steps"])
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    checked = 0
+    for step_text, step_expected in expected["steps"].items():
+        step = int(step_text)
+        plain = mgr.restore(step)
+        assert step_problems(plain, step_expected, arrays, as_jax=False) == []
+        target = target_from(plain, step_expected["leaves"], lambda _: device)
+        targeted = mgr.restore(step, target=target)
+        assert step_problems(targeted, step_expected, arrays, as_jax=True) == []
+        meta = mgr.metadata(step)
+        assert meta.user_metadata == step_expected["metadata"]
+        assert meta.keep is step_expected["keep"]
+        assert dict(meta.metrics) == step_expected["metrics"]
+        checked += len(step_expected["leaves"])
+    assert checked > 80
+    newest = expected["steps"][str(max(mgr.steps()))]
+    assert step_problems(mgr.restore(), newest, arrays, as_jax=False) == []
+
+
+def test_sharded_leaves_restore_into_their_saved_shardings_on_four_devices(fixture):
+    version_dir, _ = fixture
+    script = Path(__file__).parent / "fixtures" / "restore_sharded.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(version_dir)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.startswith("OK ")
+
+
+def _snapshot(root: Path) -> dict[str, tuple[str, int]]:
+    """Every entry under ``root``: each file's digest, and every mtime (directories too)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        digest = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        out[str(p.relative_to(root))] = (digest, p.stat().st_mtime_ns)
+    return out
+
+
+def test_verify_passes_and_reading_writes_nothing(fixture, capsys):
+    _, root = fixture
+    before = _snapshot(root)
+    mgr = jaxckpt.CheckpointManager(root, read_only=True)
+    for step in mgr.steps():
+        report = mgr.verify(step)
+        assert report.ok, report.problems
+        assert report.chunks_checked > 30
+        mgr.restore(step)
+        mgr.metadata(step)
+    mgr.close()
+    assert cli.main(["verify", str(root), "--all", "--no-progress"]) == 0
+    assert cli.main(["ls", str(root), "--json"]) == 0
+    assert cli.main(["inspect", str(root), "--json"]) == 0
+    assert '"step": 2' in capsys.readouterr().out  # inspect --json of the newest step
+    assert _snapshot(root) == before
