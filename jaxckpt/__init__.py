@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from jaxckpt._manager import LeafInfo as LeafInfo
     from jaxckpt._manager import StepMetadata as StepMetadata
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
+    from jaxckpt._reader import LeafView as LeafView
+    from jaxckpt._reader import StepView as StepView
+    from jaxckpt._reader import open_step as open_step
     from jaxckpt._telemetry import SaveStats as SaveStats
     from jaxckpt._verify import Problem as Problem
     from jaxckpt._verify import VerifyReport as VerifyReport
@@ -41,6 +44,9 @@ _LAZY = {
     "LeafInfo": "jaxckpt._manager",
     "StepMetadata": "jaxckpt._manager",
     "CheckpointOptions": "jaxckpt._options",
+    "LeafView": "jaxckpt._reader",
+    "StepView": "jaxckpt._reader",
+    "open_step": "jaxckpt._reader",
     "SaveStats": "jaxckpt._telemetry",
     "Problem": "jaxckpt._verify",
     "VerifyReport": "jaxckpt._verify",
@@ -64,6 +70,7 @@ __all__ = [
     "CheckpointOptions",
     "CorruptCheckpointError",
     "LeafInfo",
+    "LeafView",
     "NotACheckpointRootError",
     "Problem",
     "SaveFailedError",
@@ -72,11 +79,13 @@ __all__ = [
     "StepAlreadyExistsError",
     "StepMetadata",
     "StepNotFoundError",
+    "StepView",
     "StorageError",
     "TreeMismatchError",
     "UncommittedStepError",
     "UnsupportedFormatError",
     "UnsupportedLeafError",
     "VerifyReport",
+    "open_step",
     "policy",
 ]
