@@ -41,6 +41,9 @@ def copy_step(
         else:
             nbytes = _copy_step_raw(src, dst, marker)
             num_processes = marker.num_processes
+        group = src.storage.read(step_prefix(step) + "zarr.json")  # zarr group, if written
+        if group is not None:
+            dst.storage.write(step_prefix(step) + "zarr.json", group)
         dst.write_tree(step, src.read_step_file(marker, TREE_FILE))
         dst.commit(
             step, num_processes=num_processes, metrics=dict(marker.metrics), keep=marker.keep

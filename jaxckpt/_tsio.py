@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._commit import arrays_prefix
+from jaxckpt._commit import arrays_prefix, step_prefix
 from jaxckpt._phases import reached
 from jaxckpt._records import ChunkRecord, dumps
 from jaxckpt._storage import Storage
@@ -145,9 +145,15 @@ class ArrayWriter:
         return ts.open(spec, open=True, read=True, context=self._context)
 
     def write_group(self, step: int) -> None:
-        """The zarr v3 group record that makes ``arrays/`` openable by zarr-python."""
+        """The zarr v3 group records that make ``arrays/`` and the step openable by zarr-python.
+
+        ``steps/<step>/zarr.json`` is additive metadata (format version unchanged):
+        zarr-python then opens the step directory as a group whose member is
+        ``arrays``; it ignores the step's other records.
+        """
         group = {"zarr_format": 3, "node_type": "group", "attributes": {"jaxckpt_step": step}}
         self._storage.write(arrays_prefix(step) + "zarr.json", dumps(group))
+        self._storage.write(step_prefix(step) + "zarr.json", dumps(group))
 
     def write(self, step: int, arrays: Sequence[HostArray]) -> dict[str, tuple[ChunkRecord, ...]]:
         """Writes every piece, chunk by chunk; returns the chunk records per array.
