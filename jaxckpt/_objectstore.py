@@ -31,6 +31,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import threading
 import uuid
 from typing import Any, TypeVar
@@ -49,6 +50,7 @@ _GCS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
 _PROBE_PREFIX = ".jaxckpt-probe/"
 _CREATE_ATTEMPTS = 3
 _MAX_DETAIL = 400
+_PAYLOAD = re.compile(r"\s*\[[A-Za-z0-9_.-]+='.*?'\]", re.DOTALL)
 
 # absl status code names (as TensorStore prefixes its messages) -> errno.
 _STATUS_ERRNO = {
@@ -238,7 +240,9 @@ class ObjectStorage:
         if isinstance(exc, TimeoutError):
             detail = f"no answer within {self._options.timeout_s} s"
             return StorageError(errno.ETIMEDOUT, f"cannot {action} {where}: {detail}")
-        detail = str(exc)
+        # TensorStore appends the HTTP response body and headers as [name='value']
+        # payloads (S3 XML, GCS JSON): drop them, the status text says what failed.
+        detail = _PAYLOAD.sub("", str(exc)).strip()
         if len(detail) > _MAX_DETAIL:
             detail = detail[:_MAX_DETAIL] + " …"
         code = detail.split(":", 1)[0]

@@ -30,20 +30,19 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _open(text: str) -> Any:
+def _step_of(text: str) -> tuple[str, int]:
     root, step = split_source(text)
     protocol = open_root(root)  # fail fast on a wrong root, before jax is imported
-    marker = step_or_latest(protocol, step)
-
-    from jaxckpt._reader import open_step
-
-    return open_step(root, marker.step)
+    return root, step_or_latest(protocol, step).step
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from jaxckpt._diff import IDENTICAL, diff_steps
+    sources = _step_of(args.a), _step_of(args.b)
 
-    a, b = _open(args.a), _open(args.b)
+    from jaxckpt._diff import IDENTICAL, diff_steps
+    from jaxckpt._reader import open_step
+
+    a, b = (open_step(root, step) for root, step in sources)
     result = diff_steps(a, b, values=args.values)
     if args.json:
         json_out(

@@ -35,6 +35,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _message(e: Exception) -> str:
+    """The error's text without Python's ``[Errno N]`` prefix."""
+    if isinstance(e, OSError) and e.strerror and e.filename is None:
+        return str(e.strerror)
+    return str(e)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``jaxckpt`` command line; returns the exit status."""
     args, extra = parser().parse_known_args(argv)
@@ -43,13 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except CheckpointError as e:
-        err(str(e))
+        err(_message(e))
         return 1
     except BrokenPipeError:  # e.g. `jaxckpt ls ROOT | head`: stop quietly, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as e:  # a storage failure not translated at the boundary
-        err(str(e))
+        err(_message(e))
         return 1
     except KeyboardInterrupt:
         err("interrupted")
