@@ -28,6 +28,9 @@ from jaxckpt.errors import UnsupportedLeafError as UnsupportedLeafError
 
 if TYPE_CHECKING:
     from jaxckpt import policy as policy
+    from jaxckpt._diff import diff_steps as diff_steps
+    from jaxckpt._import import import_orbax as import_orbax
+    from jaxckpt._import import import_safetensors as import_safetensors
     from jaxckpt._manager import CheckpointManager as CheckpointManager
     from jaxckpt._manager import LeafInfo as LeafInfo
     from jaxckpt._manager import StepMetadata as StepMetadata
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from jaxckpt._reader import LeafView as LeafView
     from jaxckpt._reader import StepView as StepView
     from jaxckpt._reader import open_step as open_step
+    from jaxckpt._safetensors import export_safetensors as export_safetensors
     from jaxckpt._telemetry import SaveStats as SaveStats
     from jaxckpt._verify import Problem as Problem
     from jaxckpt._verify import VerifyReport as VerifyReport
@@ -45,6 +49,10 @@ _LAZY = {
     "StepMetadata": "jaxckpt._manager",
     "CheckpointOptions": "jaxckpt._options",
     "LeafView": "jaxckpt._reader",
+    "diff_steps": "jaxckpt._diff",
+    "export_safetensors": "jaxckpt._safetensors",
+    "import_orbax": "jaxckpt._import",
+    "import_safetensors": "jaxckpt._import",
     "StepView": "jaxckpt._reader",
     "open_step": "jaxckpt._reader",
     "SaveStats": "jaxckpt._telemetry",
@@ -86,6 +94,10 @@ __all__ = [
     "UnsupportedFormatError",
     "UnsupportedLeafError",
     "VerifyReport",
+    "diff_steps",
+    "export_safetensors",
+    "import_orbax",
+    "import_safetensors",
     "open_step",
     "policy",
 ]

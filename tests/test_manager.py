@@ -397,6 +397,8 @@ def test_public_api_names():
         "SaveTimeoutError", "StepAlreadyExistsError", "StepMetadata", "StepNotFoundError",
         "StorageError", "TreeMismatchError", "UncommittedStepError", "UnsupportedFormatError",
         "UnsupportedLeafError", "VerifyReport", "policy",
+        "LeafView", "StepView", "open_step", "diff_steps", "export_safetensors",
+        "import_orbax", "import_safetensors",
     }  # fmt: skip
     for name in jaxckpt.__all__:
         assert getattr(jaxckpt, name) is not None
