@@ -67,7 +67,8 @@ def _load(path: str) -> dict:
     those are checked against the header's dtype code and read with jaxckpt's reader."""
     out = {}
     with safe_open(path, framework="numpy") as f, safe_open(path, framework="flax") as fx:
-        for name in f.keys():
+        names = f.keys()  # a safe_open handle is not iterable
+        for name in names:
             dtype = f.get_slice(name).get_dtype()
             if dtype == "BF16":  # jax would narrow 64-bit types; numpy lacks bfloat16
                 out[name] = fx.get_tensor(name)
