@@ -23,6 +23,7 @@ from jaxckpt._reader import LeafView, StepView, open_step
 __all__ = ["LeafStats", "StepStats", "leaf_stats", "trajectory"]
 
 ALL = "(all selected)"
+_SLICE = 1 << 22  # elements widened to float64 at a time
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +58,11 @@ class _Acc:
     max_abs: float = 0.0
 
     def add(self, block: np.ndarray) -> None:
-        x = block.astype(np.float64).reshape(-1)
+        flat = block.reshape(-1)
+        for start in range(0, flat.size, _SLICE):  # float64 copies of at most 32 MiB
+            self._add(flat[start : start + _SLICE].astype(np.float64))
+
+    def _add(self, x: np.ndarray) -> None:
         if not x.size:
             return
         mean = float(x.mean())
