@@ -29,6 +29,9 @@ from jaxckpt.errors import WriterFencedError as WriterFencedError
 
 if TYPE_CHECKING:
     from jaxckpt import policy as policy
+    from jaxckpt._diff import diff_steps as diff_steps
+    from jaxckpt._import import import_orbax as import_orbax
+    from jaxckpt._import import import_safetensors as import_safetensors
     from jaxckpt._manager import CheckpointManager as CheckpointManager
     from jaxckpt._manager import LeafInfo as LeafInfo
     from jaxckpt._manager import StepMetadata as StepMetadata
@@ -37,6 +40,10 @@ if TYPE_CHECKING:
     from jaxckpt._preflight import ResumeReport as ResumeReport
     from jaxckpt._preflight import check_resume as check_resume
     from jaxckpt._preflight import nnx_step_fn as nnx_step_fn
+    from jaxckpt._reader import LeafView as LeafView
+    from jaxckpt._reader import StepView as StepView
+    from jaxckpt._reader import open_step as open_step
+    from jaxckpt._safetensors import export_safetensors as export_safetensors
     from jaxckpt._telemetry import SaveStats as SaveStats
     from jaxckpt._verify import Problem as Problem
     from jaxckpt._verify import VerifyReport as VerifyReport
@@ -50,6 +57,13 @@ _LAZY = {
     "ResumeReport": "jaxckpt._preflight",
     "check_resume": "jaxckpt._preflight",
     "nnx_step_fn": "jaxckpt._preflight",
+    "LeafView": "jaxckpt._reader",
+    "diff_steps": "jaxckpt._diff",
+    "export_safetensors": "jaxckpt._safetensors",
+    "import_orbax": "jaxckpt._import",
+    "import_safetensors": "jaxckpt._import",
+    "StepView": "jaxckpt._reader",
+    "open_step": "jaxckpt._reader",
     "SaveStats": "jaxckpt._telemetry",
     "Problem": "jaxckpt._verify",
     "VerifyReport": "jaxckpt._verify",
@@ -74,6 +88,7 @@ __all__ = [
     "CorruptCheckpointError",
     "LeafInfo",
     "LeafMismatch",
+    "LeafView",
     "NotACheckpointRootError",
     "Problem",
     "ResumeReport",
@@ -83,6 +98,7 @@ __all__ = [
     "StepAlreadyExistsError",
     "StepMetadata",
     "StepNotFoundError",
+    "StepView",
     "StorageError",
     "TreeMismatchError",
     "UncommittedStepError",
@@ -91,6 +107,11 @@ __all__ = [
     "VerifyReport",
     "WriterFencedError",
     "check_resume",
+    "diff_steps",
+    "export_safetensors",
+    "import_orbax",
+    "import_safetensors",
     "nnx_step_fn",
+    "open_step",
     "policy",
 ]

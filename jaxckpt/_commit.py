@@ -26,6 +26,7 @@ from jaxckpt import policy
 from jaxckpt._fence import EpochReader, EpochRecord, Epochs
 from jaxckpt._layout import (
     COMMITS,
+    LATEST_HINT,
     PENDING,
     ROOT_RECORD,
     TREE_FILE,
@@ -34,6 +35,7 @@ from jaxckpt._layout import (
     is_manifest_name,
     manifest_name,
     marker_key,
+    markers_from,
     parse_marker_key,
 )
 from jaxckpt._phases import reached
@@ -141,9 +143,14 @@ class CommitProtocol:
 
     # -- committed steps ----------------------------------------------------
 
-    def marker_refs(self) -> list[MarkerRef]:
-        """Every marker object under ``commits/`` (valid or not, visible or not)."""
-        refs = (parse_marker_key(k) for k in self.storage.list(COMMITS))
+    def marker_refs(self, *, from_step: int | None = None) -> list[MarkerRef]:
+        """Every marker object under ``commits/`` (valid or not, visible or not).
+
+        With ``from_step``, one ranged listing that surely holds every format-2
+        marker of that step and later (format-1 keys, unpadded, may come too).
+        """
+        start = None if from_step is None else markers_from(from_step)
+        refs = (parse_marker_key(k) for k in self.storage.list(COMMITS, start=start))
         return sorted(r for r in refs if r is not None)
 
     def visible_refs(
@@ -192,12 +199,33 @@ class CommitProtocol:
         return {r.step: m for r, m in zip(refs, markers, strict=True) if m is not None}
 
     def latest(self) -> CommitMarker | None:
-        """The newest visible valid marker, reading markers newest first until one is valid."""
-        for ref in sorted(self.visible_refs().values(), reverse=True):
+        """The newest visible valid marker, reading markers newest first until one is valid.
+
+        Starts from the ``commits/latest`` hint: one ranged listing of the
+        markers at or after it, so the cost does not grow with the number of
+        committed steps. The hint only narrows the listing; markers decide, and
+        a hint that names no valid marker falls back to the full listing.
+        """
+        epochs = self.epochs.load()
+        hint = self._latest_hint()
+        if hint is not None:
+            refs = [r for r in self.marker_refs(from_step=hint) if r.step >= hint]
+            found = self._newest_valid(self.visible_refs(epochs, refs))
+            if found is not None:
+                return found
+        return self._newest_valid(self.visible_refs(epochs))
+
+    def _newest_valid(self, visible: dict[int, MarkerRef]) -> CommitMarker | None:
+        for ref in sorted(visible.values(), reverse=True):
             marker = self.read_ref(ref)
             if marker is not None:
                 return marker
         return None
+
+    def _latest_hint(self) -> int | None:
+        raw = self.storage.read(LATEST_HINT)
+        text = raw.decode(errors="replace").strip() if raw else ""
+        return int(text) if text.isdigit() else None
 
     def require_marker(self, step: int) -> CommitMarker:
         """The marker of a committed step.
@@ -333,6 +361,9 @@ class CommitProtocol:
             ) from e
         reached("marker_written", step)
         self.storage.delete(loc.pending_key)
+        with contextlib.suppress(CheckpointError):  # only a hint: readers fall back
+            if (self._latest_hint() or -1) < step:
+                self.storage.write(LATEST_HINT, str(step).encode())
         return marker
 
     def _check_chunks_present(self, loc: StepLocation, parts: Sequence[ManifestPart]) -> None:

@@ -43,6 +43,9 @@ def copy_step(
         else:
             nbytes = _copy_step_raw(src, dst, marker, loc)
             num_processes = marker.num_processes
+        group = src.storage.read(marker.location.key("zarr.json"))  # zarr group, if written
+        if group is not None:
+            dst.storage.write(loc.key("zarr.json"), group)
         dst.write_tree(loc, src.read_step_file(marker, TREE_FILE))
         dst.commit(loc, num_processes=num_processes, metrics=dict(marker.metrics), keep=marker.keep)
     except BaseException:

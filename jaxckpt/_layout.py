@@ -9,7 +9,8 @@ attempt under its own prefix, so two writers never share a key::
     attempts/<step>/<attempt>/tree.json        the tree record
     attempts/<step>/<attempt>/manifest/<p>.json  chunks written by process <p>
     attempts/<step>/<attempt>/arrays/...       zarr v3 arrays (one per array leaf)
-    commits/<step>.e<epoch>.json               the commit marker; names its attempt
+    commits/<step:012d>.e<epoch>.json          the commit marker; names its attempt
+    commits/latest                             a hint: the newest step committed (may lag)
 
 Format version 1 (roots written before writer fencing) is still read::
 
@@ -39,7 +40,9 @@ ATTEMPTS = "attempts/"
 LEGACY_STEPS = "steps/"
 
 _ATTEMPT = re.compile(r"e(\d+)-(\d+)-([0-9a-f]+)")
-_MARKER_V2 = re.compile(r"(\d+)\.e(\d+)\.json")
+_MARKER_V2 = re.compile(r"(\d{12})\.e(\d+)\.json")
+STEP_DIGITS = 12  # format-2 marker keys sort by step: a ranged listing finds the newest
+LATEST_HINT = COMMITS + "latest"
 _V1_JSON = re.compile(r"(\d+)\.json")
 
 
@@ -123,7 +126,14 @@ class MarkerRef:
 
 def marker_key(step: int, epoch: int | None) -> str:
     """The marker key of ``step`` (``epoch`` None: the format-1 key)."""
-    return f"{COMMITS}{step}.json" if epoch is None else f"{COMMITS}{step}.e{epoch}.json"
+    if epoch is None:
+        return f"{COMMITS}{step}.json"
+    return f"{COMMITS}{step:0{STEP_DIGITS}d}.e{epoch}.json"
+
+
+def markers_from(step: int) -> str:
+    """The first key a listing of format-2 markers of ``step`` and later starts at."""
+    return f"{COMMITS}{step:0{STEP_DIGITS}d}"
 
 
 def parse_marker_key(key: str) -> MarkerRef | None:

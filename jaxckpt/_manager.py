@@ -146,9 +146,16 @@ class CheckpointManager:
             self._protocol.ensure_root(create=True)
             epoch = self._protocol.take_epoch().epoch
             if self.options.gc_on_open:
-                found = _gc.scan(self._protocol, full=False)
-                _gc.collect(self._protocol, found, grace_s=self.options.gc_grace_s)
+                self._collect_on_open()
         self._protocol.epoch = self._agreement.agree("epoch", epoch)  # one epoch per job
+
+    def _collect_on_open(self) -> None:
+        """Removes fenced and stale attempts; a failure leaves them for the next writer."""
+        try:
+            found = _gc.scan(self._protocol, full=False)
+            _gc.collect(self._protocol, found, grace_s=self.options.gc_grace_s)
+        except CheckpointError as e:
+            log.warning("garbage collection on open of %s failed (retried later): %s", self.root, e)
 
     @property
     def root(self) -> str:

@@ -31,6 +31,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import threading
 import uuid
 from typing import Any, TypeVar
@@ -49,6 +50,7 @@ _GCS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
 _PROBE_PREFIX = ".jaxckpt-probe/"
 _CREATE_ATTEMPTS = 3
 _MAX_DETAIL = 400
+_PAYLOAD = re.compile(r"\s*\[[A-Za-z0-9_.-]+='.*?'\]", re.DOTALL)
 
 # absl status code names (as TensorStore prefixes its messages) -> errno.
 _STATUS_ERRNO = {
@@ -238,7 +240,9 @@ class ObjectStorage:
         if isinstance(exc, TimeoutError):
             detail = f"no answer within {self._options.timeout_s} s"
             return StorageError(errno.ETIMEDOUT, f"cannot {action} {where}: {detail}")
-        detail = str(exc)
+        # TensorStore appends the HTTP response body and headers as [name='value']
+        # payloads (S3 XML, GCS JSON): drop them, the status text says what failed.
+        detail = _PAYLOAD.sub("", str(exc)).strip()
         if len(detail) > _MAX_DETAIL:
             detail = detail[:_MAX_DETAIL] + " …"
         code = detail.split(":", 1)[0]
@@ -365,16 +369,19 @@ class ObjectStorage:
         self._wait(self._kv.write(name, None), "delete", name)
         self._check_bucket("delete", name)
 
-    def _list_names(self, directory: str) -> list[str]:
+    def _list_names(self, directory: str, start: str = "") -> list[str]:
+        begin = max(directory, start)
         if directory:
             end = directory[:-1] + chr(ord(directory[-1]) + 1)
-            key_range = ts.KvStore.KeyRange(directory, end)
+            key_range = ts.KvStore.KeyRange(begin, end)
         else:
-            key_range = ts.KvStore.KeyRange()
+            key_range = ts.KvStore.KeyRange(begin)
         found = self._wait(self._kv.list(key_range), "list", directory)
         # Filter again: some emulators ignore the range and list the whole bucket.
         names = (raw.decode("utf-8") for raw in found)
-        return [n for n in names if n.startswith(directory) and not n.endswith("/")]
+        return [
+            n for n in names if n.startswith(directory) and n >= begin and not n.endswith("/")
+        ]
 
     def delete_prefix(self, prefix: str) -> None:
         directory = self._dir(prefix)
@@ -386,10 +393,11 @@ class ObjectStorage:
         for name, future in futures:
             self._wait(future, "delete", name)
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, *, start: str | None = None) -> list[str]:
         directory = self._dir(prefix)
         root = f"{self._prefix}/" if self._prefix else ""
-        return sorted(name[len(root) :] for name in self._list_names(directory))
+        first = self._name(start) if start is not None else ""
+        return sorted(name[len(root) :] for name in self._list_names(directory, first))
 
     def kvstore_spec(self, prefix: str) -> dict[str, Any]:
         path = self._dir(prefix)

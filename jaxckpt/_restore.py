@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,48 +87,82 @@ class StepReader:
     def _read_all(
         self, loaded: LoadedStep, leaves: Sequence[SavedLeaf], targets: Sequence[Any]
     ) -> list[Any]:
-        loc = loaded.marker.location
-        arrays = [leaf for leaf in leaves if leaf.kind != "value" and leaf.name is not None]
-        kv = ts.KvStore.open(
-            self._protocol.storage.kvstore_spec(loc.arrays_prefix), context=self._context
-        ).result()
-        plain = plain_leaves(kv, arrays)
-        stores = {
-            leaf.name: self._arrays.open(loc, leaf, create=False)
-            for leaf in arrays
-            if leaf.name not in plain
-        }
-        plans: list[tuple[dict[Any, Region], dict[Region, Any]] | None] = []
+        plans: list[dict[Any, Region] | None] = []
         requests: list[RegionRequest] = []
         for leaf, target in zip(leaves, targets, strict=True):
             if leaf.kind == "value" or leaf.name is None:
                 plans.append(None)
                 continue
             regions = _regions_for(leaf, target)
-            unique = sorted(set(regions.values()))
-            if leaf.name in plain:
-                requests.extend(RegionRequest(leaf=leaf, region=r) for r in unique)
-                plans.append((regions, {}))
-            else:
-                store = self._opened(loaded, leaf, stores[leaf.name])
-                plans.append((regions, {r: read_region(store, r) for r in unique}))
-        fast = read_regions(self._protocol.storage, loc, requests, loaded.chunks)
-        fast_data = {(r.leaf.name, r.region): a for r, a in zip(requests, fast, strict=True)}
+            plans.append(regions)
+            requests.extend(
+                RegionRequest(leaf=leaf, region=r) for r in sorted(set(regions.values()))
+            )
+        arrays = self.read(loaded, requests)
+        data = {(r.leaf.name, r.region): a for r, a in zip(requests, arrays, strict=True)}
         values = []
         for leaf, target, plan in zip(leaves, targets, plans, strict=True):
             if plan is None:
                 values.append(leaf.value)
                 continue
-            regions, reads = plan
-            if leaf.name in plain:
-                data = {r: fast_data[(leaf.name, r)] for r in set(regions.values())}
-            else:
-                try:
-                    data = {r: np.asarray(f.result()) for r, f in reads.items()}
-                except ValueError as e:
-                    raise self._diagnose(loaded, leaf, e) from e
-            values.append(_assemble(leaf, target, regions, data))
+            mine = {r: data[(leaf.name, r)] for r in set(plan.values())}
+            values.append(_assemble(leaf, target, plan, mine))
         return values
+
+    def plain_names(self, loaded: LoadedStep, leaves: Iterable[SavedLeaf]) -> set[str]:
+        """Names of ``leaves`` stored with jaxckpt's plain codec chain (read chunk by chunk)."""
+        kv = ts.KvStore.open(
+            self._protocol.storage.kvstore_spec(loaded.marker.location.arrays_prefix),
+            context=self._context,
+        ).result()
+        return plain_leaves(kv, list(leaves))
+
+    def read(
+        self,
+        loaded: LoadedStep,
+        requests: Sequence[RegionRequest],
+        *,
+        plain: set[str] | None = None,
+        window_bytes: int = 512 << 20,
+    ) -> list[np.ndarray]:
+        """Reads regions of array leaves, checking every chunk; one array per request.
+
+        Plain arrays are read straight from their chunk objects (``read_regions``);
+        others (e.g. zstd archives) through TensorStore.
+
+        Args:
+          plain: the result of :meth:`plain_names` for these leaves, if known.
+          window_bytes: the most chunk bytes read ahead on the plain path.
+        """
+        loc = loaded.marker.location
+        leaves = {r.leaf.name: r.leaf for r in requests}
+        if plain is None:
+            plain = self.plain_names(loaded, leaves.values())
+        stores = {
+            name: self._arrays.open(loc, leaf, create=False)
+            for name, leaf in leaves.items()
+            if name not in plain
+        }
+        slow = {
+            i: read_region(self._opened(loaded, r.leaf, stores[r.leaf.name]), r.region)
+            for i, r in enumerate(requests)
+            if r.leaf.name not in plain
+        }
+        fast = [i for i, r in enumerate(requests) if r.leaf.name in plain]
+        fast_data = read_regions(
+            self._protocol.storage,
+            loc,
+            [requests[i] for i in fast],
+            loaded.chunks,
+            window_bytes=window_bytes,
+        )
+        out: dict[int, np.ndarray] = dict(zip(fast, fast_data, strict=True))
+        for i, future in slow.items():
+            try:
+                out[i] = np.asarray(future.result())
+            except ValueError as e:
+                raise self._diagnose(loaded, requests[i].leaf, e) from e
+        return [out[i] for i in range(len(requests))]
 
     def _opened(self, loaded: LoadedStep, leaf: SavedLeaf, future: Any) -> ts.TensorStore:
         try:

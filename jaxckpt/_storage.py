@@ -22,6 +22,8 @@ import numpy as np
 
 from jaxckpt.errors import StorageError
 
+_RMTREE_ATTEMPTS = 8  # a zombie writer may create files while its attempt is removed
+
 
 class PreconditionFailed(Exception):
     """A create-only write found the key already present."""
@@ -65,8 +67,12 @@ class Storage(Protocol):
         """Deletes every key under ``prefix`` (which ends with ``/``)."""
         ...
 
-    def list(self, prefix: str) -> list[str]:
-        """Keys under ``prefix``, recursively, relative to the root, sorted."""
+    def list(self, prefix: str, *, start: str | None = None) -> list[str]:
+        """Keys under ``prefix``, recursively, relative to the root, sorted.
+
+        With ``start`` (a key), only keys that sort at or after it: object
+        stores then list only that range.
+        """
         ...
 
     def kvstore_spec(self, prefix: str) -> dict[str, Any]:
@@ -174,21 +180,26 @@ class LocalStorage:
             raise self._error("delete", key, e) from e
 
     def delete_prefix(self, prefix: str) -> None:
+        """Removes the directory tree; retries while another process still writes into it."""
         path = _join(self._root, prefix.rstrip("/"))
-        try:
-            shutil.rmtree(path)
-            _fsync_dir(os.path.dirname(path))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise self._error("delete", prefix, e) from e
+        for attempt in range(_RMTREE_ATTEMPTS):
+            try:
+                shutil.rmtree(path)
+                _fsync_dir(os.path.dirname(path))
+                return
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                if e.errno != errno.ENOTEMPTY or attempt == _RMTREE_ATTEMPTS - 1:
+                    raise self._error("delete", prefix, e) from e
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str, *, start: str | None = None) -> list[str]:
         base = _join(self._root, prefix.rstrip("/")) if prefix else self._root
         try:
-            return sorted(self._walk(base))
+            keys = sorted(self._walk(base))
         except OSError as e:
             raise self._error("list", prefix, e) from e
+        return keys if start is None else [k for k in keys if k >= start]
 
     def _walk(self, base: str) -> Iterator[str]:
         if not os.path.isdir(base):

@@ -145,9 +145,14 @@ class ArrayWriter:
         return ts.open(spec, open=True, read=True, context=self._context)
 
     def write_group(self, loc: StepLocation) -> None:
-        """The zarr v3 group record that makes ``arrays/`` openable by zarr-python."""
+        """The zarr v3 group records that make ``arrays/`` and the attempt openable by zarr-python.
+
+        ``<attempt>/zarr.json`` lets zarr-python open the attempt's prefix as a
+        group whose member is ``arrays``; it ignores the step's other records.
+        """
         group = {"zarr_format": 3, "node_type": "group", "attributes": {"jaxckpt_step": loc.step}}
         self._storage.write(loc.arrays_prefix + "zarr.json", dumps(group))
+        self._storage.write(loc.key("zarr.json"), dumps(group))
 
     def write(
         self, loc: StepLocation, arrays: Sequence[HostArray]

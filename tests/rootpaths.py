@@ -8,6 +8,7 @@ attempt its commit marker names (``attempts/<step>/<attempt>/`` in format 2,
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import ATTEMPTS, LEGACY_STEPS, parse_data_key
@@ -34,3 +35,9 @@ def data_steps(storage: Storage) -> set[int]:
     """Steps with any data object under the root (committed or not)."""
     keys = storage.list(ATTEMPTS) + storage.list(LEGACY_STEPS)
     return {loc.step for k in keys if (loc := parse_data_key(k))}
+
+
+def marker_path(root: str, step: int) -> Path:
+    """The local path of the (one) commit marker object of ``step``, valid or not."""
+    (ref,) = [r for r in CommitProtocol(open_storage(root)).marker_refs() if r.step == step]
+    return Path(root, ref.key)

@@ -110,6 +110,18 @@ def test_ls_lists_steps_sizes_and_times(capsys, saved_root):
     assert all(r[1] == "committed" for r in rows)
     assert "KiB" in out and " ago)" in out
     assert "pinned" in lines[3] and "newest" in lines[7]
+    assert "retention" not in out and len(lines) == 8  # no hint unless there is something to say
+
+
+def test_ls_limit_shows_the_newest_steps(capsys, saved_root):
+    rc, out, _ = run(capsys, "ls", saved_root, "--limit", "2")
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].startswith(f"{saved_root}: 6 committed steps (")
+    assert [int(line.split()[0]) for line in lines[2:4]] == [20, 30]
+    assert lines[4] == "(4 older committed steps not shown; --limit 0 shows all)"
+    listing = run_json(capsys, "ls", saved_root, "--limit=3")
+    assert [s["step"] for s in listing["committed"]] == [10, 20, 30] and listing["not_shown"] == 3
+    assert len(run_json(capsys, "ls", saved_root)["committed"]) == 6  # JSON lists all by default
 
 
 def test_ls_json_with_retention_flags(capsys, saved_root):
@@ -218,7 +230,11 @@ def test_errors_exit_non_zero_from_the_console_entry_point(tmp_path):
 def test_listing_commands_do_not_import_jax(saved_root, tmp_path):
     code = (
         "import sys; from jaxckpt import cli; "
-        f"root = {saved_root!r}; "
+        f"root = {saved_root!r}; missing = {str(tmp_path / 'nope')!r}; "
+        "assert cli.main(['verify', missing]) == 1; "
+        "assert cli.main(['export', missing, missing + '.out']) == 1; "
+        "assert cli.main(['diff', missing + ':1', root]) == 1; "
+        "assert cli.main(['stats', missing]) == 1; "
         "assert cli.main(['ls', root]) == 0; "
         "assert cli.main(['ls', root, '--json', '--keep-last=2']) == 0; "
         "assert cli.main(['inspect', root]) == 0; "
@@ -229,6 +245,33 @@ def test_listing_commands_do_not_import_jax(saved_root, tmp_path):
         "assert 'jax' not in sys.modules, 'jax was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_version_and_subcommand_usage(capsys, saved_root):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    out, _ = capsys.readouterr()
+    assert exit_.value.code == 0 and out.startswith("jaxckpt ") and out.strip() != "jaxckpt"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["verify", saved_root, "--all", "3"])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2
+    assert err.startswith("usage: jaxckpt verify ") and "unrecognized arguments: 3" in err
+    with pytest.raises(SystemExit):
+        cli.main(["verify", saved_root, "3", "--all"])
+    assert "give a STEP or --all, not both" in capsys.readouterr()[1]
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_missing_bucket_is_one_line_without_http_body(capsys, request, kind):
+    request.getfixturevalue(f"{kind}_server")
+    scheme = "s3" if kind == "s3" else "gs"
+    rc, _, err = run(capsys, "ls", f"{scheme}://no-such-bucket-{kind}/run")
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("jaxckpt: error: "), err
+    assert f"{scheme}://no-such-bucket-{kind}/run/jaxckpt.json" in err
+    if kind == "s3":  # the GCS emulator answers a missing bucket with an unparsable body
+        assert "bucket 'no-such-bucket-s3' does not exist" in err and "[Errno" not in err
+    assert "<" not in err and "{" not in err, err  # no raw XML / JSON response body
 
 
 # ------------------------------------------------------------------------------ verify
@@ -283,7 +326,14 @@ def test_progress_bar_draws_human_sizes():
 def test_prune_dry_run_changes_nothing(capsys, root):
     rc, out, _ = run(capsys, "prune", root, "--keep-last=2", "--dry-run")
     assert rc == 0
-    assert "would delete          1" in out and "keep             2  pinned" in out
+    lines = out.splitlines()
+    assert lines[0].split() == ["ACTION", "STEP", "SIZE", "WHY"]
+    assert lines[1].split()[:3] == ["would", "delete", "1"] and "not kept by the rule" in lines[1]
+    assert lines[2].split()[:2] == ["keep", "2"] and lines[2].endswith("pinned")
+    # Columns line up: every step number ends where the STEP header ends.
+    step_end = lines[0].index("STEP") + len("STEP")
+    assert all(line[:step_end].rstrip().split()[-1].isdigit() for line in lines[1:7])
+    assert all(line[step_end] == " " for line in lines[1:7])
     sizes = {s["step"]: s["nbytes"] for s in run_json(capsys, "ls", root)["committed"]}
     reclaimed = cli.human_bytes(sizes[1] + sizes[5] + sizes[10])
     assert out.rstrip().endswith(f"would delete 3 steps, reclaiming {reclaimed} (dry run)")

@@ -41,7 +41,13 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._layout import StepLocation, new_attempt, parse_marker_key, parse_pending_key
+from jaxckpt._layout import (
+    LATEST_HINT,
+    StepLocation,
+    new_attempt,
+    parse_marker_key,
+    parse_pending_key,
+)
 from jaxckpt._phases import PHASES
 from jaxckpt._records import CommitMarker, FileDigest, json_record
 from jaxckpt._storage import Storage, open_storage
@@ -352,7 +358,7 @@ def check_recovery(
     with root.manager() as writer:
         keys = storage.list("")
         markers = valid_markers(storage)
-        allowed = {"jaxckpt.json"} | {m.key for m in markers.values()}
+        allowed = {"jaxckpt.json", LATEST_HINT} | {m.key for m in markers.values()}
         prefixes = ("writers/", *(m.location.prefix for m in markers.values()))
         stray = [k for k in keys if k not in allowed and not k.startswith(prefixes)]
         assert stray == [], f"left behind after the crash of step {killed}: {stray}"

@@ -1,0 +1,115 @@
+"""``jaxckpt inspect``: a step's tree with shapes, dtypes, shardings and bytes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from jaxckpt._commit import TREE_FILE, CommitProtocol
+from jaxckpt._records import CommitMarker, load_json_record, path_text
+from jaxckpt._versions import versions_text
+from jaxckpt.cli._common import command, itemsize, open_root, step_or_latest
+from jaxckpt.cli._output import human_bytes, json_out, local_time, print_table
+
+
+def register(sub: Any) -> None:
+    p = command(sub, "inspect", cmd_inspect, "show a step's tree: shapes, dtypes, shardings, bytes")
+    p.add_argument("root")
+    p.add_argument("step", nargs="?", type=int, help="default: the newest committed step")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _stored_bytes(protocol: CommitProtocol, marker: CommitMarker) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for part in protocol.read_manifest(marker):
+        for name, chunks in part.arrays.items():
+            sizes[name] = sizes.get(name, 0) + sum(c.size for c in chunks)
+    return sizes
+
+
+def _describe_sharding(sharding: dict[str, Any] | None) -> str:
+    if not sharding:
+        return "-"
+    kind = sharding.get("type", "?")
+    if kind == "NamedSharding":
+        mesh = ",".join(f"{k}={v}" for k, v in sharding.get("mesh", {}).items())
+        spec = ", ".join(
+            "None" if p is None else repr(tuple(p)) if isinstance(p, list) else repr(p)
+            for p in sharding.get("spec", [])
+        )
+        return f"Named({mesh}; P({spec}))"
+    if kind == "host":
+        return "host"
+    devices = sharding.get("devices")
+    return f"{kind}({devices} devices)" if devices is not None else str(kind)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    protocol = open_root(args.root)
+    marker = step_or_latest(protocol, args.step)
+    tree = load_json_record(protocol.read_step_file(marker, TREE_FILE), TREE_FILE)
+    stored = _stored_bytes(protocol, marker)
+    leaves: list[dict[str, Any]] = []
+    for leaf in tree["leaves"]:
+        is_value = leaf["kind"] == "value"
+        shape = None if is_value else list(leaf["shape"])
+        leaves.append(
+            {
+                "path": path_text(leaf["path"]),
+                "kind": leaf["kind"],
+                "shape": shape,
+                "dtype": leaf.get("dtype"),
+                "sharding": leaf.get("sharding"),
+                "chunk_shape": leaf.get("chunk_shape"),
+                "key_impl": leaf.get("key_impl"),
+                "nbytes": 0 if is_value else math.prod(shape or []) * itemsize(leaf["dtype"]),
+                "stored_bytes": stored.get(leaf.get("name") or "", 0),
+                "value": leaf.get("value"),
+            }
+        )
+    if args.json:
+        json_out(
+            {
+                "root": protocol.storage.uri,
+                "step": marker.step,
+                "commit_time": marker.time,
+                "nbytes": marker.nbytes,
+                "keep": marker.keep,
+                "metrics": dict(marker.metrics),
+                "metadata": tree.get("metadata"),
+                "versions": tree.get("versions"),
+                "attempt": marker.attempt,
+                "epoch": marker.epoch,
+                "leaves": leaves,
+            }
+        )
+        return 0
+    arrays = [x for x in leaves if x["kind"] != "value"]
+    print(
+        f"step {marker.step} of {protocol.storage.uri}: committed {local_time(marker.time)}, "
+        f"{len(arrays)} arrays ({human_bytes(sum(x['nbytes'] for x in arrays))}, "
+        f"{human_bytes(marker.nbytes)} stored), {len(leaves) - len(arrays)} values"
+        + (", pinned" if marker.keep else "")
+    )
+    print(f"written by: {versions_text(tree.get('versions'))}")
+    if marker.attempt is not None:
+        print(f"attempt: {marker.attempt} (writer epoch {marker.epoch})")
+    if marker.metrics:
+        print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in marker.metrics.items()))
+    if tree.get("metadata") is not None:
+        print(f"metadata: {json.dumps(tree['metadata'])}")
+    rows = [["PATH", "KIND", "SHAPE", "DTYPE", "SHARDING", "BYTES"]]
+    for x in leaves:
+        if x["kind"] == "value":
+            text = repr(x["value"])
+            rows.append([x["path"], "value", "", "", text[:60], ""])
+            continue
+        kind = f"key<{x['key_impl']}>" if x["kind"] == "key" else x["kind"]
+        dims = x["shape"]
+        shape_text = "(" + ", ".join(map(str, dims)) + ("," if len(dims) == 1 else "") + ")"
+        sharding = _describe_sharding(x["sharding"])
+        rows.append([x["path"], kind, shape_text, x["dtype"], sharding, human_bytes(x["nbytes"])])
+    print_table(rows, right=(5,))
+    return 0

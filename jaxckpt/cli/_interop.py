@@ -1,0 +1,119 @@
+"""``jaxckpt export`` and ``jaxckpt import``: safetensors out, safetensors and Orbax in."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from jaxckpt.cli._common import command, open_root, split_source, step_or_latest
+from jaxckpt.cli._output import Progress, human_bytes, human_duration
+
+
+def _size(text: str) -> int:
+    """``'5GB'`` -> 5e9, ``'500MiB'`` -> 500 * 2**20, ``'1000'`` -> 1000 bytes.
+
+    >>> _size("5GB"), _size("2MiB"), _size("100")
+    (5000000000, 2097152, 100)
+    """
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    lowered = text.strip().lower()
+    for suffix, scale in units.items():
+        if lowered.endswith(suffix):
+            lowered, factor = lowered[: -len(suffix)], scale
+            break
+    else:
+        lowered, factor = lowered.rstrip("b"), 1
+    try:
+        value = int(float(lowered) * factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB or 500MiB)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def register(sub: Any) -> None:
+    p = command(sub, "export", cmd_export, "write a committed step as safetensors (sharded if big)")
+    p.add_argument("src", metavar="ROOT[:STEP]", help="default step: the newest")
+    p.add_argument(
+        "out",
+        metavar="OUT",
+        help="a directory (model.safetensors or shards + index) or FILE.safetensors",
+    )
+    p.add_argument("--format", choices=["safetensors"], default="safetensors")
+    p.add_argument(
+        "--leaf", action="append", metavar="GLOB", help="only leaves whose dotted path matches"
+    )
+    p.add_argument(
+        "--max-shard-size", type=_size, default="5GB", help="largest shard (default 5GB)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    p = command(sub, "import", cmd_import, "save a safetensors or Orbax checkpoint as a new step")
+    p.add_argument("src", metavar="SRC", help="FILE.safetensors, a shard index, or an Orbax dir")
+    p.add_argument("dst", metavar="ROOT[:STEP]", help="default step: the source's, else newest + 1")
+    p.add_argument(
+        "--from",
+        dest="kind",
+        choices=["auto", "safetensors", "orbax"],
+        default="auto",
+        help="source format (default: from the path)",
+    )
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    root, step = split_source(args.src)
+    protocol = open_root(root)  # fail fast, before jax is imported
+    marker = step_or_latest(protocol, step)
+
+    from jaxckpt._safetensors import export_safetensors
+
+    bar = Progress.on_stderr(f"step {marker.step}", marker.nbytes, quiet=args.no_progress)
+    result = export_safetensors(
+        root,
+        args.out,
+        step=marker.step,
+        leaves=args.leaf,
+        max_shard_bytes=args.max_shard_size,
+        on_progress=bar.update,
+    )
+    bar.total = result.total_size
+    seconds = bar.finish()
+    shards = len([f for f in result.files if f.endswith(".safetensors")])
+    print(
+        f"step {result.step}: exported {result.tensors} tensors "
+        f"({human_bytes(result.total_size)}) to {args.out} in {human_duration(seconds)}"
+        + (f", {shards} shards" if shards > 1 else "")
+    )
+    return 0
+
+
+def _kind(src: str, requested: str) -> str:
+    if requested != "auto":
+        return requested
+    if src.endswith((".safetensors", ".json")):
+        return "safetensors"
+    if os.path.isdir(src) and any(
+        f.endswith(".safetensors") or f == "model.safetensors.index.json" for f in os.listdir(src)
+    ):
+        return "safetensors"
+    return "orbax"
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from jaxckpt._import import ImportSourceError, import_orbax, import_safetensors
+
+    root, step = split_source(args.dst)
+    if not os.path.exists(args.src):
+        raise ImportSourceError(f"{args.src} does not exist")
+    kind = _kind(args.src, args.kind)
+    if kind == "safetensors":
+        result = import_safetensors(args.src, root, step=step)
+    else:
+        result = import_orbax(args.src, root, step=step)
+    print(
+        f"{result.root}: committed step {result.step} with {result.arrays} arrays "
+        f"({human_bytes(result.nbytes)}) from {kind} {args.src}"
+    )
+    return 0

@@ -1,0 +1,114 @@
+"""``jaxckpt ls``: committed and partial steps, sizes, commit times, keep reasons."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from jaxckpt._commit import retention_decision
+from jaxckpt._gc import scan
+from jaxckpt.cli._common import add_retention_flags, command, open_root, retention
+from jaxckpt.cli._output import ago, human_bytes, json_out, local_time, print_table
+
+DEFAULT_LIMIT = 50
+
+
+def register(sub: Any) -> None:
+    p = command(sub, "ls", cmd_ls, "list committed and partial steps with sizes and commit times")
+    p.add_argument("root")
+    add_retention_flags(p)
+    p.add_argument(
+        "--limit",
+        type=int,
+        metavar="N",
+        help=f"show the N newest steps (default {DEFAULT_LIMIT}; 0 shows all; "
+        "--json lists all unless given)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    protocol = open_root(args.root)
+    found = scan(protocol, full=True)
+    committed = dict(sorted(found.committed.items()))
+    partial = [a for a in found.attempts if a.kind != "damaged"]
+    rule = retention(args)
+    decision = retention_decision(committed, rule)
+    limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
+    shown = sorted(committed)[-limit:] if limit > 0 else sorted(committed)
+    if args.json:
+        json_out(
+            {
+                "root": protocol.storage.uri,
+                "committed": [
+                    {
+                        "step": s,
+                        "nbytes": committed[s].nbytes,
+                        "commit_time": committed[s].time,
+                        "keep": committed[s].keep,
+                        "metrics": dict(committed[s].metrics),
+                        "kept_by": list(decision.keep.get(s, ())),
+                    }
+                    for s in shown
+                ],
+                "not_shown": len(committed) - len(shown),
+                "partial": [
+                    {
+                        "step": p.step,
+                        "attempt": p.location.attempt,
+                        "kind": p.kind,
+                        "operation": p.operation,
+                        "started": p.started,
+                    }
+                    for p in partial
+                ],
+                "damaged": [
+                    {"step": s, "marker": protocol.where(r.key)} for s, r in found.damaged.items()
+                ],
+                "fenced": [
+                    {"step": m.step, "epoch": m.epoch, "attempt": m.attempt} for m in found.hidden
+                ],
+            }
+        )
+        return 0
+    total = sum(m.nbytes for m in committed.values())
+    print(
+        f"{protocol.storage.uri}: {len(committed)} committed steps ({human_bytes(total)})"
+        + (f", {len(partial)} partial or orphaned" if partial else "")
+        + (f", {len(found.damaged)} DAMAGED" if found.damaged else "")
+        + (f", {len(found.hidden)} fenced" if found.hidden else "")
+    )
+    if not committed and not partial and not found.damaged and not found.hidden:
+        return 0
+    rows = [["STEP", "STATE", "SIZE", "COMMITTED", "KEPT BY"]]
+    for s in shown:
+        m = committed[s]
+        reasons = decision.keep.get(s, ())
+        if rule is None:
+            kept = ", ".join(r for r in reasons if r != "no retention policy")
+        else:
+            kept = ", ".join(reasons) or "- (prune would delete)"
+        when = f"{local_time(m.time)} ({ago(m.time)})"
+        rows.append([str(s), "committed", human_bytes(m.nbytes), when, kept])
+    now = time.time()
+    for p in partial:
+        age = p.age(now)
+        when = f"started {ago(now - age)}" if age is not None else "-"
+        state = f"partial ({p.operation})" if p.kind == "partial" else "orphaned"
+        rows.append([str(p.step), state, "-", when, f"attempt {p.location.attempt or '(v1)'}"])
+    for s, ref in found.damaged.items():
+        rows.append([str(s), "DAMAGED", "-", "-", f"invalid commit marker {ref.key}; data kept"])
+    for m in found.hidden:
+        rows.append([str(m.step), "fenced", "-", "-", f"committed by fenced epoch {m.epoch}"])
+    rows[1:] = sorted(rows[1:], key=lambda r: int(r[0]))
+    print_table(rows, right=(0, 2))
+    hidden = len(committed) - len(shown)
+    if hidden:
+        print(f"({hidden} older committed steps not shown; --limit 0 shows all)")
+    if partial:
+        print("(partial steps are saves under way or interrupted; `jaxckpt gc` removes old ones)")
+    if found.damaged:
+        print("(a DAMAGED step's marker fails its checksum: it is corruption, not garbage; its")
+        print(" data is kept; `jaxckpt gc --force` removes it)")
+    return 0

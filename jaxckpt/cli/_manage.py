@@ -1,0 +1,129 @@
+"""``jaxckpt prune``, ``gc`` and ``cp``: deleting, collecting and copying steps."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from jaxckpt._commit import retention_decision
+from jaxckpt.cli._common import (
+    add_retention_flags,
+    command,
+    open_root,
+    retention,
+    split_source,
+)
+from jaxckpt.cli._output import ago, err, human_bytes, human_duration, print_table
+
+
+def register(sub: Any) -> None:
+    p = command(sub, "prune", cmd_prune, "delete committed steps a retention rule does not keep")
+    p.add_argument("root")
+    add_retention_flags(p)
+    p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+
+    p = command(
+        sub, "gc", cmd_gc, "remove fenced, partial and orphaned attempts older than a grace period"
+    )
+    p.add_argument("root")
+    p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS", help="default 3600")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    p.add_argument(
+        "--force", action="store_true", help="also remove damaged commit markers and their data"
+    )
+
+    p = command(sub, "cp", cmd_cp, "copy committed steps to another root, committing each there")
+    p.add_argument("src", metavar="SRC_ROOT[:STEP]")
+    p.add_argument("dst", metavar="DST_ROOT")
+    p.add_argument("--compress", choices=["zstd"], help="re-encode the arrays with zstd")
+    p.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    rule = retention(args)
+    if rule is None:
+        err("prune needs a retention rule: --keep-last, --keep-milestones or --keep-every")
+        return 2
+    protocol = open_root(args.root)
+    committed = protocol.committed()
+    decision = retention_decision(committed, rule)
+    verb = "would delete" if args.dry_run else "delete"
+    rows = [["ACTION", "STEP", "SIZE", "WHY"]]
+    for s in committed:
+        size = human_bytes(committed[s].nbytes)
+        if s in decision.keep:
+            rows.append(["keep", str(s), size, ", ".join(decision.keep[s])])
+        else:
+            rows.append([verb, str(s), size, "not kept by the rule"])
+    print_table(rows, right=(1, 2))
+    if not args.dry_run:
+        for s in decision.delete:
+            protocol.delete(s)
+    reclaimed = sum(committed[s].nbytes for s in decision.delete)
+    n = len(decision.delete)
+    summary = f"{n} step{'s' if n != 1 else ''}, reclaiming {human_bytes(reclaimed)}"
+    print(f"would delete {summary} (dry run)" if args.dry_run else f"deleted {summary}")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from jaxckpt._gc import collect, is_live, scan
+
+    protocol = open_root(args.root)
+    now = time.time()
+    found = scan(protocol, full=True)
+    remove = "would remove" if args.dry_run else "remove"
+    old = []
+    for p in found.attempts:
+        age = p.age(now)
+        age_text = f"started {ago(now - age)}" if age is not None else "age unknown"
+        if p.step in found.damaged and not args.force:
+            action = "keep (damaged step)"
+        elif is_live(p, found.epochs.newest, args.grace, now):
+            action = "keep (within grace period)"
+        else:
+            old.append(p)
+            action = remove
+        what = f"{p.kind} {p.operation or ''}".strip()
+        print(f"{action:<26} step {p.step} ({what}, {age_text}): {p.location.attempt or 'v1'}")
+    for m in found.hidden:
+        print(f"{remove:<26} step {m.step} (committed by fenced epoch {m.epoch} after a takeover)")
+    for s, ref in found.damaged.items():
+        action = remove if args.force else "keep"
+        hint = "" if args.force else " (use --force to remove)"
+        print(f"{action:<26} step {s}: damaged commit marker {ref.key}{hint}")
+    if args.dry_run:
+        print(f"would remove {len(old) + len(found.hidden)} attempts")
+        return 0
+    removed = collect(protocol, found, grace_s=args.grace, force=args.force)
+    print(f"removed {len(removed)} attempts (grace {human_duration(args.grace)})")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    from jaxckpt._copy import copy_step
+
+    src_uri, only = split_source(args.src)
+    src = open_root(src_uri)
+    dst = open_root(args.dst, create=True)
+    if src.storage.uri == dst.storage.uri:
+        err(f"source and destination are the same root: {src.storage.uri}")
+        return 2
+    markers = [src.require_marker(only)] if only is not None else list(src.committed().values())
+    existing = dst.committed()
+    for marker in markers:
+        step = marker.step
+        if step in existing:
+            print(f"step {step}: already committed under {dst.storage.uri}, skipped")
+            continue
+        start = time.monotonic()
+        nbytes = copy_step(src, dst, marker, compress=args.compress, level=args.level)
+        seconds = time.monotonic() - start
+        ratio = f", {nbytes / marker.nbytes:.0%} of the source" if args.compress else ""
+        print(
+            f"step {step}: copied {human_bytes(nbytes)} in {human_duration(seconds)} "
+            f"({human_bytes(nbytes / max(seconds, 1e-9))}/s{ratio})"
+        )
+    print(f"{dst.storage.uri}: {len(dst.committed())} committed steps")
+    return 0
