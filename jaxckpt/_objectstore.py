@@ -379,9 +379,7 @@ class ObjectStorage:
         found = self._wait(self._kv.list(key_range), "list", directory)
         # Filter again: some emulators ignore the range and list the whole bucket.
         names = (raw.decode("utf-8") for raw in found)
-        return [
-            n for n in names if n.startswith(directory) and n >= begin and not n.endswith("/")
-        ]
+        return [n for n in names if n.startswith(directory) and n >= begin and not n.endswith("/")]
 
     def delete_prefix(self, prefix: str) -> None:
         directory = self._dir(prefix)
