@@ -26,16 +26,15 @@ from jaxckpt import policy
 from jaxckpt._fence import EpochReader, EpochRecord, Epochs
 from jaxckpt._layout import (
     COMMITS,
-    LATEST_HINT,
     PENDING,
     ROOT_RECORD,
     TREE_FILE,
     MarkerRef,
     StepLocation,
     is_manifest_name,
+    latest_hint_key,
     manifest_name,
     marker_key,
-    markers_from,
     parse_marker_key,
 )
 from jaxckpt._phases import reached
@@ -112,7 +111,7 @@ class CommitProtocol:
 
     def take_epoch(self) -> EpochRecord:
         """Makes this protocol the root's writer with a new epoch; fences older writers."""
-        record = self.epochs.take(lambda epochs: self.visible_refs(epochs))
+        record = self.epochs.take(self.visible_refs)
         self.epoch = record.epoch
         log.info(
             "took writer epoch %d of %s (newest step at takeover: %s)",
@@ -143,14 +142,9 @@ class CommitProtocol:
 
     # -- committed steps ----------------------------------------------------
 
-    def marker_refs(self, *, from_step: int | None = None) -> list[MarkerRef]:
-        """Every marker object under ``commits/`` (valid or not, visible or not).
-
-        With ``from_step``, one ranged listing that surely holds every format-2
-        marker of that step and later (format-1 keys, unpadded, may come too).
-        """
-        start = None if from_step is None else markers_from(from_step)
-        refs = (parse_marker_key(k) for k in self.storage.list(COMMITS, start=start))
+    def marker_refs(self) -> list[MarkerRef]:
+        """Every marker object under ``commits/`` (valid or not, visible or not)."""
+        refs = (parse_marker_key(k) for k in self.storage.list(COMMITS))
         return sorted(r for r in refs if r is not None)
 
     def visible_refs(
@@ -201,19 +195,31 @@ class CommitProtocol:
     def latest(self) -> CommitMarker | None:
         """The newest visible valid marker, reading markers newest first until one is valid.
 
-        Starts from the ``commits/latest`` hint: one ranged listing of the
-        markers at or after it, so the cost does not grow with the number of
-        committed steps. The hint only narrows the listing; markers decide, and
-        a hint that names no valid marker falls back to the full listing.
+        A constant number of small requests, whatever the number of steps: the
+        newest visible step is either the newest step the current epoch
+        committed — at most its hint, which its writer raises *before* each
+        marker — or the step that epoch resumed from (every older epoch's
+        visible step is in its ``known`` set). So one marker is read; only
+        when it is missing or damaged (a commit that failed after its hint, a
+        deleted step) does this fall back to listing every marker.
         """
-        epochs = self.epochs.load()
-        hint = self._latest_hint()
-        if hint is not None:
-            refs = [r for r in self.marker_refs(from_step=hint) if r.step >= hint]
-            found = self._newest_valid(self.visible_refs(epochs, refs))
-            if found is not None:
-                return found
-        return self._newest_valid(self.visible_refs(epochs))
+        numbers = self.epochs.numbers()
+        if numbers:
+            newest = self.epochs.record(numbers[-1])
+            hint = self._hint(newest.epoch)
+            resumed = newest.resumed_from
+            if hint is not None and (resumed is None or hint >= resumed):
+                guess: MarkerRef | None = MarkerRef(
+                    step=hint, epoch=newest.epoch, key=marker_key(hint, newest.epoch)
+                )
+            elif resumed is not None and newest.resumed_key is not None:
+                guess = parse_marker_key(newest.resumed_key)
+            else:
+                guess = None
+            marker = self.read_ref(guess) if guess is not None else None
+            if marker is not None:
+                return marker
+        return self._newest_valid(self.visible_refs())
 
     def _newest_valid(self, visible: dict[int, MarkerRef]) -> CommitMarker | None:
         for ref in sorted(visible.values(), reverse=True):
@@ -222,10 +228,16 @@ class CommitProtocol:
                 return marker
         return None
 
-    def _latest_hint(self) -> int | None:
-        raw = self.storage.read(LATEST_HINT)
+    def _hint(self, epoch: int) -> int | None:
+        raw = self.storage.read(latest_hint_key(epoch))
         text = raw.decode(errors="replace").strip() if raw else ""
         return int(text) if text.isdigit() else None
+
+    def _raise_hint(self, step: int, epoch: int) -> None:
+        """Raises ``epoch``'s hint to ``step`` before the marker is written (never lowers it)."""
+        hint = self._hint(epoch)
+        if hint is None or hint < step:
+            self.storage.write(latest_hint_key(epoch), str(step).encode())
 
     def require_marker(self, step: int) -> CommitMarker:
         """The marker of a committed step.
@@ -352,6 +364,7 @@ class CommitProtocol:
             raise StepAlreadyExistsError(
                 f"step {step} was committed by another writer under {self.storage.uri}"
             )
+        self._raise_hint(step, loc.epoch)
         reached("before_marker", step)
         try:
             self.storage.write(marker_key(step, loc.epoch), marker.to_bytes(), exclusive=True)
@@ -361,9 +374,6 @@ class CommitProtocol:
             ) from e
         reached("marker_written", step)
         self.storage.delete(loc.pending_key)
-        with contextlib.suppress(CheckpointError):  # only a hint: readers fall back
-            if (self._latest_hint() or -1) < step:
-                self.storage.write(LATEST_HINT, str(step).encode())
         return marker
 
     def _check_chunks_present(self, loc: StepLocation, parts: Sequence[ManifestPart]) -> None:

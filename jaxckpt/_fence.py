@@ -18,7 +18,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from jaxckpt._layout import WRITERS, MarkerRef, epoch_key, parse_epoch_key
@@ -42,6 +42,7 @@ class EpochRecord:
     time: float = 0.0
     owner: str = ""
     known: frozenset[int] | None = None
+    resumed_key: str | None = None  # the marker key of ``resumed_from`` at the takeover
 
     @property
     def resumed_from(self) -> int | None:
@@ -59,6 +60,7 @@ class EpochRecord:
                 "owner": self.owner,
                 "known": sorted(self.known or ()),
                 "resumed_from": self.resumed_from,
+                "resumed_key": self.resumed_key,
             }
         )
 
@@ -73,6 +75,7 @@ class EpochRecord:
                 time=float(obj["time"]),
                 owner=str(obj.get("owner", "")),
                 known=frozenset(int(s) for s in obj["known"]),
+                resumed_key=obj.get("resumed_key"),
             )
         except (CheckpointError, KeyError, TypeError, ValueError) as e:
             log.warning("unreadable writer record %s (%s); it hides no steps", where, e)
@@ -121,19 +124,21 @@ class EpochReader:
     def newest(self) -> int:
         return max(self.numbers(), default=0)
 
-    def load(self) -> Epochs:
-        numbers = self.numbers()
-        for e in numbers:
-            if e not in self._cache:
-                where = f"{self._storage.uri.rstrip('/')}/{epoch_key(e)}"
-                self._cache[e] = EpochRecord.from_bytes(e, self._storage.read(epoch_key(e)), where)
-        return Epochs({e: self._cache[e] for e in numbers})
+    def record(self, epoch: int) -> EpochRecord:
+        if epoch not in self._cache:
+            where = f"{self._storage.uri.rstrip('/')}/{epoch_key(epoch)}"
+            data = self._storage.read(epoch_key(epoch))
+            self._cache[epoch] = EpochRecord.from_bytes(epoch, data, where)
+        return self._cache[epoch]
 
-    def take(self, visible_steps: Callable[[Epochs], Iterable[int]]) -> EpochRecord:
+    def load(self) -> Epochs:
+        return Epochs({e: self.record(e) for e in self.numbers()})
+
+    def take(self, visible: Callable[[Epochs], Mapping[int, MarkerRef]]) -> EpochRecord:
         """Creates a new epoch one above the newest, recording the visible steps.
 
-        ``visible_steps`` is asked again whenever another writer took the
-        epoch first, so ``known`` always reflects the epochs below the new one.
+        ``visible`` (step -> its marker) is asked again whenever another writer
+        took the epoch first, so ``known`` reflects the epochs below the new one.
 
         Raises:
           StorageError: no epoch could be taken (endless contention).
@@ -141,11 +146,13 @@ class EpochReader:
         owner = f"{socket.gethostname()}:{os.getpid()}"
         for _ in range(_TAKE_ATTEMPTS):
             epochs = self.load()
+            refs = visible(epochs)
             record = EpochRecord(
                 epoch=epochs.newest + 1,
                 time=time.time(),
                 owner=owner,
-                known=frozenset(visible_steps(epochs)),
+                known=frozenset(refs),
+                resumed_key=refs[max(refs)].key if refs else None,
             )
             try:
                 self._storage.write(epoch_key(record.epoch), record.to_bytes(), exclusive=True)

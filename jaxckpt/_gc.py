@@ -34,7 +34,9 @@ from jaxckpt._layout import (
     WRITERS,
     MarkerRef,
     StepLocation,
+    is_latest_hint,
     is_temp_key,
+    latest_hint_key,
     parse_attempt,
     parse_data_key,
     parse_pending_key,
@@ -121,9 +123,11 @@ def scan(protocol: CommitProtocol, *, full: bool) -> RootScan:
         if loc not in seen:
             kind = "damaged" if loc.step in damaged else "orphaned"
             attempts.append(Attempt(location=loc, kind=kind))
-    temp = [
-        k for k in pending_keys + storage.list(COMMITS) + storage.list(WRITERS) if is_temp_key(k)
-    ]
+    commit_keys = storage.list(COMMITS)
+    temp = [k for k in pending_keys + commit_keys + storage.list(WRITERS) if is_temp_key(k)]
+    # Hints of fenced epochs: only the newest epoch's hint is ever read.
+    newest_hint = latest_hint_key(epochs.newest)
+    temp += [k for k in commit_keys if is_latest_hint(k) and k != newest_hint]
     return RootScan(
         epochs=epochs,
         committed=committed,

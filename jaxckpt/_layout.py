@@ -10,7 +10,7 @@ attempt under its own prefix, so two writers never share a key::
     attempts/<step>/<attempt>/manifest/<p>.json  chunks written by process <p>
     attempts/<step>/<attempt>/arrays/...       zarr v3 arrays (one per array leaf)
     commits/<step:012d>.e<epoch>.json          the commit marker; names its attempt
-    commits/latest                             a hint: the newest step committed (may lag)
+    commits/latest.e<epoch>                    the newest step <epoch> is committing (a hint)
 
 Format version 1 (roots written before writer fencing) is still read::
 
@@ -41,8 +41,7 @@ LEGACY_STEPS = "steps/"
 
 _ATTEMPT = re.compile(r"e(\d+)-(\d+)-([0-9a-f]+)")
 _MARKER_V2 = re.compile(r"(\d{12})\.e(\d+)\.json")
-STEP_DIGITS = 12  # format-2 marker keys sort by step: a ranged listing finds the newest
-LATEST_HINT = COMMITS + "latest"
+STEP_DIGITS = 12  # format-2 marker keys sort by step
 _V1_JSON = re.compile(r"(\d+)\.json")
 
 
@@ -131,9 +130,13 @@ def marker_key(step: int, epoch: int | None) -> str:
     return f"{COMMITS}{step:0{STEP_DIGITS}d}.e{epoch}.json"
 
 
-def markers_from(step: int) -> str:
-    """The first key a listing of format-2 markers of ``step`` and later starts at."""
-    return f"{COMMITS}{step:0{STEP_DIGITS}d}"
+def latest_hint_key(epoch: int) -> str:
+    """The key of ``epoch``'s hint: the newest step its writer began to commit."""
+    return f"{COMMITS}latest.e{epoch}"
+
+
+def is_latest_hint(key: str) -> bool:
+    return key.startswith(f"{COMMITS}latest.e")
 
 
 def parse_marker_key(key: str) -> MarkerRef | None:

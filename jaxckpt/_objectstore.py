@@ -369,17 +369,16 @@ class ObjectStorage:
         self._wait(self._kv.write(name, None), "delete", name)
         self._check_bucket("delete", name)
 
-    def _list_names(self, directory: str, start: str = "") -> list[str]:
-        begin = max(directory, start)
+    def _list_names(self, directory: str) -> list[str]:
         if directory:
             end = directory[:-1] + chr(ord(directory[-1]) + 1)
-            key_range = ts.KvStore.KeyRange(begin, end)
+            key_range = ts.KvStore.KeyRange(directory, end)
         else:
-            key_range = ts.KvStore.KeyRange(begin)
+            key_range = ts.KvStore.KeyRange()
         found = self._wait(self._kv.list(key_range), "list", directory)
         # Filter again: some emulators ignore the range and list the whole bucket.
         names = (raw.decode("utf-8") for raw in found)
-        return [n for n in names if n.startswith(directory) and n >= begin and not n.endswith("/")]
+        return [n for n in names if n.startswith(directory) and not n.endswith("/")]
 
     def delete_prefix(self, prefix: str) -> None:
         directory = self._dir(prefix)
@@ -391,11 +390,10 @@ class ObjectStorage:
         for name, future in futures:
             self._wait(future, "delete", name)
 
-    def list(self, prefix: str, *, start: str | None = None) -> list[str]:
+    def list(self, prefix: str) -> list[str]:
         directory = self._dir(prefix)
         root = f"{self._prefix}/" if self._prefix else ""
-        first = self._name(start) if start is not None else ""
-        return sorted(name[len(root) :] for name in self._list_names(directory, first))
+        return sorted(name[len(root) :] for name in self._list_names(directory))
 
     def kvstore_spec(self, prefix: str) -> dict[str, Any]:
         path = self._dir(prefix)

@@ -67,12 +67,8 @@ class Storage(Protocol):
         """Deletes every key under ``prefix`` (which ends with ``/``)."""
         ...
 
-    def list(self, prefix: str, *, start: str | None = None) -> list[str]:
-        """Keys under ``prefix``, recursively, relative to the root, sorted.
-
-        With ``start`` (a key), only keys that sort at or after it: object
-        stores then list only that range.
-        """
+    def list(self, prefix: str) -> list[str]:
+        """Keys under ``prefix``, recursively, relative to the root, sorted."""
         ...
 
     def kvstore_spec(self, prefix: str) -> dict[str, Any]:
@@ -193,13 +189,12 @@ class LocalStorage:
                 if e.errno != errno.ENOTEMPTY or attempt == _RMTREE_ATTEMPTS - 1:
                     raise self._error("delete", prefix, e) from e
 
-    def list(self, prefix: str, *, start: str | None = None) -> list[str]:
+    def list(self, prefix: str) -> list[str]:
         base = _join(self._root, prefix.rstrip("/")) if prefix else self._root
         try:
-            keys = sorted(self._walk(base))
+            return sorted(self._walk(base))
         except OSError as e:
             raise self._error("list", prefix, e) from e
-        return keys if start is None else [k for k in keys if k >= start]
 
     def _walk(self, base: str) -> Iterator[str]:
         if not os.path.isdir(base):

@@ -56,6 +56,7 @@ def fill(root: str, steps: int) -> None:
 
     import jaxckpt
     from jaxckpt._commit import CommitProtocol
+    from jaxckpt._layout import latest_hint_key
     from jaxckpt._storage import open_storage
 
     with jaxckpt.CheckpointManager(root) as mgr:
@@ -64,6 +65,7 @@ def fill(root: str, steps: int) -> None:
     marker = CommitProtocol(storage).require_marker(1)
     copies = [type(marker)(**{**marker.__dict__, "step": s}) for s in range(2, steps + 1)]
     CommitProtocol(storage).map(lambda m: storage.write(m.key, m.to_bytes()), copies)
+    storage.write(latest_hint_key(marker.epoch), str(steps).encode())  # as a committer does
 
 
 def median_s(fn: Callable[[], Any], repeats: int) -> float:
