@@ -353,18 +353,21 @@ def _kill_points() -> list[Any]:
             KillPoint(phase=phase, variant="first", start=1, steps=1, mb=4, step=1),
             # after two committed steps
             KillPoint(phase=phase, variant="later", start=1, steps=3, mb=8, step=3),
-            # re-saving a step whose earlier attempt crashed, without GC on open
-            KillPoint(
-                phase=phase,
-                variant="resave",
-                start=1,
-                steps=2,
-                mb=4,
-                step=2,
-                no_gc=True,
-                leftovers=True,
-            ),
         ]
+    # Re-saving a step whose earlier attempt crashed, without GC on open: the
+    # save clears the debris before pending_written, so later phases add nothing.
+    points.append(
+        KillPoint(
+            phase="pending_written",
+            variant="resave",
+            start=1,
+            steps=2,
+            mb=4,
+            step=2,
+            no_gc=True,
+            leftovers=True,
+        )
+    )
     points += [
         KillPoint(
             phase="delete_retracted", variant="middle", start=1, steps=3, mb=4, op="delete", step=2

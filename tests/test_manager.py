@@ -143,13 +143,33 @@ def test_tree_mismatch_names_every_path(root):
     assert "not in target: ['b'] (saved (4,) float32)" in text
 
 
-def test_unsupported_leaf_names_path_and_writes_nothing(root):
+@pytest.mark.parametrize(
+    ("leaf", "message"),
+    [
+        (object(), "type object"),
+        (np.array(["a", "bc"]), "dtype <U2 cannot be stored"),
+        (np.array([b"a"]), "dtype |S1 cannot be stored"),
+        (np.array([1, "x"], dtype=object), "dtype object"),
+        (np.zeros(2, [("a", np.int32), ("b", np.float32)]), "dtype void64 cannot be stored"),
+        (jnp.zeros(4, jnp.uint4), "dtype uint4 cannot be stored"),
+        (np.zeros(4, jnp.float8_e4m3), "dtype float8_e4m3 cannot be stored"),
+    ],
+    ids=["object", "str", "bytes", "numpy-object", "structured", "uint4", "float8_e4m3"],
+)
+def test_unstorable_leaf_fails_in_save_naming_path_and_writes_nothing(root, leaf, message):
+    """Refused synchronously in save(), before the pending record or any data exists."""
+    from protocol_state import pending_operation, step_objects
+
     with jaxckpt.CheckpointManager(root) as mgr:
-        with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"\['opt'\]\[1\].*object"):
-            mgr.save(1, {"opt": [1, object()]})
-        assert mgr.steps() == []
-    assert not os.path.exists(os.path.join(root, "steps", "1"))
-    assert not os.path.exists(os.path.join(root, "pending", "1.json"))
+        mgr.save(1, {"w": jnp.ones(3)})
+        with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"\['opt'\]\[1\]") as info:
+            mgr.save(2, {"opt": [1, leaf]})
+        assert message in str(info.value)
+        assert mgr.steps() == [1]
+        storage = mgr._storage
+        assert pending_operation(storage, 2) is None and step_objects(storage, 2) == []
+        assert mgr.save(3, {"w": jnp.ones(3)})  # the manager is still usable
+    assert jaxckpt.CheckpointManager(root).steps() == [1, 3]
 
 
 def test_metadata_describes_tree_and_user_metadata(root):
