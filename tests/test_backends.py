@@ -33,7 +33,7 @@ def dtype_leaves(seed: int) -> dict[str, jax.Array]:
     leaves = {}
     for name in readme_dtypes():
         dtype = np.dtype(jnp.dtype(name))
-        if dtype == bool:
+        if name == "bool":
             value = rng.integers(0, 2, (3, 5)).astype(bool)
         elif name in ("int2", "int4"):  # sub-byte: one value per byte, in range
             info = ml_dtypes.iinfo(dtype)
