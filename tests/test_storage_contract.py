@@ -383,3 +383,26 @@ def test_read_buffer_matches_read_and_is_aligned_locally(storage: Storage) -> No
     if isinstance(buffer, np.ndarray):  # local roots: aligned for zero-copy device_put
         assert buffer.ctypes.data % 64 == 0
     assert storage.read_buffer("big/missing") is None
+
+
+def test_gcs_endpoint_is_process_wide_and_set_only_when_given(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TensorStore's gcs driver takes its endpoint only from TENSORSTORE_GCS_HTTP_URL
+    (read when a driver is opened), so an explicit endpoint or STORAGE_EMULATOR_HOST
+    is copied there, for the whole process; nothing else touches it."""
+    name = "TENSORSTORE_GCS_HTTP_URL"
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    open_storage("gs://bucket/run")
+    open_storage("s3://bucket/run", endpoint="http://127.0.0.1:1")
+    assert name not in os.environ
+    open_storage("gs://bucket/run", endpoint="http://127.0.0.1:1/")
+    assert os.environ[name] == "http://127.0.0.1:1"
+    assert "redirecting" not in caplog.text
+    open_storage("gs://bucket/other", endpoint="http://127.0.0.1:2")
+    assert os.environ[name] == "http://127.0.0.1:2"
+    assert "redirecting every TensorStore GCS request" in caplog.text
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:3")
+    assert open_storage("gs://bucket/run")._endpoint == "http://127.0.0.1:3"
+    assert os.environ[name] == "http://127.0.0.1:3"
