@@ -18,6 +18,7 @@ from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
 from jaxckpt import policy
+from jaxckpt._storage import open_storage
 
 
 @pytest.fixture
@@ -136,7 +137,7 @@ def test_at_most_one_save_in_flight(root, tmp_path, monkeypatch):
     monkeypatch.setenv("JAXCKPT_RESUME_DIR", str(resume))
     monkeypatch.setenv("JAXCKPT_PAUSE_S", "120")
     with jaxckpt.CheckpointManager(root) as mgr:
-        storage = mgr._storage
+        storage = open_storage(root)
         assert mgr.save(1, {"x": jnp.full(3, 1)})
         _wait_until((resume / "data_written-1.reached").exists, "the first save's data")
         outcome: dict[str, object] = {}
@@ -243,7 +244,7 @@ def test_unstorable_leaf_fails_in_save_naming_path_and_writes_nothing(root, leaf
             mgr.save(2, {"opt": [1, leaf]})
         assert message in str(info.value)
         assert mgr.steps() == [1]
-        storage = mgr._storage
+        storage = open_storage(root)
         assert pending_operation(storage, 2) is None and step_objects(storage, 2) == []
         assert mgr.save(3, {"w": jnp.ones(3)})  # the manager is still usable
     assert jaxckpt.CheckpointManager(root).steps() == [1, 3]
