@@ -16,12 +16,15 @@ for the same key can both succeed when one's write and read-back fit between
 the other's check and write; the stored object is then the later write.
 
 Endpoints. S3 takes ``endpoint`` or ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
-and puts it in the kvstore spec. TensorStore's ``gcs`` spec has no endpoint
-member: its driver reads the process-wide ``TENSORSTORE_GCS_HTTP_URL``
-environment variable on every request. An explicit ``endpoint`` or the
-``STORAGE_EMULATOR_HOST`` that Google's client libraries honour is therefore
-copied into ``TENSORSTORE_GCS_HTTP_URL`` when the storage is opened, which
-means one process talks to one GCS endpoint at a time.
+and puts it in the kvstore spec. TensorStore's ``gcs`` spec and context have no
+endpoint member (checked against tensorstore 0.1.86): its driver reads the
+process-wide ``TENSORSTORE_GCS_HTTP_URL`` environment variable (or the
+``--tensorstore_gcs_http_url`` absl flag) each time it opens a driver. An
+explicit ``endpoint`` or the ``STORAGE_EMULATOR_HOST`` that Google's client
+libraries honour is therefore copied into ``TENSORSTORE_GCS_HTTP_URL`` when the
+storage is opened -- a process-wide side effect, logged when it redirects an
+earlier endpoint -- so one process should use one GCS endpoint. Without either,
+opening a ``gs://`` root changes nothing in the environment.
 """
 
 from __future__ import annotations

@@ -1,10 +1,19 @@
 """Named phases of a save and a delete, for crash tests and tracing.
 
-Setting ``JAXCKPT_PAUSE_AT=<phase>`` makes the process print
-``JAXCKPT_PHASE <phase> <step>`` to stderr and sleep for
-``JAXCKPT_PAUSE_S`` seconds (default 60) when it reaches that phase, so a
-test can SIGKILL it at a precise point of the protocol. Unset, this costs one
-dictionary lookup per phase.
+Environment variables (read at each phase, so a process can arm them late):
+
+* ``JAXCKPT_PAUSE_AT=<phase>[,<phase>...]``: on reaching one of these phases
+  the process prints ``JAXCKPT_PHASE <phase> <step>`` to stderr and pauses for
+  up to ``JAXCKPT_PAUSE_S`` seconds (default 60), so a test can SIGKILL it at a
+  precise point of the protocol.
+* ``JAXCKPT_RESUME_DIR=<dir>``: makes pauses resumable. A paused process
+  creates ``<dir>/<phase>-<step>.reached`` and resumes as soon as
+  ``<dir>/<phase>-<step>.resume`` exists (a file created beforehand lets that
+  step pass without stopping).
+* ``JAXCKPT_TRACE=1``: prints ``JAXCKPT_TRACE <phase> <step>`` to stderr at
+  every phase, right after the action the phase names, without pausing.
+
+Unset, this costs two dictionary lookups per phase.
 """
 
 from __future__ import annotations
@@ -23,11 +32,25 @@ PHASES = (
     "delete_retracted",  # during a delete: marker removed, data still there
 )
 
+_POLL_S = 0.02
+
 
 def reached(phase: str, step: int) -> None:
     """Marks that the current save or delete of ``step`` reached ``phase``."""
-    target = os.environ.get("JAXCKPT_PAUSE_AT")
-    if target is None or target != phase:
+    if os.environ.get("JAXCKPT_TRACE"):
+        print(f"JAXCKPT_TRACE {phase} {step}", file=sys.stderr, flush=True)
+    targets = os.environ.get("JAXCKPT_PAUSE_AT")
+    if targets is None or phase not in targets.split(","):
         return
     print(f"JAXCKPT_PHASE {phase} {step}", file=sys.stderr, flush=True)
-    time.sleep(float(os.environ.get("JAXCKPT_PAUSE_S", "60")))
+    pause_s = float(os.environ.get("JAXCKPT_PAUSE_S", "60"))
+    resume_dir = os.environ.get("JAXCKPT_RESUME_DIR")
+    if not resume_dir:
+        time.sleep(pause_s)
+        return
+    base = os.path.join(resume_dir, f"{phase}-{step}")
+    with open(base + ".reached", "w"):
+        pass
+    deadline = time.monotonic() + pause_s
+    while not os.path.exists(base + ".resume") and time.monotonic() < deadline:
+        time.sleep(_POLL_S)

@@ -8,6 +8,7 @@ shape, dtype, chunk shape and a description of the sharding.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -76,21 +77,56 @@ def array_names(paths: Sequence[list[list[Any]]]) -> list[str]:
     return names
 
 
+@functools.cache
+def storage_problem(dtype: np.dtype) -> str | None:
+    """Why TensorStore's zarr v3 driver cannot store ``dtype``, or None if it can.
+
+    Asks TensorStore itself (parsing a spec sends no I/O), so the answer follows
+    the installed version: e.g. ``uint4``, strings and structured dtypes are refused.
+
+    >>> storage_problem(np.dtype("float32")) is None
+    True
+    >>> print(storage_problem(np.dtype("U3")))  # doctest: +ELLIPSIS
+    dtype <U3 cannot be stored as zarr v3 by TensorStore (str96 data type is not one of ...)
+    """
+    import tensorstore as ts
+
+    if dtype.kind == "O":
+        return "dtype object cannot be stored as zarr v3"
+    spec = {"driver": "zarr3", "kvstore": {"driver": "memory"}}
+    try:
+        ts.Spec({**spec, "metadata": {"data_type": dtype.name}})
+    except ValueError as e:
+        reason = str(e).rsplit(": ", 1)[0].rsplit('"data_type": ', 1)[-1]
+        shown = dtype.str if dtype.kind in "US" else dtype.name
+        return f"dtype {shown} cannot be stored as zarr v3 by TensorStore ({reason})"
+    return None
+
+
 def leaf_kind(leaf: Any) -> str:
     """``array``, ``key`` or ``value``.
 
     Raises:
-      UnsupportedLeafError: anything else (the caller adds the path).
+      UnsupportedLeafError: anything else, including arrays of a dtype that
+        TensorStore's zarr v3 driver cannot store (the caller adds the path).
     """
     if isinstance(leaf, jax.Array):
-        return "key" if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key) else "array"
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return "key"
+        _check_storable(np.dtype(leaf.dtype))
+        return "array"
     if isinstance(leaf, np.ndarray | np.generic):
-        if leaf.dtype == object:
-            raise UnsupportedLeafError("numpy arrays of dtype object are not supported")
+        _check_storable(leaf.dtype)
         return "array"
     if isinstance(leaf, VALUE_TYPES):
         return "value"
     raise UnsupportedLeafError(f"leaves of type {type(leaf).__name__} are not supported")
+
+
+def _check_storable(dtype: np.dtype) -> None:
+    problem = storage_problem(dtype)
+    if problem is not None:
+        raise UnsupportedLeafError(problem)
 
 
 def describe_sharding(sharding: Any) -> dict[str, Any]:

@@ -3,9 +3,11 @@
 Importing this module isolates the process from real cloud credentials and
 metadata servers (see ``servers.isolate_cloud_env``) before any test imports
 boto3, google-auth or TensorStore. The servers start once per session, on
-first use, listen on 127.0.0.1 only, and set ``AWS_ENDPOINT_URL_S3`` /
-``STORAGE_EMULATOR_HOST`` for the session, as a user's environment would, so
-``open_storage("s3://…")`` needs no options.
+first use, and listen on 127.0.0.1 only (on ports they pick themselves). Each
+test that uses one gets ``AWS_ENDPOINT_URL_S3`` / ``STORAGE_EMULATOR_HOST`` set
+for that test only, as a user's environment would, so ``open_storage("s3://…")``
+needs no options, and every other test sees the same environment whatever ran
+before it.
 
 Test modules import the helpers with ``import servers``.
 """
@@ -29,30 +31,51 @@ servers.isolate_cloud_env(os.environ, tempfile.gettempdir())
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.Server]:
-    """moto_server with bucket ``servers.BUCKET``; sets ``AWS_ENDPOINT_URL_S3``."""
+def _moto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.Server]:
     server = servers.start_moto(tmp_path_factory.mktemp("moto"))
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("AWS_ENDPOINT_URL_S3", server.endpoint)
-            yield server
-    finally:
-        server.stop()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
-def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.Server]:
-    """The GCS emulator with bucket ``servers.BUCKET``; sets ``STORAGE_EMULATOR_HOST``."""
+def _gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.Server]:
     server = servers.start_gcs_emulator(tmp_path_factory.mktemp("gcs"))
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
-            # jaxckpt copies STORAGE_EMULATOR_HOST into TensorStore's variable;
-            # registering it here restores it at the end of the session.
-            mp.setenv("TENSORSTORE_GCS_HTTP_URL", server.endpoint)
-            yield server
-    finally:
-        server.stop()
+    yield server
+    server.stop()
+
+
+# The fixtures below set the environment through their own MonkeyPatch, so a
+# test's ``monkeypatch.undo()`` leaves the server's endpoint in place.
+
+
+@pytest.fixture
+def s3_server(_moto: servers.Server) -> Iterator[servers.Server]:
+    """moto_server with bucket ``servers.BUCKET``; ``AWS_ENDPOINT_URL_S3`` set for this test."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ENDPOINT_URL_S3", _moto.endpoint)
+        yield _moto
+
+
+@pytest.fixture
+def gcs_server(_gcs_emulator: servers.Server) -> Iterator[servers.Server]:
+    """The GCS emulator with bucket ``servers.BUCKET``; ``STORAGE_EMULATOR_HOST`` set for this test.
+
+    jaxckpt copies ``STORAGE_EMULATOR_HOST`` into the process-wide
+    ``TENSORSTORE_GCS_HTTP_URL`` when a ``gs://`` root is opened; registering
+    that variable here restores it (unset) after the test.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STORAGE_EMULATOR_HOST", _gcs_emulator.endpoint)
+        mp.setenv("TENSORSTORE_GCS_HTTP_URL", _gcs_emulator.endpoint)
+        yield _gcs_emulator
+
+
+@pytest.fixture(autouse=True)
+def _tensorstore_gcs_url_restored() -> Iterator[None]:
+    """Every test starts with TensorStore's GCS endpoint unset (or its server's) and ends so."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)
+        yield
 
 
 def _root(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> str:

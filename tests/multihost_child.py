@@ -3,7 +3,7 @@
 Usage::
 
     python tests/multihost_child.py --coordinator 127.0.0.1:PORT --num-processes P
-        --process-id I --devices D --root ROOT --mode {save,restore,save_and_die}
+        --process-id I --devices D --root ROOT --mode {save,restore,save_and_die,policy}
         [--mesh AxB] [--spec data,model] [--steps 1,2] [--save-timeout S]
         [--primary-host H]
 
@@ -21,11 +21,15 @@ all ``P*D`` devices, and then:
   process of the group is started with ``JAXCKPT_PAUSE_AT`` set, which is
   armed only for that second save, and the test SIGKILLs it while it pauses.
   The survivors report the ``CheckpointError`` they get and how long it took.
+* ``policy``: offers every step of ``--steps`` to ``save()`` under a save
+  policy that answers differently on each process (the primary saves even
+  steps, the others steps divisible by 3) and prints ``DECIDED s True|False``:
+  every process must follow the primary's answer.
 
 Values are a deterministic function of the leaf, the step and the global
 index, so any process can check any shard. Protocol lines go to stdout:
-``READY``, ``SAVED s``, ``COMMITTED s``, ``RESTORED s``, ``CHECKED n``,
-``FAILED <error class> <seconds>``, ``DONE``.
+``READY``, ``SAVED s``, ``COMMITTED s``, ``DECIDED s b``, ``RESTORED s``,
+``CHECKED n``, ``FAILED <error class> <seconds>``, ``DONE``.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--root", required=True)
-    p.add_argument("--mode", choices=("save", "restore", "save_and_die"), required=True)
+    p.add_argument("--mode", choices=("save", "restore", "save_and_die", "policy"), required=True)
     p.add_argument("--mesh", default=None, help="AxB for axes ('data', 'model')")
     p.add_argument("--spec", default="data", help="PartitionSpec of x, y, z on restore")
     p.add_argument("--steps", default="1", help="comma-separated steps to save")
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=args.coordinator,
+        coordinator_bind_address=args.coordinator,  # loopback only
         num_processes=args.num_processes,
         process_id=args.process_id,
         initialization_timeout=args.init_timeout,
@@ -121,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     import jaxckpt
 
     mesh = _mesh(jax, args.mesh, args.num_processes * args.devices)
+    save_policy = _DisagreeingPolicy(args.primary_host) if args.mode == "policy" else None
     manager = jaxckpt.CheckpointManager(
-        args.root, save_timeout_s=args.save_timeout, primary_host=args.primary_host
+        args.root,
+        save_timeout_s=args.save_timeout,
+        primary_host=args.primary_host,
+        save_policy=save_policy,
     )
     _say("READY")
     steps = [int(s) for s in args.steps.split(",")]
@@ -131,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             _save(manager, mesh, step)
     elif args.mode == "restore":
         _restore(manager, mesh, _spec(args.spec))
+    elif args.mode == "policy":
+        for step in steps:
+            saved = manager.save(step, build_state(mesh, step))
+            _say(f"DECIDED {step} {saved}")
+        manager.wait()
     else:
         _save(manager, mesh, steps[0])
         if pause_at is not None:
@@ -148,6 +162,20 @@ def main(argv: list[str] | None = None) -> int:
     manager.close()
     _say("DONE")
     return 0
+
+
+class _DisagreeingPolicy:
+    """A save policy whose answer depends on the process asking it."""
+
+    def __init__(self, primary: int) -> None:
+        self._primary = primary
+
+    def should_save(self, ctx: Any) -> bool:
+        import jax
+
+        if jax.process_index() == self._primary:
+            return ctx.step % 2 == 0
+        return ctx.step % 3 == 0
 
 
 def _mesh(jax: Any, text: str | None, n: int) -> Any:

@@ -6,8 +6,12 @@ servers once per session through fixtures; test modules import this module as
 
 * S3: ``moto_server`` from the virtual environment.
 * GCS: ``gcp-storage-emulator``, started through this file (``python servers.py
-  gcs-emulator HOST PORT``) so that three gaps in it can be patched to behave as
-  real GCS does; see :func:`_run_gcs_emulator`.
+  gcs-emulator HOST``) so that three gaps in it can be patched to behave as
+  real GCS does (see :func:`_run_gcs_emulator`); ``gcs-emulator-unpatched``
+  runs it as released.
+
+Each server binds a port of its own choosing and logs it, so no port is ever
+picked here, released, and then lost to another process.
 
 Everything listens on 127.0.0.1, and the environment keeps every credential
 lookup (AWS instance metadata, GCE metadata, gcloud files) off the network.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -76,6 +81,7 @@ def isolate_cloud_env(environ: MutableMapping[str, str], scratch_dir: str) -> No
 
 
 def free_port() -> int:
+    """A port that was free a moment ago: only for callers that retry on a lost race."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -103,32 +109,46 @@ class Server:
         return self.log_path.read_text(errors="replace")[-n:]
 
 
-def _spawn(name: str, argv: list[str], probe_path: str, log_dir: Path, port: int) -> Server:
-    log_path = log_dir / f"{name}.log"
+START_TIMEOUT_S = 60.0
+_LISTENING = re.compile(r"(?:Running on|listening on) http://127\.0\.0\.1:(\d+)")
+
+
+def _spawn(name: str, argv: list[str], probe_path: str, log_dir: Path) -> Server:
+    """Starts a server that binds a port of its own choosing (port 0) and logs it.
+
+    No port is picked by the caller and released, so no other process can take
+    it in between: the server's own log line names the port it listens on.
+    """
+    log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(name, f"http://127.0.0.1:{port}", BUCKET, process, log_path)
-    deadline = time.monotonic() + 30
-    while True:
+    server = Server(name, "", BUCKET, process, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not (match := _LISTENING.search(server.log_tail(100_000))):
         if process.poll() is not None:
             raise RuntimeError(f"{name} exited with {process.returncode}:\n{server.log_tail()}")
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"{name} did not listen within {START_TIMEOUT_S:.0f}s")
+        time.sleep(0.05)
+    server.endpoint = f"http://127.0.0.1:{match.group(1)}"
+    while True:
         try:
             with urllib.request.urlopen(server.endpoint + probe_path, timeout=2):
                 return server
         except urllib.error.HTTPError:
             return server  # it answers; an error status is still an answer
         except OSError:
-            if time.monotonic() > deadline:
+            if process.poll() is not None or time.monotonic() > deadline:
                 server.stop()
-                raise RuntimeError(f"{name} did not answer in 30 s:\n{server.log_tail()}") from None
+                raise RuntimeError(f"{name} did not answer:\n{server.log_tail()}") from None
             time.sleep(0.05)
 
 
 def start_moto(log_dir: Path) -> Server:
-    """Starts ``moto_server`` on a free loopback port with bucket :data:`BUCKET`."""
-    port = free_port()
+    """Starts ``moto_server`` on a loopback port it picks, with bucket :data:`BUCKET`."""
     binary = str(Path(sys.executable).parent / "moto_server")
-    server = _spawn("moto", [binary, "-H", "127.0.0.1", "-p", str(port)], "/", log_dir, port)
+    server = _spawn("moto", [binary, "-H", "127.0.0.1", "-p", "0"], "/", log_dir)
     try:
         s3_client(server.endpoint).create_bucket(Bucket=server.bucket)
     except BaseException:
@@ -138,20 +158,16 @@ def start_moto(log_dir: Path) -> Server:
 
 
 def start_gcs_emulator(log_dir: Path, *, patched: bool = True) -> Server:
-    """Starts the GCS emulator on a free loopback port with bucket :data:`BUCKET`.
+    """Starts the GCS emulator on a loopback port it picks, with bucket :data:`BUCKET`.
 
     Args:
       log_dir: where the server's log goes.
       patched: run it with the fixes of :func:`_run_gcs_emulator`; False runs
-        ``gcp-storage-emulator start`` as released.
+        the released emulator's server and handlers unchanged.
     """
-    port = free_port()
-    if patched:
-        argv = [sys.executable, __file__, "gcs-emulator", "127.0.0.1", str(port)]
-    else:
-        binary = str(Path(sys.executable).parent / "gcp-storage-emulator")
-        argv = [binary, "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"]
-    server = _spawn("gcs-emulator", argv, "/storage/v1/b?project=test", log_dir, port)
+    mode = "gcs-emulator" if patched else "gcs-emulator-unpatched"
+    argv = [sys.executable, __file__, mode, "127.0.0.1"]
+    server = _spawn(mode, argv, "/storage/v1/b?project=test", log_dir)
     try:
         request = urllib.request.Request(
             f"{server.endpoint}/storage/v1/b?project=test",
@@ -232,7 +248,22 @@ def _flip(data: bytearray, offset: int | None, uri: str) -> int:
     return offset
 
 
-def _run_gcs_emulator(host: str, port: int) -> None:
+def _serve_gcs_emulator(host: str, label: str) -> None:
+    """Runs the emulator's server on a port the OS picks and logs that port."""
+    from gcp_storage_emulator import server
+
+    emulator = server.Server(host, 0, in_memory=True)
+    emulator.start()
+    port = emulator._api._httpd.server_address[1]
+    print(f"{label} listening on http://{host}:{port}", flush=True)
+    try:
+        while True:
+            time.sleep(1)
+    finally:
+        emulator.stop()
+
+
+def _run_gcs_emulator(host: str) -> None:
     """Runs gcp-storage-emulator (in memory) with three GCS behaviours patched in.
 
     The emulator, as measured with 2026.7.19, (1) fails a media upload of an
@@ -313,11 +344,13 @@ def _run_gcs_emulator(host: str, port: int) -> None:
     # 5 drops the SYNs of TensorStore's concurrent requests, costing 1 s each.
     http.server.HTTPServer.request_queue_size = 128
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(f"patched gcp-storage-emulator on {host}:{port}", flush=True)
-    server.create_server(host, port, in_memory=True).run()
+    _serve_gcs_emulator(host, "patched gcp-storage-emulator")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] != "gcs-emulator":
-        sys.exit(f"usage: {sys.argv[0]} gcs-emulator HOST PORT")
-    _run_gcs_emulator(sys.argv[2], int(sys.argv[3]))
+    if len(sys.argv) != 3 or sys.argv[1] not in ("gcs-emulator", "gcs-emulator-unpatched"):
+        sys.exit(f"usage: {sys.argv[0]} gcs-emulator[-unpatched] HOST")
+    if sys.argv[1] == "gcs-emulator":
+        _run_gcs_emulator(sys.argv[2])
+    else:
+        _serve_gcs_emulator(sys.argv[2], "gcp-storage-emulator (as released)")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import servers
@@ -14,17 +19,66 @@ from jaxckpt._commit import CommitProtocol
 from jaxckpt._records import json_record
 from jaxckpt._storage import open_storage
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_dtypes() -> list[str]:
+    """The dtypes the README's "Supported leaves" paragraph names in backticks."""
+    text = README.read_text()
+    paragraph = text[text.index("Supported leaves:") :].split("(64-bit", 1)[0]
+    return re.findall(r"`([a-z0-9_]+)`", paragraph)
+
+
+def dtype_leaves(seed: int) -> dict[str, jax.Array]:
+    """One small ``jax.Array`` per README dtype (call under ``jax.enable_x64``)."""
+    rng = np.random.default_rng(seed)
+    leaves = {}
+    for name in readme_dtypes():
+        dtype = np.dtype(jnp.dtype(name))
+        if name == "bool":
+            value = rng.integers(0, 2, (3, 5)).astype(bool)
+        elif name in ("int2", "int4"):  # sub-byte: one value per byte, in range
+            info = ml_dtypes.iinfo(dtype)
+            value = rng.integers(int(info.min), int(info.max), (3, 5), endpoint=True).astype(dtype)
+        elif np.issubdtype(dtype, np.integer):  # every bit pattern, extremes included
+            value = rng.integers(0, 256, 15 * dtype.itemsize, dtype=np.uint8).view(dtype)
+            value = value.reshape(3, 5)
+        elif np.issubdtype(dtype, np.complexfloating):
+            value = (rng.standard_normal((3, 5)) + 1j * rng.standard_normal((3, 5))).astype(dtype)
+        else:
+            value = (rng.standard_normal((3, 5)) * 2).astype(dtype)
+        leaves[name] = jax.device_put(value)
+        assert leaves[name].dtype == dtype, (name, leaves[name].dtype)
+    return leaves
+
+
+def test_readme_names_every_storable_dtype_and_no_other():
+    from jaxckpt._tree import storage_problem
+
+    named = readme_dtypes()
+    assert len(named) == len(set(named)) > 20
+    assert [n for n in named if storage_problem(np.dtype(jnp.dtype(n)))] == []
+    for refused in ("uint2", "uint4", "float8_e4m3", "float6_e2m3fn"):
+        assert storage_problem(np.dtype(jnp.dtype(refused))), refused
+
 
 def test_round_trip_all_dtypes_and_tree_shapes(storage_root):
-    state = sample_state(2)
-    with jaxckpt.CheckpointManager(storage_root, chunk_bytes=256) as mgr:
-        assert mgr.save(2, state)
-        mgr.wait()
-        assert mgr.steps() == [2]
-    reader = jaxckpt.CheckpointManager(storage_root, read_only=True)
-    assert_tree_bitexact(reader.restore(target=state), state)
-    plain = reader.restore(2)
+    with jax.enable_x64(True):
+        state = {**sample_state(2), "dtypes": dtype_leaves(2)}
+        assert {type(x) for x in state["dtypes"].values()} == {type(jnp.zeros(1))}
+        with jaxckpt.CheckpointManager(storage_root, chunk_bytes=256) as mgr:
+            assert mgr.save(2, state)
+            mgr.wait()
+            assert mgr.steps() == [2]
+        reader = jaxckpt.CheckpointManager(storage_root, read_only=True)
+        restored = reader.restore(target=state)
+        assert_tree_bitexact(restored, state)
+        assert all(isinstance(x, jax.Array) for x in restored["dtypes"].values())
+        plain = reader.restore(2)
     assert plain["name"] == "run-α" and plain["layers"][1]["k"].tolist() == [0, 1, 2, 3]
+    assert {k: v.dtype for k, v in plain["dtypes"].items()} == {
+        k: np.dtype(v.dtype) for k, v in state["dtypes"].items()
+    }
     assert reader.verify(2).ok
 
 

@@ -6,6 +6,9 @@ import json
 import logging
 import os
 import pathlib
+import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +98,7 @@ def test_numpy_leaves_are_copied_so_caller_may_overwrite_them(root):
     np.testing.assert_array_equal(jaxckpt.CheckpointManager(root).restore(1)["a"], np.arange(1000))
 
 
-def test_steps_latest_and_one_save_in_flight(root):
+def test_steps_latest_step_and_save_stats(root):
     with jaxckpt.CheckpointManager(root) as mgr:
         assert mgr.steps() == [] and mgr.latest_step() is None
         for s in (5, 1, 9):
@@ -105,6 +108,80 @@ def test_steps_latest_and_one_save_in_flight(root):
         stats = mgr.save_stats()
         assert [s.step for s in stats] == [5, 1, 9] and all(s.nbytes > 0 for s in stats)
     assert jaxckpt.CheckpointManager(root).restore()["x"].tolist() == [9, 9, 9]
+
+
+def _wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f}s waiting for {what}"
+        time.sleep(0.01)
+
+
+def _blocked_in(thread: threading.Thread, function) -> bool:
+    """Whether ``thread`` is currently executing inside ``function``."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is function.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_at_most_one_save_in_flight(root, tmp_path, monkeypatch):
+    """A second save() waits for the first to commit before it writes anything."""
+    from protocol_state import marker_state, pending_operation, step_objects
+
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    (resume / "data_written-2.resume").touch()  # only the first save pauses
+    monkeypatch.setenv("JAXCKPT_PAUSE_AT", "data_written")
+    monkeypatch.setenv("JAXCKPT_RESUME_DIR", str(resume))
+    monkeypatch.setenv("JAXCKPT_PAUSE_S", "120")
+    with jaxckpt.CheckpointManager(root) as mgr:
+        storage = open_storage(root)
+        assert mgr.save(1, {"x": jnp.full(3, 1)})
+        _wait_until((resume / "data_written-1.reached").exists, "the first save's data")
+        outcome: dict[str, object] = {}
+
+        def second_save() -> None:
+            try:
+                outcome["saved"] = mgr.save(2, {"x": jnp.full(3, 2)})
+                outcome["marker 1 then"] = marker_state(storage, 1)
+            except BaseException as e:
+                outcome["error"] = e
+
+        thread = threading.Thread(target=second_save)
+        thread.start()
+        _wait_until(lambda: _blocked_in(thread, jaxckpt.CheckpointManager.wait), "save(2) waiting")
+        assert marker_state(storage, 1) is None  # the first save is still paused
+        assert pending_operation(storage, 2) is None and step_objects(storage, 2) == []
+        (resume / "data_written-1.resume").touch()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "save(2) did not return after the first save committed"
+        assert outcome == {"saved": True, "marker 1 then": "valid"}
+        mgr.wait()
+        assert mgr.steps() == [1, 2]
+
+
+def test_adaptive_policy_sees_measured_blocking_times(root):
+    """The manager feeds Adaptive the blocking seconds of its own saves."""
+    seen: list[policy.SaveContext] = []
+
+    class Recording(policy.Adaptive):
+        def should_save(self, ctx: policy.SaveContext) -> bool:
+            seen.append(ctx)
+            return super().should_save(ctx)
+
+    # With an MTBF of a million hours the interval is hours for any measured δ > 0;
+    # only a save with no measurement yet (or no earlier save) is taken.
+    with jaxckpt.CheckpointManager(root, save_policy=Recording(1e6, max_overhead=1.0)) as mgr:
+        assert mgr.save(1, {"x": jnp.ones(4)}) is True
+        mgr.wait()
+        assert mgr.save(2, {"x": jnp.ones(4)}) is False
+        measured = tuple(s.blocking_s for s in mgr.save_stats())
+    assert [c.blocking_seconds for c in seen] == [(), measured]
+    assert len(measured) == 1 and measured[0] > 0
+    assert seen[1].last_save_time is not None and seen[1].last_saved_step == 1
 
 
 def test_saving_an_existing_step_raises(root):
@@ -145,13 +222,33 @@ def test_tree_mismatch_names_every_path(root):
     assert "not in target: ['b'] (saved (4,) float32)" in text
 
 
-def test_unsupported_leaf_names_path_and_writes_nothing(root):
+@pytest.mark.parametrize(
+    ("leaf", "message"),
+    [
+        (object(), "type object"),
+        (np.array(["a", "bc"]), "dtype <U2 cannot be stored"),
+        (np.array([b"a"]), "dtype |S1 cannot be stored"),
+        (np.array([1, "x"], dtype=object), "dtype object"),
+        (np.zeros(2, [("a", np.int32), ("b", np.float32)]), "dtype void64 cannot be stored"),
+        (jnp.zeros(4, jnp.uint4), "dtype uint4 cannot be stored"),
+        (np.zeros(4, jnp.float8_e4m3), "dtype float8_e4m3 cannot be stored"),
+    ],
+    ids=["object", "str", "bytes", "numpy-object", "structured", "uint4", "float8_e4m3"],
+)
+def test_unstorable_leaf_fails_in_save_naming_path_and_writes_nothing(root, leaf, message):
+    """Refused synchronously in save(), before the pending record or any data exists."""
+    from protocol_state import pending_operation, step_objects
+
     with jaxckpt.CheckpointManager(root) as mgr:
-        with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"\['opt'\]\[1\].*object"):
-            mgr.save(1, {"opt": [1, object()]})
-        assert mgr.steps() == []
-    assert not os.path.exists(os.path.join(root, "attempts"))
-    assert not os.path.exists(os.path.join(root, "pending"))
+        mgr.save(1, {"w": jnp.ones(3)})
+        with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"\['opt'\]\[1\]") as info:
+            mgr.save(2, {"opt": [1, leaf]})
+        assert message in str(info.value)
+        assert mgr.steps() == [1]
+        storage = open_storage(root)
+        assert pending_operation(storage, 2) is None and step_objects(storage, 2) == []
+        assert mgr.save(3, {"w": jnp.ones(3)})  # the manager is still usable
+    assert jaxckpt.CheckpointManager(root).steps() == [1, 3]
 
 
 def test_metadata_describes_tree_and_user_metadata(root):
@@ -298,6 +395,19 @@ def test_background_failure_surfaces_on_wait_and_step_is_not_listed(root, monkey
     assert jaxckpt.CheckpointManager(root).steps() == [1, 3]
 
 
+def test_background_failure_surfaces_on_close(root, monkeypatch):
+    from jaxckpt import _tsio
+
+    mgr = jaxckpt.CheckpointManager(root)
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", lambda *a: 1 / 0)
+    assert mgr.save(1, {"w": jnp.arange(8.0)})
+    with pytest.raises(jaxckpt.SaveFailedError, match=r"step 1 .*division by zero"):
+        mgr.close()
+    monkeypatch.undo()
+    mgr.close()  # closed: idempotent
+    assert jaxckpt.CheckpointManager(root).steps() == []
+
+
 def test_background_failure_surfaces_on_next_save(root, monkeypatch):
     from jaxckpt import _tsio
 
@@ -429,9 +539,13 @@ def test_declined_save_surfaces_a_finished_background_failure(root, monkeypatch)
     mgr = jaxckpt.CheckpointManager(root, save_policy=policy.EveryNSteps(10))
     monkeypatch.setattr(_tsio.ArrayWriter, "write", lambda *a: 1 / 0)
     assert mgr.save(10, {"w": jnp.arange(8.0)})
-    mgr._checkpointer._async_manager._thread.join(timeout=30)  # let the failure land
+    # Declined saves return False while the failing save runs, and raise once it
+    # has failed; neither waits for it.
+    deadline = time.monotonic() + 60
     with pytest.raises(jaxckpt.SaveFailedError, match="step 10"):
-        mgr.save(11, {"w": jnp.arange(8.0)})
+        while time.monotonic() < deadline:
+            assert mgr.save(11, {"w": jnp.arange(8.0)}) is False
+            time.sleep(0.01)
     monkeypatch.undo()
     assert mgr.save(12, {"w": 1}) is False
     mgr.close()

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import servers
 import tensorstore as ts
 
+import jaxckpt
 from jaxckpt import _objectstore
 from jaxckpt._storage import PreconditionFailed, Storage, open_storage
 from jaxckpt.errors import CheckpointError, StorageError
@@ -75,6 +80,7 @@ def _race_to_create(hosts: list[Storage], key: str) -> list[bytes]:
         t.start()
     for t in threads:
         t.join(timeout=60)
+        assert not t.is_alive(), f"a create-only write of {key} did not return within 60 s"
     return won
 
 
@@ -172,29 +178,51 @@ def test_missing_bucket_raises_storage_error_naming_uri(object_root: str, operat
     assert f"cannot {'write' if operation == 'create' else operation} {root}/" in str(info.value)
 
 
-def test_unreachable_endpoint_fails_in_bounded_time(
+# A loaded 2-core machine may run a request or a thread switch late; a bound
+# never waits less than this beyond what the configured settings imply.
+LOAD_MARGIN_S = 10.0
+
+
+def backoff_seconds(options: _objectstore.ObjectStoreOptions) -> float:
+    """The backoff delays TensorStore sleeps before giving up on a dead endpoint."""
+    return sum(
+        min(options.initial_delay_s * 2**i, options.max_delay_s) for i in range(options.max_retries)
+    )
+
+
+def test_unreachable_endpoint_fails_after_the_configured_retries(
     object_root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A refused endpoint fails after the backoff schedule, no sooner and not much later."""
     # The GCS endpoint is process-wide (TENSORSTORE_GCS_HTTP_URL): restore it afterwards.
     monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", os.environ.get("TENSORSTORE_GCS_HTTP_URL", ""))
     dead = f"http://{servers.CLOSED_PORT}"
-    storage = open_storage(object_root, endpoint=dead, max_retries=3, initial_delay_s=0.05)
+    settings = {"max_retries": 3, "initial_delay_s": 0.2, "max_delay_s": 0.4}
+    storage = open_storage(object_root, endpoint=dead, **settings)
+    backoff = backoff_seconds(_objectstore.ObjectStoreOptions(**settings))  # 1.0 s
+    jitter = settings["max_retries"] * settings["initial_delay_s"]  # TensorStore adds < one
     for call in (lambda: storage.write("k", b"x"), lambda: storage.read("k")):
         start = time.monotonic()
         with pytest.raises(StorageError) as info:
             call()
-        assert time.monotonic() - start < 30
+        elapsed = time.monotonic() - start
+        assert backoff <= elapsed < backoff + jitter + LOAD_MARGIN_S, elapsed
         assert object_root in str(info.value) and dead in str(info.value)
 
 
 def test_default_retries_are_bounded() -> None:
     options = _objectstore.ObjectStoreOptions()
-    delays = [
-        min(options.initial_delay_s * 2**i, options.max_delay_s) for i in range(options.max_retries)
-    ]
-    assert sum(delays) < 30  # a dead endpoint fails a call in ~16 s (measured), not minutes
+    # 0.5 + 1 + 2 + 4 + 8 s: a dead endpoint fails a call after 15.5 s plus
+    # TensorStore's jitter (16.1-16.8 s measured), not minutes; the schedule
+    # itself is checked against a dead endpoint above with shorter settings.
+    assert backoff_seconds(options) == 15.5
     spec = open_storage("s3://bucket/run").context_spec()
     assert spec["s3_request_retries"] == {
+        "max_retries": 5,
+        "initial_delay": "500000us",
+        "max_delay": "8000000us",
+    }
+    assert open_storage("gs://bucket/run").context_spec()["gcs_request_retries"] == {
         "max_retries": 5,
         "initial_delay": "500000us",
         "max_delay": "8000000us",
@@ -202,6 +230,57 @@ def test_default_retries_are_bounded() -> None:
     assert open_storage("gs://bucket/run").context_spec()["gcs_request_concurrency"] == {
         "limit": 32
     }
+    assert options.timeout_s == 300.0
+
+
+@contextlib.contextmanager
+def stalling_endpoint() -> Iterator[str]:
+    """A loopback HTTP endpoint that accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))  # bound and kept: no other process can take it
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+def test_stalling_endpoint_fails_after_timeout_s(
+    object_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An endpoint that accepts and never answers: retries do not help, ``timeout_s`` does."""
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", os.environ.get("TENSORSTORE_GCS_HTTP_URL", ""))
+    timeout_s = 1.5
+    with stalling_endpoint() as endpoint:
+        storage = open_storage(object_root, endpoint=endpoint, timeout_s=timeout_s)
+        start = time.monotonic()
+        with pytest.raises(StorageError, match=rf"no answer within {timeout_s} s") as info:
+            storage.read("jaxckpt.json")
+        elapsed = time.monotonic() - start
+        assert timeout_s <= elapsed < timeout_s + LOAD_MARGIN_S, elapsed
+        assert info.value.errno == errno.ETIMEDOUT
+        # A manager on that root fails the same way when it opens, instead of hanging.
+        options = {"endpoint": endpoint, "timeout_s": timeout_s}
+        start = time.monotonic()
+        with pytest.raises(StorageError, match="no answer within"):
+            jaxckpt.CheckpointManager(object_root, storage_options=options)
+        assert time.monotonic() - start < timeout_s + LOAD_MARGIN_S
 
 
 def test_server_enforces_conditions(object_root: str) -> None:
@@ -211,19 +290,50 @@ def test_server_enforces_conditions(object_root: str) -> None:
     assert storage.list("") == []  # the probe cleaned up after itself
 
 
-def test_fallback_when_server_ignores_conditions(
-    object_root: str, caplog: pytest.LogCaptureFixture
+@pytest.fixture(scope="module")
+def unpatched_gcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[servers.Server]:
+    """gcp-storage-emulator as released: it ignores ``ifGenerationMatch``."""
+    server = servers.start_gcs_emulator(tmp_path_factory.mktemp("gcs-raw"), patched=False)
+    yield server
+    server.stop()
+
+
+RACE_ROUNDS = 40
+
+
+def test_fallback_on_a_server_that_ignores_conditions(
+    unpatched_gcs: servers.Server,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    storage = open_storage(object_root)
-    assert isinstance(storage, _objectstore.ObjectStorage)
-    storage._if_absent = b""  # an empty generation means "unconditional"
-    assert not storage.conditional_writes_enforced
+    """Against the released emulator: the probe detects it, and check-write-read-back
+    never overwrites an existing key; racing writers may both win (rate measured)."""
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", os.environ.get("TENSORSTORE_GCS_HTTP_URL", ""))
+    root = f"gs://{unpatched_gcs.bucket}/{uuid.uuid4().hex}"
+    hosts = [open_storage(root, endpoint=unpatched_gcs.endpoint) for _ in range(3)]
+    for host in hosts:
+        assert isinstance(host, _objectstore.ObjectStorage)
+        assert not host.conditional_writes_enforced
     assert "ignores create-only conditions" in caplog.text
+    storage = hosts[0]
+    assert storage.list("") == []  # the probes cleaned up after themselves
+
     storage.write("COMMITTED", b"first", exclusive=True)
     with pytest.raises(PreconditionFailed):
-        storage.write("COMMITTED", b"second", exclusive=True)
+        hosts[1].write("COMMITTED", b"second", exclusive=True)
     assert storage.read("COMMITTED") == b"first"
-    assert storage.list("") == ["COMMITTED"]
+
+    double = 0
+    for round_ in range(RACE_ROUNDS):
+        key = f"race/{round_}"
+        won = _race_to_create(hosts, key)
+        assert won, f"round {round_}: nobody won"
+        assert storage.read(key) in won, f"round {round_}: stored object is a loser's"
+        double += len(won) > 1
+    with capsys.disabled():
+        print(f"\n  fallback race: {double} of {RACE_ROUNDS} rounds had more than one winner")
+    assert storage.list("race/") == [f"race/{r}" for r in sorted(map(str, range(RACE_ROUNDS)))]
 
 
 def test_no_value_generation_means_absent() -> None:
@@ -273,3 +383,26 @@ def test_read_buffer_matches_read_and_is_aligned_locally(storage: Storage) -> No
     if isinstance(buffer, np.ndarray):  # local roots: aligned for zero-copy device_put
         assert buffer.ctypes.data % 64 == 0
     assert storage.read_buffer("big/missing") is None
+
+
+def test_gcs_endpoint_is_process_wide_and_set_only_when_given(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TensorStore's gcs driver takes its endpoint only from TENSORSTORE_GCS_HTTP_URL
+    (read when a driver is opened), so an explicit endpoint or STORAGE_EMULATOR_HOST
+    is copied there, for the whole process; nothing else touches it."""
+    name = "TENSORSTORE_GCS_HTTP_URL"
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    open_storage("gs://bucket/run")
+    open_storage("s3://bucket/run", endpoint="http://127.0.0.1:1")
+    assert name not in os.environ
+    open_storage("gs://bucket/run", endpoint="http://127.0.0.1:1/")
+    assert os.environ[name] == "http://127.0.0.1:1"
+    assert "redirecting" not in caplog.text
+    open_storage("gs://bucket/other", endpoint="http://127.0.0.1:2")
+    assert os.environ[name] == "http://127.0.0.1:2"
+    assert "redirecting every TensorStore GCS request" in caplog.text
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:3")
+    assert open_storage("gs://bucket/run")._endpoint == "http://127.0.0.1:3"
+    assert os.environ[name] == "http://127.0.0.1:3"

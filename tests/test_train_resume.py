@@ -34,7 +34,7 @@ TINY = [
     "--log_every=5",
     "--checkpoint_every_steps=5",
     "--checkpoint_keep_last=2",
-    "--simulated_step_seconds=0.05",  # so that a kill lands mid-run
+    "--simulated_step_seconds=0.05",
 ]
 TIMEOUT_S = 120.0
 
@@ -44,11 +44,14 @@ pytestmark = pytest.mark.timeout(300)
 class Run:
     """``scripts/train.py`` in a child process, its log lines collected as they come."""
 
-    def __init__(self, root: Path, cache: Path, *extra: str) -> None:
+    def __init__(
+        self, root: Path, cache: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")},
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
             "JAX_PLATFORMS": "cpu",
+            **(env or {}),
         }
         self.proc = subprocess.Popen(
             [
@@ -122,12 +125,24 @@ def _bits(tree: dict) -> dict[str, bytes]:
 
 def test_resume_after_sigkill_is_bit_identical(tmp_path, cache):
     straight = Run(tmp_path / "straight", cache, f"--steps={STEPS}")
-    killed = Run(tmp_path / "resumed", cache, f"--steps={STEPS}")
-    committed = int(killed.wait_for(r"checkpoint: step (10|15) committed").group(1))
+    # The saves of steps 5 and 10 pass; the save of step 15 pauses after its
+    # data until the kill, so the kill lands mid-run whatever the machine's speed.
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    for step in (5, 10):
+        (resume / f"data_written-{step}.resume").touch()
+    pause = {
+        "JAXCKPT_PAUSE_AT": "data_written",
+        "JAXCKPT_RESUME_DIR": str(resume),
+        "JAXCKPT_PAUSE_S": str(TIMEOUT_S),
+    }
+    killed = Run(tmp_path / "resumed", cache, f"--steps={STEPS}", env=pause)
+    killed.wait_for(r"JAXCKPT_PHASE data_written 15")
     killed.proc.send_signal(signal.SIGKILL)
     assert killed.finish() == -signal.SIGKILL
+    assert re.search(r"checkpoint: step 10 committed", killed.log()), killed.log()
     latest = jaxckpt.CheckpointManager(tmp_path / "resumed", read_only=True).latest_step()
-    assert latest is not None and committed <= latest < STEPS, killed.log()
+    assert latest == 10, killed.log()
 
     resumed = Run(tmp_path / "resumed", cache, f"--steps={STEPS}")
     resumed_from = int(resumed.wait_for(r"resumed from step (\d+)").group(1))
