@@ -1,11 +1,12 @@
-"""Fast reads of plain jaxckpt arrays, straight from their chunk objects.
+"""Fast reads of plain and packed jaxckpt arrays, straight from their chunk bytes.
 
 An array written by jaxckpt stores each chunk as ``raw little-endian bytes ||
 crc32c(raw)`` (zarr codecs ``bytes`` + ``crc32c``). Reading those objects
 with :meth:`Storage.read_buffer` on a thread pool and checking them against
 the manifest (hardware CRC32C over the buffer, no copy) is several times
 faster than TensorStore's zarr decode path, and names the damaged chunk
-directly. Arrays with any other codec chain (e.g. ``jaxckpt cp --compress
+directly. A packed step's chunk is one ranged read of its pack object
+(:meth:`Storage.read_range`), checked the same way. Arrays with any other codec chain (e.g. ``jaxckpt cp --compress
 zstd`` archives) are read through TensorStore instead.
 """
 
@@ -95,9 +96,15 @@ def read_regions(
             itemsize = leaf.numpy_dtype.itemsize
             for cell in _cells(request.region, leaf.chunk_shape):
                 key = chunk_key(cell, leaf.chunk_shape)
-                future = pool.submit(
-                    storage.read_buffer, f"{loc.array_prefix(leaf.name or '')}{key}"
-                )
+                record = records.get(leaf.name or "", {}).get(key)
+                if record is not None and record.pack is not None:  # packed: one ranged read
+                    future = pool.submit(
+                        storage.read_range, loc.key(record.pack), record.offset, record.size
+                    )
+                else:
+                    future = pool.submit(
+                        storage.read_buffer, f"{loc.array_prefix(leaf.name or '')}{key}"
+                    )
                 inflight.append((i, cell, key, future))
                 inflight_bytes += math.prod(leaf.chunk_shape) * itemsize
                 while inflight_bytes > window_bytes and inflight:
@@ -126,9 +133,11 @@ def _place(
     i, cell, key, future = item
     leaf, region = requests[i].leaf, requests[i].region
     dtype = leaf.numpy_dtype
-    location = f"step {step}: {leaf.path_text}: chunk {key} of {where}{leaf.name}"
-    data = future.result()  # a StorageError names the object
     record = records.get(leaf.name or "", {}).get(key)
+    location = f"step {step}: {leaf.path_text}: chunk {key} of {where}{leaf.name}"
+    if record is not None and record.pack is not None:
+        location += f" (in pack {record.pack} at byte {record.offset})"
+    data = future.result()  # a StorageError names the object
     if data is None:
         raise CorruptCheckpointError(f"{location}: missing")
     if record is None:

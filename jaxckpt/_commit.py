@@ -377,15 +377,27 @@ class CommitProtocol:
         return marker
 
     def _check_chunks_present(self, loc: StepLocation, parts: Sequence[ManifestPart]) -> None:
-        """Every chunk the manifest parts list exists (one listing of the attempt)."""
+        """Every chunk the manifest parts list exists (one listing of the attempt).
+
+        A packed chunk's pack object must exist and its part must record it.
+        """
         present = set(self.storage.list(loc.arrays_prefix))
+        if any(part.layout == "packed" for part in parts):
+            present |= set(self.storage.list(loc.packs_prefix))
         for part in parts:
             for name, chunks in part.arrays.items():
                 for chunk in chunks:
-                    if loc.array_prefix(name) + chunk.key not in present:
+                    key = (
+                        loc.array_prefix(name) + chunk.key
+                        if chunk.pack is None
+                        else loc.key(chunk.pack)
+                    )
+                    if key not in present or (
+                        chunk.pack is not None and chunk.pack not in part.packs
+                    ):
                         raise CheckpointError(
                             f"cannot commit step {loc.step}: chunk {chunk.key} of {name} "
-                            f"({self.where(loc.array_prefix(name) + chunk.key)}) is missing"
+                            f"({self.where(key)}) is missing"
                         )
 
     def abandon(self, loc: StepLocation) -> None:

@@ -61,9 +61,11 @@ def _copy_objects(
     keys: Sequence[str],
     chunks: dict[str, ChunkRecord],
     rename: tuple[str, str],
+    packed: dict[str, list[ChunkRecord]] | None = None,
 ) -> None:
     """Copies ``keys`` (``rename``: source prefix → destination prefix); those in
-    ``chunks`` must match their manifest record."""
+    ``chunks`` must match their manifest record, and every chunk ``packed`` lists
+    inside a pack object must match its record."""
     from jaxckpt._tsio import chunk_problem
 
     old, new = rename
@@ -74,6 +76,11 @@ def _copy_objects(
             raise CorruptCheckpointError(f"{src.uri}/{key} is missing; not copied")
         record = chunks.get(key)
         problem = chunk_problem(data, record) if record is not None else None
+        for c in (packed or {}).get(key, ()):
+            problem = problem or chunk_problem(data[c.offset : c.offset + c.size], c)
+            if problem is not None:
+                problem = f"chunk {c.key} at byte {c.offset}: {problem}"
+                break
         if problem is not None:
             raise CorruptCheckpointError(
                 f"{src.uri}/{key} does not match its manifest record ({problem}); not copied"
@@ -93,14 +100,22 @@ def _copy_step_raw(
     """
     here = marker.location
     chunks: dict[str, ChunkRecord] = {}
+    packed: dict[str, list[ChunkRecord]] = {}  # pack object key -> the chunks inside it
     for part in src.read_manifest(marker):
         for name, records in part.arrays.items():
             for c in records:
-                chunks[here.array_prefix(name) + c.key] = c
-    keys = sorted(set(src.storage.list(here.arrays_prefix)) | set(chunks))
+                if c.pack is None:
+                    chunks[here.array_prefix(name) + c.key] = c
+                else:
+                    packed.setdefault(here.key(c.pack), []).append(c)
+    keys = sorted(set(src.storage.list(here.arrays_prefix)) | set(chunks) | set(packed))
     manifests = [here.key(n) for n in marker.files if is_manifest_name(n)]
-    _copy_objects(src.storage, dst.storage, [*keys, *manifests], chunks, (here.prefix, loc.prefix))
-    return sum(c.size for c in chunks.values())
+    _copy_objects(
+        src.storage, dst.storage, [*keys, *manifests], chunks, (here.prefix, loc.prefix), packed
+    )
+    return sum(c.size for c in chunks.values()) + sum(
+        c.size for cs in packed.values() for c in cs
+    )
 
 
 def _zstd_metadata(leaf: Any, level: int) -> dict[str, Any]:
@@ -125,6 +140,11 @@ def _copy_step_compressed(
 
     step = marker.step
     loaded = load_step(src, marker)
+    if loaded.layout == "packed":
+        raise CheckpointError(
+            f"step {step} of {src.storage.uri} is packed; --compress re-encodes zarr chunk "
+            "objects only. Copy it without --compress (pack objects are copied whole)."
+        )
     src_ctx = ts.Context(src.storage.context_spec())
     dst_ctx = ts.Context(dst.storage.context_spec())
     here = marker.location

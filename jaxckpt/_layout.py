@@ -8,7 +8,8 @@ attempt under its own prefix, so two writers never share a key::
     pending/<step>/<attempt>.json              intent: a save or delete of that attempt
     attempts/<step>/<attempt>/tree.json        the tree record
     attempts/<step>/<attempt>/manifest/<p>.json  chunks written by process <p>
-    attempts/<step>/<attempt>/arrays/...       zarr v3 arrays (one per array leaf)
+    attempts/<step>/<attempt>/arrays/...       zarr v3 arrays (one per array leaf; plain layout)
+    attempts/<step>/<attempt>/packs/<p>.<k>.bin  packed layout: process <p>'s pack objects
     commits/<step:012d>.e<epoch>.json          the commit marker; names its attempt
     commits/latest.e<epoch>                    the newest step <epoch> is committing (a hint)
 
@@ -26,6 +27,7 @@ Imports neither jax nor numpy.
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import time
@@ -66,6 +68,28 @@ def is_manifest_name(name: str) -> bool:
     return name.startswith("manifest/")
 
 
+MAX_PACKS = 4
+"""The packed layout: the most pack objects one process writes for one step."""
+MIN_PACK_BYTES = 64 << 20
+"""The packed layout: packs smaller than this are not split further."""
+
+
+def pack_count(nbytes: float, *, min_pack_bytes: int = MIN_PACK_BYTES) -> int:
+    """How many pack objects a process writes for ``nbytes`` of stored chunks.
+
+    >>> pack_count(0), pack_count(1), pack_count(100 << 20), pack_count(10 << 30)
+    (0, 1, 2, 4)
+    """
+    if nbytes <= 0:
+        return 0
+    return int(min(MAX_PACKS, max(1, math.ceil(nbytes / min_pack_bytes))))
+
+
+def pack_name(process: int, index: int) -> str:
+    """The name, relative to a step's prefix, of process ``process``'s pack object ``index``."""
+    return f"packs/{process}.{index}.bin"
+
+
 @dataclass(frozen=True)
 class StepLocation:
     """Where one save attempt of one step keeps its data and records.
@@ -89,6 +113,11 @@ class StepLocation:
     def array_prefix(self, name: str) -> str:
         """The prefix of one zarr array (a leaf's ``name``)."""
         return f"{self.arrays_prefix}{name}/"
+
+    @property
+    def packs_prefix(self) -> str:
+        """The prefix of the packed layout's pack objects (see :func:`pack_name`)."""
+        return self.prefix + "packs/"
 
     @property
     def tree_key(self) -> str:

@@ -32,6 +32,7 @@ from jaxckpt._save import Inflight, SaveSession
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
 from jaxckpt._tree import PathMap, SavedLeaf, describe_state
+from jaxckpt._pack import PackWriter
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt._verify import VerifyReport, verify_step
 from jaxckpt._versions import writer_versions
@@ -124,6 +125,7 @@ class CheckpointManager:
             self._recorder,
             primary=self._primary,
             on_commit=self._committed,
+            packer=PackWriter(self._storage) if self.options.layout == "packed" else None,
         )
         self._checkpointer: Any = None
         self._closed = False

@@ -293,6 +293,24 @@ class ObjectStorage:
             return None
         return bytes(result.value)
 
+    def read_range(self, key: str, offset: int, size: int) -> bytes | None:
+        """One ranged GET (``Range: bytes=offset-end``) through TensorStore's ``byte_range``."""
+        name = self._name(key)
+        try:
+            future = self._kv.read(name, byte_range=slice(offset, offset + size))
+            result = future.result(timeout=self._options.timeout_s)
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise self._error("read", name, e) from e
+            whole = self.read(key)  # the object is shorter than the range: hand back the rest
+            return None if whole is None else whole[offset : offset + size]
+        except TimeoutError as e:
+            raise self._error("read", name, e) from e
+        if result.state != "value":
+            self._check_bucket("read", name)
+            return None
+        return bytes(result.value)
+
     def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         name = self._name(key)
         if not exclusive:

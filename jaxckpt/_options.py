@@ -30,6 +30,11 @@ class CheckpointOptions:
       storage_options: backend options, e.g. ``{"endpoint": "http://..."}`` for
         S3-compatible stores (see the README).
       primary_host: the process that writes records and commits.
+      layout: the data format of new steps: ``"plain"`` (one zarr chunk object
+        per chunk, readable by any zarr v3 reader) or ``"packed"`` (each
+        process writes at most four pack objects per step, whatever the number
+        of leaves; for object stores at cluster scale). Reads follow what each
+        step recorded, so a root may hold both.
     """
 
     save_policy: SavePolicy | None = None
@@ -43,6 +48,7 @@ class CheckpointOptions:
     gc_grace_s: float = 3600.0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     primary_host: int = 0
+    layout: str = "plain"
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -51,5 +57,7 @@ class CheckpointOptions:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
         if self.gc_grace_s < 0:
             raise ValueError(f"gc_grace_s must be non-negative, got {self.gc_grace_s}")
+        if self.layout not in ("plain", "packed"):
+            raise ValueError(f"layout must be 'plain' or 'packed', got {self.layout!r}")
         if self.save_timeout_s <= 0:
             raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")

@@ -144,3 +144,103 @@ def plan(
         idle_cost_usd=idle_gpu_hours * gpu_hour_usd,
         expected_lost_minutes_per_failure=(interval_seconds / 2 + save_seconds) / 60,
     )
+
+
+# -- objects and requests per checkpoint, per layout ---------------------------
+
+LAYOUT_NAMES = ("plain", "packed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutCost:
+    """Objects and requests of one checkpoint in one layout (see :func:`object_plan`)."""
+
+    layout: str
+    objects_per_checkpoint: int
+    requests_per_checkpoint: int
+    request_cost_usd: float
+    request_seconds: float
+    run_request_cost_usd: float
+
+
+def object_plan(
+    *,
+    checkpoint_bytes: float,
+    leaves: int,
+    devices: int,
+    devices_per_process: int = 8,
+    chunk_bytes: int = 64 << 20,
+    write_usd_per_1000: float = 0.005,
+    read_usd_per_1000: float = 0.0004,
+    write_requests_per_s: float = 1000.0,
+    checkpoints: int = 1,
+) -> dict[str, LayoutCost]:
+    """Objects, requests and request cost of one checkpoint, per layout.
+
+    Model (every leaf is sharded over all ``devices``, as FSDP does; a shard is
+    split into chunks of at most ``chunk_bytes``; a host runs
+    ``devices_per_process`` devices):
+
+    * plain: one object per chunk, ``leaves × devices × chunks per shard``, plus
+      one ``zarr.json`` per leaf;
+    * packed: at most 4 pack objects per process
+      (:func:`jaxckpt._layout.pack_count` of the process's bytes);
+    * both: the step's records — pending record, tree record, two zarr group
+      records, one manifest part per process, the latest hint and the marker.
+
+    Requests add to the object writes: the pending record's delete, the
+    marker's conditional HEAD, two ``writers/`` listings (fence checks), the
+    commit's read-back of tree and manifest parts, and its listing of the
+    attempt (one LIST page per 1,000 keys). Writes and listings are billed at
+    ``write_usd_per_1000`` (S3/GCS class A: $0.005), reads at
+    ``read_usd_per_1000`` (class B: $0.0004); ``request_seconds`` is the write
+    and list requests at the bucket's ``write_requests_per_s`` (a new GCS
+    bucket starts near 1,000 writes/s).
+
+    >>> p = object_plan(checkpoint_bytes=840e9, leaves=2200, devices=256)
+    >>> p["plain"].objects_per_checkpoint, p["packed"].objects_per_checkpoint
+    (565438, 166)
+    """
+    for name, count in [
+        ("leaves", leaves),
+        ("devices", devices),
+        ("devices_per_process", devices_per_process),
+        ("chunk_bytes", chunk_bytes),
+        ("checkpoints", checkpoints),
+    ]:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {count!r}")
+    for name, value in [
+        ("checkpoint_bytes", checkpoint_bytes),
+        ("write_requests_per_s", write_requests_per_s),
+    ]:
+        _positive(name, value)
+    for name, value in [("write_usd_per_1000", write_usd_per_1000), ("read_usd_per_1000", read_usd_per_1000)]:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+    from jaxckpt._layout import pack_count
+
+    processes = math.ceil(devices / devices_per_process)
+    shard_bytes = checkpoint_bytes / leaves / devices
+    chunks_per_shard = max(1, math.ceil(shard_bytes / chunk_bytes))
+    records = 6 + processes  # pending, tree, 2 group records, manifests, hint, marker
+    data = {
+        "plain": leaves * devices * chunks_per_shard + leaves,  # chunks + zarr.json per leaf
+        "packed": processes * pack_count(checkpoint_bytes / processes),
+    }
+    out = {}
+    for layout in LAYOUT_NAMES:
+        objects = data[layout] + records
+        listing = math.ceil(data[layout] / 1000) + 2  # the attempt, and writers/ twice
+        writes = objects + 1 + listing  # + the pending record's delete
+        reads = 1 + (1 + processes)  # the marker's HEAD, tree and manifests read back
+        cost = (writes * write_usd_per_1000 + reads * read_usd_per_1000) / 1000
+        out[layout] = LayoutCost(
+            layout=layout,
+            objects_per_checkpoint=objects,
+            requests_per_checkpoint=writes + reads,
+            request_cost_usd=cost,
+            request_seconds=writes / write_requests_per_s,
+            run_request_cost_usd=cost * checkpoints,
+        )
+    return out

@@ -19,8 +19,15 @@ from jaxckpt._layout import StepLocation, marker_key, parse_attempt
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 
 FORMAT = "jaxckpt"
+LAYOUTS = ("plain", "packed")
+"""Data formats inside an attempt: one object per zarr chunk, or a few pack objects."""
 FORMAT_VERSION = 2
 """2: save attempts under their own prefix, markers name attempt and epoch (see _layout)."""
+PACKED_VERSION = 3
+"""The version of a manifest part of a packed step (chunks inside pack objects, see _pack).
+
+Only manifest parts carry it, so a jaxckpt that predates packing refuses such a
+step with :class:`UnsupportedFormatError` instead of misreading it."""
 
 
 def crc32c(data: bytes | memoryview) -> int:
@@ -33,16 +40,16 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
 
 
-def _check_version(obj: Mapping[str, Any], what: str) -> None:
+def _check_version(obj: Mapping[str, Any], what: str, newest: int = FORMAT_VERSION) -> None:
     if obj.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{what} is not a jaxckpt record")
     version = obj.get("version")
     if not isinstance(version, int):
         raise CorruptCheckpointError(f"{what} has no format version")
-    if version > FORMAT_VERSION:
+    if version > newest:
         raise UnsupportedFormatError(
             f"{what} has format version {version}; this jaxckpt reads up to "
-            f"{FORMAT_VERSION}. Upgrade jaxckpt to read it."
+            f"{newest}. Upgrade jaxckpt to read it."
         )
 
 
@@ -60,11 +67,31 @@ class FileDigest:
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkRecord:
-    """One stored zarr chunk: its key inside the array, size and CRC32C."""
+    """One stored zarr chunk: its key inside the array, size and CRC32C.
+
+    A chunk of a packed step also names the pack object that holds it
+    (``pack``, relative to the attempt's prefix) and its byte ``offset`` there;
+    the stored bytes are the same ``raw || crc32c(raw)`` either way.
+    """
 
     key: str
     size: int
     crc32c: int
+    pack: str | None = None
+    offset: int = 0
+
+    def encode(self) -> list[Any]:
+        if self.pack is None:
+            return [self.key, self.size, self.crc32c]
+        return [self.key, self.size, self.crc32c, self.pack, self.offset]
+
+    @classmethod
+    def decode(cls, item: Sequence[Any], what: str) -> ChunkRecord:
+        if len(item) == 3:
+            return cls(key=item[0], size=item[1], crc32c=item[2])
+        if len(item) == 5:
+            return cls(key=item[0], size=item[1], crc32c=item[2], pack=item[3], offset=item[4])
+        raise CorruptCheckpointError(f"{what}: malformed chunk record {item!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,28 +103,38 @@ class ManifestPart:
     num_processes: int
     arrays: Mapping[str, tuple[ChunkRecord, ...]]
 
+    layout: str = "plain"
+    """``"plain"`` (one object per chunk) or ``"packed"`` (chunks inside pack objects)."""
+    packs: Mapping[str, int] = field(default_factory=dict)
+    """Packed: every pack object this process wrote (name relative to the attempt) and its size."""
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+
     def to_bytes(self) -> bytes:
-        arrays = {
-            name: [[c.key, c.size, c.crc32c] for c in chunks]
-            for name, chunks in self.arrays.items()
+        arrays = {name: [c.encode() for c in chunks] for name, chunks in self.arrays.items()}
+        body: dict[str, Any] = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": self.step,
+            "process": self.process,
+            "num_processes": self.num_processes,
+            "arrays": arrays,
         }
-        return dumps(
-            {
-                "format": FORMAT,
-                "version": FORMAT_VERSION,
-                "step": self.step,
-                "process": self.process,
-                "num_processes": self.num_processes,
-                "arrays": arrays,
-            }
-        )
+        if self.layout == "packed":
+            body.update(version=PACKED_VERSION, layout=self.layout, packs=dict(self.packs))
+        return dumps(body)
 
     @classmethod
     def from_bytes(cls, data: bytes, what: str) -> ManifestPart:
         obj = _loads(data, what)
-        _check_version(obj, what)
+        _check_version(obj, what, newest=PACKED_VERSION)
+        layout = obj.get("layout", "plain")
+        if layout not in LAYOUTS:
+            raise CorruptCheckpointError(f"{what}: unknown layout {layout!r}")
         arrays = {
-            name: tuple(ChunkRecord(key=k, size=s, crc32c=c) for k, s, c in chunks)
+            name: tuple(ChunkRecord.decode(c, what) for c in chunks)
             for name, chunks in obj["arrays"].items()
         }
         return cls(
@@ -105,6 +142,8 @@ class ManifestPart:
             process=obj["process"],
             num_processes=obj["num_processes"],
             arrays=arrays,
+            layout=layout,
+            packs={str(k): int(v) for k, v in obj.get("packs", {}).items()},
         )
 
     @property

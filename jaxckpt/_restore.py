@@ -36,13 +36,17 @@ class LoadedStep:
     chunks: Mapping[str, tuple[ChunkRecord, ...]]
     user_metadata: Any
     versions: Mapping[str, str] = field(default_factory=dict)
+    layout: str = "plain"
+    """``"packed"`` when the step's chunks live in pack objects (see ``_pack``)."""
 
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
     """Reads and checks the tree record and every manifest part of a step."""
     tree = json.loads(protocol.read_step_file(marker, TREE_FILE))
     chunks: dict[str, list[ChunkRecord]] = {}
+    layouts = set()
     for part in protocol.read_manifest(marker):
+        layouts.add(part.layout)
         for name, records in part.arrays.items():
             chunks.setdefault(name, []).extend(records)
     return LoadedStep(
@@ -51,6 +55,7 @@ def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
         chunks={k: tuple(v) for k, v in chunks.items()},
         user_metadata=tree.get("metadata"),
         versions=tree.get("versions") or {},
+        layout="packed" if "packed" in layouts else "plain",
     )
 
 
@@ -110,7 +115,12 @@ class StepReader:
         return values
 
     def plain_names(self, loaded: LoadedStep, leaves: Iterable[SavedLeaf]) -> set[str]:
-        """Names of ``leaves`` stored with jaxckpt's plain codec chain (read chunk by chunk)."""
+        """Names of ``leaves`` stored with jaxckpt's plain codec chain (read chunk by chunk).
+
+        Every leaf of a packed step is (its chunks have the plain chain's bytes).
+        """
+        if loaded.layout == "packed":
+            return {leaf.name for leaf in leaves if leaf.name is not None}
         kv = ts.KvStore.open(
             self._protocol.storage.kvstore_spec(loaded.marker.location.arrays_prefix),
             context=self._context,

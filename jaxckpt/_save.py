@@ -19,6 +19,7 @@ import jax
 
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import StepLocation
+from jaxckpt._pack import PackWriter
 from jaxckpt._phases import reached
 from jaxckpt._records import CommitMarker, ManifestPart
 from jaxckpt._telemetry import SaveRecorder
@@ -55,12 +56,14 @@ class SaveSession:
         *,
         primary: bool,
         on_commit: Callable[[CommitMarker], None],
+        packer: PackWriter | None = None,
     ) -> None:
         self._protocol = protocol
         self._arrays = arrays
         self._recorder = recorder
         self._primary = primary
         self._on_commit = on_commit
+        self._packer = packer  # None: the plain layout
         self._lock = threading.Lock()
         self._inflight: Inflight | None = None
 
@@ -109,12 +112,18 @@ class SaveSession:
         if self._primary:
             self._arrays.write_group(loc)
             self._protocol.write_tree(loc, inflight.tree)
-        records = self._arrays.write(loc, arrays)
+        if self._packer is None:
+            records, packs, layout = self._arrays.write(loc, arrays), {}, "plain"
+        else:
+            records, packs = self._packer.write(loc, arrays)
+            layout = "packed"
         part = ManifestPart(
             step=step,
             process=jax.process_index(),
             num_processes=jax.process_count(),
             arrays=records,
+            layout=layout,
+            packs=packs,
         )
         self._protocol.write_manifest_part(loc, part)
         reached("manifest_written", step)

@@ -50,6 +50,11 @@ class Storage(Protocol):
         """
         ...
 
+    def read_range(self, key: str, offset: int, size: int) -> bytes | np.ndarray | None:
+        """Bytes ``[offset, offset + size)`` of an object (one ranged request), or None
+        when it does not exist; fewer bytes when the object ends earlier."""
+        ...
+
     def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         """Writes ``data`` durably; with ``exclusive``, only if ``key`` is absent.
 
@@ -129,6 +134,23 @@ class LocalStorage:
                     n = f.readinto(view[done:])
                     if not n:
                         raise OSError(errno.EIO, f"file shrank while reading ({done} of {size})")
+                    done += n
+                return buffer
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise self._error("read", key, e) from e
+
+    def read_range(self, key: str, offset: int, size: int) -> bytes | np.ndarray | None:
+        try:
+            with open(_join(self._root, key), "rb", buffering=0) as f:
+                buffer = aligned_empty(size)
+                view = buffer.data
+                done = 0
+                while done < size:
+                    n = os.preadv(f.fileno(), [view[done:]], offset + done)
+                    if not n:
+                        return buffer[:done]  # the object ends early: the caller's size check
                     done += n
                 return buffer
         except FileNotFoundError:

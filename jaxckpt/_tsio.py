@@ -14,6 +14,7 @@ import math
 import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,8 +227,14 @@ def check_chunks(
     *,
     window: int = 16,
 ) -> Iterator[tuple[ChunkRecord, str | None, int]]:
-    """Re-reads each stored chunk; yields ``(chunk, problem or None, bytes read)``."""
+    """Re-reads each stored chunk; yields ``(chunk, problem or None, bytes read)``.
+
+    Chunks of a packed step are read from their pack objects by ranged reads.
+    """
     assert leaf.name is not None
+    if any(c.pack is not None for c in chunks):
+        yield from _check_packed_chunks(storage, loc, chunks, window=window)
+        return
     kv = ts.KvStore.open(
         storage.kvstore_spec(loc.array_prefix(leaf.name)), context=context
     ).result()
@@ -252,3 +259,37 @@ def check_chunks(
             continue
         data = result.value
         yield chunk, chunk_problem(data, chunk), len(data)
+
+
+def _check_packed_chunks(
+    storage: Storage, loc: StepLocation, chunks: Sequence[ChunkRecord], *, window: int
+) -> Iterator[tuple[ChunkRecord, str | None, int]]:
+    def read(chunk: ChunkRecord) -> bytes | np.ndarray | None:
+        if chunk.pack is None:
+            raise ValueError(f"chunk {chunk.key} of a packed step names no pack object")
+        return storage.read_range(loc.key(chunk.pack), chunk.offset, chunk.size)
+
+    with ThreadPoolExecutor(window, thread_name_prefix="jaxckpt-check") as pool:
+        queue: deque[tuple[ChunkRecord, Future[bytes | np.ndarray | None]]] = deque()
+        it = iter(chunks)
+        while True:
+            while len(queue) < window:
+                chunk = next(it, None)
+                if chunk is None:
+                    break
+                queue.append((chunk, pool.submit(read, chunk)))
+            if not queue:
+                return
+            chunk, fut = queue.popleft()
+            try:
+                data = fut.result()
+            except Exception as e:  # StorageError (names the pack) or a bad record
+                yield chunk, f"cannot read: {e}", 0
+                continue
+            if data is None:
+                yield chunk, f"missing (pack {chunk.pack})", 0
+                continue
+            problem = chunk_problem(data, chunk)
+            if problem is not None:
+                problem += f" (pack {chunk.pack} at byte {chunk.offset})"
+            yield chunk, problem, len(data)

@@ -91,6 +91,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-timeout", type=float, default=20.0)
     p.add_argument("--primary-host", type=int, default=0, help="CheckpointOptions.primary_host")
     p.add_argument("--init-timeout", type=int, default=60)
+    p.add_argument("--layout", default="plain", help="CheckpointOptions.layout")
     return p.parse_args(argv)
 
 
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         save_timeout_s=args.save_timeout,
         primary_host=args.primary_host,
         save_policy=save_policy,
+        layout=args.layout,
     )
     _say("READY")
     steps = [int(s) for s in args.steps.split(",")]

@@ -41,3 +41,28 @@ def marker_path(root: str, step: int) -> Path:
     """The local path of the (one) commit marker object of ``step``, valid or not."""
     (ref,) = [r for r in CommitProtocol(open_storage(root)).marker_refs() if r.step == step]
     return Path(root, ref.key)
+
+
+def packed_chunk(root: str, step: int, array: str, *index: int) -> tuple[str, int, int]:
+    """``(URI of its pack object, byte offset, size)`` of one chunk of a packed step."""
+    protocol = CommitProtocol(open_storage(root))
+    marker = protocol.require_marker(step)
+    key = "c/" + "/".join(map(str, index)) if index else "c"
+    for part in protocol.read_manifest(marker):
+        for chunk in part.arrays.get(array, ()):
+            if chunk.key == key and chunk.pack is not None:
+                uri = f"{root.rstrip('/')}/{marker.location.key(chunk.pack)}"
+                return uri, chunk.offset, chunk.size
+    raise KeyError(f"no packed chunk {key} of {array} in step {step}")
+
+
+def data_objects(root: str, step: int) -> list[str]:
+    """Keys of the data objects (zarr chunks or pack objects) of a committed step."""
+    prefix = step_key(root, step)
+    keys = open_storage(root).list(prefix)
+    return [
+        k
+        for k in keys
+        if k.startswith(prefix + "packs/")
+        or (k.startswith(prefix + "arrays/") and not k.endswith("zarr.json"))
+    ]

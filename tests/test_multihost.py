@@ -123,6 +123,7 @@ def spawn(
     primary_host: int = 0,
     steps: tuple[int, ...] = STEPS,
     env_for: dict[int, dict[str, str]] | None = None,
+    layout: str = "plain",
 ) -> Iterator[list[Proc]]:
     """Starts one group; SIGKILLs whatever is still running when the block exits.
 
@@ -146,6 +147,7 @@ def spawn(
                 primary_host=primary_host,
                 steps=steps,
                 env_for=env_for or {},
+                layout=layout,
             )
             if not _lost_port_race(procs[0], procs):
                 break
@@ -171,6 +173,7 @@ def _start_group(
     primary_host: int,
     steps: tuple[int, ...],
     env_for: dict[int, dict[str, str]],
+    layout: str,
 ) -> list[Proc]:
     name = f"{mode}-{processes}x{devices}-{uuid.uuid4().hex[:6]}"
     procs = []
@@ -193,6 +196,7 @@ def _start_group(
             f"--steps={','.join(map(str, steps))}",
             f"--save-timeout={save_timeout_s}",
             f"--primary-host={primary_host}",
+            f"--layout={layout}",
         ]
         out, err = logs / f"{name}-{i}.out", logs / f"{name}-{i}.err"
         with open(out, "wb") as fout, open(err, "wb") as ferr:

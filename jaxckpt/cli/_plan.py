@@ -40,6 +40,18 @@ def register(sub: Any) -> None:
         type=float,
         help="blocking seconds of an async save (default: saves are synchronous)",
     )
+    p.add_argument("--devices", type=int, help="devices the state is sharded over (with --leaves)")
+    p.add_argument("--leaves", type=int, help="array leaves of the state (with --devices)")
+    p.add_argument("--devices-per-process", type=int, default=8, help="default 8 (one per host)")
+    p.add_argument(
+        "--write-usd-per-1000", type=float, default=0.005, help="PUT/LIST price (default 0.005)"
+    )
+    p.add_argument(
+        "--write-requests-per-s",
+        type=float,
+        default=1000.0,
+        help="the bucket's write request rate (default 1000, a new GCS bucket)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -59,11 +71,64 @@ def cmd_plan(args: argparse.Namespace) -> int:
             run_hours=args.run_hours,
             async_blocking_seconds=args.async_blocking_seconds,
         )
+        layouts = _layouts(args, result.checkpoint_gb * 1e9, result.checkpoints)
     except ValueError as e:
         err(str(e))
         return 2
     if args.json:
-        json_out(result.to_dict())
+        out: dict[str, Any] = dict(result.to_dict())
+        for key in _LAYOUT_KEYS if layouts else ():
+            out[key] = {name: getattr(cost, key) for name, cost in layouts.items()}
+        json_out(out)
     else:
         print(result.format_text())
+        if layouts:
+            print(_layout_table(layouts))
     return 0
+
+
+_LAYOUT_KEYS = (
+    "objects_per_checkpoint",
+    "requests_per_checkpoint",
+    "request_cost_usd",
+    "request_seconds",
+    "run_request_cost_usd",
+)
+
+
+def _layouts(args: argparse.Namespace, checkpoint_bytes: float, checkpoints: int) -> dict[str, Any]:
+    if args.devices is None and args.leaves is None:
+        return {}
+    if args.devices is None or args.leaves is None:
+        raise ValueError("--devices and --leaves go together")
+    from jaxckpt._plan import object_plan
+
+    return object_plan(
+        checkpoint_bytes=checkpoint_bytes,
+        leaves=args.leaves,
+        devices=args.devices,
+        devices_per_process=args.devices_per_process,
+        write_usd_per_1000=args.write_usd_per_1000,
+        write_requests_per_s=args.write_requests_per_s,
+        checkpoints=max(1, checkpoints),
+    )
+
+
+def _layout_table(layouts: dict[str, Any]) -> str:
+    rows = [("layout", "objects", "requests", "request cost", "request time", "run request cost")]
+    for name, c in layouts.items():
+        rows.append(
+            (
+                name,
+                f"{c.objects_per_checkpoint:,}",
+                f"{c.requests_per_checkpoint:,}",
+                f"${c.request_cost_usd:,.3f}",
+                f"{c.request_seconds:,.1f} s",
+                f"${c.run_request_cost_usd:,.0f}",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["", "per checkpoint, by layout:"]
+    for r in rows:
+        lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True))))
+    return "\n".join(lines)
