@@ -56,9 +56,9 @@ def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, 
 class PackWriter:
     """Writes the host arrays of one step as this process's pack objects."""
 
-    def __init__(self, storage: Storage, *, min_pack_bytes: int = MIN_PACK_BYTES) -> None:
+    def __init__(self, storage: Storage, *, min_pack_bytes: int | None = None) -> None:
         self._storage = storage
-        self._min_pack_bytes = min_pack_bytes
+        self._min_pack_bytes = MIN_PACK_BYTES if min_pack_bytes is None else min_pack_bytes
 
     def write(
         self, loc: StepLocation, arrays: Sequence[HostArray]

@@ -21,12 +21,20 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _stored_bytes(protocol: CommitProtocol, marker: CommitMarker) -> dict[str, int]:
+def _stored_bytes(
+    protocol: CommitProtocol, marker: CommitMarker
+) -> tuple[dict[str, int], str, int]:
+    """Stored bytes per array, the step's layout and its number of data objects."""
     sizes: dict[str, int] = {}
+    layout, objects = "plain", 0
     for part in protocol.read_manifest(marker):
+        if part.layout == "packed":
+            layout = "packed"
+            objects += len(part.packs)
         for name, chunks in part.arrays.items():
             sizes[name] = sizes.get(name, 0) + sum(c.size for c in chunks)
-    return sizes
+            objects += sum(c.pack is None for c in chunks)
+    return sizes, layout, objects
 
 
 def _describe_sharding(sharding: dict[str, Any] | None) -> str:
@@ -50,7 +58,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     protocol = open_root(args.root)
     marker = step_or_latest(protocol, args.step)
     tree = load_json_record(protocol.read_step_file(marker, TREE_FILE), TREE_FILE)
-    stored = _stored_bytes(protocol, marker)
+    stored, layout, objects = _stored_bytes(protocol, marker)
     leaves: list[dict[str, Any]] = []
     for leaf in tree["leaves"]:
         is_value = leaf["kind"] == "value"
@@ -82,6 +90,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "versions": tree.get("versions"),
                 "attempt": marker.attempt,
                 "epoch": marker.epoch,
+                "layout": layout,
+                "data_objects": objects,
                 "leaves": leaves,
             }
         )
@@ -94,6 +104,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         + (", pinned" if marker.keep else "")
     )
     print(f"written by: {versions_text(tree.get('versions'))}")
+    print(f"layout: {layout} ({objects:,} data objects)")
     if marker.attempt is not None:
         print(f"attempt: {marker.attempt} (writer epoch {marker.epoch})")
     if marker.metrics:

@@ -1,0 +1,222 @@
+"""The packed layout (``layout="packed"``): a few pack objects per process, on every backend.
+
+The plain layout's contract (``test_backends``) holds here too: commit protocol,
+CRC32C checked on every read naming the chunk, ``verify``, ``cp``, mixed roots;
+on top, each process writes at most four data objects per step whatever the
+number of leaves, and a restore reads only the byte ranges it needs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import servers
+from rootpaths import data_objects, packed_chunk, step_key
+from trees import assert_tree_bitexact, sample_state
+
+import jaxckpt
+from jaxckpt import cli
+from jaxckpt._layout import MAX_PACKS, pack_count
+from jaxckpt._records import ChunkRecord, ManifestPart, load_json_record
+from jaxckpt._storage import LocalStorage, open_storage
+from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+
+
+def many_leaves(n: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {f"l{i:03d}": jnp.asarray(rng.standard_normal(64, dtype=np.float32)) for i in range(n)}
+
+
+def test_round_trip_verify_and_at_most_four_objects(storage_root: str) -> None:
+    state = {**sample_state(3), "many": many_leaves(60, 3)}
+    with jaxckpt.CheckpointManager(storage_root, layout="packed", chunk_bytes=128) as mgr:
+        assert mgr.save(3, state)
+    objects = data_objects(storage_root, 3)
+    prefix = step_key(storage_root, 3)
+    # 60 + 13 array leaves in >150 chunks, all in one pack object of process 0.
+    assert objects == [f"{prefix}packs/0.0.bin"]
+    assert not [k for k in open_storage(storage_root).list(prefix) if "/arrays/l0" in k]
+    reader = jaxckpt.CheckpointManager(storage_root, read_only=True)
+    assert_tree_bitexact(reader.restore(target=state), state)
+    report = reader.verify(3)
+    assert report.ok, report.problems
+    assert report.chunks_checked > 150
+
+
+def test_pack_count_is_bounded_and_packs_are_filled_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert [pack_count(n, min_pack_bytes=100) for n in (0, 1, 100, 101, 399, 10**9)] == [
+        0,
+        1,
+        1,
+        2,
+        4,
+        MAX_PACKS,
+    ]
+    from jaxckpt import _pack
+
+    root = str(tmp_path / "root")
+    state = many_leaves(40, 1)  # 40 x 260 stored bytes
+    monkeypatch.setattr(_pack, "MIN_PACK_BYTES", 1000)  # 10,400 bytes: split in 4
+    with jaxckpt.CheckpointManager(root, layout="packed") as mgr:
+        mgr.save(1, state)
+    prefix = step_key(root, 1)
+    assert data_objects(root, 1) == [f"{prefix}packs/0.{k}.bin" for k in range(MAX_PACKS)]
+    sizes = [Path(root, k).stat().st_size for k in data_objects(root, 1)]
+    assert sum(sizes) == 40 * 260 and max(sizes) - min(sizes) <= 260
+    assert_tree_bitexact(jaxckpt.CheckpointManager(root).restore(target=state), state)
+
+
+def test_corrupt_chunk_is_named_and_restore_falls_back(storage_root: str) -> None:
+    with jaxckpt.CheckpointManager(storage_root, layout="packed", chunk_bytes=512) as mgr:
+        mgr.save(1, {"w": jnp.arange(1024.0)})
+        mgr.save(2, {"w": jnp.arange(1024.0) * 2})
+    uri, offset, size = packed_chunk(storage_root, 2, "w", 3)
+    assert size == 512 + 4
+    servers.corrupt_object(uri, offset + 17)
+    mgr = jaxckpt.CheckpointManager(storage_root)
+    with pytest.raises(
+        CorruptCheckpointError, match=r"step 2: \['w'\]: chunk c/3 .*pack packs/0.0.bin.*checksum"
+    ):
+        mgr.restore(2)
+    np.testing.assert_array_equal(mgr.restore()["w"], np.arange(1024.0))
+    report = mgr.verify(2)
+    assert not report.ok
+    assert [(p.chunk, "checksum mismatch" in p.message) for p in report.problems] == [("c/3", True)]
+    assert mgr.verify(1).ok
+
+
+def test_a_slice_reads_only_the_byte_ranges_it_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = str(tmp_path / "root")
+    w = np.arange(4096, dtype=np.float32)
+    with jaxckpt.CheckpointManager(root, layout="packed", chunk_bytes=1024) as mgr:
+        mgr.save(1, {"w": w, "other": np.ones(4096, np.float32)})
+    reads: list[tuple[str, int, int]] = []
+    original = LocalStorage.read_range
+
+    def spy(self: LocalStorage, key: str, offset: int, size: int) -> object:
+        reads.append((key.rsplit("/", 1)[-1], offset, size))
+        return original(self, key, offset, size)
+
+    monkeypatch.setattr(LocalStorage, "read_range", spy)
+    step = jaxckpt.open_step(root)
+    np.testing.assert_array_equal(step["w"][300:600], w[300:600])
+    _, off1, _ = packed_chunk(root, 1, "w", 1)
+    _, off2, _ = packed_chunk(root, 1, "w", 2)
+    # Chunks of 256 elements: [300, 600) overlaps chunks 1 and 2, nothing else is read.
+    assert sorted(reads) == [("0.0.bin", off1, 1028), ("0.0.bin", off2, 1028)]
+
+
+def test_damaged_packs_fail_loudly(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    with jaxckpt.CheckpointManager(root, layout="packed", chunk_bytes=256) as mgr:
+        mgr.save(1, {"w": jnp.arange(256.0)})  # 4 chunks of 64 float32
+    uri, offset, _ = packed_chunk(root, 1, "w", 3)
+    Path(uri).write_bytes(Path(uri).read_bytes()[: offset + 10])  # truncated in chunk c/3
+    mgr = jaxckpt.CheckpointManager(root, fallback_on_corrupt=False)
+    with pytest.raises(CorruptCheckpointError, match=r"chunk c/3 .*size 10 != recorded 260"):
+        mgr.restore(1)
+    assert [p.chunk for p in mgr.verify(1).problems] == ["c/3"]
+    Path(uri).unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"chunk c/0 .*missing"):
+        mgr.restore(1)
+    assert [p.chunk for p in mgr.verify(1).problems] == ["c/0", "c/1", "c/2", "c/3"]
+
+
+def test_commit_refuses_when_a_pack_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = str(tmp_path / "root")
+    original = LocalStorage.write
+
+    def lose_packs(self: LocalStorage, key: str, data: bytes, *, exclusive: bool = False) -> None:
+        if "/packs/" not in key:  # a store that acknowledged the pack but lost it
+            original(self, key, data, exclusive=exclusive)
+
+    with jaxckpt.CheckpointManager(root, layout="packed") as mgr:
+        mgr.save(1, {"w": jnp.arange(8.0)})
+        mgr.wait()
+        monkeypatch.setattr(LocalStorage, "write", lose_packs)
+        mgr.save(2, {"w": jnp.arange(8.0)})
+        with pytest.raises(jaxckpt.SaveFailedError, match=r"chunk c/0 of w .*packs/0.0.bin.* missing"):
+            mgr.wait()
+        monkeypatch.undo()
+    assert jaxckpt.CheckpointManager(root).steps() == [1]
+
+
+def test_plain_and_packed_steps_share_a_root_and_the_cli_reads_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, other = str(tmp_path / "root"), str(tmp_path / "other")
+    states = {s: {"w": jnp.arange(300.0) * s, "n": s} for s in (1, 2, 3)}
+    for step, layout in [(1, "plain"), (2, "packed"), (3, "plain")]:
+        with jaxckpt.CheckpointManager(root, layout=layout, chunk_bytes=256) as mgr:
+            mgr.save(step, states[step])
+    mgr = jaxckpt.CheckpointManager(root, read_only=True)
+    for step in (1, 2, 3):
+        assert_tree_bitexact(mgr.restore(step, target=states[step]), states[step])
+    assert cli.main(["ls", root, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in listed["committed"]] == [1, 2, 3]
+    assert cli.main(["inspect", root, "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: packed (1 data objects)" in out and "['w']" in out
+    assert cli.main(["inspect", root, "1", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    (w,) = [x for x in shown["leaves"] if x["path"] == "['w']"]
+    assert shown["layout"] == "plain" and shown["data_objects"] == -(-300 // w["chunk_shape"][0]) > 1
+    assert cli.main(["verify", root, "--all"]) == 0
+    capsys.readouterr()
+    assert cli.main(["diff", f"{root}:2", f"{root}:2"]) == 0
+    capsys.readouterr()
+
+    assert cli.main(["cp", f"{root}:2", other]) == 0
+    capsys.readouterr()
+    assert [k.rsplit("/", 2)[-2:] for k in data_objects(other, 2)] == [["packs", "0.0.bin"]]
+    copied = jaxckpt.CheckpointManager(other, read_only=True)
+    assert_tree_bitexact(copied.restore(2, target=states[2]), states[2])
+    assert copied.verify(2).ok
+
+    rc = cli.main(["cp", f"{root}:2", str(tmp_path / "z"), "--compress", "zstd"])
+    assert rc != 0
+    assert "packed" in capsys.readouterr().err
+
+    uri, offset, _ = packed_chunk(root, 2, "w", 1)
+    servers.corrupt_object(uri, offset)
+    assert cli.main(["cp", f"{root}:2", str(tmp_path / "third")]) != 0
+    assert "chunk c/1" in capsys.readouterr().err
+    assert jaxckpt.CheckpointManager(str(tmp_path / "third"), read_only=True).steps() == []
+
+
+def test_manifest_records_round_trip_and_older_readers_refuse_packed_steps() -> None:
+    packed = ChunkRecord(key="c/1", size=12, crc32c=7, pack="packs/0.0.bin", offset=24)
+    plain = ChunkRecord(key="c/0", size=12, crc32c=7)
+    part = ManifestPart(
+        step=1,
+        process=0,
+        num_processes=1,
+        arrays={"w": (packed,), "v": (plain,)},
+        layout="packed",
+        packs={"packs/0.0.bin": 36},
+    )
+    data = part.to_bytes()
+    assert ManifestPart.from_bytes(data, "m") == part
+    # A reader of format 2 (before packing) reads records with this check: it refuses.
+    with pytest.raises(UnsupportedFormatError, match="version 3"):
+        load_json_record(data, "manifest/0.json")
+    plain_part = ManifestPart(step=1, process=0, num_processes=1, arrays={"v": (plain,)})
+    assert json.loads(plain_part.to_bytes())["version"] == 2
+    assert json.loads(plain_part.to_bytes())["arrays"] == {"v": [["c/0", 12, 7]]}
+    bad = data.replace(b'"packs/0.0.bin",24', b'"packs/0.0.bin"')
+    with pytest.raises(CorruptCheckpointError, match="malformed chunk record"):
+        ManifestPart.from_bytes(bad, "m")
+    with pytest.raises(ValueError, match="layout"):
+        jaxckpt.CheckpointOptions(layout="zip")
