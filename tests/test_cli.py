@@ -476,6 +476,20 @@ def test_plan_human_output_and_bad_values(capsys):
         cli.main(["plan", "--params=lots"])
 
 
+def test_plan_objects_and_request_cost_per_layout(capsys):
+    argv = [*ARTICLE, "--params=70B", "--bytes-per-param=12", "--devices=256", "--leaves=2200"]
+    result = run_json(capsys, *argv)
+    assert result["objects_per_checkpoint"] == {"plain": 565438, "packed": 166}
+    assert result["request_cost_usd"]["plain"] == pytest.approx(2.83, abs=0.01)
+    assert result["request_cost_usd"]["packed"] < 0.001
+    assert set(result["request_seconds"]) == {"plain", "packed"}
+    rc, out, _ = run(capsys, *argv)
+    assert rc == 0 and "per checkpoint, by layout:" in out
+    assert "565,438" in out and "$2.83" in out
+    rc, _, err = run(capsys, *ARTICLE, "--devices=8")
+    assert rc == 2 and "--devices and --leaves go together" in err
+
+
 def test_python_dash_m_runs_the_same_command_line(saved_root):
     proc = subprocess.run(
         [sys.executable, "-m", "jaxckpt", "ls", saved_root, "--json"],

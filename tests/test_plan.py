@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxckpt._plan import PlanResult, plan
+from jaxckpt._plan import PlanResult, object_plan, plan
 from jaxckpt.policy import daly_interval
 
 ARTICLE = {
@@ -117,3 +117,42 @@ def test_format_text() -> None:
         "every 1,162 steps",
     ]:
         assert expected in text
+
+
+# -- objects and requests per checkpoint, per layout ----------------------------------------
+
+
+def test_object_plan_of_the_issue_example() -> None:
+    # 70B parameters with Adam moments (12 bytes each), 2,200 leaves, FSDP over 256 GPUs.
+    p = object_plan(checkpoint_bytes=70e9 * 12, leaves=2200, devices=256, checkpoints=1000)
+    plain, packed = p["plain"], p["packed"]
+    records = 6 + 32  # pending, tree, 2 group records, hint, marker; a manifest per host
+    assert plain.objects_per_checkpoint == 2200 * 256 + 2200 + records  # ~563,000 chunks
+    assert packed.objects_per_checkpoint == 32 * 4 + records
+    # Writes + deletes + LIST pages at $0.005 / 1,000, the read-backs at $0.0004 / 1,000.
+    writes = plain.objects_per_checkpoint + 1 + (-(-(2200 * 256 + 2200) // 1000) + 2)
+    assert plain.requests_per_checkpoint == writes + 1 + 33
+    assert plain.request_cost_usd == pytest.approx((writes * 0.005 + 34 * 0.0004) / 1000)
+    assert plain.request_cost_usd == pytest.approx(2.83, abs=0.01)
+    assert plain.run_request_cost_usd == pytest.approx(1000 * plain.request_cost_usd)
+    assert plain.request_seconds == pytest.approx(writes / 1000)  # > 9 minutes at 1,000/s
+    assert packed.request_cost_usd < 0.001 and packed.request_seconds < 0.2
+
+
+def test_object_plan_splits_large_shards_and_packs_small_states() -> None:
+    big = object_plan(checkpoint_bytes=10 * 8 * (200 << 20), leaves=10, devices=8)
+    assert big["plain"].objects_per_checkpoint == 10 * 8 * 4 + 10 + 7  # 200 MiB shards: 4 chunks
+    assert big["packed"].objects_per_checkpoint == 4 + 7  # one host, 16 GiB: 4 packs
+    small = object_plan(checkpoint_bytes=6.4e6, leaves=200, devices=8)
+    assert small["packed"].objects_per_checkpoint == 1 + 7  # one pack
+    assert small["plain"].objects_per_checkpoint == 200 * 8 + 200 + 7
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("leaves", 0), ("devices", 1.5), ("checkpoint_bytes", 0.0), ("write_usd_per_1000", -1.0)],
+)
+def test_object_plan_rejects_bad_values(field: str, value: float) -> None:
+    args = {"checkpoint_bytes": 1e9, "leaves": 10, "devices": 8, field: value}
+    with pytest.raises(ValueError, match=field):
+        object_plan(**args)  # type: ignore[arg-type]
