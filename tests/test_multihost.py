@@ -347,6 +347,42 @@ def test_restore_on_one_process_with_four_devices(saved_local: str, tmp_path: Pa
     assert p.said("CHECKED") == [f"CHECKED {5 * 4 + 1}"], p.report()
 
 
+def test_packed_layout_each_process_writes_a_few_packs_read_on_another_topology(
+    tmp_path: Path,
+) -> None:
+    root = str(tmp_path / "packed")
+    procs = run_group(tmp_path, root, mode="save", processes=2, devices=2, mesh="2x2", layout="packed")
+    for p in procs:
+        assert p.said("COMMITTED") == [f"COMMITTED {s}" for s in STEPS], p.report()
+    storage = open_storage(root)
+    protocol = CommitProtocol(storage)
+    for step in STEPS:
+        marker = protocol.require_marker(step)
+        loc = marker.location
+        parts = protocol.read_manifest(marker)
+        assert [p.process for p in parts] == [0, 1]
+        owners: dict[tuple[str, str], int] = {}
+        for part in parts:
+            assert part.layout == "packed" and 1 <= len(part.packs) <= 4, part.packs
+            assert all(name.startswith(f"packs/{part.process}.") for name in part.packs)
+            for name, records in part.arrays.items():
+                for r in records:
+                    assert r.pack in part.packs and r.offset + r.size <= part.packs[r.pack]
+                    assert owners.setdefault((name, r.key), part.process) == part.process
+            assert sum(r.size for rs in part.arrays.values() for r in rs) == sum(
+                part.packs.values()
+            )
+        # No replica written twice: each chunk has one writer, the bytes are the logical bytes.
+        logical = sum(child.expected(name, step).nbytes for name in ARRAYS)
+        assert sum(p.nbytes for p in parts) - TRAILER * len(owners) == logical
+        packs = sorted(loc.key(n) for part in parts for n in part.packs)
+        assert storage.list(loc.packs_prefix) == packs
+        assert [k for k in storage.list(loc.arrays_prefix) if not k.endswith("/zarr.json")] == []
+    (p,) = restore(tmp_path, root, processes=1, devices=4, mesh="1x4", spec="None,model")
+    assert restored_steps([p]) == [STEPS[-1]]
+    assert p.said("CHECKED") == [f"CHECKED {5 * 4 + 1}"], p.report()
+
+
 def test_restore_on_four_processes(saved_local: str, tmp_path: Path) -> None:
     procs = restore(tmp_path, saved_local, processes=4, devices=1, mesh="2x2", spec="model,data")
     assert restored_steps(procs) == [STEPS[-1]] * 4
