@@ -5,8 +5,10 @@ crc32c(raw)`` (zarr codecs ``bytes`` + ``crc32c``). Reading those objects
 with :meth:`Storage.read_buffer` on a thread pool and checking them against
 the manifest (hardware CRC32C over the buffer, no copy) is several times
 faster than TensorStore's zarr decode path, and names the damaged chunk
-directly. A packed step's chunk is one ranged read of its pack object
-(:meth:`Storage.read_range`), checked the same way. Arrays with any other codec chain (e.g. ``jaxckpt cp --compress
+directly. A packed step's chunks are ranged reads of their pack objects
+(:meth:`Storage.read_range`): adjacent chunks that the read needs are fetched
+together (one request per run of up to ``MAX_SPAN_BYTES``), each still checked
+against its own record. Arrays with any other codec chain (e.g. ``jaxckpt cp --compress
 zstd`` archives) are read through TensorStore instead.
 """
 
@@ -19,6 +21,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Union
 
 import numpy as np
 import tensorstore as ts
@@ -90,17 +93,17 @@ def read_regions(
     where = f"{storage.uri.rstrip('/')}/{loc.arrays_prefix}"
     inflight: deque[_Pending] = deque()
     inflight_bytes = 0
+    spans = _spans(loc, requests, records)
     with ThreadPoolExecutor(workers, thread_name_prefix="jaxckpt-read") as pool:
         for i, request in enumerate(requests):
             leaf = request.leaf
             itemsize = leaf.numpy_dtype.itemsize
             for cell in _cells(request.region, leaf.chunk_shape):
                 key = chunk_key(cell, leaf.chunk_shape)
-                record = records.get(leaf.name or "", {}).get(key)
-                if record is not None and record.pack is not None:  # packed: one ranged read
-                    future = pool.submit(
-                        storage.read_range, loc.key(record.pack), record.offset, record.size
-                    )
+                future: _Result
+                if (i, cell) in spans:  # packed: a slice of one ranged read
+                    future = spans[(i, cell)]
+                    future.start(pool, storage)
                 else:
                     future = pool.submit(
                         storage.read_buffer, f"{loc.array_prefix(leaf.name or '')}{key}"
@@ -118,7 +121,72 @@ def read_regions(
     ]
 
 
-_Pending = tuple[int, Region, str, "Future[bytes | np.ndarray | None]"]
+MAX_SPAN_BYTES = 32 << 20
+"""Adjacent chunks of one pack object are fetched by one ranged read of at most this."""
+
+
+class _Span:
+    """One ranged read of a pack object that covers adjacent chunks."""
+
+    def __init__(self, key: str, offset: int) -> None:
+        self.key = key
+        self.offset = offset
+        self.size = 0
+        self.future: Future[bytes | np.ndarray | None] | None = None
+
+
+class _Slice:
+    """One chunk's bytes inside a :class:`_Span` (the span is read once, when first needed)."""
+
+    def __init__(self, span: _Span, offset: int, size: int) -> None:
+        self._span = span
+        self._offset = offset - span.offset
+        self._size = size
+
+    def start(self, pool: ThreadPoolExecutor, storage: Storage) -> None:
+        span = self._span
+        if span.future is None:
+            span.future = pool.submit(storage.read_range, span.key, span.offset, span.size)
+
+    def result(self) -> bytes | np.ndarray | None:
+        assert self._span.future is not None
+        data = self._span.future.result()
+        if data is None:
+            return None
+        if isinstance(data, bytes):
+            data = np.frombuffer(data, np.uint8)  # a view: no copy
+        return data[self._offset : self._offset + self._size]  # short if the pack is
+
+
+def _spans(
+    loc: StepLocation,
+    requests: Sequence[RegionRequest],
+    records: Mapping[str, Mapping[str, ChunkRecord]],
+) -> dict[tuple[int, Region], _Slice]:
+    """Packed chunks, in read order, grouped into ranged reads of adjacent byte ranges."""
+    out: dict[tuple[int, Region], _Slice] = {}
+    span: _Span | None = None
+    for i, request in enumerate(requests):
+        leaf = request.leaf
+        for cell in _cells(request.region, leaf.chunk_shape):
+            record = records.get(leaf.name or "", {}).get(chunk_key(cell, leaf.chunk_shape))
+            if record is None or record.pack is None:
+                continue
+            key = loc.key(record.pack)
+            if (
+                span is None
+                or span.key != key
+                or span.offset + span.size != record.offset
+                or span.size + record.size > MAX_SPAN_BYTES
+            ):
+                span = _Span(key, record.offset)
+            span.size += record.size
+            out[(i, cell)] = _Slice(span, record.offset, record.size)
+    return out
+
+
+_Result = Union["Future[bytes | np.ndarray | None]", _Slice]
+_Pending = tuple[int, Region, str, _Result]
 
 
 def _place(

@@ -111,8 +111,19 @@ def test_a_slice_reads_only_the_byte_ranges_it_needs(
     np.testing.assert_array_equal(step["w"][300:600], w[300:600])
     _, off1, _ = packed_chunk(root, 1, "w", 1)
     _, off2, _ = packed_chunk(root, 1, "w", 2)
-    # Chunks of 256 elements: [300, 600) overlaps chunks 1 and 2, nothing else is read.
-    assert sorted(reads) == [("0.0.bin", off1, 1028), ("0.0.bin", off2, 1028)]
+    # Chunks of 256 elements: [300, 600) overlaps chunks 1 and 2, which lie side by side
+    # in the pack: one ranged read of exactly their bytes, nothing else.
+    assert off2 == off1 + 1028
+    assert reads == [("0.0.bin", off1, 2 * 1028)]
+    reads.clear()
+    np.testing.assert_array_equal(step["w"][2900], w[2900])
+    _, off11, _ = packed_chunk(root, 1, "w", 11)
+    assert reads == [("0.0.bin", off11, 1028)]
+    reads.clear()
+    # A whole restore reads each pack in runs of adjacent chunks: 2 leaves, 1 pack, 1 run.
+    out = jaxckpt.CheckpointManager(root, read_only=True).restore(1)
+    np.testing.assert_array_equal(out["w"], w)
+    assert len(reads) == 1 and reads[0][2] == 2 * 16 * 1028
 
 
 def test_damaged_packs_fail_loudly(tmp_path: Path) -> None:
