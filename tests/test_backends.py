@@ -105,8 +105,9 @@ def test_corrupted_object_is_detected_and_restore_falls_back(storage_root):
     assert not report.ok and report.problems[0].chunk == "c/3"
 
 
-def test_partial_step_is_invisible_and_garbage_collected(storage_root):
-    with jaxckpt.CheckpointManager(storage_root) as mgr:
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_partial_step_is_invisible_and_garbage_collected(storage_root, layout):
+    with jaxckpt.CheckpointManager(storage_root, layout=layout) as mgr:
         mgr.save(1, {"w": jnp.arange(8.0)})
         mgr.save(2, {"w": jnp.arange(8.0)})
     storage = open_storage(storage_root)
@@ -120,13 +121,15 @@ def test_partial_step_is_invisible_and_garbage_collected(storage_root):
     assert jaxckpt.CheckpointManager(storage_root).steps() == [1]
 
 
-def test_background_failure_keeps_earlier_steps(storage_root, monkeypatch):
-    from jaxckpt import _tsio
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_background_failure_keeps_earlier_steps(storage_root, monkeypatch, layout):
+    from jaxckpt import _pack, _tsio
 
-    mgr = jaxckpt.CheckpointManager(storage_root)
+    mgr = jaxckpt.CheckpointManager(storage_root, layout=layout)
     mgr.save(1, {"w": jnp.arange(8.0)})
     mgr.wait()
-    monkeypatch.setattr(_tsio.ArrayWriter, "write", lambda *a: 1 / 0)
+    writer = _tsio.ArrayWriter if layout == "plain" else _pack.PackWriter
+    monkeypatch.setattr(writer, "write", lambda *a: 1 / 0)
     mgr.save(2, {"w": jnp.arange(8.0)})
     with pytest.raises(jaxckpt.SaveFailedError, match="step 2"):
         mgr.wait()
@@ -137,10 +140,13 @@ def test_background_failure_keeps_earlier_steps(storage_root, monkeypatch):
     np.testing.assert_array_equal(again.restore()["w"], np.arange(8.0))
 
 
-def test_delete_and_retention(storage_root):
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_delete_and_retention(storage_root, layout):
     from jaxckpt import policy
 
-    with jaxckpt.CheckpointManager(storage_root, retention=policy.KeepLast(2)) as mgr:
+    with jaxckpt.CheckpointManager(
+        storage_root, retention=policy.KeepLast(2), layout=layout
+    ) as mgr:
         for s in range(1, 6):
             mgr.save(s, {"s": s, "w": jnp.full(4, s)})
         mgr.wait()
