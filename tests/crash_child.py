@@ -102,6 +102,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--arm", default=None, help="save:STEP or delete:STEP")
     p.add_argument("--no-gc", action="store_true", help="open with gc_on_open=False")
     p.add_argument("--storage-options", default="{}", help="JSON object")
+    p.add_argument("--layout", default="plain", help="CheckpointOptions.layout")
     args = p.parse_args(argv)
     if args.arm is not None:
         op, _, step = args.arm.partition(":")
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         chunk_bytes=CHUNK_BYTES,
         gc_on_open=not args.no_gc,
         storage_options=json.loads(args.storage_options),
+        layout=args.layout,
     )
     _say("OPENED")
     stop = args.start + args.steps

@@ -35,6 +35,9 @@ import math
 import time
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from jaxckpt._layout import (
     ATTEMPTS,
     PENDING,
@@ -44,6 +47,8 @@ from jaxckpt._layout import (
     is_latest_hint,
     manifest_name,
     new_attempt,
+    pack_count,
+    pack_name,
     parse_data_key,
     parse_marker_key,
     parse_pending_key,
@@ -51,6 +56,7 @@ from jaxckpt._layout import (
 from jaxckpt._phases import PHASES
 from jaxckpt._records import CommitMarker, FileDigest, json_record
 from jaxckpt._storage import Storage
+from jaxckpt._tsio import TRAILER_BYTES
 from jaxckpt.errors import CorruptCheckpointError
 
 SAVE_PHASES = tuple(p for p in PHASES if p != "delete_retracted")
@@ -137,12 +143,13 @@ def manifest_parts(storage: Storage, step: int) -> set[int]:
 
 
 def data_objects(storage: Storage, step: int) -> set[tuple[str, str]]:
-    """``(array name, chunk key)`` of every stored chunk object of the step."""
+    """``(array name, chunk key)`` of every stored chunk object of the step
+    (packed layout: ``("packs", name)`` of every pack object)."""
     loc = _attempt(storage, step)
     if loc is None:
         return set()
     prefix = loc.arrays_prefix
-    found = set()
+    found = {("packs", k[len(loc.packs_prefix) :]) for k in storage.list(loc.packs_prefix)}
     for key in storage.list(prefix):
         name, _, chunk = key[len(prefix) :].partition("/")
         if chunk == "c" or chunk.startswith("c/"):
@@ -151,10 +158,25 @@ def data_objects(storage: Storage, step: int) -> set[tuple[str, str]]:
 
 
 def expected_data_objects(storage: Storage, step: int) -> set[tuple[str, str]]:
-    """Every chunk object the step's tree record implies (zarr's default chunk keys)."""
+    """Every chunk object the step's tree record implies (zarr's default chunk keys).
+
+    A packed step (one with any pack object) written by one process: its pack
+    objects, as many as ``pack_count`` of the chunk bytes the tree implies.
+    """
     loc = _attempt(storage, step)
     data = storage.read(loc.tree_key) if loc is not None else None
     assert data is not None, f"step {step} has no tree record"
+    assert loc is not None
+    if storage.list(loc.packs_prefix):
+        stored = 0
+        for leaf in json.loads(data)["leaves"]:
+            if leaf["kind"] != "value" and math.prod(leaf["shape"]):
+                cells = math.prod(
+                    -(-d // c) for d, c in zip(leaf["shape"], leaf["chunk_shape"], strict=True)
+                )
+                itemsize = np.dtype(jnp.dtype(leaf["dtype"])).itemsize
+                stored += math.prod(leaf["shape"]) * itemsize + TRAILER_BYTES * cells
+        return {("packs", pack_name(0, k)[len("packs/") :]) for k in range(pack_count(stored))}
     expected = set()
     for leaf in json.loads(data)["leaves"]:
         if leaf["kind"] == "value":

@@ -430,13 +430,21 @@ def test_kill_at_phase(crash_root: CrashRoot, point: KillPoint) -> None:
     check_recovery(crash_root, killed=point.step, committed=point.committed_after(), mb=point.mb)
 
 
-def test_save_passes_every_phase_in_order(crash_root: CrashRoot, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("storage_root", "layout"),
+    [(kind, "plain") for kind in (LOCAL, *OBJECT_STORES)] + [(LOCAL, "packed")],
+    indirect=["storage_root"],
+)
+def test_save_passes_every_phase_in_order(
+    crash_root: CrashRoot, tmp_path: Path, layout: str
+) -> None:
     """One save paused (and resumed) at every phase shows each post-condition in turn."""
     storage = crash_root.storage()
     mb = 4.0 if crash_root.local_path is not None else OBJECT_STORE_MB
     resume = tmp_path / "resume"
     resume.mkdir()
     args = ["--start", "1", "--steps", "2", "--mb", str(mb), "--arm", "save:2"]
+    args += ["--layout", layout]
     pause_at = ",".join(state.SAVE_PHASES)
     with run_child(crash_root, *args, pause_at=pause_at, resume_dir=resume) as proc:
         for phase in state.SAVE_PHASES:
@@ -451,6 +459,21 @@ def test_save_passes_every_phase_in_order(crash_root: CrashRoot, tmp_path: Path)
     assert state.stray_objects(storage, [1, 2]) == []
     with crash_root.manager(read_only=True) as reader:
         assert_bit_exact(reader.restore(2), child.host_state(SEED, 2, mb))
+
+
+@pytest.mark.parametrize("storage_root", [LOCAL], indirect=True)
+@pytest.mark.parametrize("phase", ["data_started", "manifest_written", "before_marker"])
+def test_kill_during_a_packed_save(crash_root: CrashRoot, phase: str) -> None:
+    """A packed save killed mid-way leaves no visible step; recovery is the plain one's."""
+    point = KillPoint(phase=phase, variant="packed", start=1, steps=3, mb=8, step=3)
+    with run_child(crash_root, *point.child_args(), "--layout", "packed", pause_at=phase) as proc:
+        proc.expect(rf"JAXCKPT_PHASE {phase} 3")
+        proc.kill()
+    assert proc.steps_said("COMMITTED") == [1, 2], proc.transcript()
+    storage = crash_root.storage()
+    state.check_phase(storage, 3, phase)
+    assert state.data_objects(storage, 3) == {("packs", "0.0.bin")}
+    check_recovery(crash_root, killed=3, committed=[1, 2], mb=8)
 
 
 def _random_kills() -> list[Any]:
