@@ -113,9 +113,7 @@ def _copy_step_raw(
     _copy_objects(
         src.storage, dst.storage, [*keys, *manifests], chunks, (here.prefix, loc.prefix), packed
     )
-    return sum(c.size for c in chunks.values()) + sum(
-        c.size for cs in packed.values() for c in cs
-    )
+    return sum(c.size for c in chunks.values()) + sum(c.size for cs in packed.values() for c in cs)
 
 
 def _zstd_metadata(leaf: Any, level: int) -> dict[str, Any]:

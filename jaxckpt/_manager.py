@@ -25,6 +25,7 @@ from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol, retention_decision
 from jaxckpt._layout import StepLocation, new_attempt
 from jaxckpt._options import CheckpointOptions
+from jaxckpt._pack import PackWriter
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt._records import CommitMarker, json_record
 from jaxckpt._restore import StepReader, load_step
@@ -32,7 +33,6 @@ from jaxckpt._save import Inflight, SaveSession
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
 from jaxckpt._tree import PathMap, SavedLeaf, describe_state
-from jaxckpt._pack import PackWriter
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt._verify import VerifyReport, verify_step
 from jaxckpt._versions import writer_versions

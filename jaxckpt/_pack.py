@@ -36,6 +36,7 @@ from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import TRAILER_BYTES, HostArray, _chunks_of, chunk_key
 
+
 def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, np.ndarray]]:
     """``(leaf, chunk key, raw little-endian bytes)`` of every chunk this process owns."""
     for host in arrays:

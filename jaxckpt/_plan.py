@@ -215,7 +215,10 @@ def object_plan(
         ("write_requests_per_s", write_requests_per_s),
     ]:
         _positive(name, value)
-    for name, value in [("write_usd_per_1000", write_usd_per_1000), ("read_usd_per_1000", read_usd_per_1000)]:
+    for name, value in [
+        ("write_usd_per_1000", write_usd_per_1000),
+        ("read_usd_per_1000", read_usd_per_1000),
+    ]:
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be >= 0, got {value!r}")
     from jaxckpt._layout import pack_count

@@ -112,8 +112,9 @@ class SaveSession:
         if self._primary:
             self._arrays.write_group(loc)
             self._protocol.write_tree(loc, inflight.tree)
+        packs: dict[str, int] = {}
         if self._packer is None:
-            records, packs, layout = self._arrays.write(loc, arrays), {}, "plain"
+            records, layout = self._arrays.write(loc, arrays), "plain"
         else:
             records, packs = self._packer.write(loc, arrays)
             layout = "packed"

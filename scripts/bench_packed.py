@@ -26,29 +26,29 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from pathlib import Path  # noqa: E402
-from types import ModuleType  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import importlib.util
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jaxckpt  # noqa: E402
-from jaxckpt._storage import open_storage  # noqa: E402
+import jaxckpt
+from jaxckpt._storage import open_storage
 
 REPO = Path(__file__).resolve().parents[1]
 _REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|DELETE|HEAD|PATCH) ')
@@ -179,7 +179,9 @@ def run_orbax(root: str, state: dict[str, Any], rounds: int) -> dict[str, Any]:
     import orbax.checkpoint as ocp
 
     rows = []
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
     with ocp.StandardCheckpointer() as ckptr:
         for step in range(1, rounds + 1):
             path = Path(root, str(step))
@@ -225,7 +227,9 @@ def markdown(results: list[dict[str, Any]]) -> str:
     )
     lines = [head]
     for r in results:
-        req = [("-" if r[k] is None else f"{r[k]:,}") for k in ("save_requests", "restore_requests")]
+        req = [
+            ("-" if r[k] is None else f"{r[k]:,}") for k in ("save_requests", "restore_requests")
+        ]
         lines.append(
             f"| {r['state']} | {r['backend']} | {r['layout']} | {r['objects']:,} | {req[0]} "
             f"| {req[1]} | {r['save_mbps']:.1f} | {r['restore_mbps']:.1f} |"

@@ -351,7 +351,9 @@ def test_packed_layout_each_process_writes_a_few_packs_read_on_another_topology(
     tmp_path: Path,
 ) -> None:
     root = str(tmp_path / "packed")
-    procs = run_group(tmp_path, root, mode="save", processes=2, devices=2, mesh="2x2", layout="packed")
+    procs = run_group(
+        tmp_path, root, mode="save", processes=2, devices=2, mesh="2x2", layout="packed"
+    )
     for p in procs:
         assert p.said("COMMITTED") == [f"COMMITTED {s}" for s in STEPS], p.report()
     storage = open_storage(root)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,7 +156,9 @@ def test_commit_refuses_when_a_pack_is_missing(
         mgr.wait()
         monkeypatch.setattr(LocalStorage, "write", lose_packs)
         mgr.save(2, {"w": jnp.arange(8.0)})
-        with pytest.raises(jaxckpt.SaveFailedError, match=r"chunk c/0 of w .*packs/0.0.bin.* missing"):
+        with pytest.raises(
+            jaxckpt.SaveFailedError, match=r"chunk c/0 of w .*packs/0.0.bin.* missing"
+        ):
             mgr.wait()
         monkeypatch.undo()
     assert jaxckpt.CheckpointManager(root).steps() == [1]
@@ -183,7 +184,9 @@ def test_plain_and_packed_steps_share_a_root_and_the_cli_reads_both(
     assert cli.main(["inspect", root, "1", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     (w,) = [x for x in shown["leaves"] if x["path"] == "['w']"]
-    assert shown["layout"] == "plain" and shown["data_objects"] == -(-300 // w["chunk_shape"][0]) > 1
+    assert (
+        shown["layout"] == "plain" and shown["data_objects"] == -(-300 // w["chunk_shape"][0]) > 1
+    )
     assert cli.main(["verify", root, "--all"]) == 0
     capsys.readouterr()
     assert cli.main(["diff", f"{root}:2", f"{root}:2"]) == 0

@@ -130,5 +130,10 @@ def _layout_table(layouts: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["", "per checkpoint, by layout:"]
     for r in rows:
-        lines.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True))))
+        lines.append(
+            "  ".join(
+                v.ljust(w) if i == 0 else v.rjust(w)
+                for i, (v, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
     return "\n".join(lines)
