@@ -164,11 +164,12 @@ def open_group(
 
     Raises:
       NotACheckpointRootError / StepNotFoundError: no such root or committed step.
+      CheckpointError: the step is packed (``layout="packed"``), which zarr cannot read.
       ZarrUnavailableError: zarr, or gcsfs/s3fs for an object store, is missing.
     """
     from jaxckpt._commit import CommitProtocol
     from jaxckpt._storage import open_storage
-    from jaxckpt.errors import NotACheckpointRootError
+    from jaxckpt.errors import CheckpointError, NotACheckpointRootError
 
     options: dict[str, Any] = {}
     if endpoint is not None:
@@ -184,6 +185,12 @@ def open_group(
         marker = committed[max(committed)]
     else:
         marker = protocol.require_marker(step)
+    if any(part.layout == "packed" for part in protocol.read_manifest(marker)):
+        raise CheckpointError(
+            f"step {marker.step} of {protocol.storage.uri} is packed (layout='packed'): its "
+            "chunks live in pack objects that zarr-python cannot open; read it with "
+            "jaxckpt.open_step or restore, or save plain steps for zarr readers"
+        )
     register_dtypes()
     import zarr
 

@@ -189,6 +189,17 @@ def test_plain_and_packed_steps_share_a_root_and_the_cli_reads_both(
     )
     assert cli.main(["verify", root, "--all"]) == 0
     capsys.readouterr()
+    from jaxckpt import zarr_compat
+
+    assert zarr_compat.open_group(root, 3)["w"][:3].tolist() == [0.0, 3.0, 6.0]
+    with pytest.raises(jaxckpt.CheckpointError, match="step 2 .* is packed"):
+        zarr_compat.open_group(root, 2)
+    assert cli.main(["export", f"{root}:2", str(tmp_path / "st")]) == 0
+    capsys.readouterr()
+    from safetensors.numpy import load_file
+
+    (exported,) = (tmp_path / "st").glob("*.safetensors")
+    np.testing.assert_array_equal(load_file(exported)["w"], np.arange(300.0, dtype=np.float32) * 2)
     assert cli.main(["diff", f"{root}:2", f"{root}:2"]) == 0
     capsys.readouterr()
 
