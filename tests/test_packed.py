@@ -192,7 +192,7 @@ def test_plain_and_packed_steps_share_a_root_and_the_cli_reads_both(
     from jaxckpt import zarr_compat
 
     assert zarr_compat.open_group(root, 3)["w"][:3].tolist() == [0.0, 3.0, 6.0]
-    with pytest.raises(jaxckpt.CheckpointError, match="step 2 .* is packed"):
+    with pytest.raises(jaxckpt.CheckpointError, match=r"step 2 .* is packed"):
         zarr_compat.open_group(root, 2)
     assert cli.main(["export", f"{root}:2", str(tmp_path / "st")]) == 0
     capsys.readouterr()
