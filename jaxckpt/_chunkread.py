@@ -26,7 +26,7 @@ from typing import Union
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._layout import StepLocation
+from jaxckpt._layout import PACK_ALIGNMENT, StepLocation
 from jaxckpt._records import ChunkRecord
 from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf
@@ -173,14 +173,15 @@ def _spans(
             if record is None or record.pack is None:
                 continue
             key = loc.key(record.pack)
-            if (
+            end = record.offset + record.size
+            if (  # adjacent: at most the alignment padding in between
                 span is None
                 or span.key != key
-                or span.offset + span.size != record.offset
-                or span.size + record.size > MAX_SPAN_BYTES
+                or not 0 <= record.offset - (span.offset + span.size) < PACK_ALIGNMENT
+                or end - span.offset > MAX_SPAN_BYTES
             ):
                 span = _Span(key, record.offset)
-            span.size += record.size
+            span.size = end - span.offset
             out[(i, cell)] = _Slice(span, record.offset, record.size)
     return out
 

@@ -72,6 +72,10 @@ MAX_PACKS = 4
 """The packed layout: the most pack objects one process writes for one step."""
 MIN_PACK_BYTES = 64 << 20
 """The packed layout: packs smaller than this are not split further."""
+PACK_ALIGNMENT = 64
+"""The packed layout: every chunk starts at a multiple of this in its pack (zero padding
+between chunks), so a chunk read inside an aligned buffer is aligned too (XLA's CPU client
+then aliases it instead of copying)."""
 
 
 def pack_count(nbytes: float, *, min_pack_bytes: int = MIN_PACK_BYTES) -> int:

@@ -6,7 +6,7 @@ thousands of requests per checkpoint. In the packed layout a process
 concatenates the chunks it owns into ``MAX_PACKS`` objects or fewer
 (``attempts/<step>/<attempt>/packs/<process>.<k>.bin``), whatever the number
 of leaves. The chunk bytes are exactly the plain layout's (``raw little-endian
-|| crc32c(raw)``), and the manifest part records each chunk's pack object and
+|| crc32c(raw)``, each starting at a multiple of ``PACK_ALIGNMENT``), and the manifest part records each chunk's pack object and
 byte offset, so a restore reads only the chunks its target sharding needs,
 each with one ranged read, checked against its CRC32C like a plain chunk.
 
@@ -29,7 +29,13 @@ import crc32c as _crc32c
 import jax
 import numpy as np
 
-from jaxckpt._layout import MIN_PACK_BYTES, StepLocation, pack_count, pack_name
+from jaxckpt._layout import (
+    MIN_PACK_BYTES,
+    PACK_ALIGNMENT,
+    StepLocation,
+    pack_count,
+    pack_name,
+)
 from jaxckpt._phases import reached
 from jaxckpt._records import ChunkRecord
 from jaxckpt._storage import Storage
@@ -109,6 +115,7 @@ class PackWriter:
 
             for leaf, key, raw in _chunk_views(arrays):
                 name = pack_name(process, index)
+                buffer += bytes(-len(buffer) % PACK_ALIGNMENT)  # chunks start aligned
                 crc = int(_crc32c.crc32c(raw.data))
                 records[leaf.name or ""].append(
                     ChunkRecord(

@@ -20,6 +20,7 @@ from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
 from jaxckpt import cli
+from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import MAX_PACKS, pack_count
 from jaxckpt._records import ChunkRecord, ManifestPart, load_json_record
 from jaxckpt._storage import LocalStorage, open_storage
@@ -67,8 +68,21 @@ def test_pack_count_is_bounded_and_packs_are_filled_in_order(
         mgr.save(1, state)
     prefix = step_key(root, 1)
     assert data_objects(root, 1) == [f"{prefix}packs/0.{k}.bin" for k in range(MAX_PACKS)]
-    sizes = [Path(root, k).stat().st_size for k in data_objects(root, 1)]
-    assert sum(sizes) == 40 * 260 and max(sizes) - min(sizes) <= 260
+    sizes = {
+        k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1]: Path(root, k).stat().st_size
+        for k in data_objects(root, 1)
+    }
+    protocol = CommitProtocol(open_storage(root))
+    (part,) = protocol.read_manifest(protocol.require_marker(1))
+    assert dict(part.packs) == sizes
+    chunks = sorted((c.pack, c.offset, c.size) for cs in part.arrays.values() for c in cs)
+    assert len(chunks) == 40 and all(size == 260 for _, _, size in chunks)
+    # Chunks start 64-byte aligned, back to back up to the padding; each pack ends with one.
+    for pack, offset, _ in chunks:
+        assert offset % 64 == 0
+    for (p1, o1, s1), (p2, o2, _) in zip(chunks, chunks[1:]):
+        assert o2 == 0 if p2 != p1 else o2 == o1 + 320
+    assert {p: max(o + s for q, o, s in chunks if q == p) for p, _, _ in chunks} == sizes
     assert_tree_bitexact(jaxckpt.CheckpointManager(root).restore(target=state), state)
 
 
@@ -112,8 +126,8 @@ def test_a_slice_reads_only_the_byte_ranges_it_needs(
     _, off2, _ = packed_chunk(root, 1, "w", 2)
     # Chunks of 256 elements: [300, 600) overlaps chunks 1 and 2, which lie side by side
     # in the pack: one ranged read of exactly their bytes, nothing else.
-    assert off2 == off1 + 1028
-    assert reads == [("0.0.bin", off1, 2 * 1028)]
+    assert off2 == off1 + 1088  # 1,028 bytes, padded to 64-byte alignment
+    assert reads == [("0.0.bin", off1, 1088 + 1028)]
     reads.clear()
     np.testing.assert_array_equal(step["w"][2900], w[2900])
     _, off11, _ = packed_chunk(root, 1, "w", 11)
@@ -122,7 +136,7 @@ def test_a_slice_reads_only_the_byte_ranges_it_needs(
     # A whole restore reads each pack in runs of adjacent chunks: 2 leaves, 1 pack, 1 run.
     out = jaxckpt.CheckpointManager(root, read_only=True).restore(1)
     np.testing.assert_array_equal(out["w"], w)
-    assert len(reads) == 1 and reads[0][2] == 2 * 16 * 1028
+    assert len(reads) == 1 and reads[0][2] == 31 * 1088 + 1028
 
 
 def test_damaged_packs_fail_loudly(tmp_path: Path) -> None:
