@@ -239,6 +239,20 @@ class CommitProtocol:
         if hint is None or hint < step:
             self.storage.write(latest_hint_key(epoch), str(step).encode())
 
+    def marker_or_latest(self, step: int | None) -> CommitMarker:
+        """The marker of ``step``, or of the newest committed step when ``step`` is None.
+
+        Raises:
+          NotACheckpointRootError: ``step`` is None and nothing is committed.
+          StepNotFoundError / UncommittedStepError: no committed ``step``.
+        """
+        if step is not None:
+            return self.require_marker(step)
+        marker = self.latest()
+        if marker is None:
+            raise NotACheckpointRootError(f"no committed steps under {self.storage.uri}")
+        return marker
+
     def require_marker(self, step: int) -> CommitMarker:
         """The marker of a committed step.
 

@@ -613,6 +613,7 @@ class CheckpointManager:
             self._deleter.shutdown(wait=True)
             if self._watcher is not None:
                 self._watcher.close()
+            self._agreement.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -169,7 +169,7 @@ def open_group(
     """
     from jaxckpt._commit import CommitProtocol
     from jaxckpt._storage import open_storage
-    from jaxckpt.errors import CheckpointError, NotACheckpointRootError
+    from jaxckpt.errors import CheckpointError
 
     options: dict[str, Any] = {}
     if endpoint is not None:
@@ -178,13 +178,7 @@ def open_group(
         options["region"] = region
     protocol = CommitProtocol(open_storage(root, **options))
     protocol.ensure_root(create=False)
-    if step is None:
-        committed = protocol.committed()
-        if not committed:
-            raise NotACheckpointRootError(f"no committed steps under {protocol.storage.uri}")
-        marker = committed[max(committed)]
-    else:
-        marker = protocol.require_marker(step)
+    marker = protocol.marker_or_latest(step)
     if any(part.layout == "packed" for part in protocol.read_manifest(marker)):
         raise CheckpointError(
             f"step {marker.step} of {protocol.storage.uri} is packed (layout='packed'): its "
