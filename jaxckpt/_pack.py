@@ -6,9 +6,10 @@ thousands of requests per checkpoint. In the packed layout a process
 concatenates the chunks it owns into ``MAX_PACKS`` objects or fewer
 (``attempts/<step>/<attempt>/packs/<process>.<k>.bin``), whatever the number
 of leaves. The chunk bytes are exactly the plain layout's (``raw little-endian
-|| crc32c(raw)``, each starting at a multiple of ``PACK_ALIGNMENT``), and the manifest part records each chunk's pack object and
-byte offset, so a restore reads only the chunks its target sharding needs,
-each with one ranged read, checked against its CRC32C like a plain chunk.
+|| crc32c(raw)``), each starting at a multiple of ``PACK_ALIGNMENT``, and the
+manifest part records each chunk's pack object and byte offset, so a restore
+reads only the chunks its target sharding needs (adjacent ones in one ranged
+read), each checked against its CRC32C like a plain chunk.
 
 Memory: a pack is built in host memory before its single write (object stores
 take an object in one request). Packs are sized ``ceil(bytes / MAX_PACKS)``

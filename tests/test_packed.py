@@ -8,6 +8,7 @@ number of leaves, and a restore reads only the byte ranges it needs.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -78,9 +79,8 @@ def test_pack_count_is_bounded_and_packs_are_filled_in_order(
     chunks = sorted((c.pack, c.offset, c.size) for cs in part.arrays.values() for c in cs)
     assert len(chunks) == 40 and all(size == 260 for _, _, size in chunks)
     # Chunks start 64-byte aligned, back to back up to the padding; each pack ends with one.
-    for pack, offset, _ in chunks:
-        assert offset % 64 == 0
-    for (p1, o1, s1), (p2, o2, _) in zip(chunks, chunks[1:]):
+    assert all(offset % 64 == 0 for _, offset, _ in chunks)
+    for (p1, o1, _), (p2, o2, _) in itertools.pairwise(chunks):
         assert o2 == 0 if p2 != p1 else o2 == o1 + 320
     assert {p: max(o + s for q, o, s in chunks if q == p) for p, _, _ in chunks} == sizes
     assert_tree_bitexact(jaxckpt.CheckpointManager(root).restore(target=state), state)
