@@ -163,3 +163,37 @@ def test_gc_on_open_tolerates_a_fenced_writer_still_writing(tmp_path: Path) -> N
     assert [k for k in storage.list(ATTEMPTS) if k.startswith(zombie.prefix)] == []
     assert storage.read(zombie.pending_key) is None
     assert CommitProtocol(storage).committed().keys() == {1}
+
+
+@pytest.mark.timeout(120)
+def test_failed_pending_cleanup_after_the_marker_keeps_the_step(
+    object_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The marker is written; removing the pending record then fails: still committed, intact."""
+    storage = open_storage(object_root)
+    s3 = object_root.startswith("s3://")
+    variable = "AWS_ENDPOINT_URL_S3" if s3 else "STORAGE_EMULATOR_HOST"
+    direct = os.environ[variable]
+    proxy = faultproxy.FaultProxy(direct)
+    try:
+        monkeypatch.setenv(variable, proxy.endpoint)
+        options = {"max_retries": 2, "initial_delay_s": 0.01, "max_delay_s": 0.02}
+        with jaxckpt.CheckpointManager(object_root, storage_options=options) as mgr:
+            mgr.save(1, _state(1))
+            proxy.inject("error", method="DELETE", path_contains=PENDING, times=50)
+            try:
+                mgr.wait()
+            except jaxckpt.SaveFailedError:
+                pass  # reporting the failed clean-up is acceptable; losing the step is not
+        assert proxy.snapshot()["error"] > 0, "the fault was not injected"
+    finally:
+        monkeypatch.setenv(variable, direct)
+        proxy.close()
+    open_storage(object_root)  # points TensorStore's GCS driver back at the server
+    reader = jaxckpt.CheckpointManager(object_root, read_only=True)
+    assert reader.steps() == [1]
+    np.testing.assert_array_equal(reader.restore(1)["w"], _state(1)["w"])
+    assert reader.verify(1).ok
+    with jaxckpt.CheckpointManager(object_root) as writer:  # gc on open: the stale record goes
+        assert writer.steps() == [1]
+    assert storage.list(PENDING) == []
