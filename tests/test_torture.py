@@ -181,10 +181,7 @@ def test_failed_pending_cleanup_after_the_marker_keeps_the_step(
         with jaxckpt.CheckpointManager(object_root, storage_options=options) as mgr:
             mgr.save(1, _state(1))
             proxy.inject("error", method="DELETE", path_contains=PENDING, times=50)
-            try:
-                mgr.wait()
-            except jaxckpt.SaveFailedError:
-                pass  # reporting the failed clean-up is acceptable; losing the step is not
+            mgr.wait()  # committed: a leftover pending record is garbage, not a failure
         assert proxy.snapshot()["error"] > 0, "the fault was not injected"
     finally:
         monkeypatch.setenv(variable, direct)
