@@ -15,7 +15,7 @@ a few rounds, so each round starts from what earlier ones left:
 * ``kill``: a writer resumes and saves in a loop; it is SIGKILLed at a random
   moment (while opening, restoring, saving, committing or deleting).
 * ``zombie``: writer A saves in a loop with retention; a restarted writer B
-  opens the same root (fencing A), restores and saves three steps. A keeps
+  opens the same root (fencing A), restores and saves a few steps. A keeps
   going until fenced (or is SIGKILLed at random); half of the fault-free
   rounds run an operator's ``jaxckpt gc`` while B saves, which must neither
   fence B nor touch its in-flight attempt.
@@ -426,7 +426,8 @@ class Torture:
             return [zombie]
         time.sleep(self.rng.uniform(0.0, 1.0))
         keep = self.rng.choice([None, 2])
-        args = ["--restore", "--steps", "3"] + (["--keep-last", str(keep)] if keep else [])
+        args = ["--restore", "--steps", str(self.args.restarted_steps)]
+        args += ["--keep-last", str(keep)] if keep else []
         restarted = self.spawn(root, result, "restarted", *args)
         operator_gc = not result.faulty and self.rng.random() < 0.5
         kill_zombie = self.rng.random() < 0.3
@@ -454,7 +455,7 @@ class Torture:
 
     def operator_gc(self, root: Root, result: RoundResult) -> None:
         """An operator's ``jaxckpt gc`` (default grace) while a writer saves."""
-        done = self.cli(result, "gc", root.uri)
+        done = self.cli(result, "gc", root.uri, subprocess_=True)
         result.operator_gcs += 1
         if done is not None and done.returncode != 0:
             result.violations.append(f"operator gc failed: {done.stderr[-2000:]}")
@@ -726,7 +727,22 @@ class Torture:
 
     # -- command line tools ----------------------------------------------------------------
 
-    def cli(self, result: RoundResult, *args: str) -> subprocess.CompletedProcess[str] | None:
+    def cli(
+        self, result: RoundResult, *args: str, subprocess_: bool = False
+    ) -> subprocess.CompletedProcess[str] | None:
+        """``jaxckpt ARGS``: in this process (the checks), or in a new one (an operator)."""
+        if not subprocess_:
+            import io
+
+            from jaxckpt.cli import main as cli_main
+
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = cli_main(list(args))
+                except Exception as e:  # the CLI turns CheckpointErrors into exit codes
+                    code, _ = 1, err.write(f"{type(e).__name__}: {e}")
+            return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
         argv = [sys.executable, "-m", "jaxckpt", *args]
         try:
             return subprocess.run(argv, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
@@ -915,6 +931,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds-per-root", type=int, default=6, help="rounds before a fresh root")
     p.add_argument("--fault-rates", default=DEFAULT_FAULTS, help=f"default {DEFAULT_FAULTS}")
     p.add_argument("--workdir", type=Path, default=None, help="local roots and server logs")
+    p.add_argument("--restarted-steps", type=int, default=3, help="steps a restarted writer saves")
     p.add_argument("-v", "--verbose", action="store_true", help="print notes too")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
