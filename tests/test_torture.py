@@ -61,7 +61,8 @@ def test_short_torture_run(tmp_path: Path) -> None:
     """Every scenario on every backend once (faults on S3 and GCS): no violation."""
     out = tmp_path / "torture.json"
     argv = [sys.executable, str(SCRIPTS / "torture.py"), "--rounds", "11", "--minutes", "3"]
-    argv += ["--seed", "11", "--kib", "64", "--json", str(out), "--workdir", str(tmp_path / "w")]
+    argv += ["--seed", "11", "--kib", "64", "--restarted-steps", "2"]
+    argv += ["--json", str(out), "--workdir", str(tmp_path / "w")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=230)
     report = json.loads(out.read_text()) if out.exists() else {}
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
@@ -71,9 +72,11 @@ def test_short_torture_run(tmp_path: Path) -> None:
     expected |= {("s3", "faults"), ("gcs", "faults")}
     assert set(rows) == expected, sorted(rows)
     for (backend, scenario), row in rows.items():
-        assert row["rounds"] >= 1 and row["steps_verified"] > 0, row
+        assert row["rounds"] >= 1, row
         if scenario == "kill":
-            assert row["kills"] > 0, row
+            assert row["kills"] > 0, row  # (it may land before the first commit)
+        else:
+            assert row["steps_verified"] > 0, row
         if scenario == "zombie":
             assert row["fenced_writers"] > 0, row  # the zombie was fenced
         if scenario == "race":
