@@ -53,6 +53,7 @@ from jaxckpt.errors import (
     NotACheckpointRootError,
     StepAlreadyExistsError,
     StepNotFoundError,
+    StorageError,
     UncommittedStepError,
     UnsupportedFormatError,
     WriterFencedError,
@@ -387,7 +388,12 @@ class CommitProtocol:
                 f"step {step} was committed by another writer under {self.storage.uri}"
             ) from e
         reached("marker_written", step)
-        self.storage.delete(loc.pending_key)
+        try:
+            self.storage.delete(loc.pending_key)
+        except StorageError as e:
+            # The step is committed; failing now would make the caller abandon
+            # the attempt the marker names. Garbage collection drops the record.
+            log.warning("step %d is committed; its pending record stays until gc: %s", step, e)
         return marker
 
     def _check_chunks_present(self, loc: StepLocation, parts: Sequence[ManifestPart]) -> None:

@@ -42,7 +42,7 @@ from jaxckpt._layout import (
     parse_pending_key,
 )
 from jaxckpt._records import CommitMarker, load_json_record
-from jaxckpt.errors import CheckpointError
+from jaxckpt.errors import CheckpointError, StorageError
 
 log = logging.getLogger("jaxckpt")
 
@@ -191,7 +191,13 @@ def collect(
             continue
         if is_live(attempt, current, grace_s, now):
             continue
-        protocol.abandon(attempt.location)
+        try:
+            protocol.abandon(attempt.location)
+        except StorageError as e:
+            # A fenced writer may still be writing into it (a directory that
+            # refills while it is removed); what is left is collected next time.
+            log.warning("could not remove %s yet: %s", attempt.location, e)
+            continue
         removed.append(attempt.location)
     if force:
         for step, ref in found.damaged.items():

@@ -309,7 +309,13 @@ class ObjectStorage:
             if stamp.generation:
                 return
             # The condition failed: the key exists, or (S3) the bucket is missing.
-            if self._wait(self._kv.read(name), "read", name).state == "value":
+            existing = self._wait(self._kv.read(name), "read", name)
+            if existing.state == "value":
+                if bytes(existing.value) == data:
+                    # Our own write: it landed, its response was lost, and the
+                    # retry was refused. Create-only records are unique (markers
+                    # name their attempt; epoch records their owner and time).
+                    return
                 raise PreconditionFailed(f"{self._scheme}://{self._bucket}/{name}")
             self._bucket_checked = False
             self._check_bucket("write", name)
