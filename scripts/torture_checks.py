@@ -392,10 +392,11 @@ def check_newest_writer(root: Root, result: RoundResult, listed: list[int]) -> N
 
 def check_keys(result: RoundResult, protocol: Any) -> None:
     """Nothing under attempts/, pending/, commits/ that the visible markers do not name."""
-    from jaxckpt._layout import ATTEMPTS, COMMITS, LEGACY_STEPS, PENDING
+    from jaxckpt._layout import ATTEMPTS, COMMITS, LEGACY_STEPS, PENDING, latest_hint_key
 
     markers = protocol.committed()
-    named_keys = {m.key for m in markers.values()}
+    # The newest epoch's hint is the only other object gc keeps under commits/.
+    named_keys = {m.key for m in markers.values()} | {latest_hint_key(protocol.epochs.newest())}
     prefixes = tuple(m.location.prefix for m in markers.values())
     stray = [k for k in protocol.storage.list(COMMITS) if k not in named_keys]
     stray += protocol.storage.list(PENDING)
