@@ -125,6 +125,8 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.counts: Counter[str] = Counter()
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.proxy = self
         self._thread = threading.Thread(
@@ -158,6 +160,25 @@ class FaultProxy:
             raise ValueError(f"unknown fault {kind!r}; use one of {FAULT_KINDS}")
         with self._lock:
             self._rules.append(_Rule(kind, method.upper(), path_contains, times))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits until no request is being forwarded; False on timeout.
+
+        A writer killed mid-request leaves its request here, still to be
+        forwarded (a slow fault delays it): the server applies it after the
+        client is gone, as a real store may. Checks wait for that to settle.
+        """
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
+
+    def _enter(self) -> None:
+        with self._lock:
+            self._inflight += 1
+
+    def _leave(self) -> None:
+        with self._idle:
+            self._inflight -= 1
+            self._idle.notify_all()
 
     def snapshot(self) -> Counter[str]:
         """A copy of the counts: ``requests`` and one entry per fault kind injected."""
@@ -243,6 +264,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     def _proxy(self) -> None:
+        self.server.proxy._enter()
+        try:
+            self._forward_with_faults()
+        finally:
+            self.server.proxy._leave()
+
+    def _forward_with_faults(self) -> None:
         body = self._body()
         fault, delay = self.server.proxy._choose(self.command, urllib.parse.unquote(self.path))
         if fault == "error":

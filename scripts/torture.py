@@ -89,6 +89,7 @@ DEFAULT_FAULTS = "error=0.04,reset=0.02,lost=0.02,slow=0.04,slow_s=0.3"
 CHILD_STORAGE_OPTIONS = {"max_retries": 8, "initial_delay_s": 0.02, "max_delay_s": 0.5}
 START_TIMEOUT_S = 90.0  # a child's start-up (importing jax) on a loaded machine
 ROUND_TIMEOUT_S = 240.0  # a writer's whole life
+PROXY_DRAIN_S = 60.0  # requests of killed writers still being forwarded
 FENCE_TIMEOUT_S = 90.0  # how long a zombie may keep going after the takeover
 CLI_TIMEOUT_S = 120.0
 
@@ -318,7 +319,10 @@ class Torture:
 
     def scenario_faults(self, root: Root, result: RoundResult) -> list[Writer]:
         result.variant = "one writer, faults x2"
-        writer = self.spawn(root, result, "writer", "--restore", "--steps", "4", "--keep-last", "3")
+        steps = str(self.args.faults_steps)
+        writer = self.spawn(
+            root, result, "writer", "--restore", "--steps", steps, "--keep-last", "3"
+        )
         self.finish(result, writer, ROUND_TIMEOUT_S)
         return [writer]
 
@@ -343,6 +347,8 @@ class Torture:
             if w.child is not None and w.child.proc.poll() is None:
                 self.kill(result, w)
         if proxy is not None:
+            if not proxy.wait_idle(PROXY_DRAIN_S):  # a dead writer's requests still land
+                result.violations.append(f"the proxy still forwards after {PROXY_DRAIN_S:.0f}s")
             after = proxy.snapshot()
             result.faults = Counter(
                 {k: after[k] - before[k] for k in FAULT_KINDS if after[k] > before[k]}
@@ -523,6 +529,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fault-rates", default=DEFAULT_FAULTS, help=f"default {DEFAULT_FAULTS}")
     p.add_argument("--workdir", type=Path, default=None, help="local roots and server logs")
     p.add_argument("--restarted-steps", type=int, default=3, help="steps a restarted writer saves")
+    p.add_argument("--faults-steps", type=int, default=4, help="steps of a 'faults' round")
     p.add_argument("-v", "--verbose", action="store_true", help="print notes too")
     args = p.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]

@@ -61,7 +61,7 @@ def test_short_torture_run(tmp_path: Path) -> None:
     """Every scenario on every backend once (faults on S3 and GCS): no violation."""
     out = tmp_path / "torture.json"
     argv = [sys.executable, str(SCRIPTS / "torture.py"), "--rounds", "11", "--minutes", "3"]
-    argv += ["--seed", "11", "--kib", "64", "--restarted-steps", "2"]
+    argv += ["--seed", "11", "--kib", "64", "--restarted-steps", "2", "--faults-steps", "3"]
     argv += ["--json", str(out), "--workdir", str(tmp_path / "w")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=230)
     report = json.loads(out.read_text()) if out.exists() else {}
