@@ -91,7 +91,10 @@ def run_case(s: Settings, case: Case, step_s: Callable[[], float], stores: Any) 
     _progress(f"case {case.label}")
     scratch = Scratch(s.root)
     try:
-        summary = _run_local_rounds(s, case, step_s, scratch)
+        if s.stores_only:
+            summary = {"case": dataclasses.asdict(case), "io": {}}
+        else:
+            summary = _run_local_rounds(s, case, step_s, scratch)
     finally:
         scratch.flush()
     if stores is not None:
@@ -138,6 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help=f"smoke-test sizes ({TINY_CASES})")
     p.add_argument("--warm-cache", action="store_true", help="do not evict files before restore")
     p.add_argument("--object-stores", action="store_true", help="add loopback S3 and GCS rows")
+    p.add_argument(
+        "--stores-only", action="store_true", help="only the object-store rows (implies the flag)"
+    )
     p.add_argument("--object-store-max-bytes", type=int, default=256 * MiB)
     p.add_argument("--loop-saves", type=int, default=3, help="saves per training-loop run")
     p.add_argument("--loop-max-bytes", type=int, default=GiB, help="larger states skip the loop")
@@ -172,7 +178,8 @@ def make_settings(args: argparse.Namespace, root: Path) -> Settings:
         out=args.out,
         root=root,
         cold_cache=not args.warm_cache,
-        object_stores=args.object_stores,
+        object_stores=args.object_stores or args.stores_only,
+        stores_only=args.stores_only,
         object_store_max_bytes=args.object_store_max_bytes,
         loop_saves=2 if args.tiny else args.loop_saves,
         loop_min_interval_s=0.2 if args.tiny else 2.0,

@@ -15,7 +15,7 @@ GB = 1e9
 KEEP_BYTES = 3 * GiB  # scratch kept on disk within a case (see Scratch)
 CONTENDERS = ("raw", "jaxckpt", "orbax")
 LOOP_CONTENDERS = ("raw", "jaxckpt", "orbax")
-STORE_CONTENDERS = ("jaxckpt-s3", "jaxckpt-gcs", "orbax-gcs")
+STORE_CONTENDERS = ("raw-s3", "jaxckpt-s3", "raw-gcs", "jaxckpt-gcs", "orbax-gcs")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,6 +42,7 @@ CASES = {
         Case(name="big", kind="few-big", leaves=16, leaf_bytes=64 * MiB),
         Case(name="small", kind="many-small", leaves=1000, leaf_bytes=64 * KiB),
         Case(name="huge", kind="few-big", leaves=16, leaf_bytes=256 * MiB),
+        Case(name="store", kind="few-big", leaves=16, leaf_bytes=16 * MiB),
         Case(name="tiny-big", kind="few-big", leaves=4, leaf_bytes=1 * MiB),
         Case(name="tiny-small", kind="many-small", leaves=40, leaf_bytes=16 * KiB),
     )
@@ -70,6 +71,7 @@ class Settings:
     root: Path
     cold_cache: bool
     object_stores: bool
+    stores_only: bool
     object_store_max_bytes: int
     loop_saves: int
     loop_min_interval_s: float

@@ -81,6 +81,35 @@ def same_values(state: dict[str, Any], restored: dict[str, Any]) -> bool:
     )
 
 
+_REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP/[0-9.]+(?:\x1b\[[0-9;]*m)*" (\d+)')
+
+
+class RequestLog:
+    """Counts the HTTP requests a loopback server logged (moto and the GCS emulator
+    log one ``"METHOD path HTTP/1.1" status`` line per request)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._path = path
+        self._offset = self._size()
+
+    def _size(self) -> int:
+        return os.path.getsize(self._path) if self._path else 0
+
+    def mark(self) -> dict[str, int] | None:
+        """Requests by method since the previous mark (None without a server log)."""
+        if not self._path:
+            return None
+        time.sleep(0.2)  # the server logs a request after answering it
+        with open(self._path, "rb") as f:
+            f.seek(self._offset)
+            text = f.read().decode("utf-8", "replace")
+            self._offset = f.tell()
+        counts: dict[str, int] = {}
+        for method, _, _ in _REQUEST.findall(text):
+            counts[method] = counts.get(method, 0) + 1
+        return counts
+
+
 def warm_up(saver: Any) -> None:
     """A tiny save and restore (step 0): first-call costs are not measured."""
     import jax.numpy as jnp
@@ -106,11 +135,14 @@ def measure_io(spec: dict[str, Any], case: Case) -> dict[str, Any]:
     state = make_state(case)
     abstract = abstract_of(state)
     saver = open_saver(spec)
+    requests = RequestLog(spec.get("server_log"))
     try:
         warm_up(saver)
         stored_before = _stored_bytes(saver.files())
+        requests.mark()
         with PeakRss() as save_mem:
             blocking_s, commit_s = timed_save(saver, 1, state)
+        save_requests = requests.mark()
         stored = _stored_bytes(saver.files()) - stored_before
         if spec["cold_cache"]:
             drop_cache(saver.files())
@@ -118,10 +150,13 @@ def measure_io(spec: dict[str, Any], case: Case) -> dict[str, Any]:
             start = time.perf_counter()
             restored = jax.block_until_ready(saver.restore(1, abstract))
             restore_s = time.perf_counter() - start
+        restore_requests = requests.mark()
         correct = same_values(state, restored)
     finally:
         saver.close()
     return {
+        "save_requests": save_requests,
+        "restore_requests": restore_requests,
         "blocking_s": blocking_s,
         "commit_s": commit_s,
         "restore_s": restore_s,

@@ -111,26 +111,41 @@ def _store_rows(summary: dict[str, Any]) -> list[str]:
         return []
     out = [
         "",
-        "Object stores on loopback (informational; in-memory servers, one request at a time for"
-        " the GCS emulator):",
+        "Object stores on loopback (in-memory servers; the GCS emulator serves one request at a"
+        " time; raw = TensorStore kvstore writes/reads of one object per leaf, all in flight;"
+        " requests counted from the server's log):",
         "",
-        "| store | blocking (ms) | save (s) | save (MB/s) | restore (s) | restore (MB/s) |"
+        "| store | blocking (ms) | save (s) | save (MB/s) | save vs raw | restore (s) |"
+        " restore (MB/s) | restore vs raw | requests save / restore |"
         " peak extra RSS save / restore (× state) | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, e in stores.items():
+        raw = stores.get("raw-" + name.split("-")[1], {}) if not name.startswith("raw") else {}
         errors = "; ".join(x.splitlines()[0][:120] for x in e.get("errors", []))
         cells = [
             _f(e.get("blocking_s"), 1e3, 1),
             _f(e.get("commit_s"), digits=3),
             _f(e.get("save_gbps"), 1e3, 1),
+            f"{_f(_ratio(e.get('save_gbps'), raw.get('save_gbps')))}×" if raw else "",
             _f(e.get("restore_s"), digits=3),
             _f(e.get("restore_gbps"), 1e3, 1),
+            f"{_f(_ratio(e.get('restore_gbps'), raw.get('restore_gbps')))}×" if raw else "",
+            f"{_requests(e, 'save')} / {_requests(e, 'restore')}",
             f"{_f(e.get('save_rss'))} / {_f(e.get('restore_rss'))}",
             errors,
         ]
         out.append(f"| {name} | {' | '.join(cells)} |")
     return out
+
+
+def _requests(entry: dict[str, Any], phase: str) -> str:
+    total = entry.get(f"{phase}_requests")
+    if total is None:
+        return "–"
+    by_method = entry.get(f"{phase}_requests_by_method") or {}
+    detail = ", ".join(f"{k} {v}" for k, v in sorted(by_method.items()))
+    return f"{total:g} ({detail})"
 
 
 def _case_section(summary: dict[str, Any]) -> list[str]:

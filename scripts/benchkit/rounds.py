@@ -115,8 +115,12 @@ def run_io_rounds(
     contenders: tuple[str, ...],
     roots: Scratch | BucketRoots,
     env: dict[str, str],
+    server_logs: dict[str, str] | None = None,
 ) -> dict[str, list[dict[str, Any]]]:
-    """``repeats`` rounds of save + restore, contenders interleaved within each round."""
+    """``repeats`` rounds of save + restore, contenders interleaved within each round.
+
+    ``server_logs`` (store name -> log file) lets a child count its requests.
+    """
     samples: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
     for r in range(s.repeats):
         for contender in contenders:
@@ -129,6 +133,8 @@ def run_io_rounds(
                 "cold_cache": s.cold_cache,
                 "jaxckpt_options": s.jaxckpt_options,
             }
+            if server_logs:
+                spec["server_log"] = server_logs[contender.split("-")[1]]
             try:
                 result = run_child(spec, timeout_s=_timeout_for(case), env=env)
             finally:

@@ -29,8 +29,10 @@ def _load_test_servers() -> ModuleType | None:
 
 
 @contextmanager
-def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], dict[str, str]]]:
-    """Starts S3 and GCS servers on 127.0.0.1; yields (child env, bucket URI per store).
+def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], ...]]:
+    """Starts S3 and GCS servers on 127.0.0.1; yields (child env, buckets, server logs).
+
+    Buckets and server logs are by store name (``s3``, ``gcs``).
 
     The child environment sends every endpoint and credential lookup to loopback
     (``AWS_ENDPOINT_URL*`` matter: Orbax's path handling inside jaxckpt goes
@@ -61,16 +63,17 @@ def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], dict[str, str
         no_proxy="127.0.0.1,localhost",
     )
     try:
-        yield env, {"s3": f"s3://{s3.bucket}", "gcs": f"gs://{gcs.bucket}"}
+        buckets = {"s3": f"s3://{s3.bucket}", "gcs": f"gs://{gcs.bucket}"}
+        yield env, buckets, {"s3": str(s3.log_path), "gcs": str(gcs.log_path)}
     finally:
         gcs.stop()
         s3.stop()
 
 
 def run_store_rounds(
-    s: Settings, case: Case, env: dict[str, str], buckets: dict[str, str]
+    s: Settings, case: Case, env: dict[str, str], buckets: dict[str, str], logs: dict[str, str]
 ) -> dict[str, Any]:
-    samples = run_io_rounds(s, case, STORE_CONTENDERS, BucketRoots(buckets), env)
+    samples = run_io_rounds(s, case, STORE_CONTENDERS, BucketRoots(buckets), env, logs)
     return {c: summarize_io(x, case.nbytes) for c, x in samples.items()}
 
 

@@ -33,6 +33,11 @@ def summarize_io(samples: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
         restore_rss=max(x["restore_extra_rss"] for x in ok) / nbytes,
         stored_ratio=_median([x["stored_bytes"] / nbytes for x in ok]),
     )
+    for phase in ("save", "restore"):
+        counts = [x.get(f"{phase}_requests") for x in ok]
+        if all(counts):
+            out[f"{phase}_requests"] = _median([sum(c.values()) for c in counts if c])
+            out[f"{phase}_requests_by_method"] = counts[0]
     return out
 
 
