@@ -95,3 +95,26 @@ def test_restore_reports_a_truncated_chunk_by_its_size(object_root: str) -> None
 def test_read_options_are_validated(options: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="read_"):
         open_storage("s3://bucket/p", **options)
+
+
+def test_saved_array_metadata_is_what_tensorstore_create_writes(tmp_path) -> None:
+    """Saves write zarr.json themselves (assume_metadata): the bytes TensorStore would."""
+    import json
+
+    import tensorstore as ts
+
+    root = str(tmp_path / "root")
+    state = {"w": jnp.zeros((6, 4), jnp.bfloat16), "i": jnp.arange(7, dtype=jnp.int32)}
+    with jaxckpt.CheckpointManager(root, chunk_bytes=16) as mgr:
+        mgr.save(1, state)
+    for name, value in state.items():
+        array_dir = chunk_path(root, 1, name).rsplit("/c/", 1)[0]
+        with open(array_dir + "/zarr.json", "rb") as f:
+            stored = f.read()
+        spec = {"driver": "zarr3", "kvstore": {"driver": "memory"}, "metadata": json.loads(stored)}
+        created = ts.open(spec, create=True).result().kvstore.read("zarr.json").result().value
+        assert stored == created, name
+        # TensorStore's own zarr reader opens the array and reads the saved values.
+        kvstore = {"driver": "file", "path": array_dir + "/"}
+        read = ts.open({"driver": "zarr3", "kvstore": kvstore}, read=True).result().read().result()
+        np.testing.assert_array_equal(read, np.asarray(value))

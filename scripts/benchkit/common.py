@@ -15,7 +15,9 @@ GB = 1e9
 KEEP_BYTES = 3 * GiB  # scratch kept on disk within a case (see Scratch)
 CONTENDERS = ("raw", "jaxckpt", "orbax")
 LOOP_CONTENDERS = ("raw", "jaxckpt", "orbax")
-STORE_CONTENDERS = ("raw-s3", "jaxckpt-s3", "raw-gcs", "jaxckpt-gcs", "orbax-gcs")
+STORE_CONTENDERS = ("raw-s3", "jaxckpt-s3", "jaxckpt-s3-lowmem", "raw-gcs", "jaxckpt-gcs")
+# jaxckpt-*-lowmem: the restore memory budget lowered for small-RAM hosts.
+LOWMEM_STORAGE_OPTIONS = {"read_ahead_bytes": 8 * MiB, "read_part_bytes": 2 * MiB}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

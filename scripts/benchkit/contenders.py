@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Any
 
-from benchkit.common import Case, MiB
+from benchkit.common import LOWMEM_STORAGE_OPTIONS, Case, MiB
 
 
 def make_state(case: Case, seed: int = 0) -> dict[str, Any]:
@@ -103,11 +103,13 @@ def _fsync_dir(path: str) -> None:
 class JaxckptSaver:
     """jaxckpt.CheckpointManager, with the bench's options."""
 
-    def __init__(self, root: str, options: dict[str, Any]) -> None:
+    def __init__(
+        self, root: str, options: dict[str, Any], *, keep_storage_options: bool = False
+    ) -> None:
         import jaxckpt
 
         self._root = root
-        if "://" in root:  # local-disk options do not apply to object stores
+        if "://" in root and not keep_storage_options:  # local-disk options
             options = {k: v for k, v in options.items() if k != "storage_options"}
         self._m = jaxckpt.CheckpointManager(root, **options)
 
@@ -239,6 +241,9 @@ def open_saver(spec: dict[str, Any]) -> Any:
     if contender == "raw":
         return BackgroundRawSaver(root) if spec["phase"] == "loop" else RawSaver(root)
     if contender.startswith("jaxckpt"):
+        if contender.endswith("-lowmem"):
+            options = {**spec["jaxckpt_options"], "storage_options": LOWMEM_STORAGE_OPTIONS}
+            return JaxckptSaver(root, options, keep_storage_options=True)
         return JaxckptSaver(root, spec["jaxckpt_options"])
     if contender.startswith("orbax"):
         return OrbaxSaver(root)
