@@ -8,6 +8,8 @@ several threads sharing it.
 from __future__ import annotations
 
 import threading
+import time
+import uuid
 
 import jax.numpy as jnp
 import numpy as np
@@ -118,3 +120,25 @@ def test_saved_array_metadata_is_what_tensorstore_create_writes(tmp_path) -> Non
         kvstore = {"driver": "file", "path": array_dir + "/"}
         read = ts.open({"driver": "zarr3", "kvstore": kvstore}, read=True).result().read().result()
         np.testing.assert_array_equal(read, np.asarray(value))
+
+
+def test_a_save_sends_one_request_per_array_record_and_chunk(s3_server: servers.Server) -> None:
+    """The round trips removed by issue 14 stay removed: no GET/HEAD of array metadata."""
+    import re
+
+    root = f"s3://{s3_server.bucket}/requests-{uuid.uuid4().hex[:8]}"
+    state = {f"a{i}": jnp.full((2, 8), i, jnp.float32) for i in range(4)}
+    with jaxckpt.CheckpointManager(root, chunk_bytes=32) as mgr:  # 2 chunks per array
+        start = s3_server.log_path.stat().st_size
+        mgr.save(1, state)
+        mgr.wait()
+        time.sleep(0.3)  # the server logs a request after answering it
+        with open(s3_server.log_path, "rb") as f:
+            f.seek(start)
+            log = f.read().decode("utf-8", "replace")
+    requests = re.findall(r'"(?:\x1b\[[0-9;]*m)*([A-Z]+) (\S+) HTTP', log)
+    arrays = [(m, p) for m, p in requests if "/arrays/a" in p]
+    metadata = [m for m, p in arrays if p.endswith("/zarr.json")]
+    chunks = [m for m, p in arrays if "/c/" in p]
+    assert metadata == ["PUT"] * 4, arrays
+    assert chunks == ["PUT"] * 8, arrays
