@@ -212,6 +212,7 @@ class ObjectStorage:
         self._probe_lock = threading.Lock()
         self._open_lock = threading.Lock()
         self._store: ts.KvStore | None = None
+        self._reader: RangedReader | None = None
 
     @property
     def _kv(self) -> ts.KvStore:
@@ -310,15 +311,20 @@ class ObjectStorage:
             self._check_bucket("read", name)
         return buffer
 
-    @functools.cached_property
+    @property
     def _ranged(self) -> RangedReader:
-        return RangedReader(
-            self._kv,
-            part_bytes=self._options.read_part_bytes,
-            ahead_bytes=self._options.read_ahead_bytes,
-            timeout_s=self._options.timeout_s,
-            error=self._error,
-        )
+        """One reader per storage object, so all threads share one memory budget."""
+        kv = self._kv
+        with self._open_lock:
+            if self._reader is None:
+                self._reader = RangedReader(
+                    kv,
+                    part_bytes=self._options.read_part_bytes,
+                    ahead_bytes=self._options.read_ahead_bytes,
+                    timeout_s=self._options.timeout_s,
+                    error=self._error,
+                )
+            return self._reader
 
     def read(self, key: str) -> bytes | None:
         name = self._name(key)

@@ -126,7 +126,7 @@ class RangedReader:
             except TimeoutError as e:
                 future.cancel()
                 raise self._error("read", name, e) from e
-            except ValueError as e:
+            except (ValueError, NotImplementedError) as e:
                 if any(m in str(e) for m in _SHORT_MARKERS):
                     raise ShortObjectError(name) from e
                 raise self._error("read", name, e) from e
