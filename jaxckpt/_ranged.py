@@ -38,7 +38,7 @@ def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` ranges of about equal size, each at most ``part_bytes``.
 
     >>> part_ranges(10, 4)
-    [(0, 4), (4, 7), (7, 10)]
+    [(0, 3), (3, 6), (6, 10)]
     >>> part_ranges(0, 4)
     []
     """
