@@ -105,8 +105,11 @@ def read_regions(
                     future = spans[(i, cell)]
                     future.start(pool, storage)
                 else:
+                    record = records.get(leaf.name or "", {}).get(key)
                     future = pool.submit(
-                        storage.read_buffer, f"{loc.array_prefix(leaf.name or '')}{key}"
+                        storage.read_buffer,
+                        f"{loc.array_prefix(leaf.name or '')}{key}",
+                        record.size if record is not None else None,
                     )
                 inflight.append((i, cell, key, future))
                 inflight_bytes += math.prod(leaf.chunk_shape) * itemsize

@@ -226,7 +226,7 @@ class CheckpointManager:
             )
         except Exception as e:
             self._session.end(failed=True)
-            fenced = _fence_error(e)
+            fenced = _fence_error(e) or self._fenced_now(step)
             if fenced is not None:
                 self._fenced = fenced
                 raise fenced from e
