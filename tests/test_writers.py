@@ -294,26 +294,41 @@ def test_data_without_a_marker_is_reported_orphaned_and_collected(
 # -- Ctrl-C, restores racing deletes, listing at scale --------------------------------
 
 
+def _main_thread_in(function: str, module_suffix: str) -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == function and code.co_filename.endswith(module_suffix):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_close_after_ctrl_c_in_wait_commits_or_raises(root: str) -> None:
     from jaxckpt import _tsio
 
     write = _tsio.ArrayWriter.write
+    interrupted = threading.Event()
 
-    def slow_write(self: Any, *a: Any, **k: Any) -> Any:
-        time.sleep(1.5)
+    def interrupting_write(self: Any, *a: Any, **k: Any) -> Any:
+        # Ctrl-C exactly while the caller blocks in wait(), whatever the machine's load.
+        deadline = time.monotonic() + 60
+        while not _main_thread_in("wait", "_manager.py") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.raise_signal(signal.SIGINT)
+        interrupted.set()
+        time.sleep(1.0)  # the commit is still to come when close() is called
         return write(self, *a, **k)
 
     mgr = jaxckpt.CheckpointManager(root)
     mgr.save(1, {"w": jnp.arange(4.0)})
     mgr.wait()
-    _tsio.ArrayWriter.write = slow_write  # type: ignore[method-assign]
+    _tsio.ArrayWriter.write = interrupting_write  # type: ignore[method-assign]
     try:
         mgr.save(2, {"w": jnp.arange(4.0) * 2})
-        timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
-        timer.start()
         with pytest.raises(KeyboardInterrupt):
             mgr.wait()
-        timer.join(5)
+        assert interrupted.is_set()
         mgr.close()  # returns only once step 2 is committed
     finally:
         _tsio.ArrayWriter.write = write  # type: ignore[method-assign]
