@@ -35,7 +35,7 @@ from jaxckpt._layout import (
     MarkerRef,
     StepLocation,
     is_latest_hint,
-    is_temp_key,
+    is_stale_temp_key,
     latest_hint_key,
     parse_attempt,
     parse_data_key,
@@ -124,7 +124,9 @@ def scan(protocol: CommitProtocol, *, full: bool) -> RootScan:
             kind = "damaged" if loc.step in damaged else "orphaned"
             attempts.append(Attempt(location=loc, kind=kind))
     commit_keys = storage.list(COMMITS)
-    temp = [k for k in pending_keys + commit_keys + storage.list(WRITERS) if is_temp_key(k)]
+    now = time.time()
+    keys = pending_keys + commit_keys + storage.list(WRITERS)
+    temp = [k for k in keys if is_stale_temp_key(k, now)]  # not a concurrent writer's
     # Hints of fenced epochs: only the newest epoch's hint is ever read.
     newest_hint = latest_hint_key(epochs.newest)
     temp += [k for k in commit_keys if is_latest_hint(k) and k != newest_hint]

@@ -217,6 +217,18 @@ def parse_epoch_key(key: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+TEMP_GRACE_S = 600.0  # a create-only write's temp file lives for milliseconds
+_TEMP_STAMP = re.compile(r"\.(\d+)-[0-9a-f]+\.tmp")
+
+
 def is_temp_key(key: str) -> bool:
-    """A crashed create-only write's hidden temp file (local roots)."""
+    """A create-only write's hidden temp file (local roots), live or left by a crash."""
     return key.rsplit("/", 1)[-1].startswith(".")
+
+
+def is_stale_temp_key(key: str, now: float) -> bool:
+    """A temp file old enough to be a crashed write's (never one a live write still needs)."""
+    if not is_temp_key(key):
+        return False
+    m = _TEMP_STAMP.search(key.rsplit("/", 1)[-1])
+    return m is None or now - int(m.group(1)) >= TEMP_GRACE_S

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -176,7 +177,8 @@ class LocalStorage:
             if not exclusive:
                 _write_file(path, data)
             else:
-                tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+                # The time in the name lets gc tell a crashed write's leftover from a live one.
+                tmp = os.path.join(directory, f".{name}.{int(time.time())}-{uuid.uuid4().hex}.tmp")
                 _write_file(tmp, data)
                 try:
                     os.link(tmp, path)

@@ -55,7 +55,7 @@ _spec.loader.exec_module(child)
 SEED = 7
 PHASE_TIMEOUT_S = 60.0  # child start-up (importing jax) plus the saves before the pause
 EXIT_TIMEOUT_S = 20.0
-RANDOM_KILLS = {"local": 8, "s3": 3, "gcs": 3}
+RANDOM_KILLS = {"local": 8, "s3": 4, "gcs": 4}
 RANDOM_DELAY_S = 0.03  # a random kill lands at most this long after the phase it follows
 
 pytestmark = pytest.mark.timeout(150)

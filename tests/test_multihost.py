@@ -62,6 +62,10 @@ STEPS = (1, 2)
 RUN_TIMEOUT_S = 90.0  # one group: start-up (importing jax, joining the group) plus its work
 PHASE_TIMEOUT_S = 60.0
 DIE_SAVE_TIMEOUT_S = 10.0  # save_timeout_s of the processes whose peer is killed
+# When process 0 (the coordination service) dies, JAX aborts the others once it
+# notices, which can take more than 10 s on a loaded 2-core machine: a longer
+# save timeout keeps jaxckpt's own timeout out of that race.
+PRIMARY_DIE_SAVE_TIMEOUT_S = 60.0
 BARRIER_WINDOW_S = 2.0  # how long a primary waiting for a paused peer is watched
 TRAILER = 4  # every stored chunk is raw bytes + a 4-byte crc32c
 
@@ -478,14 +482,14 @@ def test_killed_primary_on_process_0_aborts_the_others(tmp_path: Path) -> None:
         processes=2,
         devices=2,
         mesh="2x2",
-        save_timeout_s=DIE_SAVE_TIMEOUT_S,
+        save_timeout_s=PRIMARY_DIE_SAVE_TIMEOUT_S,
         env_for={0: pause},
     ) as procs:
         target, survivor = procs
         wait_for_phase(target, f"JAXCKPT_PHASE data_written {STEPS[1]}", procs)
         target.popen.send_signal(signal.SIGKILL)
         try:
-            survivor.popen.wait(timeout=DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S)
+            survivor.popen.wait(timeout=PRIMARY_DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S)
         except subprocess.TimeoutExpired:
             pytest.fail(f"process 1 hangs after the primary died\n{survivor.report()}")
     assert survivor.said("COMMITTED") == [f"COMMITTED {STEPS[0]}"], survivor.report()

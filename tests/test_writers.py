@@ -91,8 +91,9 @@ def test_two_processes_saving_one_step_commit_exactly_one_writers_data(
         loser = next(v for v in outs if v != winner)
         assert "COMMITTED 5" in outs[winner], outs
         if "COMMITTED 5" in outs[loser]:  # its fence check passed just before the takeover:
+            # its marker is hidden (or already retracted by the winner's gc on open).
             hidden = scan(CommitProtocol(open_storage(root)), full=False).hidden
-            assert [(m.step, m.epoch) for m in hidden] == [(5, epochs[loser])], outs
+            assert [(m.step, m.epoch) for m in hidden] in ([], [(5, epochs[loser])]), outs
         else:
             assert any(x.startswith(("FENCED", "EXISTS")) for x in outs[loser]), outs
         reader = jaxckpt.CheckpointManager(root, read_only=True)
