@@ -30,6 +30,15 @@ class CheckpointOptions:
       storage_options: backend options, e.g. ``{"endpoint": "http://..."}`` for
         S3-compatible stores (see the README).
       primary_host: the process that writes records and commits.
+      local_root: a fast local tier (e.g. a path on local NVMe): saves commit
+        there, and the steps ``promote_policy`` chooses are promoted to the
+        manager's root, the durable tier. None: saves go to the root.
+      promote_policy: which locally committed steps become durable (a save
+        policy, e.g. ``EveryNSteps(1000) | OnPreemption()``); None: every one.
+      local_retention: retention of the local tier (``retention`` is the
+        durable root's); a step waiting for promotion is always kept.
+      promotion: ``"background"`` (a thread of this manager promotes) or
+        ``"external"`` (a ``jaxckpt promote`` process does; ``close`` does not wait).
     """
 
     save_policy: SavePolicy | None = None
@@ -43,6 +52,10 @@ class CheckpointOptions:
     gc_grace_s: float = 3600.0
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     primary_host: int = 0
+    local_root: str | None = None
+    promote_policy: SavePolicy | None = None
+    local_retention: RetentionPolicy | None = None
+    promotion: str = "background"
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -51,5 +64,11 @@ class CheckpointOptions:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
         if self.gc_grace_s < 0:
             raise ValueError(f"gc_grace_s must be non-negative, got {self.gc_grace_s}")
+        if self.promotion not in ("background", "external"):
+            raise ValueError(
+                f"promotion must be 'background' or 'external', got {self.promotion!r}"
+            )
+        if self.local_root is not None and not isinstance(self.local_root, str):
+            object.__setattr__(self, "local_root", str(self.local_root))  # a PathLike
         if self.save_timeout_s <= 0:
             raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")
