@@ -31,8 +31,8 @@ from jaxckpt._restore import StepReader, load_step
 from jaxckpt._save import Inflight, SaveSession
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
-from jaxckpt._tree import PathMap, SavedLeaf, describe_state
 from jaxckpt._tiers import DurableTier
+from jaxckpt._tree import PathMap, SavedLeaf, describe_state
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt._verify import VerifyReport, verify_step
 from jaxckpt._versions import writer_versions
@@ -699,7 +699,9 @@ class CheckpointManager:
         if not self._primary:
             return
         durable = self._durable
-        if durable is not None and durable.chosen(marker.step, preempted=self.preempted(marker.step)):
+        if durable is not None and durable.chosen(
+            marker.step, preempted=self.preempted(marker.step)
+        ):
             stats = [s for s in self._recorder.history() if s.step == marker.step]
             durable.request(marker, saved=stats[-1].started if stats else None)
         if self.options.retention is None and self.options.local_retention is None:

@@ -201,7 +201,9 @@ class Promoter:
         epoch = self.epoch if self.epoch is not None else request.epoch
         marker = self.local.read_marker(step)
         if marker is None:
-            log.warning("promotion of step %d skipped: not committed under %s", step, self.local.where())
+            log.warning(
+                "promotion of step %d skipped: not committed under %s", step, self.local.where()
+            )
             withdraw(self.local, step)
             return PromotionResult(step=step, outcome=GONE, request=request)
         writer = self.writer(epoch)

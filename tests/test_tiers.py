@@ -175,7 +175,7 @@ def test_promoter_killed_mid_upload_leaves_nothing_listed_and_rerun_completes(
     storage = open_storage(object_root)
     assert data_steps(storage) == {2}  # every chunk of step 2 uploaded ...
     assert durable_steps(object_root) == []  # ... and nothing listed without its marker
-    rc, out, err = finish(promote_cli(local, object_root))
+    rc, _, err = finish(promote_cli(local, object_root))
     assert rc == 0, err
     assert durable_steps(object_root) == [1, 2]
     with jaxckpt.CheckpointManager(object_root, read_only=True) as mgr:
@@ -271,11 +271,14 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
 
 def test_wait_durable_and_options_report_misuse(tmp_path):
     with pytest.raises(ValueError, match="promotion"):
-        jaxckpt.CheckpointManager(str(tmp_path / "a"), local_root=str(tmp_path / "b"), promotion="x")
+        jaxckpt.CheckpointManager(
+            str(tmp_path / "a"), local_root=str(tmp_path / "b"), promotion="x"
+        )
     with pytest.raises(jaxckpt.CheckpointError, match="same root"):
         jaxckpt.CheckpointManager(str(tmp_path / "a"), local_root=str(tmp_path / "a"))
-    with jaxckpt.CheckpointManager(str(tmp_path / "plain")) as mgr, pytest.raises(
-        jaxckpt.CheckpointError, match="no local tier"
+    with (
+        jaxckpt.CheckpointManager(str(tmp_path / "plain")) as mgr,
+        pytest.raises(jaxckpt.CheckpointError, match="no local tier"),
     ):
         mgr.wait_durable()
     with tiered(str(tmp_path / "d"), tmp_path / "l", promotion="external") as mgr:

@@ -79,7 +79,10 @@ def cmd_promote(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if metrics is not None:
         metrics.serve(args.metrics_port, args.metrics_addr)
-    print(f"watching {local.storage.uri} -> {durable.storage.uri} every {args.interval:g}s", flush=True)
+    print(
+        f"watching {local.storage.uri} -> {durable.storage.uri} every {args.interval:g}s",
+        flush=True,
+    )
     started = time.monotonic()
     promoter.watch(
         stop,
