@@ -46,6 +46,7 @@ ALREADY_DURABLE = "already durable"
 GONE = "not committed locally"
 FENCED = "fenced"
 FAILED = "failed"
+ARCHIVED = "archived"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +93,8 @@ class PromotionResult:
     Attributes:
       step: the step.
       outcome: ``promoted``, ``already durable``, ``not committed locally``,
-        ``fenced`` (the job's epoch was fenced: nothing written) or ``failed``.
+        ``fenced`` (the job's epoch was fenced: nothing written), ``failed``, or
+        ``archived`` (:func:`archive_once`).
       nbytes: chunk bytes copied.
       seconds: time spent on the step.
       durable_time: wall-clock time of the durable commit (``promoted`` only).
@@ -277,3 +279,53 @@ class Promoter:
                 wake.wait(interval_s)
             else:
                 stop.wait(interval_s)
+
+
+def archive_once(
+    durable: CommitProtocol,
+    archive: CommitProtocol,
+    *,
+    older_than_s: float,
+    select: policy.RetentionPolicy | None = None,
+    level: int = 3,
+    now: float | None = None,
+) -> list[PromotionResult]:
+    """Re-encodes chosen durable steps with zstd into an archive root (``cp --compress``).
+
+    A durable step is archived when it was committed more than ``older_than_s``
+    seconds ago, ``select`` keeps it (e.g. ``KeepMilestones()``; None: every
+    step) and the archive does not hold it yet. The archive is written as an
+    operator (no epoch of its own), each step committed with the usual marker.
+    """
+    from jaxckpt._copy import copy_step
+
+    now = time.time() if now is None else now
+    committed = durable.committed()
+    chosen = set(committed)
+    if select is not None:
+        infos = [
+            policy.StepInfo(step=s, metrics=dict(m.metrics) or None, pinned=m.keep)
+            for s, m in committed.items()
+        ]
+        chosen = set(select.keep(infos)) | {s for s, m in committed.items() if m.keep}
+    archived = archive.visible_refs()
+    results = []
+    for step in sorted(chosen - set(archived)):
+        marker = committed[step]
+        if now - marker.time < older_than_s:
+            continue
+        start = time.monotonic()
+        try:
+            nbytes = copy_step(durable, archive, marker, compress="zstd", level=level)
+        except StepAlreadyExistsError:
+            continue
+        except (CheckpointError, OSError) as e:
+            log.error("archiving step %d to %s failed: %s", step, archive.where(), e)
+            results.append(PromotionResult(step=step, outcome=FAILED, error=str(e)))
+            continue
+        seconds = time.monotonic() - start
+        log.info(
+            "archived step %d to %s: %d bytes in %.2fs", step, archive.where(), nbytes, seconds
+        )
+        results.append(PromotionResult(step=step, outcome=ARCHIVED, nbytes=nbytes, seconds=seconds))
+    return results

@@ -288,3 +288,29 @@ def test_wait_durable_and_options_report_misuse(tmp_path):
             mgr.wait_durable(timeout_s=0.3)  # nobody promotes
         with pytest.raises(jaxckpt.PromotionError, match="neither durable"):
             mgr.wait_durable(7, timeout_s=5)
+
+
+def test_promote_archives_old_milestones_with_zstd(tmp_path, capsys):
+    from jaxckpt import cli
+
+    root, local, archive = str(tmp_path / "durable"), tmp_path / "local", str(tmp_path / "arch")
+    with tiered(root, local, promotion="external") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step), keep=step == 3)
+    args = ["promote", str(local), root, "--archive", archive, "--archive-milestones", "2"]
+    assert cli.main([*args, "--archive-after-hours", "1"]) == 0  # promoted, too new to archive
+    assert durable_steps(root) == [1, 2, 3] and durable_steps(archive) == []
+    assert cli.main([*args, "--archive-after-hours", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2: archived" in out and "step 3: archived" in out  # the milestone and the pin
+    assert durable_steps(archive) == [2, 3]
+    with jaxckpt.CheckpointManager(archive, read_only=True) as mgr:
+        assert_tree_bitexact(mgr.restore(2), state(2))
+        assert mgr.verify(3).ok
+    meta = json.loads((tmp_path / "arch").joinpath(_array_meta(archive, 2, "w")).read_text())
+    assert any(c["name"] == "zstd" for c in meta["codecs"])
+
+
+def _array_meta(root: str, step: int, name: str) -> str:
+    marker = CommitProtocol(open_storage(root)).require_marker(step)
+    return marker.location.array_prefix(name) + "zarr.json"

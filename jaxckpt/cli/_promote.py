@@ -38,10 +38,31 @@ def register(sub: Any) -> None:
         "--metrics-addr", default="0.0.0.0", metavar="ADDR", help="default 0.0.0.0 (all)"
     )
     add_retention_flags(p)  # applied to the durable root after each promoted step
+    p.add_argument(
+        "--archive",
+        metavar="ARCHIVE_ROOT",
+        help="also re-encode durable steps with zstd into this root (as `cp --compress zstd`)",
+    )
+    p.add_argument(
+        "--archive-after-hours",
+        type=float,
+        default=24.0,
+        metavar="H",
+        help="--archive: only steps committed more than H hours ago (default 24)",
+    )
+    p.add_argument(
+        "--archive-milestones",
+        nargs="?",
+        const="1,2,5",
+        metavar="S,S,...",
+        help="--archive: only milestone steps (series default 1,2,5) and pinned ones",
+    )
+    p.add_argument("--archive-level", type=int, default=3, help="zstd level (default 3)")
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from jaxckpt._promote import PROMOTED, Promoter, PromotionResult
+    from jaxckpt import policy
+    from jaxckpt._promote import PROMOTED, Promoter, PromotionResult, archive_once
     from jaxckpt.cli._metrics import PromoterMetrics
 
     if args.metrics_port is not None and not args.watch:
@@ -55,10 +76,10 @@ def cmd_promote(args: argparse.Namespace) -> int:
     metrics = PromoterMetrics(local, durable) if args.metrics_port is not None else None
 
     def report(result: PromotionResult) -> None:
-        if result.outcome == PROMOTED:
+        if result.outcome in (PROMOTED, "archived"):
             rate = human_bytes(result.nbytes / max(result.seconds, 1e-9))
             print(
-                f"step {result.step}: promoted {human_bytes(result.nbytes)} in "
+                f"step {result.step}: {result.outcome} {human_bytes(result.nbytes)} in "
                 f"{human_duration(result.seconds)} ({rate}/s)",
                 flush=True,
             )
@@ -68,11 +89,32 @@ def cmd_promote(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.result(result)
 
+    archive = open_root(args.archive, create=True) if args.archive else None
+    select = None
+    if args.archive_milestones is not None:
+        series = [int(x) for x in args.archive_milestones.split(",") if x.strip()]
+        select = policy.KeepMilestones(series=series)
+
+    def archive_pass() -> list[PromotionResult]:
+        if archive is None:
+            return []
+        results = archive_once(
+            durable,
+            archive,
+            older_than_s=args.archive_after_hours * 3600,
+            select=select,
+            level=args.archive_level,
+        )
+        for result in results:
+            report(result)
+        return results
+
     promoter = Promoter(local, durable, retention=retention(args), on_result=report)
     if not args.watch:
         results = promoter.promote_once()
         done = sum(r.outcome == PROMOTED for r in results)
         print(f"{durable.storage.uri}: promoted {done} step{'s' if done != 1 else ''}")
+        results += archive_pass()
         return 0 if all(r.outcome != "failed" for r in results) else 1
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,10 +126,12 @@ def cmd_promote(args: argparse.Namespace) -> int:
         flush=True,
     )
     started = time.monotonic()
-    promoter.watch(
-        stop,
-        interval_s=args.interval,
-        on_pass=(lambda _: metrics.refresh()) if metrics is not None else None,
-    )
+
+    def after_pass(_: list[PromotionResult]) -> None:
+        archive_pass()
+        if metrics is not None:
+            metrics.refresh()
+
+    promoter.watch(stop, interval_s=args.interval, on_pass=after_pass)
     print(f"stopped after {human_duration(time.monotonic() - started)}", flush=True)
     return 0
