@@ -180,6 +180,7 @@ class CheckpointManager:
             promotion=opts.promotion,
             promote_policy=opts.promote_policy,
             retention=opts.retention,
+            gc_grace_s=opts.gc_grace_s if opts.gc_on_open else None,
         )
 
     def _collect_on_open(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import tensorstore as ts
 
-from jaxckpt import policy
+from jaxckpt import _gc, policy
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._promote import (
     FAILED,
@@ -52,6 +52,9 @@ class DurableTier:
       promotion: ``"background"`` or ``"external"``.
       promote_policy: which locally committed steps to promote (None: all).
       retention: retention of the durable root.
+      gc_grace_s: collect the durable root's garbage on open (attempts of
+        fenced writers, e.g. a killed promoter of an earlier run, and stale
+        ones) with this grace period; None: do not.
       interval_s: how often the background promoter looks for requests it
         was not woken for (requests of an earlier run).
     """
@@ -67,6 +70,7 @@ class DurableTier:
         promotion: str,
         promote_policy: policy.SavePolicy | None,
         retention: policy.RetentionPolicy | None,
+        gc_grace_s: float | None = None,
         interval_s: float = 5.0,
     ) -> None:
         storage = open_storage(root, **dict(storage_options))
@@ -94,6 +98,12 @@ class DurableTier:
             return
         self.protocol.ensure_root(create=True)
         epoch = self.protocol.take_epoch().epoch
+        if gc_grace_s is not None:
+            try:
+                found = _gc.scan(self.protocol, full=False)
+                _gc.collect(self.protocol, found, grace_s=gc_grace_s)
+            except CheckpointError as e:
+                log.warning("garbage collection on open of %s failed: %s", self.uri, e)
         self._restamp(epoch)
         if promotion == "background":
             self.promoter = Promoter(

@@ -29,6 +29,7 @@ from trees import assert_tree_bitexact
 import jaxckpt
 from jaxckpt import policy
 from jaxckpt._commit import CommitProtocol
+from jaxckpt._layout import ATTEMPTS, parse_data_key
 from jaxckpt._promote import read_requests
 from jaxckpt._storage import open_storage
 
@@ -181,6 +182,14 @@ def test_promoter_killed_mid_upload_leaves_nothing_listed_and_rerun_completes(
     with jaxckpt.CheckpointManager(object_root, read_only=True) as mgr:
         assert_tree_bitexact(mgr.restore(), state(2))
         assert_tree_bitexact(mgr.restore(1), state(1))
+    assert len(_attempts(storage, 2)) == 2  # the killed promoter's attempt is left over ...
+    tiered(object_root, local, promotion="external").close()  # ... until the next job's open
+    assert len(_attempts(storage, 2)) == 1
+
+
+def _attempts(storage: Any, step: int) -> set[str]:
+    locs = (parse_data_key(k) for k in storage.list(ATTEMPTS))
+    return {loc.attempt for loc in locs if loc is not None and loc.step == step and loc.attempt}
 
 
 def test_promoter_of_a_fenced_job_stops_and_a_restarted_job_takes_over(tmp_path, capfd):
@@ -256,7 +265,7 @@ def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
     with tiered(root, local, promote_policy=policy.EveryNSteps(2)) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, state(step))
-        mgr.wait_durable(timeout_s=TIMEOUT_S)
+    # close() waited for the background promotion of step 2
     assert cli.main(["ls", root, "--local-root", str(local), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert {c["step"]: c["tiers"] for c in listed["committed"]} == {
