@@ -323,3 +323,40 @@ def test_promote_archives_old_milestones_with_zstd(tmp_path, capsys):
 def _array_meta(root: str, step: int, name: str) -> str:
     marker = CommitProtocol(open_storage(root)).require_marker(step)
     return marker.location.array_prefix(name) + "zarr.json"
+
+
+_MULTIHOST = """
+import sys, jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+addr, pid, root, local = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+jax.distributed.initialize(coordinator_address=addr, coordinator_bind_address=addr,
+                           num_processes=2, process_id=pid, initialization_timeout=60)
+import jaxckpt
+try:
+    jaxckpt.CheckpointManager(root, local_root=f"{local}{pid}")
+except jaxckpt.CheckpointError as e:
+    print(type(e).__name__, e, flush=True)
+"""
+
+
+def test_multi_process_tiers_fail_clearly_before_writing(tmp_path):
+    import servers
+
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    addr = f"127.0.0.1:{servers.free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MULTIHOST, addr, str(i), root, local],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [finish(p, timeout=TIMEOUT_S) for p in procs]
+    for rc, out, err in outs:
+        assert rc == 0, err[-2000:]
+        assert out.startswith("CheckpointError") and "single-process for now" in out, out
+        assert "2 processes" in out
+    assert not (tmp_path / "durable").exists() and not (tmp_path / "local0").exists()
