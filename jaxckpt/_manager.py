@@ -704,7 +704,16 @@ class CheckpointManager:
             marker.step, preempted=self.preempted(marker.step)
         ):
             stats = [s for s in self._recorder.history() if s.step == marker.step]
-            durable.request(marker, saved=stats[-1].started if stats else None)
+            try:  # the step is committed locally: a failed request must not fail the save
+                durable.request(marker, saved=stats[-1].started if stats else None)
+            except (CheckpointError, OSError) as e:
+                log.error(
+                    "step %d is committed under %s but its promotion request failed (%s); "
+                    "it stays local only",
+                    marker.step,
+                    self._storage.uri,
+                    e,
+                )
         if self.options.retention is None and self.options.local_retention is None:
             return
         self._deletion = self._deleter.submit(self._apply_retention)

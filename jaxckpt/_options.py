@@ -68,6 +68,10 @@ class CheckpointOptions:
             raise ValueError(
                 f"promotion must be 'background' or 'external', got {self.promotion!r}"
             )
+        if self.local_root is None and (
+            self.promote_policy is not None or self.local_retention is not None
+        ):
+            raise ValueError("promote_policy and local_retention need a local_root")
         if self.local_root is not None and not isinstance(self.local_root, str):
             object.__setattr__(self, "local_root", str(self.local_root))  # a PathLike
         if self.save_timeout_s <= 0:

@@ -121,11 +121,13 @@ def read_requests(local: CommitProtocol) -> dict[int, PromotionRequest]:
     requests: dict[int, PromotionRequest] = {}
     for key in local.storage.list(PROMOTE):
         step = parse_promote_key(key)
-        data = local.storage.read(key) if step is not None else None
-        if data is None:
+        if step is None:
             continue
+        data = local.storage.read(key)
+        if data is None:
+            continue  # removed since the listing: promoted meanwhile
         try:
-            requests[step] = PromotionRequest.from_bytes(data, local.where(key))  # type: ignore[index]
+            requests[step] = PromotionRequest.from_bytes(data, local.where(key))
         except CheckpointError as e:
             log.warning("%s", e)
     return dict(sorted(requests.items()))

@@ -74,6 +74,7 @@ def test_saves_go_local_chosen_steps_become_durable_retention_per_tier(storage_r
         assert mgr.save(step, state(step))
         assert mgr.wait_durable(timeout_s=TIMEOUT_S) == (step // 2 * 2 or None)
     mgr.wait_for_deletions(timeout_s=TIMEOUT_S)
+    mgr.close()  # joins the promoter: durable retention ran after the last promotion
     assert mgr.steps(tier="local") == [5, 6]  # local KeepLast(2)
     assert mgr.steps(tier="durable") == [4, 6]  # every 2nd step, durable KeepLast(2)
     assert mgr.steps() == [4, 5, 6] and mgr.latest_step() == 6
@@ -82,7 +83,6 @@ def test_saves_go_local_chosen_steps_become_durable_retention_per_tier(storage_r
     assert stats[5].durable_s is None  # not chosen for promotion
     with pytest.raises(ValueError, match="tier"):
         mgr.steps(tier="nvme")
-    mgr.close()
     assert durable_steps(storage_root) == [4, 6]
     assert read_requests(CommitProtocol(open_storage(str(local)))) == {}
     # A plain manager of the durable root sees an ordinary root.
@@ -297,6 +297,8 @@ def test_wait_durable_and_options_report_misuse(tmp_path):
             mgr.wait_durable(timeout_s=0.3)  # nobody promotes
         with pytest.raises(jaxckpt.PromotionError, match="neither durable"):
             mgr.wait_durable(7, timeout_s=5)
+    with pytest.raises(ValueError, match="need a local_root"):
+        jaxckpt.CheckpointManager(str(tmp_path / "a"), local_retention=policy.KeepLast(1))
 
 
 def test_promote_archives_old_milestones_with_zstd(tmp_path, capsys):
