@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from typing import Any
 
 import jax
 
 from jaxckpt.errors import CheckpointError
+
+log = logging.getLogger("jaxckpt")
 
 
 class Agreement:
@@ -76,6 +79,29 @@ class Agreement:
                     f"within {self._timeout_s:.0f}s: {e}"
                 ) from e
         return "1" in flags
+
+    def close(self) -> None:
+        """Removes every key this agreement wrote, once every process is done with them.
+
+        Each process says it is closing (after its last ``agree``/``any_true``,
+        so it reads no more keys); the primary waits for all of them, bounded
+        by the timeout, then deletes the namespace. A process that never
+        arrives leaves the keys in place (logged), never a hang.
+        """
+        if jax.process_count() == 1:
+            return
+        client = self._client()
+        base = f"jaxckpt/{self._namespace}/"
+        client.key_value_set(f"{base}closed/{jax.process_index()}", "1")
+        if jax.process_index() != self._primary:
+            return
+        try:
+            for p in range(jax.process_count()):
+                client.blocking_key_value_get(f"{base}closed/{p}", self._timeout_ms)
+        except Exception as e:
+            log.warning("agreement keys %s kept: a process did not close (%s)", base, e)
+            return
+        client.key_value_delete(base)
 
     @property
     def _timeout_ms(self) -> int:

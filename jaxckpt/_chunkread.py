@@ -95,8 +95,11 @@ def read_regions(
             itemsize = leaf.numpy_dtype.itemsize
             for cell in _cells(request.region, leaf.chunk_shape):
                 key = chunk_key(cell, leaf.chunk_shape)
+                record = records.get(leaf.name or "", {}).get(key)
                 future = pool.submit(
-                    storage.read_buffer, f"{loc.array_prefix(leaf.name or '')}{key}"
+                    storage.read_buffer,
+                    f"{loc.array_prefix(leaf.name or '')}{key}",
+                    record.size if record is not None else None,
                 )
                 inflight.append((i, cell, key, future))
                 inflight_bytes += math.prod(leaf.chunk_shape) * itemsize

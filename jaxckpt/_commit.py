@@ -53,6 +53,7 @@ from jaxckpt.errors import (
     NotACheckpointRootError,
     StepAlreadyExistsError,
     StepNotFoundError,
+    StorageError,
     UncommittedStepError,
     UnsupportedFormatError,
     WriterFencedError,
@@ -239,6 +240,20 @@ class CommitProtocol:
         if hint is None or hint < step:
             self.storage.write(latest_hint_key(epoch), str(step).encode())
 
+    def marker_or_latest(self, step: int | None) -> CommitMarker:
+        """The marker of ``step``, or of the newest committed step when ``step`` is None.
+
+        Raises:
+          NotACheckpointRootError: ``step`` is None and nothing is committed.
+          StepNotFoundError / UncommittedStepError: no committed ``step``.
+        """
+        if step is not None:
+            return self.require_marker(step)
+        marker = self.latest()
+        if marker is None:
+            raise NotACheckpointRootError(f"no committed steps under {self.storage.uri}")
+        return marker
+
     def require_marker(self, step: int) -> CommitMarker:
         """The marker of a committed step.
 
@@ -373,7 +388,12 @@ class CommitProtocol:
                 f"step {step} was committed by another writer under {self.storage.uri}"
             ) from e
         reached("marker_written", step)
-        self.storage.delete(loc.pending_key)
+        try:
+            self.storage.delete(loc.pending_key)
+        except StorageError as e:
+            # The step is committed; failing now would make the caller abandon
+            # the attempt the marker names. Garbage collection drops the record.
+            log.warning("step %d is committed; its pending record stays until gc: %s", step, e)
         return marker
 
     def _check_chunks_present(self, loc: StepLocation, parts: Sequence[ManifestPart]) -> None:
@@ -388,10 +408,25 @@ class CommitProtocol:
                             f"({self.where(loc.array_prefix(name) + chunk.key)}) is missing"
                         )
 
-    def abandon(self, loc: StepLocation) -> None:
-        """Removes an uncommitted attempt of this writer (never one a marker names)."""
+    def abandon(self, loc: StepLocation) -> bool:
+        """Removes an uncommitted attempt; returns False (and keeps it) if a marker names it.
+
+        The check covers a marker whose write reported a failure but landed (a
+        lost response after the last retry) and a commit racing a collection.
+        """
+        key = marker_key(loc.step, None if loc.attempt is None else loc.epoch)
+        data = self.storage.read(key)
+        if data is not None:
+            try:
+                named = CommitMarker.from_bytes(data, self.where(key)).location == loc
+            except CorruptCheckpointError:
+                named = True  # a damaged marker of this step: its data is kept
+            if named:
+                log.warning("kept %s: %s names it", loc, self.where(key))
+                return False
         self.storage.delete_prefix(loc.prefix)
         self.storage.delete(loc.pending_key)
+        return True
 
     # -- deleting -----------------------------------------------------------
 

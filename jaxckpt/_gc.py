@@ -42,7 +42,7 @@ from jaxckpt._layout import (
     parse_pending_key,
 )
 from jaxckpt._records import CommitMarker, load_json_record
-from jaxckpt.errors import CheckpointError
+from jaxckpt.errors import CheckpointError, StorageError
 
 log = logging.getLogger("jaxckpt")
 
@@ -186,17 +186,24 @@ def collect(
         )
         protocol.retract(marker.location, marker.key)
         removed.append(marker.location)
+    if force:  # first, so that the attempts below are no longer named by them
+        for step, ref in found.damaged.items():
+            log.warning("removing the damaged commit marker of step %d (--force)", step)
+            protocol.storage.delete(ref.key)
     for attempt in found.attempts:
         if attempt.step in found.damaged and not force:
             continue
         if is_live(attempt, current, grace_s, now):
             continue
-        protocol.abandon(attempt.location)
+        try:
+            if not protocol.abandon(attempt.location):
+                continue  # committed since the scan
+        except StorageError as e:
+            # A fenced writer may still be writing into it (a directory that
+            # refills while it is removed); what is left is collected next time.
+            log.warning("could not remove %s yet: %s", attempt.location, e)
+            continue
         removed.append(attempt.location)
-    if force:
-        for step, ref in found.damaged.items():
-            log.warning("removing the damaged commit marker of step %d (--force)", step)
-            protocol.storage.delete(ref.key)
     for key in found.stale_pending + found.temp_keys:
         protocol.storage.delete(key)
     if removed:

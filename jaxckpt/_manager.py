@@ -263,7 +263,7 @@ class CheckpointManager:
             )
         except Exception as e:
             self._session.end(failed=True)
-            fenced = _fence_error(e)
+            fenced = _fence_error(e) or self._fenced_now(step)
             if fenced is not None:
                 self._fenced = fenced
                 raise fenced from e
@@ -794,6 +794,7 @@ class CheckpointManager:
             self._deleter.shutdown(wait=True)
             if self._watcher is not None:
                 self._watcher.close()
+            self._agreement.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

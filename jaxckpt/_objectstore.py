@@ -39,8 +39,10 @@ import threading
 import uuid
 from typing import Any, TypeVar
 
+import numpy as np
 import tensorstore as ts
 
+from jaxckpt._ranged import RangedReader, ShortObjectError
 from jaxckpt._storage import PreconditionFailed
 from jaxckpt.errors import StorageError
 
@@ -88,6 +90,12 @@ class ObjectStoreOptions:
       timeout_s: deadline of one metadata operation (read, write, list, delete
         of a prefix), covering stalled connections that retries do not; None
         waits forever.
+      read_part_bytes: the largest ranged GET of a restore; a larger chunk
+        object is fetched by several requests at once.
+      read_ahead_bytes: the restore's memory budget on this store: response
+        bytes in flight at once, beyond the restored arrays themselves (at
+        least one part). Lower it on hosts with little RAM; raise it on
+        high-latency links (throughput ≈ read_ahead_bytes / round-trip time).
     """
 
     endpoint: str | None = None
@@ -97,13 +105,15 @@ class ObjectStoreOptions:
     max_delay_s: float = 8.0
     request_concurrency: int = 32
     timeout_s: float | None = 300.0
+    read_part_bytes: int = 8 << 20
+    read_ahead_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(f"endpoint must start with http:// or https://, got {self.endpoint!r}")
         if self.region is not None and not self.region:
             raise ValueError("region must be a non-empty string or None")
-        for name in ("max_retries", "request_concurrency"):
+        for name in ("max_retries", "request_concurrency", "read_part_bytes", "read_ahead_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -202,6 +212,7 @@ class ObjectStorage:
         self._probe_lock = threading.Lock()
         self._open_lock = threading.Lock()
         self._store: ts.KvStore | None = None
+        self._reader: RangedReader | None = None
 
     @property
     def _kv(self) -> ts.KvStore:
@@ -281,9 +292,39 @@ class ObjectStorage:
 
     # -- Storage protocol --------------------------------------------------
 
-    def read_buffer(self, key: str) -> bytes | None:
-        """The object's bytes (TensorStore hands them over as one ``bytes``)."""
-        return self.read(key)
+    def read_buffer(self, key: str, size: int | None = None) -> bytes | np.ndarray | None:
+        """The object's bytes; with its expected ``size``, in an aligned, writable buffer.
+
+        With ``size`` the object is read by ranged GETs under the
+        ``read_ahead_bytes`` budget (:mod:`jaxckpt._ranged`); the buffer can
+        become a jax array without a copy. An object shorter than ``size`` is
+        read whole, so the caller's size check names the difference.
+        """
+        if size is None or size <= 0:
+            return self.read(key)
+        name = self._name(key)
+        try:
+            buffer = self._ranged.read(name, size)
+        except ShortObjectError:
+            return self.read(key)
+        if buffer is None:
+            self._check_bucket("read", name)
+        return buffer
+
+    @property
+    def _ranged(self) -> RangedReader:
+        """One reader per storage object, so all threads share one memory budget."""
+        kv = self._kv
+        with self._open_lock:
+            if self._reader is None:
+                self._reader = RangedReader(
+                    kv,
+                    part_bytes=self._options.read_part_bytes,
+                    ahead_bytes=self._options.read_ahead_bytes,
+                    timeout_s=self._options.timeout_s,
+                    error=self._error,
+                )
+            return self._reader
 
     def read(self, key: str) -> bytes | None:
         name = self._name(key)
@@ -309,7 +350,13 @@ class ObjectStorage:
             if stamp.generation:
                 return
             # The condition failed: the key exists, or (S3) the bucket is missing.
-            if self._wait(self._kv.read(name), "read", name).state == "value":
+            existing = self._wait(self._kv.read(name), "read", name)
+            if existing.state == "value":
+                if bytes(existing.value) == data:
+                    # Our own write: it landed, its response was lost, and the
+                    # retry was refused. Create-only records are unique (markers
+                    # name their attempt; epoch records their owner and time).
+                    return
                 raise PreconditionFailed(f"{self._scheme}://{self._bucket}/{name}")
             self._bucket_checked = False
             self._check_bucket("write", name)

@@ -30,7 +30,7 @@ from jaxckpt._restore import LoadedStep, StepReader, load_step
 from jaxckpt._storage import open_storage
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import ArrayWriter, Region
-from jaxckpt.errors import NotACheckpointRootError, StepNotFoundError
+from jaxckpt.errors import StepNotFoundError
 
 __all__ = ["LeafView", "StepView", "dotted_path", "open_step"]
 
@@ -310,13 +310,9 @@ def open_step(
     """
     protocol = CommitProtocol(open_storage(root, **storage_options))
     protocol.ensure_root(create=False)
-    if step is None:
-        committed = protocol.committed()
-        if not committed:
-            raise NotACheckpointRootError(f"no committed steps under {protocol.storage.uri}")
-        marker = committed[max(committed)]
-    else:
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise StepNotFoundError(f"step must be a non-negative integer, got {step!r}")
-        marker = protocol.require_marker(int(step))
+    if step is not None and (
+        isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0
+    ):
+        raise StepNotFoundError(f"step must be a non-negative integer, got {step!r}")
+    marker = protocol.marker_or_latest(None if step is None else int(step))
     return StepView(protocol, load_step(protocol, marker))

@@ -42,11 +42,13 @@ class Storage(Protocol):
         """Returns the object's bytes, or None when it does not exist."""
         ...
 
-    def read_buffer(self, key: str) -> bytes | np.ndarray | None:
+    def read_buffer(self, key: str, size: int | None = None) -> bytes | np.ndarray | None:
         """Like :meth:`read`, for large objects: a buffer the caller may keep.
 
         Local roots return a 64-byte-aligned numpy buffer filled by ``readinto``
-        (no extra copy, and aligned so XLA's CPU client can alias it).
+        (no extra copy, and aligned so XLA's CPU client can alias it). Object
+        stores do the same when ``size``, the expected size, is given: ranged
+        GETs in parallel under a memory budget.
         """
         ...
 
@@ -118,7 +120,8 @@ class LocalStorage:
         except OSError as e:
             raise self._error("read", key, e) from e
 
-    def read_buffer(self, key: str) -> bytes | np.ndarray | None:
+    def read_buffer(self, key: str, size: int | None = None) -> bytes | np.ndarray | None:
+        del size  # the file's own size is read; a mismatch is the caller's to report
         try:
             with open(_join(self._root, key), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size

@@ -13,7 +13,7 @@ import itertools
 import math
 import sys
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,9 +138,11 @@ class ArrayWriter:
             "kvstore": self._storage.kvstore_spec(loc.array_prefix(leaf.name)),
         }
         if create:
+            # assume_metadata: no GET + conditional PUT of zarr.json per array (three
+            # round trips on S3); write() stores every array's zarr.json at once.
             spec["metadata"] = zarr_metadata(leaf)
             spec["store_data_equal_to_fill_value"] = True  # every chunk is an object
-            return ts.open(spec, create=True, open=True, context=self._context)
+            return ts.open(spec, open=True, assume_metadata=True, context=self._context)
         spec["fill_missing_data_reads"] = False
         return ts.open(spec, open=True, read=True, context=self._context)
 
@@ -164,6 +166,7 @@ class ArrayWriter:
         """
         step = loc.step
         stores = {h.leaf.name: self.open(loc, h.leaf, create=True) for h in arrays if h.leaf.name}
+        self._write_metadata(loc, {name: future.result() for name, future in stores.items()})
         records: dict[str, tuple[ChunkRecord, ...]] = {}
         inflight: deque[tuple[Any, int]] = deque()
         pending_bytes = 0
@@ -200,6 +203,25 @@ class ArrayWriter:
             fut.result()
         reached("data_written", step)
         return records
+
+    def _write_metadata(self, loc: StepLocation, stores: Mapping[str, ts.TensorStore]) -> None:
+        """Every array's ``zarr.json``, all requests in flight at once, durable on return.
+
+        The bytes are TensorStore's own normalized metadata (what ``create``
+        would have written). Processes of a multi-host save that share an
+        array write identical bytes; the attempt's prefix is this save's alone.
+        """
+        kv = ts.KvStore.open(
+            self._storage.kvstore_spec(loc.arrays_prefix), context=self._context
+        ).result()
+        futures = [
+            kv.write(
+                f"{name}/zarr.json", dumps(store.spec(minimal_spec=False).to_json()["metadata"])
+            )
+            for name, store in stores.items()
+        ]
+        for future in futures:
+            future.result()
 
 
 def read_region(store: ts.TensorStore, region: Region) -> ts.Future:

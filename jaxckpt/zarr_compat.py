@@ -168,7 +168,6 @@ def open_group(
     """
     from jaxckpt._commit import CommitProtocol
     from jaxckpt._storage import open_storage
-    from jaxckpt.errors import NotACheckpointRootError
 
     options: dict[str, Any] = {}
     if endpoint is not None:
@@ -177,13 +176,7 @@ def open_group(
         options["region"] = region
     protocol = CommitProtocol(open_storage(root, **options))
     protocol.ensure_root(create=False)
-    if step is None:
-        committed = protocol.committed()
-        if not committed:
-            raise NotACheckpointRootError(f"no committed steps under {protocol.storage.uri}")
-        marker = committed[max(committed)]
-    else:
-        marker = protocol.require_marker(step)
+    marker = protocol.marker_or_latest(step)
     register_dtypes()
     import zarr
 

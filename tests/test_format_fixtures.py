@@ -30,8 +30,34 @@ def fixture(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path]
     return request.param, Path(shutil.copytree(request.param / "root", tmp_path / "root"))
 
 
-def test_there_is_a_fixture_for_format_version_1():
-    assert [p.name for p in VERSIONS][:1] == ["v1"]
+def test_there_is_a_fixture_for_every_format_version():
+    from jaxckpt._records import FORMAT_VERSION
+
+    assert [p.name for p in VERSIONS] == [f"v{v}" for v in range(1, FORMAT_VERSION + 1)]
+
+
+def test_a_version_1_root_opened_for_writing_keeps_its_steps_and_gains_version_2_ones(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    import numpy as np
+
+    v1 = VERSIONS[0]
+    root = Path(shutil.copytree(v1 / "root", tmp_path / "root"))
+    expected, arrays = load_expected(v1)
+    with jaxckpt.CheckpointManager(root) as mgr:  # takes epoch 1; upgrades the root record
+        assert mgr.epoch == 1 and mgr.steps() == [1, 2]
+        mgr.save(3, {"w": np.arange(4.0)})
+    record = json.loads((root / "jaxckpt.json").read_bytes())
+    assert record["version"] == 2  # an older jaxckpt, blind to epochs, now refuses to write
+    reader = jaxckpt.CheckpointManager(root, read_only=True)
+    assert reader.steps() == [1, 2, 3] and reader.latest_step() == 3
+    for step in (1, 2):  # the format-1 steps are untouched and still bit-exact
+        restored = reader.restore(step)
+        assert step_problems(restored, expected["steps"][str(step)], arrays, as_jax=False) == []
+        assert reader.verify(step).ok
+    assert (root / "steps" / "1").is_dir() and (root / "attempts" / "3").is_dir()
 
 
 def test_every_step_restores_bit_exactly_with_and_without_a_target(fixture):

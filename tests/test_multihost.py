@@ -247,6 +247,8 @@ def save_2x2(logs: Path, root: str) -> None:
     procs = run_group(logs, root, mode="save", processes=2, devices=2, mesh="2x2")
     for p in procs:
         assert p.said("COMMITTED") == [f"COMMITTED {s}" for s in STEPS], p.report()
+    # close() removed every agreement key (epoch, attempts, decisions) from the KV store.
+    assert procs[0].said("AGREEMENT KEYS LEFT") == ["AGREEMENT KEYS LEFT 0"], procs[0].report()
 
 
 def restored_steps(procs: list[Proc]) -> list[int]:
@@ -348,6 +350,7 @@ def test_restore_on_four_processes(saved_local: str, tmp_path: Path) -> None:
     assert restored_steps(procs) == [STEPS[-1]] * 4
     for p in procs:
         assert p.said("CHECKED") == [f"CHECKED {5 + 1}"], p.report()
+    assert procs[0].said("AGREEMENT KEYS LEFT") == ["AGREEMENT KEYS LEFT 0"], procs[0].report()
 
 
 def test_hosts_agree_when_one_host_reads_a_corrupt_chunk(saved_local: str, tmp_path: Path) -> None:

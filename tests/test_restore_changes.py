@@ -57,9 +57,9 @@ def test_partial_restore_reads_only_the_target_paths(root, monkeypatch):
     reads: list[str] = []
     read_buffer = LocalStorage.read_buffer
 
-    def recording(self, key):
+    def recording(self, key, size=None):
         reads.append(key)
-        return read_buffer(self, key)
+        return read_buffer(self, key, size)
 
     monkeypatch.setattr(LocalStorage, "read_buffer", recording)
     mgr = jaxckpt.CheckpointManager(root, read_only=True)

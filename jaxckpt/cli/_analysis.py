@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from jaxckpt.cli._common import command, open_root, split_source, step_or_latest
+from jaxckpt.cli._common import command, open_root, split_source
 from jaxckpt.cli._output import err, json_out, number, print_table
 
 
@@ -33,7 +33,7 @@ def register(sub: Any) -> None:
 def _step_of(text: str) -> tuple[str, int]:
     root, step = split_source(text)
     protocol = open_root(root)  # fail fast on a wrong root, before jax is imported
-    return root, step_or_latest(protocol, step).step
+    return root, protocol.marker_or_latest(step).step
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

@@ -9,7 +9,6 @@ from typing import Any
 
 from jaxckpt import policy
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._records import CommitMarker
 from jaxckpt._storage import LocalStorage, open_storage
 from jaxckpt.errors import NotACheckpointRootError
 
@@ -26,16 +25,6 @@ def open_root(uri: str, *, create: bool = False) -> CommitProtocol:
     protocol = CommitProtocol(storage)
     protocol.ensure_root(create=create)
     return protocol
-
-
-def step_or_latest(protocol: CommitProtocol, step: int | None) -> CommitMarker:
-    """The marker of ``step``, or of the newest committed step when ``step`` is None."""
-    if step is not None:
-        return protocol.require_marker(step)
-    committed = protocol.committed()
-    if not committed:
-        raise NotACheckpointRootError(f"no committed steps under {protocol.storage.uri}")
-    return committed[max(committed)]
 
 
 def split_source(text: str) -> tuple[str, int | None]:

@@ -10,7 +10,7 @@ from typing import Any
 from jaxckpt._commit import TREE_FILE, CommitProtocol
 from jaxckpt._records import CommitMarker, load_json_record, path_text
 from jaxckpt._versions import versions_text
-from jaxckpt.cli._common import command, itemsize, open_root, step_or_latest
+from jaxckpt.cli._common import command, itemsize, open_root
 from jaxckpt.cli._output import human_bytes, json_out, local_time, print_table
 
 
@@ -48,7 +48,7 @@ def _describe_sharding(sharding: dict[str, Any] | None) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     protocol = open_root(args.root)
-    marker = step_or_latest(protocol, args.step)
+    marker = protocol.marker_or_latest(args.step)
     tree = load_json_record(protocol.read_step_file(marker, TREE_FILE), TREE_FILE)
     stored = _stored_bytes(protocol, marker)
     leaves: list[dict[str, Any]] = []

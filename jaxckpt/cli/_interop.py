@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from jaxckpt.cli._common import command, open_root, split_source, step_or_latest
+from jaxckpt.cli._common import command, open_root, split_source
 from jaxckpt.cli._output import Progress, human_bytes, human_duration
 
 
@@ -65,7 +65,7 @@ def register(sub: Any) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     root, step = split_source(args.src)
     protocol = open_root(root)  # fail fast, before jax is imported
-    marker = step_or_latest(protocol, step)
+    marker = protocol.marker_or_latest(step)
 
     from jaxckpt._safetensors import export_safetensors
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from jaxckpt.cli._common import command, open_root, step_or_latest
+from jaxckpt.cli._common import command, open_root
 from jaxckpt.cli._output import Progress, err, human_bytes, human_duration, json_out
 
 
@@ -29,7 +29,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     elif args.step is not None:
         steps = [protocol.require_marker(args.step).step]
     else:
-        steps = [step_or_latest(protocol, None).step]
+        steps = [protocol.marker_or_latest(None).step]
 
     import tensorstore as ts
 

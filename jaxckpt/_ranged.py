@@ -1,0 +1,141 @@
+"""Object reads into aligned buffers: parallel ranged GETs under one memory budget.
+
+TensorStore hands a kvstore read to Python as one ``bytes`` object, which is
+neither writable nor 64-byte aligned, so ``jax.device_put(..., may_alias=True)``
+must copy it: holding those objects until every leaf is read doubled restore
+memory on object stores. Here a chunk object whose size is known (from the
+manifest) is read as ranged GETs of ``part_bytes`` into a buffer from
+:func:`aligned_empty` that becomes the array; each part's ``bytes`` is dropped
+as soon as it is copied, and at most ``ahead_bytes`` of parts are in flight
+for one storage object (all reader threads together), which bounds the
+transient memory. A large object is fetched by several requests at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+import tensorstore as ts
+
+from jaxckpt._storage import aligned_empty
+from jaxckpt.errors import StorageError
+
+# TensorStore's answer when an object is shorter than the requested range
+# (S3: OUT_OF_RANGE; the GCS emulator: an unexpected Content-Range).
+_SHORT_MARKERS = ("OUT_OF_RANGE", "Unexpected Content-Range")
+
+
+class ShortObjectError(Exception):
+    """The object is shorter than the size it was read with (the caller reads it whole)."""
+
+
+def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of about equal size, each at most ``part_bytes``.
+
+    >>> part_ranges(10, 4)
+    [(0, 3), (3, 6), (6, 10)]
+    >>> part_ranges(0, 4)
+    []
+    """
+    if size <= 0:
+        return []
+    n = math.ceil(size / part_bytes)
+    bounds = [size * i // n for i in range(n + 1)]
+    return list(itertools.pairwise(bounds))
+
+
+class RangedReader:
+    """Reads objects of known size into aligned buffers, parts in parallel.
+
+    Args:
+      kv: the bucket's kvstore.
+      part_bytes: the largest ranged GET.
+      ahead_bytes: response bytes in flight at once, over every thread using
+        this reader (at least one part).
+      timeout_s: the longest wait for one part, or for room in the budget.
+      error: turns a TensorStore failure into a :class:`StorageError`.
+    """
+
+    def __init__(
+        self,
+        kv: ts.KvStore,
+        *,
+        part_bytes: int,
+        ahead_bytes: int,
+        timeout_s: float | None,
+        error: Callable[[str, str, BaseException], StorageError],
+    ) -> None:
+        self._kv = kv
+        self._part = part_bytes
+        self._slots = threading.Semaphore(max(1, ahead_bytes // part_bytes))
+        self._timeout = timeout_s
+        self._error = error
+
+    def read(self, name: str, size: int) -> np.ndarray | None:
+        """The first ``size`` bytes of object ``name``; None if it does not exist.
+
+        Raises:
+          ShortObjectError: the object is shorter than ``size``.
+          StorageError: the store failed, or no part arrived within the timeout.
+        """
+        buffer = aligned_empty(size)
+        pending: deque[tuple[int, int, ts.Future[ts.KvStore.ReadResult]]] = deque()
+        try:
+            for lo, hi in part_ranges(size, self._part):
+                if not self._acquire(name, pending, buffer):
+                    return None
+                future = self._kv.read(name, byte_range=slice(lo, hi))
+                pending.append((lo, hi, future))
+            while pending:
+                if not self._place(name, pending.popleft(), buffer):
+                    return None
+        finally:
+            for _, _, future in pending:
+                future.cancel()
+                self._slots.release()
+        return buffer
+
+    def _acquire(self, name: str, pending: deque, buffer: np.ndarray) -> bool:
+        """Takes a slot; while none is free, finishes this thread's own oldest part.
+
+        Returns False if a finished part says the object is missing.
+
+        A thread never waits for a slot while it holds one, so threads sharing
+        the budget cannot deadlock.
+        """
+        while not self._slots.acquire(blocking=False):
+            if not pending:
+                if not self._slots.acquire(timeout=self._timeout):
+                    raise self._error("read", name, TimeoutError())
+                return True
+            if not self._place(name, pending.popleft(), buffer):
+                return False
+        return True
+
+    def _place(self, name: str, item: tuple, buffer: np.ndarray) -> bool:
+        """Copies one finished part into ``buffer`` and frees its slot; False if missing."""
+        lo, hi, future = item
+        try:
+            try:
+                result = future.result(timeout=self._timeout)
+            except TimeoutError as e:
+                future.cancel()
+                raise self._error("read", name, e) from e
+            except (ValueError, NotImplementedError) as e:
+                if any(m in str(e) for m in _SHORT_MARKERS):
+                    raise ShortObjectError(name) from e
+                raise self._error("read", name, e) from e
+            if result.state != "value":
+                return False
+            value = result.value
+            if len(value) != hi - lo:
+                raise ShortObjectError(name)
+            buffer[lo:hi] = np.frombuffer(value, np.uint8)
+            return True
+        finally:
+            self._slots.release()

@@ -1,0 +1,80 @@
+"""Loopback S3 (moto) and GCS emulator servers for the object-store rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from benchkit.common import REPO, STORE_CONTENDERS, Case, Settings
+from benchkit.rounds import BucketRoots, child_env, run_io_rounds
+from benchkit.summary import summarize_io
+
+
+def _load_test_servers() -> ModuleType | None:
+    path = REPO / "tests" / "servers.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("_bench_servers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], ...]]:
+    """Starts S3 and GCS servers on 127.0.0.1; yields (child env, buckets, server logs).
+
+    Buckets and server logs are by store name (``s3``, ``gcs``).
+
+    The child environment sends every endpoint and credential lookup to loopback
+    (``AWS_ENDPOINT_URL*`` matter: Orbax's path handling inside jaxckpt goes
+    through s3fs, which otherwise contacts ``s3.amazonaws.com``).
+    """
+    servers = _load_test_servers()
+    if servers is None:
+        raise RuntimeError("tests/servers.py is missing: it starts moto_server and the emulator")
+    saved_env = dict(os.environ)
+    servers.isolate_cloud_env(os.environ, str(log_dir))  # boto3 here and in the children
+    try:
+        s3 = servers.start_moto(log_dir)
+        try:
+            gcs = servers.start_gcs_emulator(log_dir)
+        except BaseException:
+            s3.stop()
+            raise
+        env = child_env()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+    env.update(
+        AWS_ENDPOINT_URL_S3=s3.endpoint,
+        AWS_ENDPOINT_URL=s3.endpoint,
+        STORAGE_EMULATOR_HOST=gcs.endpoint,
+        TENSORSTORE_GCS_HTTP_URL=gcs.endpoint,
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+    )
+    try:
+        buckets = {"s3": f"s3://{s3.bucket}", "gcs": f"gs://{gcs.bucket}"}
+        yield env, buckets, {"s3": str(s3.log_path), "gcs": str(gcs.log_path)}
+    finally:
+        gcs.stop()
+        s3.stop()
+
+
+def run_store_rounds(
+    s: Settings, case: Case, env: dict[str, str], buckets: dict[str, str], logs: dict[str, str]
+) -> dict[str, Any]:
+    samples = run_io_rounds(s, case, STORE_CONTENDERS, BucketRoots(buckets), env, logs)
+    return {c: summarize_io(x, case.nbytes) for c, x in samples.items()}
+
+
+# ---- one case --------------------------------------------------------------------------------
