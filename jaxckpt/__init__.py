@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from jaxckpt.errors import CheckpointError as CheckpointError
 from jaxckpt.errors import CorruptCheckpointError as CorruptCheckpointError
 from jaxckpt.errors import NotACheckpointRootError as NotACheckpointRootError
+from jaxckpt.errors import PromotionError as PromotionError
+from jaxckpt.errors import PromotionTimeoutError as PromotionTimeoutError
 from jaxckpt.errors import SaveFailedError as SaveFailedError
 from jaxckpt.errors import SaveTimeoutError as SaveTimeoutError
 from jaxckpt.errors import StepAlreadyExistsError as StepAlreadyExistsError
@@ -91,6 +93,8 @@ __all__ = [
     "LeafView",
     "NotACheckpointRootError",
     "Problem",
+    "PromotionError",
+    "PromotionTimeoutError",
     "ResumeReport",
     "SaveFailedError",
     "SaveStats",

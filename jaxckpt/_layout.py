@@ -12,6 +12,8 @@ attempt under its own prefix, so two writers never share a key::
     attempts/<step>/<attempt>/packs/<p>.<k>.bin  packed layout: process <p>'s pack objects
     commits/<step:012d>.e<epoch>.json          the commit marker; names its attempt
     commits/latest.e<epoch>                    the newest step <epoch> is committing (a hint)
+    promote/<step:012d>.json                   local tier only: a request to promote the step
+                                               to the durable root (see _promote)
 
 Format version 1 (roots written before writer fencing) is still read::
 
@@ -40,6 +42,7 @@ PENDING = "pending/"
 WRITERS = "writers/"
 ATTEMPTS = "attempts/"
 LEGACY_STEPS = "steps/"
+PROMOTE = "promote/"
 
 _ATTEMPT = re.compile(r"e(\d+)-(\d+)-([0-9a-f]+)")
 _MARKER_V2 = re.compile(r"(\d{12})\.e(\d+)\.json")
@@ -232,3 +235,15 @@ def is_stale_temp_key(key: str, now: float) -> bool:
         return False
     m = _TEMP_STAMP.search(key.rsplit("/", 1)[-1])
     return m is None or now - int(m.group(1)) >= TEMP_GRACE_S
+
+
+def promote_key(step: int) -> str:
+    """The key of a local tier's request to promote ``step`` to the durable root."""
+    return f"{PROMOTE}{step:0{STEP_DIGITS}d}.json"
+
+
+def parse_promote_key(key: str) -> int | None:
+    """The step a ``promote/`` key names, or None."""
+    name = key[len(PROMOTE) :] if key.startswith(PROMOTE) else ""
+    m = _V1_JSON.fullmatch(name)
+    return int(m.group(1)) if m else None

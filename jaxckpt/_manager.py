@@ -32,6 +32,7 @@ from jaxckpt._restore import StepReader, load_step
 from jaxckpt._save import Inflight, SaveSession
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
+from jaxckpt._tiers import DurableTier
 from jaxckpt._tree import PathMap, SavedLeaf, describe_state
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt._verify import VerifyReport, verify_step
@@ -91,6 +92,11 @@ class CheckpointManager:
     the data is written in the background and becomes visible only when its
     commit marker is written. At most one save is in flight.
 
+    With ``local_root`` the manager has two tiers: saves commit to the fast
+    local root, and the steps ``promote_policy`` chooses are promoted to
+    ``root`` (the durable tier) in the background or by a ``jaxckpt promote``
+    sidecar; ``restore`` reads the newest step of either tier (see the README).
+
     Args:
       root: a local path, ``file://`` URI, ``gs://bucket/prefix`` or ``s3://bucket/prefix``.
       options: a :class:`CheckpointOptions`; keyword arguments override its fields.
@@ -109,7 +115,16 @@ class CheckpointManager:
     ) -> None:
         opts = options or CheckpointOptions()
         self.options = replace(opts, **kwargs) if kwargs else opts
-        self._storage = open_storage(root, **dict(self.options.storage_options))
+        self._durable: DurableTier | None = None
+        local_root = self.options.local_root
+        if local_root is not None and jax.process_count() > 1:
+            raise CheckpointError(
+                f"local_root={local_root!r}: tiered checkpoints are single-process for now "
+                f"(this job has {jax.process_count()} processes); save to {os.fspath(root)!r} "
+                "directly, or run one process per job"
+            )
+        save_root = root if local_root is None else local_root
+        self._storage = open_storage(save_root, **dict(self.options.storage_options))
         self._protocol = CommitProtocol(self._storage)
         self._context = ts.Context(self._storage.context_spec())
         self._arrays = ArrayWriter(
@@ -142,6 +157,7 @@ class CheckpointManager:
         self._watcher = PreemptionWatcher() if _wants_preemption(self.options.save_policy) else None
         if self.options.read_only:
             self._protocol.ensure_root(create=False)
+            self._open_durable(root)
             return
         epoch = None
         if self._primary:  # other hosts write only after the primary began a step
@@ -150,6 +166,24 @@ class CheckpointManager:
             if self.options.gc_on_open:
                 self._collect_on_open()
         self._protocol.epoch = self._agreement.agree("epoch", epoch)  # one epoch per job
+        self._open_durable(root)
+
+    def _open_durable(self, root: str | os.PathLike[str]) -> None:
+        """With a local tier: the durable root, its epoch, and the promoter."""
+        opts = self.options
+        if opts.local_root is None:
+            return
+        self._durable = DurableTier(
+            os.fspath(root),
+            self._protocol,
+            storage_options=opts.storage_options,
+            max_inflight_bytes=opts.max_inflight_bytes,
+            read_only=opts.read_only,
+            promotion=opts.promotion,
+            promote_policy=opts.promote_policy,
+            retention=opts.retention,
+            gc_grace_s=opts.gc_grace_s if opts.gc_on_open else None,
+        )
 
     def _collect_on_open(self) -> None:
         """Removes fenced and stale attempts; a failure leaves them for the next writer."""
@@ -161,8 +195,13 @@ class CheckpointManager:
 
     @property
     def root(self) -> str:
-        """The root's URI."""
-        return self._storage.uri
+        """The root's URI (with a local tier: the durable root's)."""
+        return self._storage.uri if self._durable is None else self._durable.uri
+
+    @property
+    def local_root(self) -> str | None:
+        """The local tier's URI, or None when saves go straight to ``root``."""
+        return None if self._durable is None else self._storage.uri
 
     @property
     def epoch(self) -> int | None:
@@ -354,25 +393,86 @@ class CheckpointManager:
         return None
 
     def save_stats(self) -> list[SaveStats]:
-        """Telemetry of the recent committed saves, oldest first."""
+        """Telemetry of the recent committed saves, oldest first.
+
+        With a local tier, ``total_s`` is the time to the local commit and
+        ``durable_s`` the time until the step was committed on the durable root
+        (None while it is not, or when the promote policy did not choose it).
+        """
+        durable = self._durable
+        if durable is not None:
+            for stats in self._recorder.history():
+                if stats.durable_s is None and stats.started:
+                    when = durable.durable_time(stats.step)
+                    if when is not None:
+                        self._recorder.durable(stats.step, when)
         return self._recorder.history()
+
+    def wait_durable(self, step: int | None = None, timeout_s: float | None = None) -> int | None:
+        """With a local tier: blocks until ``step`` is committed on the durable root.
+
+        Args:
+          step: a step chosen for promotion; None waits for the newest step
+            this manager asked to promote (or returns the newest durable step
+            when it asked for none).
+          timeout_s: how long to wait; None means ``save_timeout_s``.
+
+        Returns:
+          The durable step waited for (None: nothing durable and nothing asked).
+
+        Raises:
+          PromotionError: the step cannot be promoted (a damaged local copy, a
+            fenced job, or it is neither local nor durable).
+          PromotionTimeoutError: not durable within ``timeout_s``.
+          CheckpointError: the manager has no local tier.
+        """
+        if self._durable is None:
+            raise CheckpointError(f"the manager of {self.root} has no local tier (local_root)")
+        self.wait()  # the local commit comes first
+        timeout = self.options.save_timeout_s if timeout_s is None else timeout_s
+        return self._durable.wait_durable(step, timeout)
 
     # -- reading -------------------------------------------------------------
 
-    def steps(self) -> list[int]:
+    def steps(self, tier: str | None = None) -> list[int]:
         """Committed steps, ascending (the primary's view, on every process).
 
         On several processes this is collective: call it on every process.
+
+        Args:
+          tier: with a local tier, ``"local"`` or ``"durable"`` lists one tier;
+            None lists every restorable step of either.
         """
-        return list(self._agreement.agree("steps", sorted(self._protocol.committed())))
+        steps: set[int] = set()
+        for _, protocol, _ in self._tiers(tier):
+            steps.update(protocol.committed())
+        return list(self._agreement.agree("steps", sorted(steps)))
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or None (reads the newest markers only).
+        """The newest committed step of any tier, or None (reads the newest markers only).
 
         On several processes this is collective: call it on every process.
         """
-        marker = self._protocol.latest()
-        return self._agreement.agree("latest", None if marker is None else marker.step)
+        markers = [p.latest() for _, p, _ in self._tiers(None)]
+        newest = max((m.step for m in markers if m is not None), default=None)
+        return self._agreement.agree("latest", newest)
+
+    def _tiers(self, tier: str | None) -> list[tuple[str, CommitProtocol, StepReader]]:
+        """``(name, protocol, reader)`` of the tiers ``tier`` names, nearest first."""
+        if self._durable is None:
+            if tier not in (None, "durable"):
+                raise ValueError(f"the manager of {self.root} has no {tier!r} tier")
+            return [("durable", self._protocol, self._reader)]
+        tiers = [
+            ("local", self._protocol, self._reader),
+            ("durable", self._durable.protocol, self._durable.reader),
+        ]
+        if tier is None:
+            return tiers
+        chosen = [t for t in tiers if t[0] == tier]
+        if not chosen:
+            raise ValueError(f"tier must be None, 'local' or 'durable', got {tier!r}")
+        return chosen
 
     def restore(
         self,
@@ -417,33 +517,65 @@ class CheckpointManager:
         self.wait()
         how = {"partial": partial, "rename": rename}
         if step is not None:
-            return self._restore_agreed(self._agreed_marker(_check_step(step)), target, how)
-        candidates = self._agreement.agree("restore", sorted(self._protocol.committed())[::-1])
+            return self._restore_step(_check_step(step), target, how)
+        committed: set[int] = set()
+        for _, protocol, _ in self._tiers(None):
+            committed.update(protocol.committed())
+        candidates = self._agreement.agree("restore", sorted(committed)[::-1])
         if not candidates:
-            raise StepNotFoundError(f"no committed steps under {self.root}")
+            raise StepNotFoundError(f"no committed steps under {self._where_all()}")
         for i, s in enumerate(candidates):
             try:
-                marker = self._agreed_marker(s)
+                return self._restore_step(s, target, how)
             except StepNotFoundError:
                 continue  # deleted since the listing: try the next one
-            try:
-                return self._restore_agreed(marker, target, how)
             except CorruptCheckpointError as error:
                 if not self.options.fallback_on_corrupt or i == len(candidates) - 1:
                     raise
                 log.warning(
                     "step %d is corrupt (%s); falling back to step %d", s, error, candidates[i + 1]
                 )
-        raise StepNotFoundError(f"no committed step under {self.root} could be restored")
+        raise StepNotFoundError(f"no committed step under {self._where_all()} could be restored")
 
-    def _agreed_marker(self, step: int) -> CommitMarker:
+    def _where_all(self) -> str:
+        return " or ".join(p.storage.uri for _, p, _ in self._tiers(None))
+
+    def _restore_step(self, step: int, target: Any, how: dict[str, Any]) -> Any:
+        """Restores ``step`` from the nearest tier holding an intact copy.
+
+        A local copy that is missing or corrupt falls back to the durable one.
+        """
+        tiers = self._tiers(None)
+        error: CheckpointError | None = None
+        for n, (name, protocol, reader) in enumerate(tiers):
+            try:
+                marker = self._agreed_marker(step, protocol)
+                return self._restore_agreed(marker, target, how, protocol, reader)
+            except (StepNotFoundError, CorruptCheckpointError) as e:
+                if n == len(tiers) - 1:
+                    if error is None or isinstance(e, CorruptCheckpointError):
+                        raise
+                    raise error from e
+                if isinstance(e, CorruptCheckpointError):
+                    log.warning(
+                        "the %s copy of step %d is corrupt (%s); reading the %s copy",
+                        name,
+                        step,
+                        e,
+                        tiers[n + 1][0],
+                    )
+                    error = e
+        raise AssertionError("unreachable")
+
+    def _agreed_marker(self, step: int, protocol: CommitProtocol | None = None) -> CommitMarker:
         """The primary's marker of ``step`` (its attempt and checksums), on every process."""
+        protocol = self._protocol if protocol is None else protocol
         if jax.process_count() == 1:
-            return self._protocol.require_marker(step)
+            return protocol.require_marker(step)
         kind, data = None, None
         if self._primary:
             try:
-                data = self._protocol.require_marker(step).to_bytes().decode()
+                data = protocol.require_marker(step).to_bytes().decode()
             except CheckpointError as e:
                 kind, data = type(e).__name__, str(e)
         kind, data = self._agreement.agree("marker", [kind, data])
@@ -452,7 +584,14 @@ class CheckpointManager:
             raise error_class(data)
         return CommitMarker.from_bytes(data.encode(), f"commit marker of step {step}")
 
-    def _restore_agreed(self, marker: CommitMarker, target: Any, how: dict[str, Any]) -> Any:
+    def _restore_agreed(
+        self,
+        marker: CommitMarker,
+        target: Any,
+        how: dict[str, Any],
+        protocol: CommitProtocol,
+        reader: StepReader,
+    ) -> Any:
         # Each process reads only its own regions, so one may find a corrupt
         # chunk that the others never read: all fail (and fall back) together.
         step = marker.step
@@ -460,7 +599,7 @@ class CheckpointManager:
             self._restoring.add(step)
         try:
             restored, error = (
-                self._reader.restore(load_step(self._protocol, marker), target, **how),
+                reader.restore(load_step(protocol, marker), target, **how),
                 None,
             )
         except CorruptCheckpointError as e:
@@ -468,20 +607,21 @@ class CheckpointManager:
         finally:
             with self._lock:
                 self._restoring.discard(step)
-        if error is not None and not self._protocol.still_committed(marker):
+        if error is not None and not protocol.still_committed(marker):
             raise StepNotFoundError(
-                f"step {step} under {self.root} was deleted while it was being restored"
+                f"step {step} under {protocol.storage.uri} was deleted while it was being restored"
             ) from error
         if not self._agreement.any_true("restore-corrupt", error is not None):
             return restored
         raise error or CorruptCheckpointError(
-            f"step {step} under {self.root} is corrupt in a region another process read"
+            f"step {step} under {protocol.storage.uri} is corrupt in a region another process read"
         )
 
     def metadata(self, step: int) -> StepMetadata:
         """The user metadata and a description of the saved tree of ``step``."""
-        marker = self._protocol.require_marker(_check_step(step))
-        loaded = load_step(self._protocol, marker)
+        protocol = self._holder(_check_step(step))
+        marker = protocol.require_marker(step)
+        loaded = load_step(protocol, marker)
         tree = tuple(
             LeafInfo(
                 path=leaf.path_text,
@@ -509,9 +649,20 @@ class CheckpointManager:
         self, step: int, *, on_progress: Callable[[int], None] | None = None
     ) -> VerifyReport:
         """Re-reads every chunk of ``step`` and checks it against the manifest."""
-        return verify_step(
-            self._protocol, self._context, _check_step(step), on_progress=on_progress
-        )
+        protocol = self._holder(_check_step(step))
+        context = self._context if protocol is self._protocol else self._durable_context()
+        return verify_step(protocol, context, step, on_progress=on_progress)
+
+    def _holder(self, step: int) -> CommitProtocol:
+        """The nearest tier's protocol that has ``step`` committed (else the save tier's)."""
+        for _, protocol, _ in self._tiers(None):
+            if step in protocol.visible_refs():
+                return protocol
+        return self._protocol
+
+    def _durable_context(self) -> ts.Context:
+        assert self._durable is not None
+        return self._durable.context
 
     # -- retention -----------------------------------------------------------
 
@@ -526,15 +677,19 @@ class CheckpointManager:
         inflight = self._session.current()
         if inflight is not None:
             protected.add(inflight.step)
-        return retention_decision(
-            self._protocol.committed(), self.options.retention, protected=protected
-        )
+        rule = self.options.retention
+        if self._durable is not None:  # the local tier: keep what still waits for promotion
+            rule = self.options.local_retention
+            protected |= self._durable.pending_steps()
+        return retention_decision(self._protocol.committed(), rule, protected=protected)
 
     def _apply_retention(self) -> None:
         try:
             for step in self._retention_decision().delete:
-                log.info("retention: deleting step %d under %s", step, self.root)
+                log.info("retention: deleting step %d under %s", step, self._storage.uri)
                 self._protocol.delete(step)
+            if self._durable is not None:
+                self._durable.apply_retention()
         except WriterFencedError as e:
             self._fenced = e
             log.error("retention under %s stopped: %s", self.root, e)
@@ -544,7 +699,24 @@ class CheckpointManager:
             )
 
     def _committed(self, marker: CommitMarker) -> None:
-        if self.options.retention is None or not self._primary:
+        if not self._primary:
+            return
+        durable = self._durable
+        if durable is not None and durable.chosen(
+            marker.step, preempted=self.preempted(marker.step)
+        ):
+            stats = [s for s in self._recorder.history() if s.step == marker.step]
+            try:  # the step is committed locally: a failed request must not fail the save
+                durable.request(marker, saved=stats[-1].started if stats else None)
+            except (CheckpointError, OSError) as e:
+                log.error(
+                    "step %d is committed under %s but its promotion request failed (%s); "
+                    "it stays local only",
+                    marker.step,
+                    self._storage.uri,
+                    e,
+                )
+        if self.options.retention is None and self.options.local_retention is None:
             return
         self._deletion = self._deleter.submit(self._apply_retention)
 
@@ -556,7 +728,7 @@ class CheckpointManager:
     # -- deleting ------------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Deletes a committed step (marker first, then data).
+        """Deletes a committed step (marker first, then data); with a local tier, from both.
 
         Raises:
           StepNotFoundError: no such step.
@@ -564,11 +736,20 @@ class CheckpointManager:
           WriterFencedError: another process took over the root.
         """
         self._check_writable()
-        marker = self._protocol.require_marker(_check_step(step))
         inflight = self._session.current()
-        if inflight is not None and inflight.step == step:
+        if inflight is not None and inflight.step == _check_step(step):
             raise CheckpointError(f"step {step} is being saved; wait() before deleting it")
-        self._protocol.delete(step, marker=marker)
+        if self._durable is None:
+            self._protocol.delete(step)
+            return
+        holders = [p for _, p, _ in self._tiers(None) if step in p.visible_refs()]
+        if not holders:
+            self._protocol.require_marker(step)  # raises StepNotFoundError listing the steps
+        from jaxckpt._promote import withdraw
+
+        withdraw(self._protocol, step)  # never promote a deleted step
+        for protocol in holders:
+            protocol.delete(step)
 
     def garbage_collect(
         self, *, older_than_s: float | None = None, force: bool = False
@@ -608,6 +789,8 @@ class CheckpointManager:
             self.wait()  # after an interrupted wait() too: commits or raises
         finally:
             self._closed = True
+            if self._durable is not None:  # bounded; "external" promotion is not waited for
+                self._durable.close(self.options.save_timeout_s)
             if self._checkpointer is not None:
                 self._checkpointer.close()
             self._deleter.shutdown(wait=True)

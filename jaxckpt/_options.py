@@ -35,6 +35,15 @@ class CheckpointOptions:
         process writes at most four pack objects per step, whatever the number
         of leaves; for object stores at cluster scale). Reads follow what each
         step recorded, so a root may hold both.
+      local_root: a fast local tier (e.g. a path on local NVMe): saves commit
+        there, and the steps ``promote_policy`` chooses are promoted to the
+        manager's root, the durable tier. None: saves go to the root.
+      promote_policy: which locally committed steps become durable (a save
+        policy, e.g. ``EveryNSteps(1000) | OnPreemption()``); None: every one.
+      local_retention: retention of the local tier (``retention`` is the
+        durable root's); a step waiting for promotion is always kept.
+      promotion: ``"background"`` (a thread of this manager promotes) or
+        ``"external"`` (a ``jaxckpt promote`` process does; ``close`` does not wait).
     """
 
     save_policy: SavePolicy | None = None
@@ -49,6 +58,10 @@ class CheckpointOptions:
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     primary_host: int = 0
     layout: str = "plain"
+    local_root: str | None = None
+    promote_policy: SavePolicy | None = None
+    local_retention: RetentionPolicy | None = None
+    promotion: str = "background"
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -59,5 +72,15 @@ class CheckpointOptions:
             raise ValueError(f"gc_grace_s must be non-negative, got {self.gc_grace_s}")
         if self.layout not in ("plain", "packed"):
             raise ValueError(f"layout must be 'plain' or 'packed', got {self.layout!r}")
+        if self.promotion not in ("background", "external"):
+            raise ValueError(
+                f"promotion must be 'background' or 'external', got {self.promotion!r}"
+            )
+        if self.local_root is None and (
+            self.promote_policy is not None or self.local_retention is not None
+        ):
+            raise ValueError("promote_policy and local_retention need a local_root")
+        if self.local_root is not None and not isinstance(self.local_root, str):
+            object.__setattr__(self, "local_root", str(self.local_root))  # a PathLike
         if self.save_timeout_s <= 0:
             raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 log = logging.getLogger("jaxckpt")
 
@@ -25,12 +25,18 @@ class SaveStats:
       blocking_s: seconds ``save`` blocked the caller.
       total_s: seconds from the call to ``save`` until the commit marker was written.
       nbytes: array bytes this process wrote (chunk payloads and checksums).
+      started: wall-clock time of the call to ``save``.
+      durable_s: with a local tier, seconds from the call to ``save`` until the
+        step was committed on the durable root (None: not durable, or not tiered;
+        then ``total_s`` is the time to the local commit).
     """
 
     step: int
     blocking_s: float
     total_s: float
     nbytes: int
+    started: float = 0.0
+    durable_s: float | None = None
 
     @property
     def throughput_bps(self) -> float:
@@ -57,12 +63,14 @@ class SaveRecorder:
     def __init__(self, history: int = 64) -> None:
         self._lock = threading.Lock()
         self._open: dict[int, tuple[float, float]] = {}
+        self._wall: dict[int, float] = {}
         self._done: deque[SaveStats] = deque(maxlen=history)
 
     def started(self, step: int) -> float:
         now = time.perf_counter()
         with self._lock:
             self._open[step] = (now, 0.0)
+            self._wall[step] = time.time()
         return now
 
     def blocked(self, step: int) -> float:
@@ -81,6 +89,7 @@ class SaveRecorder:
                 blocking_s=blocking,
                 total_s=time.perf_counter() - start,
                 nbytes=nbytes,
+                started=self._wall.pop(step, 0.0),
             )
             self._done.append(stats)
         log.info(
@@ -96,6 +105,14 @@ class SaveRecorder:
     def failed(self, step: int) -> None:
         with self._lock:
             self._open.pop(step, None)
+            self._wall.pop(step, None)
+
+    def durable(self, step: int, when: float) -> None:
+        """Records that ``step`` was committed on the durable tier at wall-clock ``when``."""
+        with self._lock:
+            for i, stats in enumerate(self._done):
+                if stats.step == step and stats.durable_s is None and stats.started:
+                    self._done[i] = replace(stats, durable_s=max(0.0, when - stats.started))
 
     def history(self) -> list[SaveStats]:
         with self._lock:

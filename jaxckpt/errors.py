@@ -115,3 +115,20 @@ class WriterFencedError(CheckpointError):
     want to keep, restart it (it will take over again and resume from the
     newest committed step).
     """
+
+
+class PromotionError(CheckpointError):
+    """A step saved to the local tier could not be promoted to the durable root.
+
+    The local copy is kept, and so is its promotion request: fix the cause the
+    message names (credentials, a full bucket, a corrupt local chunk) and run
+    ``jaxckpt promote LOCAL_ROOT ROOT`` to finish the job, or save again.
+    """
+
+
+class PromotionTimeoutError(PromotionError, TimeoutError):
+    """A step did not become durable within the time ``wait_durable`` allowed.
+
+    Promotion goes on in the background (or in the ``jaxckpt promote`` sidecar):
+    wait longer, check the promoter's log and metrics, or run ``jaxckpt promote``.
+    """

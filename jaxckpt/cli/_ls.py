@@ -26,12 +26,26 @@ def register(sub: Any) -> None:
         "--json lists all unless given)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--local-root",
+        metavar="LOCAL_ROOT",
+        help="a tiered job's local tier: show which tiers hold each step",
+    )
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     protocol = open_root(args.root)
     found = scan(protocol, full=True)
     committed = dict(sorted(found.committed.items()))
+    tiers: dict[int, list[str]] | None = None
+    if args.local_root is not None:  # steps of either tier; the local copy is nearest
+        local = open_root(args.local_root).committed()
+        tiers = {s: [] for s in sorted({*committed, *local})}
+        for s in local:
+            tiers[s].append("local")
+        for s in committed:
+            tiers[s].append("durable")
+        committed = dict(sorted({**committed, **{s: local[s] for s in local}}.items()))
     partial = [a for a in found.attempts if a.kind != "damaged"]
     rule = retention(args)
     decision = retention_decision(committed, rule)
@@ -49,6 +63,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "keep": committed[s].keep,
                         "metrics": dict(committed[s].metrics),
                         "kept_by": list(decision.keep.get(s, ())),
+                        **({"tiers": tiers[s]} if tiers is not None else {}),
                     }
                     for s in shown
                 ],
@@ -82,6 +97,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not committed and not partial and not found.damaged and not found.hidden:
         return 0
     rows = [["STEP", "STATE", "SIZE", "COMMITTED", "KEPT BY"]]
+    if tiers is not None:
+        rows[0].insert(2, "TIERS")
     for s in shown:
         m = committed[s]
         reasons = decision.keep.get(s, ())
@@ -91,6 +108,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             kept = ", ".join(reasons) or "- (prune would delete)"
         when = f"{local_time(m.time)} ({ago(m.time)})"
         rows.append([str(s), "committed", human_bytes(m.nbytes), when, kept])
+        if tiers is not None:
+            rows[-1].insert(2, "+".join(tiers[s]))
     now = time.time()
     for p in partial:
         age = p.age(now)
@@ -102,7 +121,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for m in found.hidden:
         rows.append([str(m.step), "fenced", "-", "-", f"committed by fenced epoch {m.epoch}"])
     rows[1:] = sorted(rows[1:], key=lambda r: int(r[0]))
-    print_table(rows, right=(0, 2))
+    if tiers is not None:  # partial, damaged and fenced attempts are the durable root's
+        rows[1:] = [r if len(r) == len(rows[0]) else [*r[:2], "durable", *r[2:]] for r in rows[1:]]
+    print_table(rows, right=(0, 3) if tiers is not None else (0, 2))
     hidden = len(committed) - len(shown)
     if hidden:
         print(f"({hidden} older committed steps not shown; --limit 0 shows all)")

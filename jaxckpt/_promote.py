@@ -1,0 +1,333 @@
+"""Promotion: copying steps committed on a fast local tier to the durable root.
+
+A tiered :class:`~jaxckpt.CheckpointManager` saves to a local root; after each
+local commit that its ``promote_policy`` chooses, it writes a *promotion
+request* ``promote/<step>.json`` into the local root, naming the durable root's
+writer epoch of the job. A :class:`Promoter` — a thread of the manager
+(``promotion="background"``) or the ``jaxckpt promote`` command / sidecar
+(``promotion="external"``) — copies each requested step with
+:func:`jaxckpt._copy.copy_step` (every chunk checked against the local
+manifest) into a fresh attempt of that epoch on the durable root, commits it
+with the same marker protocol, and removes the request.
+
+The promoter never takes an epoch of its own (that would fence the job): it
+writes as the job, and checks the fence before it begins and before the
+marker, so the promoter of a fenced job stops. A promoter killed mid-upload
+leaves an attempt without a marker (never listed; garbage collection removes
+it) and the request, so the next pass starts the step again.
+
+Requests are promoted newest first; a newer request never cancels an older
+one. Imports no jax until a step is copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jaxckpt import policy
+from jaxckpt._commit import CommitProtocol, retention_decision
+from jaxckpt._layout import PROMOTE, parse_promote_key, promote_key
+from jaxckpt._records import json_record, load_json_record
+from jaxckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StepAlreadyExistsError,
+    WriterFencedError,
+)
+
+log = logging.getLogger("jaxckpt")
+
+PROMOTED = "promoted"
+ALREADY_DURABLE = "already durable"
+GONE = "not committed locally"
+FENCED = "fenced"
+FAILED = "failed"
+ARCHIVED = "archived"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromotionRequest:
+    """A local tier's request to make ``step`` durable (``promote/<step>.json``).
+
+    Attributes:
+      step: the step committed on the local tier.
+      epoch: the durable root's writer epoch of the job that asked; the copy is
+        committed in that epoch.
+      requested: wall-clock time the request was written.
+      saved: wall-clock time the save of the step started (for time-to-durable).
+    """
+
+    step: int
+    epoch: int
+    requested: float
+    saved: float | None = None
+
+    def to_bytes(self) -> bytes:
+        return json_record(
+            step=self.step, epoch=self.epoch, requested=self.requested, saved=self.saved
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> PromotionRequest:
+        obj = load_json_record(data, where)
+        try:
+            saved = obj.get("saved")
+            return cls(
+                step=int(obj["step"]),
+                epoch=int(obj["epoch"]),
+                requested=float(obj["requested"]),
+                saved=None if saved is None else float(saved),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"invalid promotion request {where}: {e}") from e
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromotionResult:
+    """What one pass did with one requested step.
+
+    Attributes:
+      step: the step.
+      outcome: ``promoted``, ``already durable``, ``not committed locally``,
+        ``fenced`` (the job's epoch was fenced: nothing written), ``failed``, or
+        ``archived`` (:func:`archive_once`).
+      nbytes: chunk bytes copied.
+      seconds: time spent on the step.
+      durable_time: wall-clock time of the durable commit (``promoted`` only).
+      request: the request that asked for it.
+      error: why it failed or was fenced.
+    """
+
+    step: int
+    outcome: str
+    nbytes: int = 0
+    seconds: float = 0.0
+    durable_time: float | None = None
+    request: PromotionRequest | None = None
+    error: str | None = None
+
+
+def request_promotion(local: CommitProtocol, request: PromotionRequest) -> None:
+    """Writes (or re-stamps) the promotion request of ``request.step`` into the local root."""
+    local.storage.write(promote_key(request.step), request.to_bytes())
+
+
+def read_requests(local: CommitProtocol) -> dict[int, PromotionRequest]:
+    """Every readable promotion request of a local root, by step (an invalid one is logged)."""
+    requests: dict[int, PromotionRequest] = {}
+    for key in local.storage.list(PROMOTE):
+        step = parse_promote_key(key)
+        if step is None:
+            continue
+        data = local.storage.read(key)
+        if data is None:
+            continue  # removed since the listing: promoted meanwhile
+        try:
+            requests[step] = PromotionRequest.from_bytes(data, local.where(key))
+        except CheckpointError as e:
+            log.warning("%s", e)
+    return dict(sorted(requests.items()))
+
+
+def withdraw(local: CommitProtocol, step: int) -> None:
+    """Removes the promotion request of ``step`` (done, or can never succeed)."""
+    local.storage.delete(promote_key(step))
+
+
+class Promoter:
+    """Promotes requested local steps to a durable root; one pass at a time.
+
+    Args:
+      local: the local tier (read; its requests are removed when done).
+      durable: the durable root (an operator protocol: the promoter never
+        takes an epoch; each copy is written in its request's epoch).
+      epoch: write in this epoch instead of each request's (the manager's own
+        background promoter passes the job's epoch).
+      retention: applied to the durable root after each promoted step, in the
+        request's epoch (fence-checked before each deletion).
+      on_result: called with every result (telemetry, metrics).
+    """
+
+    def __init__(
+        self,
+        local: CommitProtocol,
+        durable: CommitProtocol,
+        *,
+        epoch: int | None = None,
+        retention: policy.RetentionPolicy | None = None,
+        on_result: Callable[[PromotionResult], None] | None = None,
+    ) -> None:
+        self.local = local
+        self.durable = durable
+        self.epoch = epoch
+        self.retention = retention
+        self._on_result = on_result
+        self._warned_fenced: set[int] = set()
+
+    def writer(self, epoch: int) -> CommitProtocol:
+        """A protocol of the durable root that writes (and fence-checks) as ``epoch``."""
+        protocol = CommitProtocol(self.durable.storage)
+        protocol.epoch = epoch
+        return protocol
+
+    def pending(self) -> list[PromotionRequest]:
+        """Requests whose step is not durable yet, newest first."""
+        durable = self.durable.visible_refs()
+        todo = [r for s, r in read_requests(self.local).items() if s not in durable]
+        return sorted(todo, key=lambda r: r.step, reverse=True)
+
+    def promote_once(self, *, stop: threading.Event | None = None) -> list[PromotionResult]:
+        """Promotes every requested step that is not durable yet, newest first.
+
+        A step that cannot be copied because the store failed keeps its request
+        (the next pass retries it); one whose local copy is corrupt or gone
+        loses it (logged). ``stop`` ends the pass between steps.
+        """
+        results = []
+        for request in self.pending():
+            if stop is not None and stop.is_set():
+                break
+            result = self.promote(request)
+            results.append(result)
+            if self._on_result is not None:
+                self._on_result(result)
+        return results
+
+    def promote(self, request: PromotionRequest) -> PromotionResult:
+        """Copies one requested step to the durable root and commits it there."""
+        from jaxckpt._copy import copy_step
+
+        step, start = request.step, time.monotonic()
+        epoch = self.epoch if self.epoch is not None else request.epoch
+        marker = self.local.read_marker(step)
+        if marker is None:
+            log.warning(
+                "promotion of step %d skipped: not committed under %s", step, self.local.where()
+            )
+            withdraw(self.local, step)
+            return PromotionResult(step=step, outcome=GONE, request=request)
+        writer = self.writer(epoch)
+        try:
+            nbytes = copy_step(self.local, writer, marker)
+        except StepAlreadyExistsError:
+            withdraw(self.local, step)
+            return PromotionResult(step=step, outcome=ALREADY_DURABLE, request=request)
+        except WriterFencedError as e:
+            if step not in self._warned_fenced:
+                self._warned_fenced.add(step)
+                log.error("promotion of step %d stopped: %s", step, e)
+            return PromotionResult(step=step, outcome=FENCED, request=request, error=str(e))
+        except CorruptCheckpointError as e:
+            log.error("promotion of step %d failed; its local copy is damaged: %s", step, e)
+            withdraw(self.local, step)
+            return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
+        except (CheckpointError, OSError) as e:
+            log.error("promotion of step %d failed (retried on the next pass): %s", step, e)
+            return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
+        durable_marker = writer.read_marker(step)
+        withdraw(self.local, step)
+        seconds = time.monotonic() - start
+        log.info(
+            "promoted step %d to %s: %d bytes in %.2fs", step, self.durable.where(), nbytes, seconds
+        )
+        if self.retention is not None:
+            self.apply_retention(writer)
+        return PromotionResult(
+            step=step,
+            outcome=PROMOTED,
+            nbytes=nbytes,
+            seconds=seconds,
+            durable_time=durable_marker.time if durable_marker is not None else time.time(),
+            request=request,
+        )
+
+    def apply_retention(self, writer: CommitProtocol) -> list[int]:
+        """Deletes the durable steps ``retention`` does not keep; returns them."""
+        decision = retention_decision(writer.committed(), self.retention)
+        deleted = []
+        for step in decision.delete:
+            log.info("durable retention: deleting step %d under %s", step, writer.where())
+            writer.delete(step)
+            deleted.append(step)
+        return deleted
+
+    def watch(
+        self,
+        stop: threading.Event,
+        *,
+        interval_s: float = 5.0,
+        wake: threading.Event | None = None,
+        on_pass: Callable[[list[PromotionResult]], None] | None = None,
+    ) -> None:
+        """Runs :meth:`promote_once` until ``stop`` is set, every ``interval_s``
+        seconds (or at once when ``wake`` is set). A failed pass is logged and retried."""
+        while not stop.is_set():
+            if wake is not None:
+                wake.clear()
+            try:
+                results = self.promote_once(stop=stop)
+            except CheckpointError as e:
+                log.error("promotion pass from %s failed: %s", self.local.where(), e)
+                results = []
+            if on_pass is not None:
+                on_pass(results)
+            if results and any(r.outcome == PROMOTED for r in results):
+                continue  # more may have arrived meanwhile
+            if wake is not None:
+                wake.wait(interval_s)
+            else:
+                stop.wait(interval_s)
+
+
+def archive_once(
+    durable: CommitProtocol,
+    archive: CommitProtocol,
+    *,
+    older_than_s: float,
+    select: policy.RetentionPolicy | None = None,
+    level: int = 3,
+    now: float | None = None,
+) -> list[PromotionResult]:
+    """Re-encodes chosen durable steps with zstd into an archive root (``cp --compress``).
+
+    A durable step is archived when it was committed more than ``older_than_s``
+    seconds ago, ``select`` keeps it (e.g. ``KeepMilestones()``; None: every
+    step) and the archive does not hold it yet. The archive is written as an
+    operator (no epoch of its own), each step committed with the usual marker.
+    """
+    from jaxckpt._copy import copy_step
+
+    now = time.time() if now is None else now
+    committed = durable.committed()
+    chosen = set(committed)
+    if select is not None:
+        infos = [
+            policy.StepInfo(step=s, metrics=dict(m.metrics) or None, pinned=m.keep)
+            for s, m in committed.items()
+        ]
+        chosen = set(select.keep(infos)) | {s for s, m in committed.items() if m.keep}
+    archived = archive.visible_refs()
+    results = []
+    for step in sorted(chosen - set(archived)):
+        marker = committed[step]
+        if now - marker.time < older_than_s:
+            continue
+        start = time.monotonic()
+        try:
+            nbytes = copy_step(durable, archive, marker, compress="zstd", level=level)
+        except StepAlreadyExistsError:
+            continue
+        except (CheckpointError, OSError) as e:
+            log.error("archiving step %d to %s failed: %s", step, archive.where(), e)
+            results.append(PromotionResult(step=step, outcome=FAILED, error=str(e)))
+            continue
+        seconds = time.monotonic() - start
+        log.info(
+            "archived step %d to %s: %d bytes in %.2fs", step, archive.where(), nbytes, seconds
+        )
+        results.append(PromotionResult(step=step, outcome=ARCHIVED, nbytes=nbytes, seconds=seconds))
+    return results

@@ -1,0 +1,265 @@
+"""The durable tier of a tiered :class:`~jaxckpt.CheckpointManager`.
+
+A tiered manager saves to a fast local root (its ordinary save path) and
+holds one :class:`DurableTier` for the durable root: its storage, protocol,
+reader and retention, and the promotion that moves chosen local steps there —
+a :class:`~jaxckpt._promote.Promoter` on a background thread
+(``promotion="background"``) or nothing but the requests, left to a
+``jaxckpt promote`` sidecar (``promotion="external"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import tensorstore as ts
+
+from jaxckpt import _gc, policy
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._promote import (
+    FAILED,
+    FENCED,
+    PROMOTED,
+    Promoter,
+    PromotionRequest,
+    PromotionResult,
+    read_requests,
+    request_promotion,
+)
+from jaxckpt._records import CommitMarker
+from jaxckpt._restore import StepReader
+from jaxckpt._storage import open_storage
+from jaxckpt._tsio import ArrayWriter
+from jaxckpt.errors import CheckpointError, PromotionError, PromotionTimeoutError
+
+log = logging.getLogger("jaxckpt")
+
+PROMOTION_MODES = ("background", "external")
+
+
+class DurableTier:
+    """The durable root of a tiered manager and the promotion into it.
+
+    Args:
+      root: the durable root's URI.
+      local: the local tier's protocol (where saves commit and requests live).
+      storage_options: backend options of the durable root.
+      max_inflight_bytes: for reads of the durable root.
+      read_only: take no epoch and promote nothing.
+      promotion: ``"background"`` or ``"external"``.
+      promote_policy: which locally committed steps to promote (None: all).
+      retention: retention of the durable root.
+      gc_grace_s: collect the durable root's garbage on open (attempts of
+        fenced writers, e.g. a killed promoter of an earlier run, and stale
+        ones) with this grace period; None: do not.
+      interval_s: how often the background promoter looks for requests it
+        was not woken for (requests of an earlier run).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        local: CommitProtocol,
+        *,
+        storage_options: Any,
+        max_inflight_bytes: int,
+        read_only: bool,
+        promotion: str,
+        promote_policy: policy.SavePolicy | None,
+        retention: policy.RetentionPolicy | None,
+        gc_grace_s: float | None = None,
+        interval_s: float = 5.0,
+    ) -> None:
+        storage = open_storage(root, **dict(storage_options))
+        if storage.uri == local.storage.uri:
+            raise CheckpointError(f"local_root and root are the same root: {storage.uri}")
+        self.protocol = CommitProtocol(storage)
+        self.context = ts.Context(storage.context_spec())
+        arrays = ArrayWriter(storage, self.context, max_inflight_bytes=max_inflight_bytes)
+        self.reader = StepReader(self.protocol, arrays, self.context)
+        self.local = local
+        self.promotion = promotion
+        self.promote_policy = promote_policy
+        self.retention = retention
+        self._lock = threading.Lock()
+        self._last_requested: int | None = None
+        self._last_request_time: float | None = None
+        self._errors: dict[int, tuple[str, str]] = {}  # step -> (outcome, message)
+        self._durable_times: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.promoter: Promoter | None = None
+        if read_only:
+            self.protocol.ensure_root(create=False)
+            return
+        self.protocol.ensure_root(create=True)
+        epoch = self.protocol.take_epoch().epoch
+        if gc_grace_s is not None:
+            try:
+                found = _gc.scan(self.protocol, full=False)
+                _gc.collect(self.protocol, found, grace_s=gc_grace_s)
+            except CheckpointError as e:
+                log.warning("garbage collection on open of %s failed: %s", self.uri, e)
+        self._restamp(epoch)
+        if promotion == "background":
+            self.promoter = Promoter(
+                local, self.protocol, epoch=epoch, retention=retention, on_result=self._result
+            )
+            self._thread = threading.Thread(
+                target=self.promoter.watch,
+                args=(self._stop,),
+                kwargs={"interval_s": interval_s, "wake": self._wake},
+                name="jaxckpt-promoter",
+                daemon=True,
+            )
+            self._thread.start()
+
+    @property
+    def uri(self) -> str:
+        return self.protocol.storage.uri
+
+    def _restamp(self, epoch: int) -> None:
+        """Requests of an earlier run (its epoch is fenced now) are taken over by this one."""
+        for request in read_requests(self.local).values():
+            if request.epoch < epoch:
+                request_promotion(
+                    self.local,
+                    PromotionRequest(
+                        step=request.step, epoch=epoch, requested=time.time(), saved=request.saved
+                    ),
+                )
+
+    # -- the trainer's side ---------------------------------------------------
+
+    def chosen(self, step: int, *, preempted: bool) -> bool:
+        """Whether ``promote_policy`` promotes the locally committed ``step``."""
+        if self.promote_policy is None:
+            return True
+        with self._lock:
+            last_step, last_time = self._last_requested, self._last_request_time
+        ctx = policy.SaveContext(
+            step=step,
+            now=time.monotonic(),
+            last_saved_step=last_step,
+            last_save_time=last_time,
+            preempted=preempted,
+        )
+        return bool(self.promote_policy.should_save(ctx))
+
+    def request(self, marker: CommitMarker, *, saved: float | None) -> None:
+        """Asks for ``marker``'s step to be promoted (after its local commit)."""
+        assert self.protocol.epoch is not None
+        request = PromotionRequest(
+            step=marker.step, epoch=self.protocol.epoch, requested=time.time(), saved=saved
+        )
+        request_promotion(self.local, request)
+        with self._lock:
+            self._last_requested = marker.step
+            self._last_request_time = time.monotonic()
+            self._errors.pop(marker.step, None)
+        self._wake.set()
+
+    def pending_steps(self) -> set[int]:
+        """Requested steps not durable yet (local retention must keep them)."""
+        durable = self.protocol.visible_refs()
+        return {s for s in read_requests(self.local) if s not in durable}
+
+    def _result(self, result: PromotionResult) -> None:
+        with self._lock:
+            if result.outcome in (FAILED, FENCED):
+                self._errors[result.step] = (result.outcome, result.error or result.outcome)
+            else:
+                self._errors.pop(result.step, None)
+            if result.outcome == PROMOTED and result.durable_time is not None:
+                self._durable_times[result.step] = result.durable_time
+
+    def durable_time(self, step: int) -> float | None:
+        """Wall-clock time ``step`` was committed on the durable root, if it was."""
+        with self._lock:
+            if step in self._durable_times:
+                return self._durable_times[step]
+        marker = self.protocol.read_marker(step)
+        return None if marker is None else marker.time
+
+    def wait_durable(self, step: int | None, timeout_s: float) -> int | None:
+        """Blocks until ``step`` (default: the newest requested) is durable; returns it.
+
+        Raises:
+          PromotionError: the background promoter failed on that step for good
+            (a damaged local copy) or was fenced.
+          PromotionTimeoutError: not durable within ``timeout_s``.
+        """
+        with self._lock:
+            target = self._last_requested if step is None else step
+        if target is None:
+            marker = self.protocol.latest()
+            return None if marker is None else marker.step
+        deadline = time.monotonic() + timeout_s
+        delay = 0.02
+        while True:
+            if target in self.protocol.visible_refs():
+                return target
+            with self._lock:
+                outcome, error = self._errors.get(target, (None, None))
+            requested = target in read_requests(self.local)
+            if error is not None and (not requested or outcome == FENCED):
+                raise PromotionError(
+                    f"step {target} was not promoted from {self.local.where()} to {self.uri}: "
+                    f"{error}"
+                )
+            if not requested and self.local.read_marker(target) is None:
+                raise PromotionError(
+                    f"step {target} is neither durable under {self.uri} nor committed "
+                    f"under {self.local.where()}"
+                )
+            if time.monotonic() > deadline:
+                raise PromotionTimeoutError(
+                    f"step {target} did not become durable under {self.uri} within "
+                    f"{timeout_s:.0f}s" + (f" (last error: {error})" if error else "")
+                )
+            self._wake.set()
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def apply_retention(self) -> None:
+        """Applies the durable root's retention in this job's epoch (fence-checked)."""
+        if self.retention is None or self.protocol.epoch is None:
+            return
+        if self.promoter is not None:
+            self.promoter.apply_retention(self.protocol)
+        else:
+            Promoter(self.local, self.protocol, retention=self.retention).apply_retention(
+                self.protocol
+            )
+
+    def close(self, timeout_s: float) -> None:
+        """Background: waits up to ``timeout_s`` for requested steps, then stops."""
+        if self._thread is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (left := self.pending_steps()) and time.monotonic() < deadline:
+                with self._lock:
+                    fenced = any(self._errors.get(s, ("",))[0] == FENCED for s in left)
+                if fenced:
+                    break  # this job may no longer write there: nothing left to wait for
+                self._wake.set()
+                time.sleep(0.05)
+            if left:
+                log.warning(
+                    "closing with steps %s not yet promoted to %s; they stay requested under "
+                    "%s: run `jaxckpt promote %s %s` to finish",
+                    sorted(left),
+                    self.uri,
+                    self.local.where(),
+                    self.local.storage.uri,
+                    self.uri,
+                )
+        finally:
+            self._stop.set()
+            self._wake.set()
+            self._thread.join(timeout=max(1.0, deadline - time.monotonic()) + 30.0)

@@ -1,0 +1,137 @@
+"""``jaxckpt promote``: promote requested local steps to the durable root (once or as a sidecar)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+from jaxckpt.cli._common import add_retention_flags, command, open_root, retention
+from jaxckpt.cli._output import err, human_bytes, human_duration
+
+log = logging.getLogger("jaxckpt")
+
+
+def register(sub: Any) -> None:
+    p = command(
+        sub,
+        "promote",
+        cmd_promote,
+        "copy the steps a tiered job asked to promote from its local tier to the durable root",
+    )
+    p.add_argument("local_root", metavar="LOCAL_ROOT")
+    p.add_argument("root", metavar="ROOT", help="the durable root")
+    p.add_argument("--watch", action="store_true", help="keep promoting until SIGTERM (sidecar)")
+    p.add_argument(
+        "--interval", type=float, default=5.0, metavar="SECONDS", help="--watch: poll period"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="--watch: serve Prometheus metrics on this port (pip install 'jaxckpt[promote]')",
+    )
+    p.add_argument(
+        "--metrics-addr", default="0.0.0.0", metavar="ADDR", help="default 0.0.0.0 (all)"
+    )
+    add_retention_flags(p)  # applied to the durable root after each promoted step
+    p.add_argument(
+        "--archive",
+        metavar="ARCHIVE_ROOT",
+        help="also re-encode durable steps with zstd into this root (as `cp --compress zstd`)",
+    )
+    p.add_argument(
+        "--archive-after-hours",
+        type=float,
+        default=24.0,
+        metavar="H",
+        help="--archive: only steps committed more than H hours ago (default 24)",
+    )
+    p.add_argument(
+        "--archive-milestones",
+        nargs="?",
+        const="1,2,5",
+        metavar="S,S,...",
+        help="--archive: only milestone steps (series default 1,2,5) and pinned ones",
+    )
+    p.add_argument("--archive-level", type=int, default=3, help="zstd level (default 3)")
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from jaxckpt import policy
+    from jaxckpt._promote import PROMOTED, Promoter, PromotionResult, archive_once
+    from jaxckpt.cli._metrics import PromoterMetrics
+
+    if args.metrics_port is not None and not args.watch:
+        err("--metrics-port needs --watch")
+        return 2
+    local = open_root(args.local_root)
+    durable = open_root(args.root, create=True)
+    if local.storage.uri == durable.storage.uri:
+        err(f"the local tier and the durable root are the same root: {durable.storage.uri}")
+        return 2
+    metrics = PromoterMetrics(local, durable) if args.metrics_port is not None else None
+
+    def report(result: PromotionResult) -> None:
+        if result.outcome in (PROMOTED, "archived"):
+            rate = human_bytes(result.nbytes / max(result.seconds, 1e-9))
+            print(
+                f"step {result.step}: {result.outcome} {human_bytes(result.nbytes)} in "
+                f"{human_duration(result.seconds)} ({rate}/s)",
+                flush=True,
+            )
+        else:
+            detail = f": {result.error}" if result.error else ""
+            print(f"step {result.step}: {result.outcome}{detail}", flush=True)
+        if metrics is not None:
+            metrics.result(result)
+
+    archive = open_root(args.archive, create=True) if args.archive else None
+    select = None
+    if args.archive_milestones is not None:
+        series = [int(x) for x in args.archive_milestones.split(",") if x.strip()]
+        select = policy.KeepMilestones(series=series)
+
+    def archive_pass() -> list[PromotionResult]:
+        if archive is None:
+            return []
+        results = archive_once(
+            durable,
+            archive,
+            older_than_s=args.archive_after_hours * 3600,
+            select=select,
+            level=args.archive_level,
+        )
+        for result in results:
+            report(result)
+        return results
+
+    promoter = Promoter(local, durable, retention=retention(args), on_result=report)
+    if not args.watch:
+        results = promoter.promote_once()
+        done = sum(r.outcome == PROMOTED for r in results)
+        print(f"{durable.storage.uri}: promoted {done} step{'s' if done != 1 else ''}")
+        results += archive_pass()
+        return 0 if all(r.outcome != "failed" for r in results) else 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if metrics is not None:
+        metrics.serve(args.metrics_port, args.metrics_addr)
+    print(
+        f"watching {local.storage.uri} -> {durable.storage.uri} every {args.interval:g}s",
+        flush=True,
+    )
+    started = time.monotonic()
+
+    def after_pass(_: list[PromotionResult]) -> None:
+        archive_pass()
+        if metrics is not None:
+            metrics.refresh()
+
+    promoter.watch(stop, interval_s=args.interval, on_pass=after_pass)
+    print(f"stopped after {human_duration(time.monotonic() - started)}", flush=True)
+    return 0

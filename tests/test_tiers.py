@@ -1,0 +1,364 @@
+"""Tiers: saves to a local tier, promotion to a durable root (local, S3, GCS), restore from either.
+
+Real processes throughout: a tiered trainer SIGKILLed after its local
+commits, ``jaxckpt promote`` run as a command, killed mid-upload and rerun,
+and as a watching sidecar scraped over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from rootpaths import chunk_path, data_steps
+from tier_child import state
+from trees import assert_tree_bitexact
+
+import jaxckpt
+from jaxckpt import policy
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._layout import ATTEMPTS, parse_data_key
+from jaxckpt._promote import read_requests
+from jaxckpt._storage import open_storage
+
+CHILD = str(Path(__file__).with_name("tier_child.py"))
+TIMEOUT_S = 120.0
+
+
+def tiered(root: str, local: Path, **kwargs: Any) -> jaxckpt.CheckpointManager:
+    return jaxckpt.CheckpointManager(root, local_root=str(local), chunk_bytes=64 << 10, **kwargs)
+
+
+def durable_steps(root: str) -> list[int]:
+    return sorted(CommitProtocol(open_storage(root)).committed())
+
+
+def promote_cli(local: Path, root: str, *args: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxckpt", "promote", str(local), root, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = TIMEOUT_S) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def test_saves_go_local_chosen_steps_become_durable_retention_per_tier(storage_root, tmp_path):
+    local = tmp_path / "local"
+    mgr = tiered(
+        storage_root,
+        local,
+        promote_policy=policy.EveryNSteps(2),
+        local_retention=policy.KeepLast(2),
+        retention=policy.KeepLast(2),
+    )
+    assert mgr.root == open_storage(storage_root).uri and mgr.local_root == str(local)
+    for step in range(1, 7):
+        assert mgr.save(step, state(step))
+        assert mgr.wait_durable(timeout_s=TIMEOUT_S) == (step // 2 * 2 or None)
+    mgr.wait_for_deletions(timeout_s=TIMEOUT_S)
+    mgr.close()  # joins the promoter: durable retention ran after the last promotion
+    assert mgr.steps(tier="local") == [5, 6]  # local KeepLast(2)
+    assert mgr.steps(tier="durable") == [4, 6]  # every 2nd step, durable KeepLast(2)
+    assert mgr.steps() == [4, 5, 6] and mgr.latest_step() == 6
+    stats = {s.step: s for s in mgr.save_stats()}
+    assert stats[6].durable_s is not None and stats[6].durable_s >= stats[6].blocking_s
+    assert stats[5].durable_s is None  # not chosen for promotion
+    with pytest.raises(ValueError, match="tier"):
+        mgr.steps(tier="nvme")
+    assert durable_steps(storage_root) == [4, 6]
+    assert read_requests(CommitProtocol(open_storage(str(local)))) == {}
+    # A plain manager of the durable root sees an ordinary root.
+    with jaxckpt.CheckpointManager(storage_root, read_only=True) as plain:
+        assert_tree_bitexact(plain.restore(4), state(4))
+
+
+def test_restore_falls_back_to_durable_for_a_corrupt_or_wiped_local_tier(
+    storage_root, tmp_path, caplog
+):
+    local = tmp_path / "local"
+    with tiered(storage_root, local) as mgr:  # every step promoted
+        for step in (1, 2):
+            mgr.save(step, state(step))
+        assert mgr.wait_durable(timeout_s=TIMEOUT_S) == 2
+    path = Path(chunk_path(str(local), 2, "w", 1, 0))
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="jaxckpt"), tiered(storage_root, local) as mgr:
+        assert mgr.steps(tier="local") == [1, 2] and mgr.steps(tier="durable") == [1, 2]
+        assert_tree_bitexact(mgr.restore(), state(2))  # step 2, from the durable copy
+        assert_tree_bitexact(mgr.restore(2), state(2))
+    assert "local copy of step 2 is corrupt" in caplog.text
+    shutil.rmtree(local)  # a replaced node: an empty local tier
+    with tiered(storage_root, local) as mgr:
+        assert mgr.steps(tier="local") == [] and mgr.latest_step() == 2
+        assert_tree_bitexact(mgr.restore(), state(2))
+        assert_tree_bitexact(mgr.restore(1), state(1))
+        with pytest.raises(jaxckpt.StepNotFoundError):
+            mgr.restore(3)
+
+
+def test_trainer_killed_after_local_commits_then_promote_finishes(s3_server, tmp_path):
+    root = f"s3://{s3_server.bucket}/{tmp_path.name}"
+    local = tmp_path / "local"
+    child = subprocess.Popen(
+        [sys.executable, CHILD, root, str(local), "--steps", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        lines = [child.stdout.readline().strip() for _ in range(4)]
+        assert lines == ["COMMITTED 1", "COMMITTED 2", "COMMITTED 3", "READY"], child.stderr
+    finally:
+        child.kill()
+        child.communicate(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+    assert durable_steps(root) == []  # external promotion: nothing durable yet
+    local_protocol = CommitProtocol(open_storage(str(local)))
+    assert sorted(local_protocol.committed()) == [1, 2, 3]  # waiting steps outlive KeepLast(1)
+    assert sorted(read_requests(local_protocol)) == [1, 2, 3]
+    rc, out, err = finish(promote_cli(local, root))
+    assert rc == 0, err
+    assert "promoted 3 steps" in out
+    assert durable_steps(root) == [1, 2, 3] and read_requests(local_protocol) == {}
+    with jaxckpt.CheckpointManager(root, read_only=True) as mgr:
+        for step in (1, 2, 3):
+            assert_tree_bitexact(mgr.restore(step), state(step))
+            assert mgr.verify(step).ok
+    rc, out, _ = finish(promote_cli(local, root))  # nothing left to do
+    assert rc == 0 and "promoted 0 steps" in out
+
+
+def test_promoter_killed_mid_upload_leaves_nothing_listed_and_rerun_completes(
+    object_root, tmp_path
+):
+    local = tmp_path / "local"
+    with tiered(object_root, local, promotion="external") as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step))
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    proc = promote_cli(
+        local,
+        object_root,
+        JAXCKPT_PAUSE_AT="before_marker",
+        JAXCKPT_RESUME_DIR=str(resume),
+        JAXCKPT_PAUSE_S="600",
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (resume / "before_marker-2.reached").exists():  # newest first
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    storage = open_storage(object_root)
+    assert data_steps(storage) == {2}  # every chunk of step 2 uploaded ...
+    assert durable_steps(object_root) == []  # ... and nothing listed without its marker
+    rc, _, err = finish(promote_cli(local, object_root))
+    assert rc == 0, err
+    assert durable_steps(object_root) == [1, 2]
+    with jaxckpt.CheckpointManager(object_root, read_only=True) as mgr:
+        assert_tree_bitexact(mgr.restore(), state(2))
+        assert_tree_bitexact(mgr.restore(1), state(1))
+    assert len(_attempts(storage, 2)) == 2  # the killed promoter's attempt is left over ...
+    tiered(object_root, local, promotion="external").close()  # ... until the next job's open
+    assert len(_attempts(storage, 2)) == 1
+
+
+def _attempts(storage: Any, step: int) -> set[str]:
+    locs = (parse_data_key(k) for k in storage.list(ATTEMPTS))
+    return {loc.attempt for loc in locs if loc is not None and loc.step == step and loc.attempt}
+
+
+def test_promoter_of_a_fenced_job_stops_and_a_restarted_job_takes_over(tmp_path, capfd):
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    with tiered(root, local, promotion="external") as mgr:
+        mgr.save(1, state(1))
+    jaxckpt.CheckpointManager(root).close()  # another job takes over the durable root
+    rc, out, _ = finish(promote_cli(local, root))
+    assert rc == 0 and "step 1: fenced" in out
+    assert durable_steps(root) == []
+    with tiered(root, local, promotion="external") as mgr:  # the restarted job re-stamps
+        assert mgr.steps() == [1]
+    rc, out, err = finish(promote_cli(local, root))
+    assert rc == 0 and "promoted 1 step" in out, err
+    assert durable_steps(root) == [1]
+
+
+def test_sidecar_watches_serves_metrics_and_stops_on_sigterm(tmp_path):
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    mgr = tiered(root, local, promotion="external")
+    mgr.save(1, state(1))
+    mgr.wait()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = promote_cli(
+        local, root, "--watch", "--interval", "0.2", "--metrics-port", str(port),
+        "--metrics-addr", "127.0.0.1", "--keep-last", "1",
+    )  # fmt: skip
+    try:
+        assert mgr.wait_durable(1, timeout_s=TIMEOUT_S) == 1
+        mgr.save(2, state(2))
+        assert mgr.wait_durable(timeout_s=TIMEOUT_S) == 2
+        metrics = _scrape(port, lambda m: m.get("jaxckpt_newest_durable_step") == 2.0)
+        assert metrics["jaxckpt_newest_local_step"] == 2.0
+        assert metrics["jaxckpt_promoted_steps_total"] == 2.0
+        assert metrics["jaxckpt_promoted_bytes_total"] > 0
+        assert metrics["jaxckpt_promotion_lag_steps"] == 0.0
+        assert metrics["jaxckpt_promotion_failures_total"] == 0.0
+        assert durable_steps(root) == [2]  # --keep-last 1 on the durable root
+        mgr.close()  # external promotion: close does not wait for the sidecar
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, timeout=60)
+    assert rc == 0, err
+    assert "step 1: promoted" in out and "step 2: promoted" in out and "stopped" in out
+
+
+def _scrape(port: int, ready: Any) -> dict[str, float]:
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            metrics = {
+                name: float(value)
+                for line in text.splitlines()
+                if line.startswith("jaxckpt_") and " " in line
+                for name, value in [line.rsplit(" ", 1)]
+            }
+            if ready(metrics):
+                return metrics
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "metrics never showed the expected values"
+        time.sleep(0.2)
+
+
+def test_ls_shows_which_tiers_hold_each_step(tmp_path, capsys):
+    from jaxckpt import cli
+
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    with tiered(root, local, promote_policy=policy.EveryNSteps(2)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+    # close() waited for the background promotion of step 2
+    assert cli.main(["ls", root, "--local-root", str(local), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {c["step"]: c["tiers"] for c in listed["committed"]} == {
+        1: ["local"],
+        2: ["local", "durable"],
+        3: ["local"],
+    }
+    assert cli.main(["ls", root, "--local-root", str(local)]) == 0
+    out = capsys.readouterr().out
+    assert "TIERS" in out and "local+durable" in out
+
+
+def test_wait_durable_and_options_report_misuse(tmp_path):
+    with pytest.raises(ValueError, match="promotion"):
+        jaxckpt.CheckpointManager(
+            str(tmp_path / "a"), local_root=str(tmp_path / "b"), promotion="x"
+        )
+    with pytest.raises(jaxckpt.CheckpointError, match="same root"):
+        jaxckpt.CheckpointManager(str(tmp_path / "a"), local_root=str(tmp_path / "a"))
+    with (
+        jaxckpt.CheckpointManager(str(tmp_path / "plain")) as mgr,
+        pytest.raises(jaxckpt.CheckpointError, match="no local tier"),
+    ):
+        mgr.wait_durable()
+    with tiered(str(tmp_path / "d"), tmp_path / "l", promotion="external") as mgr:
+        assert mgr.wait_durable() is None
+        mgr.save(1, {"x": np.arange(3)})
+        with pytest.raises(jaxckpt.PromotionTimeoutError, match="step 1"):
+            mgr.wait_durable(timeout_s=0.3)  # nobody promotes
+        with pytest.raises(jaxckpt.PromotionError, match="neither durable"):
+            mgr.wait_durable(7, timeout_s=5)
+    with pytest.raises(ValueError, match="need a local_root"):
+        jaxckpt.CheckpointManager(str(tmp_path / "a"), local_retention=policy.KeepLast(1))
+
+
+def test_promote_archives_old_milestones_with_zstd(tmp_path, capsys):
+    from jaxckpt import cli
+
+    root, local, archive = str(tmp_path / "durable"), tmp_path / "local", str(tmp_path / "arch")
+    with tiered(root, local, promotion="external") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step), keep=step == 3)
+    args = ["promote", str(local), root, "--archive", archive, "--archive-milestones", "2"]
+    assert cli.main([*args, "--archive-after-hours", "1"]) == 0  # promoted, too new to archive
+    assert durable_steps(root) == [1, 2, 3] and durable_steps(archive) == []
+    assert cli.main([*args, "--archive-after-hours", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2: archived" in out and "step 3: archived" in out  # the milestone and the pin
+    assert durable_steps(archive) == [2, 3]
+    with jaxckpt.CheckpointManager(archive, read_only=True) as mgr:
+        assert_tree_bitexact(mgr.restore(2), state(2))
+        assert mgr.verify(3).ok
+    meta = json.loads((tmp_path / "arch").joinpath(_array_meta(archive, 2, "w")).read_text())
+    assert any(c["name"] == "zstd" for c in meta["codecs"])
+
+
+def _array_meta(root: str, step: int, name: str) -> str:
+    marker = CommitProtocol(open_storage(root)).require_marker(step)
+    return marker.location.array_prefix(name) + "zarr.json"
+
+
+_MULTIHOST = """
+import sys, jax
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+addr, pid, root, local = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+jax.distributed.initialize(coordinator_address=addr, coordinator_bind_address=addr,
+                           num_processes=2, process_id=pid, initialization_timeout=60)
+import jaxckpt
+try:
+    jaxckpt.CheckpointManager(root, local_root=f"{local}{pid}")
+except jaxckpt.CheckpointError as e:
+    print(type(e).__name__, e, flush=True)
+"""
+
+
+def test_multi_process_tiers_fail_clearly_before_writing(tmp_path):
+    import servers
+
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    addr = f"127.0.0.1:{servers.free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MULTIHOST, addr, str(i), root, local],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [finish(p, timeout=TIMEOUT_S) for p in procs]
+    for rc, out, err in outs:
+        assert rc == 0, err[-2000:]
+        assert out.startswith("CheckpointError") and "single-process for now" in out, out
+        assert "2 processes" in out
+    assert not (tmp_path / "durable").exists() and not (tmp_path / "local0").exists()
