@@ -33,7 +33,7 @@ import hashlib
 import itertools
 import json
 import math
-import time
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,7 +57,6 @@ MIN_BYTES = 1 << 20
 each is cheaper than a collective's latency)."""
 
 _WORKERS = 8
-_POLL_S = 0.005
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,13 +360,7 @@ class Exchange:
                 tuple(_Meta.of(self._shared[n]) for n in members),
                 tuple(self._shared[n].sharding for n in members),
             )
-            try:
-                results = fn(*inputs)
-                _wait(results, timeout_s, self._describe())
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"{self._describe()}: the exchange failed: {e}") from e
+            results = _collective(fn, inputs, timeout_s, self._describe())
             out.update({self._shared[n].index: r for n, r in zip(members, results, strict=True)})
         self._buffers.clear()
         return out
@@ -419,18 +412,35 @@ def _reassemble(metas: tuple[_Meta, ...], shardings: tuple[Any, ...]) -> Any:
     return jax.jit(reassemble, out_shardings=shardings)
 
 
-def _wait(results: Sequence[jax.Array], timeout_s: float, what: str) -> None:
-    """Waits for the collective; raises instead of hanging on a dead peer."""
-    deadline = time.monotonic() + timeout_s
-    while not all(r.is_ready() for r in results):  # type: ignore[attr-defined]
-        if time.monotonic() > deadline:
-            raise CheckpointError(
-                f"{what}: the collective did not finish within {timeout_s:.0f}s "
-                "(a peer process is dead or stalled)"
-            )
-        time.sleep(_POLL_S)
-    for r in results:
-        r.block_until_ready()  # raises the collective's error, if any
+def _collective(fn: Any, inputs: list[jax.Array], timeout_s: float, what: str) -> Any:
+    """Runs the jitted exchange on a helper thread; raises instead of hanging on a dead peer.
+
+    JAX cannot cancel a collective: after a timeout the (daemon) thread stays
+    blocked in it, and the process should exit rather than go on.
+    """
+    box: list[Any] = []
+
+    def work() -> None:
+        try:
+            results = fn(*inputs)
+            for r in results:
+                r.block_until_ready()
+            box.append(results)
+        except BaseException as e:  # handed to the waiting thread
+            box.append(e)
+
+    thread = threading.Thread(target=work, name="jaxckpt-exchange", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise CheckpointError(
+            f"{what}: the collective did not finish within {timeout_s:.0f}s "
+            "(a peer process is dead or stalled)"
+        )
+    (result,) = box
+    if isinstance(result, BaseException):
+        raise CheckpointError(f"{what}: the exchange failed: {result}") from result
+    return result
 
 
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:

@@ -112,6 +112,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--primary-host", type=int, default=0, help="CheckpointOptions.primary_host")
     p.add_argument("--init-timeout", type=int, default=60)
     p.add_argument("--layout", default="plain", help="CheckpointOptions.layout")
+    p.add_argument("--scale", type=int, default=1, help="multiplies the rows of BIG's leaves")
     p.add_argument(
         "--exchange-min-bytes",
         type=int,
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     import jaxckpt
     import jaxckpt._replicated
 
+    for name, (shape, spec) in BIG.items():
+        BIG[name] = ((shape[0] * args.scale, *shape[1:]), spec)
     if args.exchange_min_bytes is not None:
         jaxckpt._replicated.MIN_BYTES = args.exchange_min_bytes
     mesh = _mesh(jax, args.mesh, args.num_processes * args.devices)
@@ -276,7 +279,9 @@ def _restore(manager: Any, mesh: Any, spec: tuple[str | None, ...]) -> None:
     target.update(value_leaves(0))
     counter = _CountingStorage(manager._protocol.storage)
     manager._protocol.storage = counter  # every read of the restore goes through it
+    start = time.perf_counter()
     restored = manager.restore(target=target)
+    _say(f"RESTORE SECONDS {time.perf_counter() - start:.3f}")
     _say(f"BYTES READ {counter.nbytes}")
     step = restored["step"]  # a value leaf: which step this process actually restored
     _say(f"RESTORED {step}")
