@@ -19,7 +19,12 @@ d. the primary reaches ``before_marker`` only once every process's manifest
 e. every process restores the same step, also when the newest step is
    corrupt only in the region one process reads;
 f. on GCS, with process 1 as the primary, a save policy's answer is the
-   primary's on every process and only the primary writes the records.
+   primary's on every process and only the primary writes the records;
+g. replicated leaves (restored ``P()`` on several processes) are read once
+   in all, locally, on S3 and from packs: the bytes each child read add up to
+   at most 1.05x the step's bytes; a chunk read in parts by two processes is
+   checked as a whole; a peer SIGKILLed before the exchange's collective
+   makes the survivor raise ``CheckpointError`` within the timeout.
 
 Every wait has a deadline, and every child is killed in a ``finally``.
 """
@@ -396,6 +401,11 @@ def test_packed_layout_each_process_writes_a_few_packs_read_on_another_topology(
     (p,) = restore(tmp_path, root, processes=1, devices=4, mesh="1x4", spec="None,model")
     assert restored_steps([p]) == [STEPS[-1]]
     assert p.said("CHECKED") == [f"CHECKED {7 * 4 + 1}"], p.report()
+    # On 2 processes the replicated leaves are read once, in ranges of the packs.
+    procs = restore(tmp_path, root, processes=2, devices=2, mesh="2x2", spec="data")
+    for p in procs:
+        assert p.said("CHECKED") == [f"CHECKED {7 * 2 + 1}"], p.report()
+    check_read_once(root, procs)
 
 
 def test_restore_on_four_processes(saved_local: str, tmp_path: Path) -> None:
@@ -653,6 +663,7 @@ def test_s3_save_and_restore(s3_server: servers.Server, tmp_path: Path) -> None:
     check_written_once(root, STEPS[-1], processes=2)
     procs = restore(tmp_path, root, processes=4, devices=1, mesh="2x2", spec="model,data")
     assert restored_steps(procs) == [STEPS[-1]] * 4
+    check_read_once(root, procs)
 
 
 def test_gcs_primary_on_process_1_and_save_policy_agreement(
