@@ -57,6 +57,8 @@ MIN_BYTES = 1 << 20
 each is cheaper than a collective's latency)."""
 
 _WORKERS = 8
+PART_BYTES = 8 << 20
+"""The largest ranged read of a chunk read in parts (they run in parallel)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +142,13 @@ def _device_order(device: Any) -> tuple[int, int]:
 
 
 def _needed_twice(leaf: SavedLeaf, sharding: jax.sharding.Sharding) -> bool:
-    """Whether some element is addressed by devices of more than one process."""
+    """Whether some element is addressed by devices of more than one process.
+
+    Only targets that span every process qualify (every process then takes part
+    in the collective); others are read as before.
+    """
+    if len({_device_order(d)[0] for d in sharding.device_set}) != jax.process_count():
+        return False
     owners: dict[Any, set[int]] = {}
     device: Any
     for device, index in sharding.devices_indices_map(leaf.shape).items():
@@ -230,7 +238,13 @@ class Exchange:
                 a = max(lo, c * per_chunk) - c * per_chunk
                 b = min(hi, (c + 1) * per_chunk) - c * per_chunk
                 dst = (c * per_chunk + a - lo) * itemsize
-                parts.append(_Part(n, c, a * itemsize, b * itemsize, dst))
+                if b - a == per_chunk:  # a whole chunk: one object read, checked as it is
+                    parts.append(_Part(n, c, 0, per_chunk * itemsize, dst))
+                    continue
+                start, stop = a * itemsize, b * itemsize
+                for x in range(start, stop, PART_BYTES):
+                    y = min(x + PART_BYTES, stop)
+                    parts.append(_Part(n, c, x, y, dst + x - start))
         with ThreadPoolExecutor(_WORKERS, thread_name_prefix="jaxckpt-shared") as pool:
             for part, crc in zip(parts, pool.map(self._read_part, parts), strict=True):
                 if crc is not None:

@@ -6,7 +6,7 @@ Usage::
         --process-id I --devices D --root ROOT
         --mode {save,restore,save_and_die,restore_and_die,policy} [--mesh AxB]
         [--spec data,model] [--steps 1,2] [--save-timeout S] [--primary-host H]
-        [--exchange-min-bytes N]
+        [--exchange-min-bytes N] [--exchange-part-bytes N] [--scale K]
 
 The process joins a ``jax.distributed`` group of ``P`` processes with ``D``
 CPU devices each, builds a ``('data', 'model')`` mesh of shape ``AxB`` over
@@ -119,6 +119,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="jaxckpt._replicated.MIN_BYTES (a huge value: every process reads what it needs)",
     )
+    p.add_argument(
+        "--exchange-part-bytes", type=int, default=None, help="..._replicated.PART_BYTES"
+    )
     return p.parse_args(argv)
 
 
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         BIG[name] = ((shape[0] * args.scale, *shape[1:]), spec)
     if args.exchange_min_bytes is not None:
         jaxckpt._replicated.MIN_BYTES = args.exchange_min_bytes
+    if args.exchange_part_bytes is not None:
+        jaxckpt._replicated.PART_BYTES = args.exchange_part_bytes
     mesh = _mesh(jax, args.mesh, args.num_processes * args.devices)
     save_policy = _DisagreeingPolicy(args.primary_host) if args.mode == "policy" else None
     manager = jaxckpt.CheckpointManager(

@@ -440,9 +440,17 @@ def check_read_once(root: str, procs: list[Proc]) -> None:
 
 def test_replicated_leaves_read_once_on_two_processes(saved_local: str, tmp_path: Path) -> None:
     """2 processes x 2 devices, x sharded over the processes and replicated within
-    them (a mix): each process reads half of big (in one ranged read of its
-    chunk) and one of wide's two chunks; every shard is checked."""
-    procs = restore(tmp_path, saved_local, processes=2, devices=2, mesh="2x2", spec="data")
+    them (a mix): each process reads half of big (its one chunk, in ranged reads
+    of at most 100 KiB) and one of wide's two chunks whole; every shard is checked."""
+    procs = restore(
+        tmp_path,
+        saved_local,
+        processes=2,
+        devices=2,
+        mesh="2x2",
+        spec="data",
+        extra=(f"--exchange-part-bytes={100 << 10}",),
+    )
     assert restored_steps(procs) == [STEPS[-1]] * 2
     for p in procs:
         assert p.said("CHECKED") == [f"CHECKED {7 * 2 + 1}"], p.report()
@@ -451,12 +459,21 @@ def test_replicated_leaves_read_once_on_two_processes(saved_local: str, tmp_path
 
 
 def test_chunk_read_in_parts_is_checked_as_a_whole(saved_local: str, tmp_path: Path) -> None:
-    """big's one chunk is read half by each process: neither can check its CRC32C
-    alone; combined through the KV store, both find it corrupt and fall back."""
+    """big's one chunk is read half by each process, in ranged reads of at most
+    100 KiB: neither can check its CRC32C alone; combined through the KV store,
+    both find it corrupt and fall back."""
     root = tmp_path / "root"
     shutil.copytree(saved_local, root)
     servers.corrupt_object(chunk_path(str(root), STEPS[-1], "big", 0, 0), offset=100)
-    procs = restore(tmp_path, str(root), processes=2, devices=2, mesh="2x2", spec="data")
+    procs = restore(
+        tmp_path,
+        str(root),
+        processes=2,
+        devices=2,
+        mesh="2x2",
+        spec="data",
+        extra=(f"--exchange-part-bytes={100 << 10}",),
+    )
     assert restored_steps(procs) == [STEPS[0]] * 2
     for p in procs:
         assert p.said("CHECKED") == [f"CHECKED {7 * 2 + 1}"], p.report()
