@@ -312,7 +312,11 @@ class Exchange:
             "error": None if error is None else [type(error).__name__, str(error)],
             "crcs": [] if error is not None else self._crcs,
         }
-        everyone = self._agreement.gather("restore-exchange", mine)
+        reached("exchange_read", self._loc.step)  # crash tests kill a peer here
+        try:
+            everyone = self._agreement.gather("restore-exchange", mine)
+        except CheckpointError as e:  # a peer is dead or stalled
+            raise CheckpointError(f"{self._describe()}: {e}") from e
         if error is not None:
             raise error
         me = jax.process_index()

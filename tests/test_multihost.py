@@ -481,10 +481,23 @@ def test_chunk_read_in_parts_is_checked_as_a_whole(saved_local: str, tmp_path: P
         assert "chunk c/0/0" in p.stderr() and "read in parts" in p.stderr(), p.report()
 
 
-def test_dead_peer_during_the_exchange_is_bounded(saved_local: str, tmp_path: Path) -> None:
-    """Process 1 is SIGKILLed once every process has read its part, before the
-    collective: process 0 raises a CheckpointError instead of waiting forever."""
-    pause = {child.PAUSE_ENV: "exchange_settled", "JAXCKPT_PAUSE_S": "300"}
+@pytest.mark.parametrize(
+    ("phase", "says"),
+    [
+        pytest.param(
+            "exchange_read", "no 'restore-exchange' from process 1", id="before-the-gather"
+        ),
+        pytest.param("exchange_settled", "the collective did not finish", id="in-the-collective"),
+    ],
+)
+def test_dead_peer_during_the_exchange_is_bounded(
+    phase: str, says: str, saved_local: str, tmp_path: Path
+) -> None:
+    """Process 1 is SIGKILLed after its reads, before it publishes them (process 0
+    waits in the key-value gather), or once every process has published them
+    (process 0 waits in the collective): either way process 0 raises a
+    CheckpointError within the timeout instead of waiting forever."""
+    pause = {child.PAUSE_ENV: phase, "JAXCKPT_PAUSE_S": "300"}
     with spawn(
         tmp_path,
         saved_local,
@@ -497,7 +510,7 @@ def test_dead_peer_during_the_exchange_is_bounded(saved_local: str, tmp_path: Pa
         env_for={1: pause},
     ) as procs:
         survivor, target = procs
-        wait_for_phase(target, f"JAXCKPT_PHASE exchange_settled {STEPS[1]}", procs)
+        wait_for_phase(target, f"JAXCKPT_PHASE {phase} {STEPS[1]}", procs)
         target.popen.send_signal(signal.SIGKILL)
         try:
             survivor.popen.wait(timeout=DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S)
@@ -508,7 +521,7 @@ def test_dead_peer_during_the_exchange_is_bounded(saved_local: str, tmp_path: Pa
     _, error, seconds = failed.split()
     assert error == "CheckpointError", survivor.report()
     assert float(seconds) < DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S, failed
-    assert "exchanging" in survivor.stderr(), survivor.report()
+    assert says in survivor.stderr(), survivor.report()
 
 
 def test_hosts_agree_when_one_host_reads_a_corrupt_chunk(saved_local: str, tmp_path: Path) -> None:
