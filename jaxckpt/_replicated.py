@@ -316,6 +316,8 @@ class Exchange:
         try:
             everyone = self._agreement.gather("restore-exchange", mine)
         except CheckpointError as e:  # a peer is dead or stalled
+            if error is not None:
+                raise error from e
             raise CheckpointError(f"{self._describe()}: {e}") from e
         if error is not None:
             raise error
