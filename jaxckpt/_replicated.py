@@ -309,7 +309,9 @@ class Exchange:
         """
         mine = {
             "plan": self._digest(),
-            "error": None if error is None else [type(error).__name__, str(error)],
+            "error": None
+            if error is None
+            else [isinstance(error, CorruptCheckpointError), f"{type(error).__name__}: {error}"],
             "crcs": [] if error is not None else self._crcs,
         }
         reached("exchange_read", self._loc.step)  # crash tests kill a peer here
@@ -324,10 +326,8 @@ class Exchange:
         me = jax.process_index()
         for p, theirs in enumerate(everyone):
             if theirs["error"] is not None:
-                kind, text = theirs["error"]
-                cls = (
-                    CorruptCheckpointError if kind == "CorruptCheckpointError" else CheckpointError
-                )
+                corrupt, text = theirs["error"]
+                cls = CorruptCheckpointError if corrupt else CheckpointError
                 raise cls(f"process {me}: process {p} could not read its part: {text}")
         if len({e["plan"] for e in everyone}) != 1:
             raise CheckpointError(
