@@ -599,7 +599,9 @@ class CheckpointManager:
             self._restoring.add(step)
         try:
             restored, error = (
-                reader.restore(load_step(protocol, marker), target, **how),
+                reader.restore(
+                    load_step(protocol, marker), target, agreement=self._agreement, **how
+                ),
                 None,
             )
         except CorruptCheckpointError as e:

@@ -11,10 +11,12 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from jaxckpt._agree import Agreement
 from jaxckpt._chunkread import RegionRequest, plain_leaves, read_regions
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import TREE_FILE
 from jaxckpt._records import ChunkRecord, CommitMarker
+from jaxckpt._replicated import Exchange, plan
 from jaxckpt._tree import (
     PathMap,
     SavedLeaf,
@@ -74,28 +76,50 @@ class StepReader:
         *,
         partial: bool = False,
         rename: PathMap | None = None,
+        agreement: Agreement | None = None,
     ) -> Any:
-        """The step's values; with a target, only the leaves it names are read."""
+        """The step's values; with a target, only the leaves it names are read.
+
+        With an ``agreement`` on several processes this is collective: leaves that
+        several processes need are read once in total and exchanged (``_replicated``).
+        """
         leaves = loaded.leaves
         if target is None:
             if partial or rename is not None:
                 raise ValueError("partial= and rename= need a target")
-            values = self._read_all(loaded, list(leaves), [None] * len(leaves))
+            values = self._read_all(loaded, list(leaves), [None] * len(leaves), agreement)
             return unflatten_saved(leaves, values)
         flat, treedef = flatten(target)
         targets = [t for _, t in flat]
         paths = [path_str(p) for p, _ in flat]
         matched = match_target(leaves, paths, targets, partial=partial, rename=rename)
-        values = self._read_all(loaded, matched, targets)
+        values = self._read_all(loaded, matched, targets, agreement)
         return jax.tree_util.tree_unflatten(treedef, values)
 
     def _read_all(
-        self, loaded: LoadedStep, leaves: Sequence[SavedLeaf], targets: Sequence[Any]
+        self,
+        loaded: LoadedStep,
+        leaves: Sequence[SavedLeaf],
+        targets: Sequence[Any],
+        agreement: Agreement | None = None,
     ) -> list[Any]:
+        plain, shared = None, {}
+        if agreement is not None and jax.process_count() > 1:
+            plain = self.plain_names(loaded, [x for x in leaves if x.name is not None])
+            shared = {
+                s.index: s
+                for s in plan(
+                    leaves,
+                    [_target_sharding(t) for t in targets],
+                    [getattr(t, "dtype", None) for t in targets],
+                    loaded.chunks,
+                    plain,
+                )
+            }
         plans: list[dict[Any, Region] | None] = []
         requests: list[RegionRequest] = []
-        for leaf, target in zip(leaves, targets, strict=True):
-            if leaf.kind == "value" or leaf.name is None:
+        for i, (leaf, target) in enumerate(zip(leaves, targets, strict=True)):
+            if leaf.kind == "value" or leaf.name is None or i in shared:
                 plans.append(None)
                 continue
             regions = _regions_for(leaf, target)
@@ -103,15 +127,31 @@ class StepReader:
             requests.extend(
                 RegionRequest(leaf=leaf, region=r) for r in sorted(set(regions.values()))
             )
-        arrays = self.read(loaded, requests)
+        if not shared:
+            arrays = self.read(loaded, requests, plain=plain)
+        else:  # collective: every process settles, then exchanges
+            assert agreement is not None
+            exchange = Exchange(
+                self._protocol.storage, loaded.marker.location, list(shared.values()), agreement
+            )
+            error: Exception | None = None
+            try:
+                arrays = self.read(loaded, requests, plain=plain)
+                exchange.read()
+            except Exception as e:  # the others must learn of it, not wait for it
+                error = e
+            exchange.settle(error)
+            exchanged = exchange.run(agreement.timeout_s)
         data = {(r.leaf.name, r.region): a for r, a in zip(requests, arrays, strict=True)}
         values = []
-        for leaf, target, plan in zip(leaves, targets, plans, strict=True):
-            if plan is None:
+        for i, (leaf, target, layout) in enumerate(zip(leaves, targets, plans, strict=True)):
+            if i in shared:
+                values.append(exchanged[i])
+            elif layout is None:
                 values.append(leaf.value)
-                continue
-            mine = {r: data[(leaf.name, r)] for r in set(plan.values())}
-            values.append(_assemble(leaf, target, plan, mine))
+            else:
+                mine = {r: data[(leaf.name, r)] for r in set(layout.values())}
+                values.append(_assemble(leaf, target, layout, mine))
         return values
 
     def plain_names(self, loaded: LoadedStep, leaves: Iterable[SavedLeaf]) -> set[str]:

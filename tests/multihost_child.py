@@ -3,9 +3,10 @@
 Usage::
 
     python tests/multihost_child.py --coordinator 127.0.0.1:PORT --num-processes P
-        --process-id I --devices D --root ROOT --mode {save,restore,save_and_die,policy}
-        [--mesh AxB] [--spec data,model] [--steps 1,2] [--save-timeout S]
-        [--primary-host H]
+        --process-id I --devices D --root ROOT
+        --mode {save,restore,save_and_die,restore_and_die,policy} [--mesh AxB]
+        [--spec data,model] [--steps 1,2] [--save-timeout S] [--primary-host H]
+        [--exchange-min-bytes N] [--exchange-part-bytes N] [--scale K]
 
 The process joins a ``jax.distributed`` group of ``P`` processes with ``D``
 CPU devices each, builds a ``('data', 'model')`` mesh of shape ``AxB`` over
@@ -16,7 +17,11 @@ all ``P*D`` devices, and then:
 * ``restore``: ``restore()`` without a step onto the mesh, with ``--spec``
   for the sharded leaves (the replicated ones stay replicated); prints the
   step it got (every process of the group must get the same one) and checks
-  every addressable shard of every array against :func:`expected` for it.
+  every addressable shard of every array against :func:`expected` for it,
+  and the bytes of array data it read from storage (``BYTES READ n``).
+* ``restore_and_die``: a ``restore`` during which one process (started with
+  ``JAXCKPT_PAUSE_AT``) pauses and is SIGKILLed; the survivors report the
+  ``CheckpointError`` they get like ``save_and_die``.
 * ``save_and_die``: commits the first step, then saves the second; one
   process of the group is started with ``JAXCKPT_PAUSE_AT`` set, which is
   armed only for that second save, and the test SIGKILLs it while it pauses.
@@ -29,7 +34,7 @@ all ``P*D`` devices, and then:
 Values are a deterministic function of the leaf, the step and the global
 index, so any process can check any shard. Protocol lines go to stdout:
 ``READY``, ``SAVED s``, ``COMMITTED s``, ``DECIDED s b``, ``RESTORED s``,
-``CHECKED n``, ``FAILED <error class> <seconds>``, ``DONE``.
+``CHECKED n``, ``BYTES READ n``, ``FAILED <error class> <seconds>``, ``DONE``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import argparse
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -57,8 +63,16 @@ REPLICATED: dict[str, tuple[tuple[int, ...], Any]] = {
     "count": ((), np.int32),
 }
 HOST: dict[str, tuple[tuple[int, ...], Any]] = {"host": ((3,), np.int32)}
+# Replicated leaves above the exchange threshold (jaxckpt._replicated.MIN_BYTES),
+# always restored replicated (P()), so each is read once over all processes: big
+# is saved replicated (one 1.5 MiB chunk, read in parts), wide sharded on 'data'
+# (one 1 MiB chunk per row of the mesh).
+BIG: dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]] = {
+    "big": ((512, 768), ()),
+    "wide": ((1024, 512), ("data",)),
+}
 VALUES = {"lr": 0.5, "name": "run-7"}
-OFFSETS = {"x": 0, "y": 1, "z": 2, "rep": 3, "count": 4, "host": 5}
+OFFSETS = {"x": 0, "y": 1, "z": 2, "rep": 3, "count": 4, "host": 5, "big": 6, "wide": 7}
 
 
 def expected(name: str, step: int) -> np.ndarray:
@@ -67,6 +81,8 @@ def expected(name: str, step: int) -> np.ndarray:
     dtype: Any
     if name in SHARDED:
         shape, dtype = SHARDED[name], np.float32
+    elif name in BIG:
+        shape, dtype = BIG[name][0], np.float32
     else:
         shape, dtype = {**REPLICATED, **HOST}[name]
     base = 100_000 * step + 1_000 * OFFSETS[name]
@@ -84,7 +100,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--devices", type=int, required=True)
     p.add_argument("--root", required=True)
-    p.add_argument("--mode", choices=("save", "restore", "save_and_die", "policy"), required=True)
+    p.add_argument(
+        "--mode",
+        choices=("save", "restore", "save_and_die", "restore_and_die", "policy"),
+        required=True,
+    )
     p.add_argument("--mesh", default=None, help="AxB for axes ('data', 'model')")
     p.add_argument("--spec", default="data", help="PartitionSpec of x, y, z on restore")
     p.add_argument("--steps", default="1", help="comma-separated steps to save")
@@ -92,6 +112,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--primary-host", type=int, default=0, help="CheckpointOptions.primary_host")
     p.add_argument("--init-timeout", type=int, default=60)
     p.add_argument("--layout", default="plain", help="CheckpointOptions.layout")
+    p.add_argument("--scale", type=int, default=1, help="multiplies the rows of BIG's leaves")
+    p.add_argument(
+        "--exchange-min-bytes",
+        type=int,
+        default=None,
+        help="jaxckpt._replicated.MIN_BYTES (a huge value: every process reads what it needs)",
+    )
+    p.add_argument(
+        "--exchange-part-bytes", type=int, default=None, help="..._replicated.PART_BYTES"
+    )
     return p.parse_args(argv)
 
 
@@ -125,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     assert jax.local_device_count() == args.devices, jax.local_devices()
 
     import jaxckpt
+    import jaxckpt._replicated
 
+    for name, (shape, spec) in BIG.items():
+        BIG[name] = ((shape[0] * args.scale, *shape[1:]), spec)
+    if args.exchange_min_bytes is not None:
+        jaxckpt._replicated.MIN_BYTES = args.exchange_min_bytes
+    if args.exchange_part_bytes is not None:
+        jaxckpt._replicated.PART_BYTES = args.exchange_part_bytes
     mesh = _mesh(jax, args.mesh, args.num_processes * args.devices)
     save_policy = _DisagreeingPolicy(args.primary_host) if args.mode == "policy" else None
     manager = jaxckpt.CheckpointManager(
@@ -142,6 +179,18 @@ def main(argv: list[str] | None = None) -> int:
             _save(manager, mesh, step)
     elif args.mode == "restore":
         _restore(manager, mesh, _spec(args.spec))
+    elif args.mode == "restore_and_die":
+        if pause_at is not None:
+            os.environ[PAUSE_ENV] = pause_at
+        start = time.monotonic()
+        try:
+            _restore(manager, mesh, _spec(args.spec))
+        except jaxckpt.CheckpointError as e:
+            _say(f"FAILED {type(e).__name__} {time.monotonic() - start:.1f}")
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            os._exit(0)  # a peer is dead: skip the shutdown barriers
+        _say("UNEXPECTED restore")
+        os._exit(1)
     elif args.mode == "policy":
         for step in steps:
             saved = manager.save(step, build_state(mesh, step))
@@ -207,6 +256,7 @@ def build_state(mesh: Any, step: int) -> dict[str, Any]:
 
     state: dict[str, Any] = {n: global_array(n, SAVE_SPECS[n]) for n in SHARDED}
     state.update({n: global_array(n, ()) for n in REPLICATED})
+    state.update({n: global_array(n, spec) for n, (_, spec) in BIG.items()})
     state.update({n: expected(n, step) for n in HOST})
     state.update(value_leaves(step))
     return state
@@ -227,14 +277,21 @@ def _restore(manager: Any, mesh: Any, spec: tuple[str | None, ...]) -> None:
         target[name] = jax.ShapeDtypeStruct(shape, np.float32, sharding=_sharding(jax, mesh, spec))
     for name, (shape, dtype) in REPLICATED.items():
         target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding(jax, mesh, ()))
+    for name, (shape, _) in BIG.items():
+        target[name] = jax.ShapeDtypeStruct(shape, np.float32, sharding=_sharding(jax, mesh, ()))
     for name, (shape, dtype) in HOST.items():
         target[name] = np.zeros(shape, dtype)
     target.update(value_leaves(0))
+    counter = _CountingStorage(manager._protocol.storage)
+    manager._protocol.storage = counter  # every read of the restore goes through it
+    start = time.perf_counter()
     restored = manager.restore(target=target)
+    _say(f"RESTORE SECONDS {time.perf_counter() - start:.3f}")
+    _say(f"BYTES READ {counter.nbytes}")
     step = restored["step"]  # a value leaf: which step this process actually restored
     _say(f"RESTORED {step}")
     checked = 0
-    for name in [*SHARDED, *REPLICATED]:
+    for name in [*SHARDED, *REPLICATED, *BIG]:
         checked += _check_array(name, restored[name], target[name].sharding, step)
     for name in HOST:
         np.testing.assert_array_equal(restored[name], expected(name, step), err_msg=name)
@@ -242,6 +299,29 @@ def _restore(manager: Any, mesh: Any, spec: tuple[str | None, ...]) -> None:
     if {k: restored[k] for k in VALUES} != VALUES:
         raise AssertionError(f"values: { ({k: restored[k] for k in VALUES}) } != {VALUES}")
     _say(f"CHECKED {checked}")
+
+
+class _CountingStorage:
+    """Counts the bytes of array data the restore reads (chunk objects and ranges)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.nbytes = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def read_buffer(self, key: str, size: int | None = None) -> Any:
+        return self._count(self._inner.read_buffer(key, size))
+
+    def read_range(self, key: str, offset: int, size: int) -> Any:
+        return self._count(self._inner.read_range(key, offset, size))
+
+    def _count(self, data: Any) -> Any:
+        with self._lock:
+            self.nbytes += 0 if data is None else len(data)
+        return data
 
 
 def _check_array(name: str, array: Any, sharding: Any, step: int) -> int:

@@ -19,7 +19,12 @@ d. the primary reaches ``before_marker`` only once every process's manifest
 e. every process restores the same step, also when the newest step is
    corrupt only in the region one process reads;
 f. on GCS, with process 1 as the primary, a save policy's answer is the
-   primary's on every process and only the primary writes the records.
+   primary's on every process and only the primary writes the records;
+g. replicated leaves (restored ``P()`` on several processes) are read once
+   in all, locally, on S3 and from packs: the bytes each child read add up to
+   at most 1.05x the step's bytes; a chunk read in parts by two processes is
+   checked as a whole; a peer SIGKILLed before the exchange's collective
+   makes the survivor raise ``CheckpointError`` within the timeout.
 
 Every wait has a deadline, and every child is killed in a ``finally``.
 """
@@ -57,7 +62,7 @@ assert _spec is not None and _spec.loader is not None
 child = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(child)
 
-ARRAYS = [*child.SHARDED, *child.REPLICATED, *child.HOST]
+ARRAYS = [*child.SHARDED, *child.REPLICATED, *child.HOST, *child.BIG]
 STEPS = (1, 2)
 RUN_TIMEOUT_S = 90.0  # one group: start-up (importing jax, joining the group) plus its work
 PHASE_TIMEOUT_S = 60.0
@@ -128,6 +133,7 @@ def spawn(
     steps: tuple[int, ...] = STEPS,
     env_for: dict[int, dict[str, str]] | None = None,
     layout: str = "plain",
+    extra: tuple[str, ...] = (),
 ) -> Iterator[list[Proc]]:
     """Starts one group; SIGKILLs whatever is still running when the block exits.
 
@@ -152,6 +158,7 @@ def spawn(
                 steps=steps,
                 env_for=env_for or {},
                 layout=layout,
+                extra=extra,
             )
             if not _lost_port_race(procs[0], procs):
                 break
@@ -178,6 +185,7 @@ def _start_group(
     steps: tuple[int, ...],
     env_for: dict[int, dict[str, str]],
     layout: str,
+    extra: tuple[str, ...],
 ) -> list[Proc]:
     name = f"{mode}-{processes}x{devices}-{uuid.uuid4().hex[:6]}"
     procs = []
@@ -201,6 +209,7 @@ def _start_group(
             f"--save-timeout={save_timeout_s}",
             f"--primary-host={primary_host}",
             f"--layout={layout}",
+            *extra,
         ]
         out, err = logs / f"{name}-{i}.out", logs / f"{name}-{i}.err"
         with open(out, "wb") as fout, open(err, "wb") as ferr:
@@ -349,8 +358,8 @@ def test_save_writes_each_chunk_once(saved_local: str) -> None:
 def test_restore_on_one_process_with_four_devices(saved_local: str, tmp_path: Path) -> None:
     (p,) = restore(tmp_path, saved_local, processes=1, devices=4, mesh="1x4", spec="None,model")
     assert restored_steps([p]) == [STEPS[-1]]
-    # x, y, z and the two replicated arrays on 4 devices each, plus the host array.
-    assert p.said("CHECKED") == [f"CHECKED {5 * 4 + 1}"], p.report()
+    # x, y, z and the four replicated arrays on 4 devices each, plus the host array.
+    assert p.said("CHECKED") == [f"CHECKED {7 * 4 + 1}"], p.report()
 
 
 def test_packed_layout_each_process_writes_a_few_packs_read_on_another_topology(
@@ -391,15 +400,128 @@ def test_packed_layout_each_process_writes_a_few_packs_read_on_another_topology(
         assert [k for k in storage.list(loc.arrays_prefix) if not k.endswith("/zarr.json")] == []
     (p,) = restore(tmp_path, root, processes=1, devices=4, mesh="1x4", spec="None,model")
     assert restored_steps([p]) == [STEPS[-1]]
-    assert p.said("CHECKED") == [f"CHECKED {5 * 4 + 1}"], p.report()
+    assert p.said("CHECKED") == [f"CHECKED {7 * 4 + 1}"], p.report()
+    # On 2 processes the replicated leaves are read once, in ranges of the packs.
+    procs = restore(tmp_path, root, processes=2, devices=2, mesh="2x2", spec="data")
+    for p in procs:
+        assert p.said("CHECKED") == [f"CHECKED {7 * 2 + 1}"], p.report()
+    check_read_once(root, procs)
 
 
 def test_restore_on_four_processes(saved_local: str, tmp_path: Path) -> None:
     procs = restore(tmp_path, saved_local, processes=4, devices=1, mesh="2x2", spec="model,data")
     assert restored_steps(procs) == [STEPS[-1]] * 4
     for p in procs:
-        assert p.said("CHECKED") == [f"CHECKED {5 + 1}"], p.report()
+        assert p.said("CHECKED") == [f"CHECKED {7 + 1}"], p.report()
+    # big and wide (1.5 and 2 MiB, replicated on restore) were read once in all,
+    # each process a quarter (every chunk in parts); without the exchange: 4x.
+    check_read_once(saved_local, procs)
     assert procs[0].said("AGREEMENT KEYS LEFT") == ["AGREEMENT KEYS LEFT 0"], procs[0].report()
+
+
+def bytes_read(procs: list[Proc]) -> list[int]:
+    """The bytes of array data each process read from storage during its restore."""
+    out = []
+    for p in procs:
+        (line,) = p.said("BYTES READ")
+        out.append(int(line.split()[2]))
+    return out
+
+
+def check_read_once(root: str, procs: list[Proc]) -> None:
+    """Replicated leaves were read once over all processes, in about equal shares."""
+    stored = CommitProtocol(open_storage(root)).require_marker(STEPS[-1]).nbytes
+    read = bytes_read(procs)
+    assert sum(read) <= 1.05 * stored, (read, stored)
+    big = sum(child.expected(name, STEPS[-1]).nbytes for name in child.BIG)
+    for n in read:  # each process read its share of the big leaves, not more
+        assert big / len(procs) * 0.9 <= n <= big / len(procs) + (stored - big), (read, stored)
+
+
+def test_replicated_leaves_read_once_on_two_processes(saved_local: str, tmp_path: Path) -> None:
+    """2 processes x 2 devices, x sharded over the processes and replicated within
+    them (a mix): each process reads half of big (its one chunk, in ranged reads
+    of at most 100 KiB) and one of wide's two chunks whole; every shard is checked."""
+    procs = restore(
+        tmp_path,
+        saved_local,
+        processes=2,
+        devices=2,
+        mesh="2x2",
+        spec="data",
+        extra=(f"--exchange-part-bytes={100 << 10}",),
+    )
+    assert restored_steps(procs) == [STEPS[-1]] * 2
+    for p in procs:
+        assert p.said("CHECKED") == [f"CHECKED {7 * 2 + 1}"], p.report()
+    check_read_once(saved_local, procs)
+    assert procs[0].said("AGREEMENT KEYS LEFT") == ["AGREEMENT KEYS LEFT 0"], procs[0].report()
+
+
+def test_chunk_read_in_parts_is_checked_as_a_whole(saved_local: str, tmp_path: Path) -> None:
+    """big's one chunk is read half by each process, in ranged reads of at most
+    100 KiB: neither can check its CRC32C alone; combined through the KV store,
+    both find it corrupt and fall back."""
+    root = tmp_path / "root"
+    shutil.copytree(saved_local, root)
+    servers.corrupt_object(chunk_path(str(root), STEPS[-1], "big", 0, 0), offset=100)
+    procs = restore(
+        tmp_path,
+        str(root),
+        processes=2,
+        devices=2,
+        mesh="2x2",
+        spec="data",
+        extra=(f"--exchange-part-bytes={100 << 10}",),
+    )
+    assert restored_steps(procs) == [STEPS[0]] * 2
+    for p in procs:
+        assert p.said("CHECKED") == [f"CHECKED {7 * 2 + 1}"], p.report()
+        assert f"falling back to step {STEPS[0]}" in p.stderr(), p.report()
+        assert "chunk c/0/0" in p.stderr() and "read in parts" in p.stderr(), p.report()
+
+
+@pytest.mark.parametrize(
+    ("phase", "says"),
+    [
+        pytest.param(
+            "exchange_read", "no 'restore-exchange' from process 1", id="before-the-gather"
+        ),
+        pytest.param("exchange_settled", "the collective did not finish", id="in-the-collective"),
+    ],
+)
+def test_dead_peer_during_the_exchange_is_bounded(
+    phase: str, says: str, saved_local: str, tmp_path: Path
+) -> None:
+    """Process 1 is SIGKILLed after its reads, before it publishes them (process 0
+    waits in the key-value gather), or once every process has published them
+    (process 0 waits in the collective): either way process 0 raises a
+    CheckpointError within the timeout instead of waiting forever."""
+    pause = {child.PAUSE_ENV: phase, "JAXCKPT_PAUSE_S": "300"}
+    with spawn(
+        tmp_path,
+        saved_local,
+        mode="restore_and_die",
+        processes=2,
+        devices=2,
+        mesh="2x2",
+        spec="data",
+        save_timeout_s=DIE_SAVE_TIMEOUT_S,
+        env_for={1: pause},
+    ) as procs:
+        survivor, target = procs
+        wait_for_phase(target, f"JAXCKPT_PHASE {phase} {STEPS[1]}", procs)
+        target.popen.send_signal(signal.SIGKILL)
+        try:
+            survivor.popen.wait(timeout=DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process 0 hangs after its peer died\n{survivor.report()}")
+    assert survivor.popen.returncode == 0, survivor.report()
+    (failed,) = survivor.said("FAILED")
+    _, error, seconds = failed.split()
+    assert error == "CheckpointError", survivor.report()
+    assert float(seconds) < DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S, failed
+    assert says in survivor.stderr(), survivor.report()
 
 
 def test_hosts_agree_when_one_host_reads_a_corrupt_chunk(saved_local: str, tmp_path: Path) -> None:
@@ -411,11 +533,13 @@ def test_hosts_agree_when_one_host_reads_a_corrupt_chunk(saved_local: str, tmp_p
     procs = restore(tmp_path, str(root), processes=4, devices=1, mesh="2x2", spec="model,data")
     assert restored_steps(procs) == [STEPS[0]] * 4  # all fell back to the older step
     for p in procs:
-        assert p.said("CHECKED") == [f"CHECKED {5 + 1}"], p.report()
+        assert p.said("CHECKED") == [f"CHECKED {7 + 1}"], p.report()
         assert f"falling back to step {STEPS[0]}" in p.stderr(), p.report()
-    # Only process 3 read the damaged chunk; the others learned it through the agreement.
-    noticed = [p.index for p in procs if "chunk c/1/1" in p.stderr()]
-    assert noticed == [3], [p.report() for p in procs]
+    # Only process 3 read the damaged chunk; the others learned it from process 3
+    # (before the exchange of the replicated leaves, which never started).
+    assert "chunk c/1/1" in procs[3].stderr(), procs[3].report()
+    told = [p.index for p in procs if "process 3 could not read its part" in p.stderr()]
+    assert told == [0, 1, 2], [p.report() for p in procs]
 
 
 # A loaded 2-core machine may run a process late; a deadline never allows less
@@ -569,6 +693,7 @@ def test_s3_save_and_restore(s3_server: servers.Server, tmp_path: Path) -> None:
     check_written_once(root, STEPS[-1], processes=2)
     procs = restore(tmp_path, root, processes=4, devices=1, mesh="2x2", spec="model,data")
     assert restored_steps(procs) == [STEPS[-1]] * 4
+    check_read_once(root, procs)
 
 
 def test_gcs_primary_on_process_1_and_save_policy_agreement(
