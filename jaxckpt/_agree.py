@@ -80,6 +80,32 @@ class Agreement:
                 ) from e
         return "1" in flags
 
+    def gather(self, name: str, value: Any) -> list[Any]:
+        """Every process's ``value`` (JSON-serialisable), by process index, on every process.
+
+        Every process must call ``gather`` in the same order with the same ``name``.
+
+        Raises:
+          CheckpointError: some process did not publish its value within the timeout.
+        """
+        if jax.process_count() == 1:
+            return [value]
+        client = self._client()
+        prefix = f"jaxckpt/{self._namespace}/{name}/{next(self._counter)}/"
+        client.key_value_set(prefix + str(jax.process_index()), json.dumps(value))
+        values = []
+        for p in range(jax.process_count()):
+            try:
+                values.append(
+                    json.loads(client.blocking_key_value_get(prefix + str(p), self._timeout_ms))
+                )
+            except Exception as e:
+                raise CheckpointError(
+                    f"process {jax.process_index()}: no {name!r} value from process {p} "
+                    f"within {self._timeout_s:.0f}s: {e}"
+                ) from e
+        return values
+
     def close(self) -> None:
         """Removes every key this agreement wrote, once every process is done with them.
 

@@ -342,8 +342,12 @@ class CommitProtocol:
         num_processes: int,
         metrics: dict[str, float] | None = None,
         keep: bool = False,
+        processes: Sequence[int] | None = None,
     ) -> CommitMarker:
         """Writes the commit marker once the attempt's records and chunks are all present.
+
+        ``processes`` names the manifest parts the marker covers (default: all
+        ``num_processes``); a host's own local tier holds only its own part.
 
         Raises:
           CheckpointError: a manifest part, the tree record or a listed chunk is missing.
@@ -353,7 +357,8 @@ class CommitProtocol:
         step = loc.step
         files: dict[str, FileDigest] = {}
         parts = []
-        for name in [TREE_FILE] + [manifest_name(p) for p in range(num_processes)]:
+        covered = range(num_processes) if processes is None else processes
+        for name in [TREE_FILE] + [manifest_name(p) for p in covered]:
             data = self.storage.read(loc.key(name))
             if data is None:
                 raise CheckpointError(

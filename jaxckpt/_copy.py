@@ -15,7 +15,14 @@ from typing import Any
 
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import TREE_FILE, StepLocation, is_manifest_name, new_attempt
-from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart, crc32c
+from jaxckpt._records import (
+    TRAILER_BYTES,
+    ChunkRecord,
+    CommitMarker,
+    ManifestPart,
+    chunk_problem,
+    crc32c,
+)
 from jaxckpt._storage import Storage
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
 
@@ -66,8 +73,6 @@ def _copy_objects(
     """Copies ``keys`` (``rename``: source prefix → destination prefix); those in
     ``chunks`` must match their manifest record, and every chunk ``packed`` lists
     inside a pack object must match its record."""
-    from jaxckpt._tsio import chunk_problem
-
     old, new = rename
 
     def one(key: str) -> None:
@@ -94,8 +99,9 @@ def _copy_objects(
 def _copy_step_raw(
     src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker, loc: StepLocation
 ) -> int:
-    """Copies a step's arrays byte for byte (chunks checked) and its manifest parts.
+    """Copies a step's arrays byte for byte (chunks checked), then its manifest parts.
 
+    The manifest parts go last, so a part present in ``loc`` means its chunks are.
     Returns the bytes of the chunks copied, as the manifest counts them.
     """
     here = marker.location
@@ -110,10 +116,31 @@ def _copy_step_raw(
                     packed.setdefault(here.key(c.pack), []).append(c)
     keys = sorted(set(src.storage.list(here.arrays_prefix)) | set(chunks) | set(packed))
     manifests = [here.key(n) for n in marker.files if is_manifest_name(n)]
-    _copy_objects(
-        src.storage, dst.storage, [*keys, *manifests], chunks, (here.prefix, loc.prefix), packed
-    )
+    rename = (here.prefix, loc.prefix)
+    _copy_objects(src.storage, dst.storage, keys, chunks, rename, packed)
+    _copy_objects(src.storage, dst.storage, manifests, {}, rename)
     return sum(c.size for c in chunks.values()) + sum(c.size for cs in packed.values() for c in cs)
+
+
+def copy_part(
+    src: CommitProtocol,
+    dst: CommitProtocol,
+    marker: CommitMarker,
+    loc: StepLocation,
+    *,
+    records: bool,
+) -> int:
+    """Multi-host promotion: copies one host's local commit of a step into the
+    durable attempt ``loc`` (chunks checked; its manifest part last); with
+    ``records``, also the tree record and the zarr group (the primary's part).
+    Writes no pending record or marker. Returns the chunk bytes copied.
+    """
+    if records:  # first: the part's manifest, written last, says the whole part is there
+        group = src.storage.read(marker.location.key("zarr.json"))
+        if group is not None:
+            dst.storage.write(loc.key("zarr.json"), group)
+        dst.write_tree(loc, src.read_step_file(marker, TREE_FILE))
+    return _copy_step_raw(src, dst, marker, loc)
 
 
 def _zstd_metadata(leaf: Any, level: int) -> dict[str, Any]:
@@ -184,8 +211,6 @@ def _copy_step_compressed(
 
 def _stored_chunks(kv: Any, keys: Sequence[str]) -> list[ChunkRecord]:
     """The manifest records of stored chunks: size, and CRC32C of the bytes before the trailer."""
-    from jaxckpt._tsio import TRAILER_BYTES, chunk_problem
-
     records = []
     for key, fut in [(k, kv.read(k)) for k in keys]:
         result = fut.result()

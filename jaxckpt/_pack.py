@@ -38,10 +38,10 @@ from jaxckpt._layout import (
     pack_name,
 )
 from jaxckpt._phases import reached
-from jaxckpt._records import ChunkRecord
+from jaxckpt._records import TRAILER_BYTES, ChunkRecord
 from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
-from jaxckpt._tsio import TRAILER_BYTES, HostArray, _chunks_of, chunk_key
+from jaxckpt._tsio import HostArray, _chunks_of, chunk_key
 
 
 def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, np.ndarray]]:

@@ -15,10 +15,13 @@ import threading
 import time
 from typing import Any
 
+import jax
 import tensorstore as ts
 
 from jaxckpt import _gc, policy
+from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
+from jaxckpt._layout import new_attempt
 from jaxckpt._promote import (
     FAILED,
     FENCED,
@@ -29,7 +32,6 @@ from jaxckpt._promote import (
     read_requests,
     request_promotion,
 )
-from jaxckpt._records import CommitMarker
 from jaxckpt._restore import StepReader
 from jaxckpt._storage import open_storage
 from jaxckpt._tsio import ArrayWriter
@@ -57,6 +59,12 @@ class DurableTier:
         ones) with this grace period; None: do not.
       interval_s: how often the background promoter looks for requests it
         was not woken for (requests of an earlier run).
+      agreement: shares the durable epoch among the job's processes (the
+        primary takes it; every host's promoter writes in it).
+      primary_host: the process that takes the epoch, collects garbage,
+        commits promoted steps and applies the durable retention.
+      parts_timeout_s: multi-host: how long the primary's promoter waits for
+        the other hosts' parts of a step (per pass).
     """
 
     def __init__(
@@ -72,6 +80,9 @@ class DurableTier:
         retention: policy.RetentionPolicy | None,
         gc_grace_s: float | None = None,
         interval_s: float = 5.0,
+        agreement: Agreement | None = None,
+        primary_host: int = 0,
+        parts_timeout_s: float = 300.0,
     ) -> None:
         storage = open_storage(root, **dict(storage_options))
         if storage.uri == local.storage.uri:
@@ -93,21 +104,35 @@ class DurableTier:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.promoter: Promoter | None = None
+        self._process, self._processes = jax.process_index(), jax.process_count()
+        self._primary_host = primary_host
+        self.primary = self._process == primary_host
         if read_only:
             self.protocol.ensure_root(create=False)
             return
-        self.protocol.ensure_root(create=True)
-        epoch = self.protocol.take_epoch().epoch
-        if gc_grace_s is not None:
-            try:
-                found = _gc.scan(self.protocol, full=False)
-                _gc.collect(self.protocol, found, grace_s=gc_grace_s)
-            except CheckpointError as e:
-                log.warning("garbage collection on open of %s failed: %s", self.uri, e)
+        epoch = None
+        if self.primary:  # the job's one durable epoch
+            self.protocol.ensure_root(create=True)
+            epoch = self.protocol.take_epoch().epoch
+            if gc_grace_s is not None:
+                try:
+                    found = _gc.scan(self.protocol, full=False)
+                    _gc.collect(self.protocol, found, grace_s=gc_grace_s)
+                except CheckpointError as e:
+                    log.warning("garbage collection on open of %s failed: %s", self.uri, e)
+        if agreement is not None:
+            epoch = agreement.agree("durable-epoch", epoch)
+        assert epoch is not None
+        self.protocol.epoch = epoch
         self._restamp(epoch)
         if promotion == "background":
             self.promoter = Promoter(
-                local, self.protocol, epoch=epoch, retention=retention, on_result=self._result
+                local,
+                self.protocol,
+                epoch=epoch,
+                retention=retention if self.primary else None,
+                on_result=self._result,
+                parts_timeout_s=parts_timeout_s,
             )
             self._thread = threading.Thread(
                 target=self.promoter.watch,
@@ -126,12 +151,7 @@ class DurableTier:
         """Requests of an earlier run (its epoch is fenced now) are taken over by this one."""
         for request in read_requests(self.local).values():
             if request.epoch < epoch:
-                request_promotion(
-                    self.local,
-                    PromotionRequest(
-                        step=request.step, epoch=epoch, requested=time.time(), saved=request.saved
-                    ),
-                )
+                request_promotion(self.local, request.restamped(epoch, time.time()))
 
     # -- the trainer's side ---------------------------------------------------
 
@@ -150,17 +170,31 @@ class DurableTier:
         )
         return bool(self.promote_policy.should_save(ctx))
 
-    def request(self, marker: CommitMarker, *, saved: float | None) -> None:
-        """Asks for ``marker``'s step to be promoted (after its local commit)."""
+    def new_attempt(self) -> str:
+        """A fresh durable attempt id in the job's epoch (multi-host: the primary's is agreed)."""
         assert self.protocol.epoch is not None
-        request = PromotionRequest(
-            step=marker.step, epoch=self.protocol.epoch, requested=time.time(), saved=saved
-        )
-        request_promotion(self.local, request)
+        return new_attempt(self.protocol.epoch)
+
+    def new_request(self, step: int, *, saved: float, attempt: str | None) -> PromotionRequest:
+        """The promotion request of ``step``, which the save writes before its local marker."""
+        assert self.protocol.epoch is not None
         with self._lock:
-            self._last_requested = marker.step
+            self._last_requested = step
             self._last_request_time = time.monotonic()
-            self._errors.pop(marker.step, None)
+            self._errors.pop(step, None)
+        return PromotionRequest(
+            step=step,
+            epoch=self.protocol.epoch,
+            requested=time.time(),
+            saved=saved,
+            attempt=attempt,
+            process=self._process,
+            processes=self._processes,
+            primary=self._primary_host,
+        )
+
+    def wake(self) -> None:
+        """A local commit happened: the background promoter looks for requests now."""
         self._wake.set()
 
     def pending_steps(self) -> set[int]:
@@ -226,8 +260,8 @@ class DurableTier:
             delay = min(delay * 2, 0.5)
 
     def apply_retention(self) -> None:
-        """Applies the durable root's retention in this job's epoch (fence-checked)."""
-        if self.retention is None or self.protocol.epoch is None:
+        """Applies the durable root's retention in this job's epoch (fence-checked; primary)."""
+        if self.retention is None or self.protocol.epoch is None or not self.primary:
             return
         if self.promoter is not None:
             self.promoter.apply_retention(self.protocol)

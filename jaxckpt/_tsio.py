@@ -25,7 +25,7 @@ import tensorstore as ts
 
 from jaxckpt._layout import StepLocation
 from jaxckpt._phases import reached
-from jaxckpt._records import ChunkRecord, dumps
+from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem, dumps
 from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
 
@@ -94,9 +94,6 @@ def chunk_key(chunk: Region, chunk_shape: Sequence[int]) -> str:
     return "c/" + "/".join(str(lo // c) for (lo, _), c in zip(chunk, chunk_shape, strict=True))
 
 
-TRAILER_BYTES = 4  # the crc32c codec appends CRC32C(raw), little-endian
-
-
 def _stored_digest(data: np.ndarray) -> tuple[int, int]:
     """Size of the stored chunk object and CRC32C of its raw bytes (the trailer's value).
 
@@ -107,19 +104,6 @@ def _stored_digest(data: np.ndarray) -> tuple[int, int]:
         data = data.astype(data.dtype.newbyteorder("<"))
     raw = np.require(data, requirements="C").reshape(-1).view(np.uint8)
     return raw.nbytes + TRAILER_BYTES, int(_crc32c.crc32c(raw.data))
-
-
-def chunk_problem(stored: bytes | np.ndarray, record: ChunkRecord) -> str | None:
-    """Why a stored chunk object does not match its manifest record, or None."""
-    if len(stored) != record.size:
-        return f"size {len(stored)} != recorded {record.size}"
-    view = memoryview(stored) if isinstance(stored, bytes) else stored.data
-    raw, trailer = view[:-TRAILER_BYTES], bytes(view[-TRAILER_BYTES:])
-    if int(_crc32c.crc32c(raw)) != record.crc32c:
-        return "checksum mismatch"
-    if trailer != record.crc32c.to_bytes(TRAILER_BYTES, "little"):
-        return "checksum trailer mismatch"
-    return None
 
 
 class ArrayWriter:
