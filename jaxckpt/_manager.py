@@ -142,7 +142,7 @@ class CheckpointManager:
         self._closed = False
         self._fenced: WriterFencedError | None = None
         self._agreement = Agreement(
-            _namespace(self.root),
+            _namespace(self.root if local_root is None else os.fspath(root)),  # same on every host
             primary=self.options.primary_host,
             timeout_s=self.options.save_timeout_s,
         )

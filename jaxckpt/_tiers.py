@@ -283,6 +283,11 @@ class DurableTier:
                     break  # this job may no longer write there: nothing left to wait for
                 self._wake.set()
                 time.sleep(0.05)
+            if self.promoter is not None:
+                try:  # drops the requests of durable steps (another host's promoter committed)
+                    self.promoter.pending()
+                except CheckpointError as e:
+                    log.warning("promotion requests under %s kept: %s", self.local.where(), e)
             if left:
                 log.warning(
                     "closing with steps %s not yet promoted to %s; they stay requested under "

@@ -128,6 +128,7 @@ def spawn(
     steps: tuple[int, ...] = STEPS,
     env_for: dict[int, dict[str, str]] | None = None,
     layout: str = "plain",
+    extra: tuple[str, ...] = (),
 ) -> Iterator[list[Proc]]:
     """Starts one group; SIGKILLs whatever is still running when the block exits.
 
@@ -152,6 +153,7 @@ def spawn(
                 steps=steps,
                 env_for=env_for or {},
                 layout=layout,
+                extra=extra,
             )
             if not _lost_port_race(procs[0], procs):
                 break
@@ -178,6 +180,7 @@ def _start_group(
     steps: tuple[int, ...],
     env_for: dict[int, dict[str, str]],
     layout: str,
+    extra: tuple[str, ...],
 ) -> list[Proc]:
     name = f"{mode}-{processes}x{devices}-{uuid.uuid4().hex[:6]}"
     procs = []
@@ -201,6 +204,7 @@ def _start_group(
             f"--save-timeout={save_timeout_s}",
             f"--primary-host={primary_host}",
             f"--layout={layout}",
+            *extra,
         ]
         out, err = logs / f"{name}-{i}.out", logs / f"{name}-{i}.err"
         with open(out, "wb") as fout, open(err, "wb") as ferr:
