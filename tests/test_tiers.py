@@ -116,23 +116,39 @@ def test_restore_falls_back_to_durable_for_a_corrupt_or_wiped_local_tier(
             mgr.restore(3)
 
 
-def test_trainer_killed_after_local_commits_then_promote_finishes(s3_server, tmp_path):
-    root = f"s3://{s3_server.bucket}/{tmp_path.name}"
-    local = tmp_path / "local"
-    child = subprocess.Popen(
-        [sys.executable, CHILD, root, str(local), "--steps", "3"],
+def trainer(root: str, local: Path, resume: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, CHILD, root, str(local), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "JAXCKPT_RESUME_DIR": str(resume), "JAXCKPT_PAUSE_S": "600"},
     )
+
+
+def kill_at(proc: subprocess.Popen[str], reached: Path) -> None:
+    """SIGKILLs ``proc`` once it pauses at the phase ``reached`` names."""
     try:
-        assert child.stdout is not None
-        lines = [child.stdout.readline().strip() for _ in range(4)]
-        assert lines == ["COMMITTED 1", "COMMITTED 2", "COMMITTED 3", "READY"], child.stderr
+        deadline = time.monotonic() + TIMEOUT_S
+        while not reached.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
     finally:
-        child.kill()
-        child.communicate(timeout=30)
-    assert child.returncode == -signal.SIGKILL
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_trainer_killed_right_after_a_local_commit_loses_nothing(s3_server, tmp_path):
+    """The promotion request is written before the local marker: a trainer
+    SIGKILLed right after its local commit leaves it, and `jaxckpt promote`
+    finishes the job; one killed between the request and the marker leaves a
+    request that waits, and is dropped once the next job collected the attempt."""
+    root = f"s3://{s3_server.bucket}/{tmp_path.name}"
+    local, resume = tmp_path / "local", tmp_path / "resume"
+    resume.mkdir()
+    child = trainer(root, local, resume, "--steps", "3", "--arm-last", "marker_written")
+    kill_at(child, resume / "marker_written-3.reached")  # step 3's local marker is written
     assert durable_steps(root) == []  # external promotion: nothing durable yet
     local_protocol = CommitProtocol(open_storage(str(local)))
     assert sorted(local_protocol.committed()) == [1, 2, 3]  # waiting steps outlive KeepLast(1)
@@ -147,6 +163,18 @@ def test_trainer_killed_after_local_commits_then_promote_finishes(s3_server, tmp
             assert mgr.verify(step).ok
     rc, out, _ = finish(promote_cli(local, root))  # nothing left to do
     assert rc == 0 and "promoted 0 steps" in out
+
+    child = trainer(root, local, resume, "--start", "4", "--steps", "1", "--arm-last",
+                    "promotion_requested")  # fmt: skip
+    kill_at(child, resume / "promotion_requested-4.reached")  # request written, no marker
+    assert 4 in read_requests(local_protocol) and 4 not in local_protocol.committed()
+    rc, out, err = finish(promote_cli(local, root))
+    assert rc == 0 and "step 4: local save under way" in out, err  # never promoted half a save
+    assert sorted(read_requests(local_protocol)) == [4]
+    tiered(root, local, promotion="external").close()  # the next job collects the attempt
+    rc, out, err = finish(promote_cli(local, root))
+    assert rc == 0 and "step 4: not committed locally" in out, err
+    assert read_requests(local_protocol) == {} and durable_steps(root) == [1, 2, 3]
 
 
 def test_promoter_killed_mid_upload_leaves_nothing_listed_and_rerun_completes(
