@@ -353,3 +353,18 @@ def test_promote_archives_old_milestones_with_zstd(tmp_path, capsys):
 def _array_meta(root: str, step: int, name: str) -> str:
     marker = CommitProtocol(open_storage(root)).require_marker(step)
     return marker.location.array_prefix(name) + "zarr.json"
+
+
+def test_promote_copies_without_importing_jax(tmp_path):
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    with tiered(root, local, promotion="external") as mgr:
+        mgr.save(1, state(1))
+    code = (
+        "import sys; from jaxckpt import cli; "
+        f"assert cli.main(['promote', {str(local)!r}, {root!r}]) == 0; "
+        "assert 'jax' not in sys.modules, 'jax was imported'"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 1: promoted" in proc.stdout
+    assert durable_steps(root) == [1]
