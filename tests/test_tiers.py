@@ -368,3 +368,31 @@ def test_promote_copies_without_importing_jax(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "step 1: promoted" in proc.stdout
     assert durable_steps(root) == [1]
+
+
+def test_packed_local_tier_promotes_its_pack_objects(s3_server, tmp_path):
+    root = f"s3://{s3_server.bucket}/{tmp_path.name}"
+    with tiered(root, tmp_path / "local", layout="packed") as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step))
+        assert mgr.wait_durable(timeout_s=TIMEOUT_S) == 2
+    local = CommitProtocol(open_storage(str(tmp_path / "local")))
+    durable = CommitProtocol(open_storage(root))
+    for step in (1, 2):
+        here, there = local.require_marker(step), durable.require_marker(step)
+        names = [k[len(here.location.prefix) :] for k in local.storage.list(here.location.prefix)]
+        packs = sorted(n for n in names if n.startswith("packs/"))
+        assert packs == ["packs/0.0.bin"]  # every chunk of the step in one pack object
+        loc = there.location
+        assert durable.storage.list(loc.packs_prefix) == [loc.key(n) for n in packs]
+        for name in packs:
+            assert durable.storage.read(loc.key(name)) == local.storage.read(
+                here.location.key(name)
+            )
+        chunk_objects = [k for k in durable.storage.list(loc.arrays_prefix) if "/c/" in k]
+        assert chunk_objects == []  # no chunk objects: the packs were copied whole
+        assert {p.layout for p in durable.read_manifest(there)} == {"packed"}
+    with jaxckpt.CheckpointManager(root, read_only=True) as plain:
+        for step in (1, 2):
+            assert_tree_bitexact(plain.restore(step), state(step))
+            assert plain.verify(step).ok
