@@ -306,8 +306,11 @@ class CommitProtocol:
         self.storage.write(loc.pending_key, record)
         reached("pending_written", loc.step)
 
-    def write_manifest_part(self, loc: StepLocation, part: ManifestPart) -> None:
-        self.storage.write(loc.key(manifest_name(part.process)), part.to_bytes())
+    def write_manifest_part(
+        self, loc: StepLocation, part: ManifestPart, *, name: str | None = None
+    ) -> None:
+        """Writes ``part`` as its process's part (or as ``name``, e.g. a held part)."""
+        self.storage.write(loc.key(name or manifest_name(part.process)), part.to_bytes())
 
     def write_tree(self, loc: StepLocation, tree: bytes) -> None:
         self.storage.write(loc.tree_key, tree)
@@ -343,11 +346,13 @@ class CommitProtocol:
         metrics: dict[str, float] | None = None,
         keep: bool = False,
         processes: Sequence[int] | None = None,
+        extra: Sequence[str] = (),
     ) -> CommitMarker:
         """Writes the commit marker once the attempt's records and chunks are all present.
 
         ``processes`` names the manifest parts the marker covers (default: all
-        ``num_processes``); a host's own local tier holds only its own part.
+        ``num_processes``); a host's own local tier holds only its own part,
+        and maybe a held part (``extra``).
 
         Raises:
           CheckpointError: a manifest part, the tree record or a listed chunk is missing.
@@ -358,7 +363,7 @@ class CommitProtocol:
         files: dict[str, FileDigest] = {}
         parts = []
         covered = range(num_processes) if processes is None else processes
-        for name in [TREE_FILE] + [manifest_name(p) for p in covered]:
+        for name in [TREE_FILE, *(manifest_name(p) for p in covered), *extra]:
             data = self.storage.read(loc.key(name))
             if data is None:
                 raise CheckpointError(

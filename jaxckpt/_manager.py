@@ -354,6 +354,7 @@ class CheckpointManager:
                 self._session,
                 timeout_s=self.options.save_timeout_s,
                 primary_host=self.options.primary_host,
+                per_host=self._durable is not None,
             )
         return self._checkpointer
 

@@ -365,7 +365,9 @@ class Promoter:
             writer.check_fence(f"promote step {step}")
         nbytes = 0
         if writer.storage.read(loc.key(manifest_name(request.process))) is None:
-            nbytes = copy_part(self.local, writer, marker, loc, records=primary)
+            nbytes = copy_part(
+                self.local, writer, marker, loc, process=request.process, records=primary
+            )
         if not primary:
             return nbytes, False
         self._await_parts(writer, loc, request.processes)

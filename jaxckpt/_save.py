@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import jax
 
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import StepLocation
+from jaxckpt._layout import StepLocation, held_manifest_name
 from jaxckpt._pack import PackWriter
 from jaxckpt._phases import reached
 from jaxckpt._promote import PromotionRequest, request_promotion, withdraw
-from jaxckpt._records import CommitMarker, ManifestPart
+from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart
 from jaxckpt._telemetry import SaveRecorder
 from jaxckpt._tree import SavedLeaf
-from jaxckpt._tsio import ArrayWriter, HostArray
+from jaxckpt._tsio import ArrayWriter, HostArray, chunk_key, chunks_of
 from jaxckpt.errors import CheckpointError
 
 log = logging.getLogger("jaxckpt")
@@ -131,21 +131,31 @@ class SaveSession:
         else:
             records, packs = self._packer.write(loc, arrays)
             layout = "packed"
-        part = ManifestPart(
-            step=step,
-            process=jax.process_index(),
-            num_processes=jax.process_count(),
-            arrays=records,
-            layout=layout,
-            packs=packs,
-        )
+        records, held = _split_held(records, arrays)
+
+        def manifest_part(records: dict[str, tuple[ChunkRecord, ...]]) -> ManifestPart:
+            return ManifestPart(
+                step=step,
+                process=jax.process_index(),
+                num_processes=jax.process_count(),
+                arrays=records,
+                layout=layout,
+                packs=packs,
+            )
+
+        extra = []
+        if held:  # a local tier's replicas of other hosts' shards, for this host's restores
+            name = held_manifest_name(jax.process_index())
+            self._protocol.write_manifest_part(loc, manifest_part(held), name=name)
+            extra.append(name)
+        part = manifest_part(records)
         self._protocol.write_manifest_part(loc, part)
         reached("manifest_written", step)
         inflight.nbytes = part.nbytes
         if self._per_host:
-            self._commit_local(inflight)
+            self._commit_local(inflight, extra)
 
-    def _commit_local(self, inflight: Inflight) -> None:
+    def _commit_local(self, inflight: Inflight, extra: Sequence[str]) -> None:
         """Commits this host's part on its own local root; the promotion request first."""
         if inflight.request is not None:
             request_promotion(self._protocol, inflight.request)
@@ -156,6 +166,7 @@ class SaveSession:
             metrics=inflight.metrics,
             keep=inflight.keep,
             processes=[jax.process_index()],
+            extra=extra,
         )
         self._recorder.committed(inflight.step, inflight.nbytes)
         self._on_commit(marker)
@@ -176,3 +187,26 @@ class SaveSession:
         with self._lock:
             self._inflight = None
         self._on_commit(marker)
+
+
+def _split_held(
+    records: dict[str, tuple[ChunkRecord, ...]], arrays: Sequence[HostArray]
+) -> tuple[dict[str, tuple[ChunkRecord, ...]], dict[str, tuple[ChunkRecord, ...]]]:
+    """Splits chunk records into this host's own (``replica_id == 0``) and ``held`` ones."""
+    held_keys: dict[str, set[str]] = {}
+    for host in arrays:
+        if host.held and host.leaf.name is not None:
+            shape = host.leaf.chunk_shape
+            held_keys[host.leaf.name] = {
+                chunk_key(c, shape) for region in host.held for c in chunks_of(region, shape)
+            }
+    if not held_keys:
+        return records, {}
+    own: dict[str, tuple[ChunkRecord, ...]] = {}
+    held: dict[str, tuple[ChunkRecord, ...]] = {}
+    for name, chunks in records.items():
+        keys = held_keys.get(name, set())
+        own[name] = tuple(c for c in chunks if c.key not in keys)
+        if mine := tuple(c for c in chunks if c.key in keys):
+            held[name] = mine
+    return own, held

@@ -2,9 +2,13 @@
 
 Each process saves to its own local root (``<prefix>0``, ``<prefix>1``) and
 commits its own part there; promotion puts every host's part into one durable
-attempt, committed by the primary's promoter once every part is present. The
-state is ``x`` and ``y`` sharded over all 4 devices (``--mesh 4x1``), so each
-process's local tier holds every region that process reads back. Checked:
+attempt, committed by the primary's promoter once every part is present. On
+the ``2x2`` mesh (``data`` across the processes) ``x`` and ``y`` are split
+between the processes, while ``z``, ``rep`` and ``count`` are replicated
+across them: their ``replica_id == 0`` copies are process 0's, so process 1
+keeps its copies in a *held* part of its local tier, which makes each local
+tier hold every region its process reads back (the numpy leaf, saved by the
+primary only, is left out). Checked:
 
 a. background promotion onto S3: every host's part in the one durable step,
    each local tier holds its own part only, no request left; one host's
@@ -36,11 +40,12 @@ from jaxckpt._storage import open_storage
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = mh.STEPS
-GROUP = {"processes": 2, "devices": 2, "mesh": "4x1"}
+GROUP = {"processes": 2, "devices": 2, "mesh": "2x2"}
+LEAVES = ("x", "y", "z", "rep", "count")
 
 
 def tiers(local: Path, promotion: str) -> tuple[str, ...]:
-    return (f"--local-root={local}", f"--promotion={promotion}", "--leaves=x,y")
+    return (f"--local-root={local}", f"--promotion={promotion}", f"--leaves={','.join(LEAVES)}")
 
 
 def save(tmp_path: Path, root: str, local: Path, promotion: str) -> list[mh.Proc]:
@@ -51,7 +56,8 @@ def save(tmp_path: Path, root: str, local: Path, promotion: str) -> list[mh.Proc
         protocol = CommitProtocol(open_storage(f"{local}{i}"))
         for step in STEPS:
             files = protocol.require_marker(step).files
-            assert sorted(files) == [f"manifest/{i}.json", "tree.json"], files
+            held = ["manifest/1.held.json"] if i == 1 else []  # process 1's replicas
+            assert sorted(files) == sorted([f"manifest/{i}.json", *held, "tree.json"]), files
     return procs
 
 
@@ -60,7 +66,7 @@ def restore_tiers(tmp_path: Path, root: str, local: Path, promotion: str) -> lis
     procs = mh.restore(tmp_path, root, extra=tiers(local, promotion), **GROUP)
     assert mh.restored_steps(procs) == [STEPS[-1]] * 2
     for p in procs:
-        assert p.said("CHECKED") == ["CHECKED 4"], p.report()  # x and y: 2 shards each
+        assert p.said("CHECKED") == ["CHECKED 10"], p.report()  # 5 arrays, 2 shards each
     assert procs[0].said("AGREEMENT KEYS LEFT") == ["AGREEMENT KEYS LEFT 0"], procs[0].report()
     tiers_read = []
     for p in procs:
@@ -70,7 +76,8 @@ def restore_tiers(tmp_path: Path, root: str, local: Path, promotion: str) -> lis
 
 
 def check_durable(root: str) -> None:
-    """Every host's part is in the durable step, and it restores bit-exactly."""
+    """Every host's part is in the durable step (each chunk in one part, held
+    replicas not promoted), and it restores bit-exactly."""
     protocol = CommitProtocol(open_storage(root))
     assert sorted(protocol.committed()) == list(STEPS)
     for step in STEPS:
@@ -80,9 +87,23 @@ def check_durable(root: str) -> None:
             "manifest/0.json",
             "manifest/1.json",
         ]
+        owners: dict[tuple[str, str], int] = {}
+        for part in protocol.read_manifest(marker):
+            for name, records in part.arrays.items():
+                for r in records:
+                    assert owners.setdefault((name, r.key), part.process) == part.process
+        prefix = marker.location.arrays_prefix
+        stored = {
+            tuple(k[len(prefix) :].split("/", 1))
+            for k in protocol.storage.list(prefix)
+            if "/c" in k[len(prefix) :]
+        }
+        assert stored == set(owners)  # every chunk once, nothing else
+        assert {n for n, _ in owners} == set(LEAVES)
+        assert {p for (n, _), p in owners.items() if n in ("rep", "count")} == {0}
         with jaxckpt.CheckpointManager(root, read_only=True) as mgr:
             restored = mgr.restore(step)
-        for name in ("x", "y"):
+        for name in LEAVES:
             np.testing.assert_array_equal(restored[name], mh.child.expected(name, step))
             assert restored[name].dtype == mh.child.expected(name, step).dtype
 
