@@ -10,7 +10,7 @@ keeps its copies in a *held* part of its local tier, which makes each local
 tier hold every region its process reads back (the numpy leaf, saved by the
 primary only, is left out). Checked:
 
-a. background promotion onto S3: every host's part in the one durable step,
+a. background promotion onto S3 and GCS: every host's part in the one durable step,
    each local tier holds its own part only, no request left; one host's
    corrupt local chunk makes that host read the durable copy while the other
    reads its local one, both bit-exact;
@@ -24,7 +24,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -108,10 +107,10 @@ def check_durable(root: str) -> None:
             assert restored[name].dtype == mh.child.expected(name, step).dtype
 
 
-def test_background_promotion_to_s3_and_a_corrupt_local_chunk(
-    s3_server: servers.Server, tmp_path: Path
+def test_background_promotion_to_an_object_store_and_a_corrupt_local_chunk(
+    object_root: str, tmp_path: Path
 ) -> None:
-    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    root = object_root
     local = tmp_path / "local"
     for p in save(tmp_path, root, local, "background"):
         assert p.said("DURABLE") == [f"DURABLE {STEPS[-1]}"], p.report()
