@@ -1,14 +1,16 @@
 """Promotion: copying steps committed on a fast local tier to the durable root.
 
-A tiered :class:`~jaxckpt.CheckpointManager` saves to a local root; after each
-local commit that its ``promote_policy`` chooses, it writes a *promotion
-request* ``promote/<step>.json`` into the local root, naming the durable root's
-writer epoch of the job. A :class:`Promoter` — a thread of the manager
-(``promotion="background"``) or the ``jaxckpt promote`` command / sidecar
-(``promotion="external"``) — copies each requested step with
-:func:`jaxckpt._copy.copy_step` (every chunk checked against the local
-manifest) into a fresh attempt of that epoch on the durable root, commits it
-with the same marker protocol, and removes the request.
+A tiered :class:`~jaxckpt.CheckpointManager` saves to a local root (one per
+host). For each save its ``promote_policy`` chooses, every host writes a
+*promotion request* ``promote/<step>.json`` into its local root *before* its
+local commit marker, naming the durable root's writer epoch of the job (and,
+on several hosts, the durable attempt agreed at the save). A
+:class:`Promoter` — a thread of the manager (``promotion="background"``) or
+the ``jaxckpt promote`` command / sidecar (``promotion="external"``), one per
+host — copies each requested step (every chunk checked against the local
+manifest) into an attempt of that epoch on the durable root, and the marker
+is written with the same protocol: by the single host's promoter, or on
+several hosts by the primary's once every host's manifest part is there.
 
 The promoter never takes an epoch of its own (that would fence the job): it
 writes as the job, and checks the fence before it begins and before the
@@ -17,7 +19,7 @@ leaves an attempt without a marker (never listed; garbage collection removes
 it) and the request, so the next pass starts the step again.
 
 Requests are promoted newest first; a newer request never cancels an older
-one. Imports no jax until a step is copied.
+one. Imports no jax.
 """
 
 from __future__ import annotations
