@@ -128,7 +128,16 @@ def test_external_promotion_one_sidecar_per_host_and_a_wiped_local_tier(tmp_path
     assert CommitProtocol(open_storage(root)).committed() == {}  # nobody promoted yet
     sidecars = [
         subprocess.Popen(
-            [sys.executable, "-m", "jaxckpt", "promote", f"{local}{i}", root],
+            [
+                sys.executable,
+                "-m",
+                "jaxckpt",
+                "promote",
+                f"{local}{i}",
+                root,
+                "--parts-timeout",
+                str(mh.RUN_TIMEOUT_S),
+            ],  # fmt: skip
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
