@@ -137,7 +137,7 @@ def test_external_promotion_one_sidecar_per_host_and_a_wiped_local_tier(tmp_path
                 root,
                 "--parts-timeout",
                 str(mh.RUN_TIMEOUT_S),
-            ],  # fmt: skip
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
