@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
@@ -22,7 +22,7 @@ import tensorstore as ts
 
 from jaxckpt import _gc, _handler, errors, policy
 from jaxckpt._agree import Agreement
-from jaxckpt._commit import CommitProtocol, brief, retention_decision
+from jaxckpt._commit import CommitProtocol, retention_decision
 from jaxckpt._layout import StepLocation, new_attempt
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._pack import PackWriter
@@ -33,7 +33,7 @@ from jaxckpt._restore import StepReader, load_step
 from jaxckpt._save import Inflight, SaveSession
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
-from jaxckpt._tiers import DurableTier
+from jaxckpt._tiers import DurableTier, TieredRestore, local_everywhere
 from jaxckpt._tree import PathMap, SavedLeaf, describe_state
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt._verify import VerifyReport, verify_step
@@ -482,17 +482,10 @@ class CheckpointManager:
         steps: set[int] = set()
         for name, protocol, _ in self._tiers(tier):
             if name == "local" and self._durable is not None:
-                steps |= self._local_everywhere(protocol.committed())
+                steps |= local_everywhere(self._agreement, protocol.committed())
             else:
                 steps.update(protocol.committed())
         return list(self._agreement.agree("steps", sorted(steps)))
-
-    def _local_everywhere(self, steps: Iterable[int]) -> set[int]:
-        """The steps committed on the local tier of every host (collective)."""
-        common = set(steps)
-        for other in self._agreement.gather("local-steps", sorted(common)):
-            common &= set(other)
-        return common
 
     def latest_step(self) -> int | None:
         """The newest committed step of any tier, or None (reads the newest markers only).
@@ -500,7 +493,7 @@ class CheckpointManager:
         On several processes this is collective: call it on every process.
         """
         if self._durable is not None:
-            local = self._local_everywhere(self._protocol.committed())
+            local = local_everywhere(self._agreement, self._protocol.committed())
             durable = self._durable.protocol.latest() if self._primary else None
             steps = local | ({durable.step} if durable is not None else set())
             return self._agreement.agree("latest", max(steps, default=None))
@@ -568,7 +561,17 @@ class CheckpointManager:
         self.wait()
         how = {"partial": partial, "rename": rename}
         if self._durable is not None:
-            return self._restore_tiered(None if step is None else _check_step(step), target, how)
+            return TieredRestore(
+                self._protocol,
+                self._reader,
+                self._durable,
+                self._agreement,
+                primary=self._primary,
+                fallback_on_corrupt=self.options.fallback_on_corrupt,
+                read=lambda marker, protocol, reader: self._read_step(
+                    marker, protocol, reader, target, how
+                ),
+            ).restore(None if step is None else _check_step(step))
         if step is not None:
             return self._restore_step(_check_step(step), target, how)
         committed: set[int] = set()
@@ -589,91 +592,6 @@ class CheckpointManager:
                     "step %d is corrupt (%s); falling back to step %d", s, error, candidates[i + 1]
                 )
         raise StepNotFoundError(f"no committed step under {self._where_all()} could be restored")
-
-    def _restore_tiered(self, step: int | None, target: Any, how: dict[str, Any]) -> Any:
-        """Restores from the nearest intact copy, each host choosing its own tier.
-
-        A step is restorable when it is durable or committed on the local tier
-        of every host. Each host reads its regions from its own local copy when
-        it has one and it reads back intact, else from the durable copy; the
-        step fails (and, without ``step``, the next older one is tried) only
-        when some host could read it from neither.
-        """
-        assert self._durable is not None
-        durable = self._durable.protocol
-        local = set(self._protocol.committed())
-        common = self._local_everywhere(local)
-        on_durable = set(durable.committed()) if self._primary else set()
-        on_durable = set(self._agreement.agree("restore-durable", sorted(on_durable)))
-        if step is not None:
-            if step not in common | on_durable:
-                raise StepNotFoundError(
-                    f"step {step} is neither under {durable.storage.uri} nor committed on the "
-                    f"local tier of every host (local here: {brief(sorted(local))}; durable: "
-                    f"{brief(sorted(on_durable))})"
-                )
-            candidates = [step]
-        else:
-            candidates = sorted(common | on_durable, reverse=True)
-        if not candidates:
-            raise StepNotFoundError(f"no committed steps under {self._where_all()}")
-        for i, s in enumerate(candidates):
-            last = i == len(candidates) - 1
-            try:
-                return self._restore_nearest(s, target, how, s in local, s in on_durable)
-            except StepNotFoundError:
-                if last:
-                    raise
-            except CorruptCheckpointError as error:
-                if not self.options.fallback_on_corrupt or last:
-                    raise
-                log.warning(
-                    "step %d is corrupt (%s); falling back to step %d", s, error, candidates[i + 1]
-                )
-        raise AssertionError("unreachable")
-
-    def _restore_nearest(
-        self, step: int, target: Any, how: dict[str, Any], local: bool, durable: bool
-    ) -> Any:
-        """This host's regions of ``step`` from its local copy, else the durable one."""
-        assert self._durable is not None
-        tiers = [("local", self._protocol, self._reader)] if local else []
-        if durable:
-            tiers.append(("durable", self._durable.protocol, self._durable.reader))
-        restored, error = None, None
-        for name, protocol, reader in tiers:
-            try:
-                restored = self._read_step(
-                    protocol.require_marker(step), protocol, reader, target, how
-                )
-            except (StepNotFoundError, CorruptCheckpointError) as e:
-                error = e
-                if name == "local" and durable:
-                    log.warning(
-                        "the local copy of step %d is corrupt or incomplete on this host (%s); "
-                        "reading the durable copy",
-                        step,
-                        e,
-                    )
-                continue
-            log.info("restored step %d from the %s copy (%s)", step, name, protocol.storage.uri)
-            break
-        failed = None if restored is not None or error is None else type(error).__name__
-        if restored is None and error is None:
-            failed = StepNotFoundError.__name__
-        kinds = self._agreement.gather("restore-failed", failed)
-        if not any(kinds):
-            return restored
-        if any(k == CorruptCheckpointError.__name__ for k in kinds):
-            if isinstance(error, CorruptCheckpointError):
-                raise error
-            raise CorruptCheckpointError(
-                f"step {step} under {self._where_all()} is corrupt in a region another process "
-                "read (from every copy it has)"
-            )
-        if isinstance(error, StepNotFoundError):
-            raise error
-        raise StepNotFoundError(f"step {step} could not be found by another process")
 
     def _read_step(
         self,

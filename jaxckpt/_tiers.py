@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ import tensorstore as ts
 
 from jaxckpt import _gc, policy
 from jaxckpt._agree import Agreement
-from jaxckpt._commit import CommitProtocol
+from jaxckpt._commit import CommitProtocol, brief
 from jaxckpt._layout import new_attempt
 from jaxckpt._promote import (
     FAILED,
@@ -32,10 +33,18 @@ from jaxckpt._promote import (
     read_requests,
     request_promotion,
 )
+from jaxckpt._records import CommitMarker
 from jaxckpt._restore import StepReader
 from jaxckpt._storage import open_storage
 from jaxckpt._tsio import ArrayWriter
-from jaxckpt.errors import CheckpointError, PromotionError, PromotionTimeoutError
+from jaxckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    PromotionError,
+    PromotionTimeoutError,
+    StepNotFoundError,
+    UncommittedStepError,
+)
 
 log = logging.getLogger("jaxckpt")
 
@@ -302,3 +311,126 @@ class DurableTier:
             self._stop.set()
             self._wake.set()
             self._thread.join(timeout=max(1.0, deadline - time.monotonic()) + 30.0)
+
+
+def local_everywhere(agreement: Agreement, steps: Iterable[int]) -> set[int]:
+    """The steps committed on the local tier of every host (collective)."""
+    common = set(steps)
+    for other in agreement.gather("local-steps", sorted(common)):
+        common &= set(other)
+    return common
+
+
+class TieredRestore:
+    """``restore()`` of a tiered manager: each host reads the nearest intact copy.
+
+    A step is restorable when it is durable or committed on the local tier of
+    every host. Each host reads its regions from its own local copy when it
+    has one that reads back intact, else from the durable copy; a step fails
+    (and, without a step asked for, the next older one is tried, on every
+    host together) only when some host could read it from neither.
+
+    Args:
+      local, local_reader: this host's local tier.
+      durable: the durable tier.
+      agreement: the manager's (candidates and failures are shared).
+      primary: this process lists the durable root for everyone.
+      fallback_on_corrupt: without a step, try older steps after a corrupt one.
+      read: reads one step of one tier (the manager's, which guards the step
+        against its retention while reading).
+    """
+
+    def __init__(
+        self,
+        local: CommitProtocol,
+        local_reader: StepReader,
+        durable: DurableTier,
+        agreement: Agreement,
+        *,
+        primary: bool,
+        fallback_on_corrupt: bool,
+        read: Callable[[CommitMarker, CommitProtocol, StepReader], Any],
+    ) -> None:
+        self._local = local
+        self._local_reader = local_reader
+        self._durable = durable
+        self._agreement = agreement
+        self._primary = primary
+        self._fallback = fallback_on_corrupt
+        self._read = read
+
+    def _where(self) -> str:
+        return f"{self._local.storage.uri} or {self._durable.uri}"
+
+    def restore(self, step: int | None) -> Any:
+        """Restores ``step`` (None: the newest restorable one) on every host."""
+        durable = self._durable.protocol
+        local = set(self._local.committed())
+        common = local_everywhere(self._agreement, local)
+        on_durable = set(durable.committed()) if self._primary else set()
+        on_durable = set(self._agreement.agree("restore-durable", sorted(on_durable)))
+        if step is not None:
+            if step not in common | on_durable:
+                raise StepNotFoundError(
+                    f"step {step} is neither under {durable.storage.uri} nor committed on the "
+                    f"local tier of every host (local here: {brief(sorted(local))}; durable: "
+                    f"{brief(sorted(on_durable))})"
+                )
+            candidates = [step]
+        else:
+            candidates = sorted(common | on_durable, reverse=True)
+        if not candidates:
+            raise StepNotFoundError(f"no committed steps under {self._where()}")
+        for i, s in enumerate(candidates):
+            last = i == len(candidates) - 1
+            try:
+                return self._nearest(s, s in local, s in on_durable)
+            except StepNotFoundError:
+                if last:
+                    raise
+            except CorruptCheckpointError as error:
+                if not self._fallback or last:
+                    raise
+                log.warning(
+                    "step %d is corrupt (%s); falling back to step %d", s, error, candidates[i + 1]
+                )
+        raise AssertionError("unreachable")
+
+    def _nearest(self, step: int, local: bool, durable: bool) -> Any:
+        """This host's regions of ``step`` from its local copy, else the durable one."""
+        tiers = [("local", self._local, self._local_reader)] if local else []
+        if durable:
+            tiers.append(("durable", self._durable.protocol, self._durable.reader))
+        restored, error, ok = None, None, False
+        for name, protocol, reader in tiers:
+            try:
+                restored = self._read(protocol.require_marker(step), protocol, reader)
+            except (StepNotFoundError, UncommittedStepError, CorruptCheckpointError) as e:
+                error = e
+                if name == "local" and durable:
+                    log.warning(
+                        "the local copy of step %d is corrupt or incomplete on this host (%s); "
+                        "reading the durable copy",
+                        step,
+                        e,
+                    )
+                continue
+            log.info("restored step %d from the %s copy (%s)", step, name, protocol.storage.uri)
+            ok = True
+            break
+        failed = None
+        if not ok:
+            failed = "corrupt" if isinstance(error, CorruptCheckpointError) else "missing"
+        kinds = self._agreement.gather("restore-failed", failed)
+        if not any(kinds):
+            return restored
+        if "corrupt" in kinds:  # every host raises the same class: they move on together
+            if isinstance(error, CorruptCheckpointError):
+                raise error
+            raise CorruptCheckpointError(
+                f"step {step} under {self._where()} is corrupt in a region another process "
+                "read (from every copy it has)"
+            )
+        if isinstance(error, StepNotFoundError):
+            raise error
+        raise StepNotFoundError(f"step {step} could not be found by another process")
