@@ -75,6 +75,10 @@ def held_manifest_name(process: int) -> str:
     return f"manifest/{process}.held.json"
 
 
+def is_held_manifest_name(name: str) -> bool:
+    return name.startswith("manifest/") and name.endswith(".held.json")
+
+
 def is_manifest_name(name: str) -> bool:
     return name.startswith("manifest/")
 

@@ -57,6 +57,9 @@ def save(tmp_path: Path, root: str, local: Path, promotion: str) -> list[mh.Proc
             files = protocol.require_marker(step).files
             held = ["manifest/1.held.json"] if i == 1 else []  # process 1's replicas
             assert sorted(files) == sorted([f"manifest/{i}.json", *held, "tree.json"]), files
+        with jaxckpt.CheckpointManager(f"{local}{i}", read_only=True) as mgr:
+            report = mgr.verify(STEPS[-1])  # one host's part, held replicas included
+            assert report.ok and report.chunks_checked > 0, report
     return procs
 
 
