@@ -98,7 +98,10 @@ class SaveSession:
             if self._per_host or (self._primary and jax.process_count() == 1):
                 with contextlib.suppress(Exception):  # leftovers are collected anyway
                     removed = self._protocol.abandon(inflight.loc)  # kept if committed here
-                    if removed and inflight.request is not None:
+                    # A failed save is never promoted; on several hosts also when this
+                    # host committed its part (another host's part may never come).
+                    several = jax.process_count() > 1
+                    if (removed or several) and inflight.request is not None:
                         withdraw(self._protocol, inflight.step)
         return inflight
 

@@ -22,6 +22,7 @@ b. external promotion: one ``jaxckpt promote`` per host, run at once (the
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,32 @@ def test_external_promotion_one_sidecar_per_host_and_a_wiped_local_tier(tmp_path
     assert read_requests(locals_[1]) == {}  # durable now: its requests are dropped
     shutil.rmtree(f"{local}1")  # a replaced node
     assert restore_tiers(tmp_path, root, local, "external") == ["local", "durable"]
+
+
+def test_a_failed_multi_host_save_is_never_promoted(tmp_path: Path) -> None:
+    """Process 1 is SIGKILLed before its local commit of step 2; process 0 committed
+    its own part locally, then its save times out: it withdraws its request of
+    step 2 (the other part will never come), so no promoter waits for it."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    pause = {mh.child.PAUSE_ENV: "data_written", "JAXCKPT_PAUSE_S": "300"}
+    with mh.spawn(
+        tmp_path,
+        root,
+        mode="save_and_die",
+        save_timeout_s=mh.DIE_SAVE_TIMEOUT_S,
+        env_for={1: pause},
+        extra=tiers(local, "external"),
+        **GROUP,
+    ) as procs:
+        target, survivor = procs[1], procs[0]
+        mh.wait_for_phase(target, f"JAXCKPT_PHASE data_written {STEPS[1]}", procs)
+        target.popen.send_signal(signal.SIGKILL)
+        survivor.popen.wait(timeout=mh.DIE_SAVE_TIMEOUT_S + mh.LOAD_MARGIN_S)
+    assert survivor.popen.returncode == 0, survivor.report()
+    (failed,) = survivor.said("FAILED")
+    assert failed.split()[1] == "SaveTimeoutError", survivor.report()
+    local0 = CommitProtocol(open_storage(f"{local}0"))
+    assert sorted(local0.committed()) == list(STEPS)  # process 0's part of step 2 ...
+    assert sorted(read_requests(local0)) == [STEPS[0]]  # ... is not to be promoted
+    local1 = CommitProtocol(open_storage(f"{local}1"))
+    assert sorted(local1.committed()) == [STEPS[0]]
