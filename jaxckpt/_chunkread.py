@@ -27,10 +27,10 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt._layout import PACK_ALIGNMENT, StepLocation
-from jaxckpt._records import ChunkRecord
+from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
 from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf
-from jaxckpt._tsio import TRAILER_BYTES, Region, chunk_key, chunk_problem, zarr_metadata
+from jaxckpt._tsio import Region, chunk_key, zarr_metadata
 from jaxckpt.errors import CorruptCheckpointError
 
 

@@ -306,8 +306,11 @@ class CommitProtocol:
         self.storage.write(loc.pending_key, record)
         reached("pending_written", loc.step)
 
-    def write_manifest_part(self, loc: StepLocation, part: ManifestPart) -> None:
-        self.storage.write(loc.key(manifest_name(part.process)), part.to_bytes())
+    def write_manifest_part(
+        self, loc: StepLocation, part: ManifestPart, *, name: str | None = None
+    ) -> None:
+        """Writes ``part`` as its process's part (or as ``name``, e.g. a held part)."""
+        self.storage.write(loc.key(name or manifest_name(part.process)), part.to_bytes())
 
     def write_tree(self, loc: StepLocation, tree: bytes) -> None:
         self.storage.write(loc.tree_key, tree)
@@ -342,8 +345,14 @@ class CommitProtocol:
         num_processes: int,
         metrics: dict[str, float] | None = None,
         keep: bool = False,
+        processes: Sequence[int] | None = None,
+        extra: Sequence[str] = (),
     ) -> CommitMarker:
         """Writes the commit marker once the attempt's records and chunks are all present.
+
+        ``processes`` names the manifest parts the marker covers (default: all
+        ``num_processes``); a host's own local tier holds only its own part,
+        and maybe a held part (``extra``).
 
         Raises:
           CheckpointError: a manifest part, the tree record or a listed chunk is missing.
@@ -353,7 +362,8 @@ class CommitProtocol:
         step = loc.step
         files: dict[str, FileDigest] = {}
         parts = []
-        for name in [TREE_FILE] + [manifest_name(p) for p in range(num_processes)]:
+        covered = range(num_processes) if processes is None else processes
+        for name in [TREE_FILE, *(manifest_name(p) for p in covered), *extra]:
             data = self.storage.read(loc.key(name))
             if data is None:
                 raise CheckpointError(

@@ -14,8 +14,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import TREE_FILE, StepLocation, is_manifest_name, new_attempt
-from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart, crc32c
+from jaxckpt._layout import TREE_FILE, StepLocation, is_manifest_name, manifest_name, new_attempt
+from jaxckpt._records import (
+    TRAILER_BYTES,
+    ChunkRecord,
+    CommitMarker,
+    ManifestPart,
+    chunk_problem,
+    crc32c,
+)
 from jaxckpt._storage import Storage
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
 
@@ -66,8 +73,6 @@ def _copy_objects(
     """Copies ``keys`` (``rename``: source prefix → destination prefix); those in
     ``chunks`` must match their manifest record, and every chunk ``packed`` lists
     inside a pack object must match its record."""
-    from jaxckpt._tsio import chunk_problem
-
     old, new = rename
 
     def one(key: str) -> None:
@@ -92,28 +97,64 @@ def _copy_objects(
 
 
 def _copy_step_raw(
-    src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker, loc: StepLocation
+    src: CommitProtocol,
+    dst: CommitProtocol,
+    marker: CommitMarker,
+    loc: StepLocation,
+    part_name: str | None = None,
 ) -> int:
-    """Copies a step's arrays byte for byte (chunks checked) and its manifest parts.
+    """Copies a step's arrays byte for byte (chunks checked), then its manifest parts.
 
+    The manifest parts go last, so a part present in ``loc`` means its chunks are.
+    ``part_name``: only that manifest part, its chunks and the arrays' metadata.
     Returns the bytes of the chunks copied, as the manifest counts them.
     """
     here = marker.location
     chunks: dict[str, ChunkRecord] = {}
     packed: dict[str, list[ChunkRecord]] = {}  # pack object key -> the chunks inside it
-    for part in src.read_manifest(marker):
+    names = [n for n in marker.files if is_manifest_name(n)]
+    if part_name is not None:
+        names = [part_name]
+    parts = [ManifestPart.from_bytes(src.read_step_file(marker, n), src.where(n)) for n in names]
+    for part in parts:
         for name, records in part.arrays.items():
             for c in records:
                 if c.pack is None:
                     chunks[here.array_prefix(name) + c.key] = c
                 else:
                     packed.setdefault(here.key(c.pack), []).append(c)
-    keys = sorted(set(src.storage.list(here.arrays_prefix)) | set(chunks) | set(packed))
-    manifests = [here.key(n) for n in marker.files if is_manifest_name(n)]
-    _copy_objects(
-        src.storage, dst.storage, [*keys, *manifests], chunks, (here.prefix, loc.prefix), packed
-    )
+    listed = set(src.storage.list(here.arrays_prefix))
+    if part_name is not None:  # not the chunks of another part (a local tier's held one)
+        listed = {k for k in listed if k.endswith("zarr.json")}
+    keys = sorted(listed | set(chunks) | set(packed))
+    manifests = [here.key(n) for n in names]
+    rename = (here.prefix, loc.prefix)
+    _copy_objects(src.storage, dst.storage, keys, chunks, rename, packed)
+    _copy_objects(src.storage, dst.storage, manifests, {}, rename)
     return sum(c.size for c in chunks.values()) + sum(c.size for cs in packed.values() for c in cs)
+
+
+def copy_part(
+    src: CommitProtocol,
+    dst: CommitProtocol,
+    marker: CommitMarker,
+    loc: StepLocation,
+    *,
+    process: int,
+    records: bool,
+) -> int:
+    """Multi-host promotion: copies one host's local commit of a step into the
+    durable attempt ``loc`` (its part ``process`` only, chunks checked, the manifest
+    part last; not the chunks it holds of other hosts' replicas); with
+    ``records``, also the tree record and the zarr group (the primary's part).
+    Writes no pending record or marker. Returns the chunk bytes copied.
+    """
+    if records:  # first: the part's manifest, written last, says the whole part is there
+        group = src.storage.read(marker.location.key("zarr.json"))
+        if group is not None:
+            dst.storage.write(loc.key("zarr.json"), group)
+        dst.write_tree(loc, src.read_step_file(marker, TREE_FILE))
+    return _copy_step_raw(src, dst, marker, loc, manifest_name(process))
 
 
 def _zstd_metadata(leaf: Any, level: int) -> dict[str, Any]:
@@ -184,8 +225,6 @@ def _copy_step_compressed(
 
 def _stored_chunks(kv: Any, keys: Sequence[str]) -> list[ChunkRecord]:
     """The manifest records of stored chunks: size, and CRC32C of the bytes before the trailer."""
-    from jaxckpt._tsio import TRAILER_BYTES, chunk_problem
-
     records = []
     for key, fut in [(k, kv.read(k)) for k in keys]:
         result = fut.result()

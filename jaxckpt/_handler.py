@@ -51,15 +51,18 @@ class SaveArgs(ocp.args.CheckpointArgs):
 class ZarrHandler(ocp.AsyncCheckpointHandler):
     """Saves a described pytree as zarr v3 arrays, one writer per chunk."""
 
-    def __init__(self, writer: StepWriter, *, primary_host: int = 0) -> None:
+    def __init__(
+        self, writer: StepWriter, *, primary_host: int = 0, per_host: bool = False
+    ) -> None:
         self._writer = writer
         self._primary_host = primary_host
+        self._per_host = per_host  # a local tier: every host keeps every index it addresses
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-write")
 
     async def async_save(self, directory: epath.Path, args: SaveArgs) -> list[Future[None]]:
         primary = jax.process_index() == self._primary_host
         arrays = [
-            snapshot_array(leaf, value, primary=primary)
+            snapshot_array(leaf, value, primary=primary, every_index=self._per_host)
             for leaf, value in zip(args.leaves, args.values, strict=True)
             if leaf.kind != "value"
         ]
@@ -167,6 +170,7 @@ def make_checkpointer(
     *,
     timeout_s: float,
     primary_host: int = 0,
+    per_host: bool = False,
 ) -> ocp.AsyncCheckpointer:
     """An AsyncCheckpointer wired to jaxckpt's handler and commit protocol.
 
@@ -174,9 +178,10 @@ def make_checkpointer(
 
     ``primary_host`` creates and commits each step (Orbax's primary host) and
     writes the numpy leaves, as it writes the tree record in the manager.
+    ``per_host``: saves to a local tier (see :func:`~jaxckpt._tsio.snapshot_array`).
     """
     return ocp.AsyncCheckpointer(
-        ZarrHandler(writer, primary_host=primary_host),
+        ZarrHandler(writer, primary_host=primary_host, per_host=per_host),
         timeout_secs=max(1, int(timeout_s)),
         async_options=ocp.options.AsyncOptions(
             timeout_secs=max(1, int(timeout_s)),

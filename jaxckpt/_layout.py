@@ -8,6 +8,8 @@ attempt under its own prefix, so two writers never share a key::
     pending/<step>/<attempt>.json              intent: a save or delete of that attempt
     attempts/<step>/<attempt>/tree.json        the tree record
     attempts/<step>/<attempt>/manifest/<p>.json  chunks written by process <p>
+    attempts/<step>/<attempt>/manifest/<p>.held.json  local tier only: replicas <p> keeps
+                                               for its own restores (see _tiers)
     attempts/<step>/<attempt>/arrays/...       zarr v3 arrays (one per array leaf; plain layout)
     attempts/<step>/<attempt>/packs/<p>.<k>.bin  packed layout: process <p>'s pack objects
     commits/<step:012d>.e<epoch>.json          the commit marker; names its attempt
@@ -65,6 +67,16 @@ def parse_attempt(attempt: str) -> tuple[int, float] | None:
 def manifest_name(process: int) -> str:
     """The name, relative to a step's prefix, of process ``process``'s manifest part."""
     return f"manifest/{process}.json"
+
+
+def held_manifest_name(process: int) -> str:
+    """A local tier only: the part listing chunks process ``process`` holds for its own
+    restores whose ``replica_id == 0`` copy is another process's (never promoted)."""
+    return f"manifest/{process}.held.json"
+
+
+def is_held_manifest_name(name: str) -> bool:
+    return name.startswith("manifest/") and name.endswith(".held.json")
 
 
 def is_manifest_name(name: str) -> bool:

@@ -27,12 +27,13 @@ from jaxckpt._layout import StepLocation, new_attempt
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._pack import PackWriter
 from jaxckpt._preemption import PreemptionWatcher
+from jaxckpt._promote import PromotionRequest
 from jaxckpt._records import CommitMarker, json_record
 from jaxckpt._restore import StepReader, load_step
 from jaxckpt._save import Inflight, SaveSession
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
-from jaxckpt._tiers import DurableTier
+from jaxckpt._tiers import DurableTier, TieredRestore, local_everywhere
 from jaxckpt._tree import PathMap, SavedLeaf, describe_state
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt._verify import VerifyReport, verify_step
@@ -117,12 +118,6 @@ class CheckpointManager:
         self.options = replace(opts, **kwargs) if kwargs else opts
         self._durable: DurableTier | None = None
         local_root = self.options.local_root
-        if local_root is not None and jax.process_count() > 1:
-            raise CheckpointError(
-                f"local_root={local_root!r}: tiered checkpoints are single-process for now "
-                f"(this job has {jax.process_count()} processes); save to {os.fspath(root)!r} "
-                "directly, or run one process per job"
-            )
         save_root = root if local_root is None else local_root
         self._storage = open_storage(save_root, **dict(self.options.storage_options))
         self._protocol = CommitProtocol(self._storage)
@@ -141,12 +136,13 @@ class CheckpointManager:
             primary=self._primary,
             on_commit=self._committed,
             packer=PackWriter(self._storage) if self.options.layout == "packed" else None,
+            per_host=local_root is not None,
         )
         self._checkpointer: Any = None
         self._closed = False
         self._fenced: WriterFencedError | None = None
         self._agreement = Agreement(
-            _namespace(self.root),
+            _namespace(self.root if local_root is None else os.fspath(root)),  # same on every host
             primary=self.options.primary_host,
             timeout_s=self.options.save_timeout_s,
         )
@@ -157,6 +153,13 @@ class CheckpointManager:
         self._watcher = PreemptionWatcher() if _wants_preemption(self.options.save_policy) else None
         if self.options.read_only:
             self._protocol.ensure_root(create=False)
+            self._open_durable(root)
+            return
+        if local_root is not None:  # each host writes its own local root, in its own epoch
+            self._protocol.ensure_root(create=True)
+            self._protocol.take_epoch()
+            if self.options.gc_on_open:
+                self._collect_on_open()
             self._open_durable(root)
             return
         epoch = None
@@ -183,6 +186,9 @@ class CheckpointManager:
             promote_policy=opts.promote_policy,
             retention=opts.retention,
             gc_grace_s=opts.gc_grace_s if opts.gc_on_open else None,
+            agreement=self._agreement,
+            primary_host=opts.primary_host,
+            parts_timeout_s=opts.save_timeout_s,
         )
 
     def _collect_on_open(self) -> None:
@@ -254,9 +260,22 @@ class CheckpointManager:
         leaves, values = describe_state(state, chunk_bytes=self.options.chunk_bytes)
         tree = self._tree_record(step, leaves, metadata)
         checkpointer = self._ensure_checkpointer()
-        attempt = self._agreement.agree("attempt", new_attempt(self._protocol.write_epoch()))
+        request = None
+        if self._durable is None:
+            attempt = self._agreement.agree("attempt", new_attempt(self._protocol.write_epoch()))
+        else:  # every host's local root has its own epoch, hence attempt
+            attempt = new_attempt(self._protocol.write_epoch())
+            if jax.process_count() > 1:  # every local copy holds the primary's tree record
+                tree = self._agreement.agree("tree", tree.decode()).encode()
+            request = self._promotion_request(step)
         self._session.start(
-            Inflight(loc=StepLocation(step, attempt), tree=tree, metrics=metrics, keep=keep)
+            Inflight(
+                loc=StepLocation(step, attempt),
+                tree=tree,
+                metrics=metrics,
+                keep=keep,
+                request=request,
+            )
         )
         try:
             checkpointer.save(
@@ -275,6 +294,22 @@ class CheckpointManager:
         self._recorder.blocked(step)
         self._last_saved = (step, time.monotonic())
         return True
+
+    def _promotion_request(self, step: int) -> PromotionRequest | None:
+        """Whether ``step`` is to be promoted (the primary's answer), and its request.
+
+        The request is written with the save, before the local marker, so a
+        trainer killed right after its local commit loses nothing.
+        """
+        durable = self._durable
+        assert durable is not None
+        chosen = durable.chosen(step, preempted=self.preempted(step))
+        if not self._agreement.agree("promote", chosen):
+            return None
+        attempt = None
+        if jax.process_count() > 1:  # every host uploads its part into this durable attempt
+            attempt = self._agreement.agree("durable-attempt", durable.new_attempt())
+        return durable.new_request(step, saved=time.time(), attempt=attempt)
 
     def _policy_says_save(self, step: int) -> bool:
         save_policy = self.options.save_policy
@@ -319,6 +354,7 @@ class CheckpointManager:
                 self._session,
                 timeout_s=self.options.save_timeout_s,
                 primary_host=self.options.primary_host,
+                per_host=self._durable is not None,
             )
         return self._checkpointer
 
@@ -444,8 +480,11 @@ class CheckpointManager:
             None lists every restorable step of either.
         """
         steps: set[int] = set()
-        for _, protocol, _ in self._tiers(tier):
-            steps.update(protocol.committed())
+        for name, protocol, _ in self._tiers(tier):
+            if name == "local" and self._durable is not None:
+                steps |= local_everywhere(self._agreement, protocol.committed())
+            else:
+                steps.update(protocol.committed())
         return list(self._agreement.agree("steps", sorted(steps)))
 
     def latest_step(self) -> int | None:
@@ -453,6 +492,11 @@ class CheckpointManager:
 
         On several processes this is collective: call it on every process.
         """
+        if self._durable is not None:
+            local = local_everywhere(self._agreement, self._protocol.committed())
+            durable = self._durable.protocol.latest() if self._primary else None
+            steps = local | ({durable.step} if durable is not None else set())
+            return self._agreement.agree("latest", max(steps, default=None))
         markers = [p.latest() for _, p, _ in self._tiers(None)]
         newest = max((m.step for m in markers if m is not None), default=None)
         return self._agreement.agree("latest", newest)
@@ -516,6 +560,18 @@ class CheckpointManager:
             raise ValueError("restore(partial=..., rename=...) needs a target")
         self.wait()
         how = {"partial": partial, "rename": rename}
+        if self._durable is not None:
+            return TieredRestore(
+                self._protocol,
+                self._reader,
+                self._durable,
+                self._agreement,
+                primary=self._primary,
+                fallback_on_corrupt=self.options.fallback_on_corrupt,
+                read=lambda marker, protocol, reader: self._read_step(
+                    marker, protocol, reader, target, how
+                ),
+            ).restore(None if step is None else _check_step(step))
         if step is not None:
             return self._restore_step(_check_step(step), target, how)
         committed: set[int] = set()
@@ -536,6 +592,30 @@ class CheckpointManager:
                     "step %d is corrupt (%s); falling back to step %d", s, error, candidates[i + 1]
                 )
         raise StepNotFoundError(f"no committed step under {self._where_all()} could be restored")
+
+    def _read_step(
+        self,
+        marker: CommitMarker,
+        protocol: CommitProtocol,
+        reader: StepReader,
+        target: Any,
+        how: dict[str, Any],
+    ) -> Any:
+        step = marker.step
+        with self._lock:
+            self._restoring.add(step)
+        try:
+            return reader.restore(load_step(protocol, marker), target, **how)
+        except CorruptCheckpointError as e:
+            if not protocol.still_committed(marker):
+                raise StepNotFoundError(
+                    f"step {step} under {protocol.storage.uri} was deleted while it was being "
+                    "restored"
+                ) from e
+            raise
+        finally:
+            with self._lock:
+                self._restoring.discard(step)
 
     def _where_all(self) -> str:
         return " or ".join(p.storage.uri for _, p, _ in self._tiers(None))
@@ -690,7 +770,7 @@ class CheckpointManager:
             for step in self._retention_decision().delete:
                 log.info("retention: deleting step %d under %s", step, self._storage.uri)
                 self._protocol.delete(step)
-            if self._durable is not None:
+            if self._durable is not None and self._primary:  # only the primary deletes there
                 self._durable.apply_retention()
         except WriterFencedError as e:
             self._fenced = e
@@ -701,23 +781,9 @@ class CheckpointManager:
             )
 
     def _committed(self, marker: CommitMarker) -> None:
-        if not self._primary:
-            return
-        durable = self._durable
-        if durable is not None and durable.chosen(
-            marker.step, preempted=self.preempted(marker.step)
-        ):
-            stats = [s for s in self._recorder.history() if s.step == marker.step]
-            try:  # the step is committed locally: a failed request must not fail the save
-                durable.request(marker, saved=stats[-1].started if stats else None)
-            except (CheckpointError, OSError) as e:
-                log.error(
-                    "step %d is committed under %s but its promotion request failed (%s); "
-                    "it stays local only",
-                    marker.step,
-                    self._storage.uri,
-                    e,
-                )
+        """After a commit: the primary's (every host's on its own local tier)."""
+        if self._durable is not None:
+            self._durable.wake()  # a request written with the save may wait
         if self.options.retention is None and self.options.local_retention is None:
             return
         self._deletion = self._deleter.submit(self._apply_retention)
@@ -751,7 +817,8 @@ class CheckpointManager:
 
         withdraw(self._protocol, step)  # never promote a deleted step
         for protocol in holders:
-            protocol.delete(step)
+            if protocol is self._protocol or self._primary:  # the primary deletes durable steps
+                protocol.delete(step)
 
     def garbage_collect(
         self, *, older_than_s: float | None = None, force: bool = False

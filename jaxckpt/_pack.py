@@ -38,10 +38,10 @@ from jaxckpt._layout import (
     pack_name,
 )
 from jaxckpt._phases import reached
-from jaxckpt._records import ChunkRecord
+from jaxckpt._records import TRAILER_BYTES, ChunkRecord
 from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
-from jaxckpt._tsio import TRAILER_BYTES, HostArray, _chunks_of, chunk_key
+from jaxckpt._tsio import HostArray, chunk_key, chunks_of
 
 
 def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, np.ndarray]]:
@@ -49,7 +49,7 @@ def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, 
     for host in arrays:
         leaf = host.leaf
         for region, data in host.pieces:
-            for chunk in _chunks_of(region, leaf.chunk_shape):
+            for chunk in chunks_of(region, leaf.chunk_shape):
                 local = tuple(
                     slice(lo - rlo, hi - rlo)
                     for (lo, hi), (rlo, _) in zip(chunk, region, strict=True)
@@ -82,7 +82,7 @@ class PackWriter:
             math.prod(hi - lo for lo, hi in chunk) * data.itemsize + TRAILER_BYTES
             for host in arrays
             for region, data in host.pieces
-            for chunk in _chunks_of(region, host.leaf.chunk_shape)
+            for chunk in chunks_of(region, host.leaf.chunk_shape)
         )
         count = pack_count(total, min_pack_bytes=self._min_pack_bytes)
         target = math.ceil(total / count) if count else 0

@@ -31,6 +31,11 @@ PHASES = (
     "marker_written",  # marker durable, pending record not yet removed
     "delete_retracted",  # during a delete: marker removed, data still there
 )
+TIER_PHASES = (
+    # a save to a local tier: the promotion request written, the local marker not yet
+    # (between manifest_written and before_marker)
+    "promotion_requested",
+)
 
 _POLL_S = 0.02
 

@@ -1,14 +1,16 @@
 """Promotion: copying steps committed on a fast local tier to the durable root.
 
-A tiered :class:`~jaxckpt.CheckpointManager` saves to a local root; after each
-local commit that its ``promote_policy`` chooses, it writes a *promotion
-request* ``promote/<step>.json`` into the local root, naming the durable root's
-writer epoch of the job. A :class:`Promoter` — a thread of the manager
-(``promotion="background"``) or the ``jaxckpt promote`` command / sidecar
-(``promotion="external"``) — copies each requested step with
-:func:`jaxckpt._copy.copy_step` (every chunk checked against the local
-manifest) into a fresh attempt of that epoch on the durable root, commits it
-with the same marker protocol, and removes the request.
+A tiered :class:`~jaxckpt.CheckpointManager` saves to a local root (one per
+host). For each save its ``promote_policy`` chooses, every host writes a
+*promotion request* ``promote/<step>.json`` into its local root *before* its
+local commit marker, naming the durable root's writer epoch of the job (and,
+on several hosts, the durable attempt agreed at the save). A
+:class:`Promoter` — a thread of the manager (``promotion="background"``) or
+the ``jaxckpt promote`` command / sidecar (``promotion="external"``), one per
+host — copies each requested step (every chunk checked against the local
+manifest) into an attempt of that epoch on the durable root, and the marker
+is written with the same protocol: by the single host's promoter, or on
+several hosts by the primary's once every host's manifest part is there.
 
 The promoter never takes an epoch of its own (that would fence the job): it
 writes as the job, and checks the fence before it begins and before the
@@ -17,7 +19,7 @@ leaves an attempt without a marker (never listed; garbage collection removes
 it) and the request, so the next pass starts the step again.
 
 Requests are promoted newest first; a newer request never cancels an older
-one. Imports no jax until a step is copied.
+one. Imports no jax.
 """
 
 from __future__ import annotations
@@ -26,12 +28,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxckpt import policy
 from jaxckpt._commit import CommitProtocol, retention_decision
-from jaxckpt._layout import PROMOTE, parse_promote_key, promote_key
-from jaxckpt._records import json_record, load_json_record
+from jaxckpt._layout import (
+    PENDING,
+    PROMOTE,
+    StepLocation,
+    manifest_name,
+    parse_attempt,
+    parse_promote_key,
+    promote_key,
+)
+from jaxckpt._records import CommitMarker, json_record, load_json_record
 from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -44,6 +54,8 @@ log = logging.getLogger("jaxckpt")
 PROMOTED = "promoted"
 ALREADY_DURABLE = "already durable"
 GONE = "not committed locally"
+WAITING = "local save under way"
+UPLOADED = "part uploaded"
 FENCED = "fenced"
 FAILED = "failed"
 ARCHIVED = "archived"
@@ -53,37 +65,80 @@ ARCHIVED = "archived"
 class PromotionRequest:
     """A local tier's request to make ``step`` durable (``promote/<step>.json``).
 
+    Written by the trainer *before* the step's local commit marker, so a
+    trainer killed right after its local commit still leaves the request; a
+    request whose step has no local marker waits while the local save is
+    under way and is dropped once nothing of it is left.
+
     Attributes:
       step: the step committed on the local tier.
       epoch: the durable root's writer epoch of the job that asked; the copy is
         committed in that epoch.
       requested: wall-clock time the request was written.
       saved: wall-clock time the save of the step started (for time-to-durable).
+      attempt: multi-host: the durable attempt every host uploads its part
+        into (agreed at the save); None: a fresh attempt at promotion time.
+      process: multi-host: the process whose local tier this is (its manifest part).
+      processes: how many processes saved the step (1: single-host).
+      primary: the process whose promoter writes the tree record and commits.
     """
 
     step: int
     epoch: int
     requested: float
     saved: float | None = None
+    attempt: str | None = None
+    process: int = 0
+    processes: int = 1
+    primary: int = 0
 
     def to_bytes(self) -> bytes:
-        return json_record(
-            step=self.step, epoch=self.epoch, requested=self.requested, saved=self.saved
-        )
+        fields: dict[str, object] = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "requested": self.requested,
+            "saved": self.saved,
+        }
+        if self.processes > 1:
+            fields.update(
+                attempt=self.attempt,
+                process=self.process,
+                processes=self.processes,
+                primary=self.primary,
+            )
+        return json_record(**fields)
+
+    def restamped(self, epoch: int, now: float) -> PromotionRequest:
+        """This request taken over by the job of ``epoch``; its attempt id is derived
+        from the old one (the same on every host, without talking to them)."""
+        attempt = self.attempt
+        if attempt is not None:
+            attempt = f"e{epoch}-" + attempt.split("-", 1)[1]
+        return replace(self, epoch=epoch, requested=now, attempt=attempt)
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> PromotionRequest:
         obj = load_json_record(data, where)
         try:
             saved = obj.get("saved")
-            return cls(
+            attempt = obj.get("attempt")
+            request = cls(
                 step=int(obj["step"]),
                 epoch=int(obj["epoch"]),
                 requested=float(obj["requested"]),
                 saved=None if saved is None else float(saved),
+                attempt=None if attempt is None else str(attempt),
+                process=int(obj.get("process", 0)),
+                processes=int(obj.get("processes", 1)),
+                primary=int(obj.get("primary", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"invalid promotion request {where}: {e}") from e
+        if request.processes > 1 and (
+            request.attempt is None or parse_attempt(request.attempt) is None
+        ):
+            raise CorruptCheckpointError(f"invalid promotion request {where}: no valid attempt")
+        return request
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,9 +147,11 @@ class PromotionResult:
 
     Attributes:
       step: the step.
-      outcome: ``promoted``, ``already durable``, ``not committed locally``,
-        ``fenced`` (the job's epoch was fenced: nothing written), ``failed``, or
-        ``archived`` (:func:`archive_once`).
+      outcome: ``promoted``, ``already durable``, ``not committed locally``
+        (the request is dropped), ``local save under way`` (kept), ``part
+        uploaded`` (multi-host, not the primary: the primary's promoter
+        commits), ``fenced`` (the job's epoch was fenced: nothing written),
+        ``failed``, or ``archived`` (:func:`archive_once`).
       nbytes: chunk bytes copied.
       seconds: time spent on the step.
       durable_time: wall-clock time of the durable commit (``promoted`` only).
@@ -150,6 +207,9 @@ class Promoter:
       retention: applied to the durable root after each promoted step, in the
         request's epoch (fence-checked before each deletion).
       on_result: called with every result (telemetry, metrics).
+      parts_timeout_s: multi-host, the primary's promoter: how long it waits
+        for the other hosts' parts before giving up on this pass (the request
+        stays; the next pass waits again).
     """
 
     def __init__(
@@ -160,13 +220,16 @@ class Promoter:
         epoch: int | None = None,
         retention: policy.RetentionPolicy | None = None,
         on_result: Callable[[PromotionResult], None] | None = None,
+        parts_timeout_s: float = 300.0,
     ) -> None:
         self.local = local
         self.durable = durable
         self.epoch = epoch
         self.retention = retention
+        self.parts_timeout_s = parts_timeout_s
         self._on_result = on_result
         self._warned_fenced: set[int] = set()
+        self._stop: threading.Event | None = None
 
     def writer(self, epoch: int) -> CommitProtocol:
         """A protocol of the durable root that writes (and fence-checks) as ``epoch``."""
@@ -175,9 +238,18 @@ class Promoter:
         return protocol
 
     def pending(self) -> list[PromotionRequest]:
-        """Requests whose step is not durable yet, newest first."""
+        """Requests whose step is not durable yet, newest first.
+
+        Requests of durable steps are removed (a multi-host part whose step
+        another host's promoter committed, a promoter killed after the marker).
+        """
         durable = self.durable.visible_refs()
-        todo = [r for s, r in read_requests(self.local).items() if s not in durable]
+        todo = []
+        for step, request in read_requests(self.local).items():
+            if step in durable:
+                withdraw(self.local, step)
+            else:
+                todo.append(request)
         return sorted(todo, key=lambda r: r.step, reverse=True)
 
     def promote_once(self, *, stop: threading.Event | None = None) -> list[PromotionResult]:
@@ -188,6 +260,7 @@ class Promoter:
         loses it (logged). ``stop`` ends the pass between steps.
         """
         results = []
+        self._stop = stop
         for request in self.pending():
             if stop is not None and stop.is_set():
                 break
@@ -198,21 +271,30 @@ class Promoter:
         return results
 
     def promote(self, request: PromotionRequest) -> PromotionResult:
-        """Copies one requested step to the durable root and commits it there."""
-        from jaxckpt._copy import copy_step
-
+        """Copies one requested step (multi-host: this host's part) to the durable root."""
         step, start = request.step, time.monotonic()
         epoch = self.epoch if self.epoch is not None else request.epoch
         marker = self.local.read_marker(step)
         if marker is None:
-            log.warning(
-                "promotion of step %d skipped: not committed under %s", step, self.local.where()
-            )
-            withdraw(self.local, step)
-            return PromotionResult(step=step, outcome=GONE, request=request)
+            return self._not_committed(request)
         writer = self.writer(epoch)
         try:
-            nbytes = copy_step(self.local, writer, marker)
+            if request.processes > 1:
+                nbytes, committed = self._promote_part(
+                    request.restamped(epoch, 0.0), marker, writer
+                )
+                if not committed:
+                    return PromotionResult(
+                        step=step,
+                        outcome=UPLOADED,
+                        nbytes=nbytes,
+                        seconds=time.monotonic() - start,
+                        request=request,
+                    )
+            else:
+                from jaxckpt._copy import copy_step
+
+                nbytes = copy_step(self.local, writer, marker)
         except StepAlreadyExistsError:
             withdraw(self.local, step)
             return PromotionResult(step=step, outcome=ALREADY_DURABLE, request=request)
@@ -244,6 +326,74 @@ class Promoter:
             durable_time=durable_marker.time if durable_marker is not None else time.time(),
             request=request,
         )
+
+    def _not_committed(self, request: PromotionRequest) -> PromotionResult:
+        """A request without a local marker: its save is under way (the request is
+        written before the marker), or it never committed (a killed trainer whose
+        attempt was collected since) or was deleted: then the request goes."""
+        step = request.step
+        under_way = bool(self.local.storage.list(f"{PENDING}{step}/"))
+        if self.local.read_marker(step) is not None:  # committed between the two reads
+            return self.promote(request)
+        if under_way:
+            return PromotionResult(step=step, outcome=WAITING, request=request)
+        log.warning(
+            "promotion of step %d skipped: not committed under %s", step, self.local.where()
+        )
+        withdraw(self.local, step)
+        return PromotionResult(step=step, outcome=GONE, request=request)
+
+    def _promote_part(
+        self, request: PromotionRequest, marker: CommitMarker, writer: CommitProtocol
+    ) -> tuple[int, bool]:
+        """Multi-host: uploads this host's part into the agreed attempt; the primary's
+        promoter also writes the tree record, waits (bounded) for every part, and
+        commits. Returns the chunk bytes copied and whether this call committed.
+
+        A part is uploaded once: its manifest part is written after its chunks,
+        so a present manifest part means the part is complete.
+        """
+        from jaxckpt._copy import copy_part
+
+        assert request.attempt is not None
+        step = request.step
+        loc = StepLocation(step, request.attempt)
+        primary = request.process == request.primary
+        if primary:
+            writer.begin_save(loc)  # raises if durable already or fenced
+        else:
+            if step in writer.visible_refs():
+                raise StepAlreadyExistsError(f"step {step} is durable under {writer.where()}")
+            writer.check_fence(f"promote step {step}")
+        nbytes = 0
+        if writer.storage.read(loc.key(manifest_name(request.process))) is None:
+            nbytes = copy_part(
+                self.local, writer, marker, loc, process=request.process, records=primary
+            )
+        if not primary:
+            return nbytes, False
+        self._await_parts(writer, loc, request.processes)
+        writer.commit(
+            loc, num_processes=request.processes, metrics=dict(marker.metrics), keep=marker.keep
+        )
+        return nbytes, True
+
+    def _await_parts(self, writer: CommitProtocol, loc: StepLocation, processes: int) -> None:
+        """Waits until every process's manifest part is in the durable attempt."""
+        wanted = {loc.key(manifest_name(p)) for p in range(processes)}
+        deadline = time.monotonic() + self.parts_timeout_s
+        while True:
+            missing = wanted - set(writer.storage.list(loc.prefix + "manifest/"))
+            if not missing:
+                return
+            stopping = self._stop is not None and self._stop.is_set()
+            if stopping or time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"cannot commit {loc} under {writer.where()}: the parts "
+                    f"{sorted(missing)} of other hosts are not uploaded "
+                    f"{'(stopping)' if stopping else f'within {self.parts_timeout_s:.0f}s'}"
+                )
+            time.sleep(0.1)
 
     def apply_retention(self, writer: CommitProtocol) -> list[int]:
         """Deletes the durable steps ``retention`` does not keep; returns them."""

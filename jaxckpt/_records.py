@@ -35,6 +35,22 @@ def crc32c(data: bytes | memoryview) -> int:
     return int(_crc32c.crc32c(data))
 
 
+TRAILER_BYTES = 4  # the crc32c codec appends CRC32C(raw), little-endian
+
+
+def chunk_problem(stored: Any, record: ChunkRecord) -> str | None:
+    """Why a stored chunk object does not match its manifest record, or None."""
+    if len(stored) != record.size:
+        return f"size {len(stored)} != recorded {record.size}"
+    view = memoryview(stored) if isinstance(stored, bytes) else stored.data
+    raw, trailer = view[:-TRAILER_BYTES], bytes(view[-TRAILER_BYTES:])
+    if int(crc32c(raw)) != record.crc32c:
+        return "checksum mismatch"
+    if trailer != record.crc32c.to_bytes(TRAILER_BYTES, "little"):
+        return "checksum trailer mismatch"
+    return None
+
+
 def dumps(obj: Any) -> bytes:
     """Canonical JSON encoding (sorted keys, no spaces), as UTF-8."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()

@@ -46,10 +46,10 @@ import numpy as np
 from jaxckpt._agree import Agreement
 from jaxckpt._layout import StepLocation
 from jaxckpt._phases import reached
-from jaxckpt._records import ChunkRecord
+from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
 from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf
-from jaxckpt._tsio import TRAILER_BYTES, chunk_key, chunk_problem
+from jaxckpt._tsio import chunk_key
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
 
 MIN_BYTES = 1 << 20

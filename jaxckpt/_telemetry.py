@@ -62,20 +62,28 @@ class SaveRecorder:
 
     def __init__(self, history: int = 64) -> None:
         self._lock = threading.Lock()
-        self._open: dict[int, tuple[float, float]] = {}
+        self._open: dict[int, tuple[float, float | None]] = {}
         self._wall: dict[int, float] = {}
+        self._early: dict[int, float] = {}  # committed before save() returned: their starts
         self._done: deque[SaveStats] = deque(maxlen=history)
 
     def started(self, step: int) -> float:
         now = time.perf_counter()
         with self._lock:
-            self._open[step] = (now, 0.0)
+            self._open[step] = (now, None)
             self._wall[step] = time.time()
         return now
 
     def blocked(self, step: int) -> float:
         """Marks the end of the blocking part; returns the blocking seconds."""
         with self._lock:
+            if step not in self._open:  # a local tier committed before save() returned
+                start = self._early.pop(step)
+                blocking = time.perf_counter() - start
+                for i, stats in enumerate(self._done):
+                    if stats.step == step:
+                        self._done[i] = replace(stats, blocking_s=blocking)
+                return blocking
             start, _ = self._open[step]
             blocking = time.perf_counter() - start
             self._open[step] = (start, blocking)
@@ -84,9 +92,11 @@ class SaveRecorder:
     def committed(self, step: int, nbytes: int) -> SaveStats:
         with self._lock:
             start, blocking = self._open.pop(step)
+            if blocking is None:
+                self._early[step] = start
             stats = SaveStats(
                 step=step,
-                blocking_s=blocking,
+                blocking_s=blocking or 0.0,
                 total_s=time.perf_counter() - start,
                 nbytes=nbytes,
                 started=self._wall.pop(step, 0.0),
@@ -98,7 +108,7 @@ class SaveRecorder:
             human_bytes(nbytes),
             stats.total_s,
             human_bytes(stats.throughput_bps),
-            blocking,
+            blocking or 0.0,
         )
         return stats
 
@@ -106,6 +116,7 @@ class SaveRecorder:
         with self._lock:
             self._open.pop(step, None)
             self._wall.pop(step, None)
+            self._early.pop(step, None)
 
     def durable(self, step: int, when: float) -> None:
         """Records that ``step`` was committed on the durable tier at wall-clock ``when``."""

@@ -25,7 +25,7 @@ import tensorstore as ts
 
 from jaxckpt._layout import StepLocation
 from jaxckpt._phases import reached
-from jaxckpt._records import ChunkRecord, dumps
+from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem, dumps
 from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
 
@@ -43,6 +43,9 @@ class HostArray:
 
     leaf: SavedLeaf
     pieces: list[tuple[Region, np.ndarray]] = field(default_factory=list)
+    held: frozenset[Region] = frozenset()
+    """Pieces written for this host's own restores only (a local tier): replicas whose
+    ``replica_id == 0`` copy is another host's; not in the part a promotion uploads."""
 
 
 def zarr_metadata(leaf: SavedLeaf) -> dict[str, Any]:
@@ -56,11 +59,15 @@ def zarr_metadata(leaf: SavedLeaf) -> dict[str, Any]:
     }
 
 
-def snapshot_array(leaf: SavedLeaf, value: Any, *, primary: bool) -> HostArray:
+def snapshot_array(
+    leaf: SavedLeaf, value: Any, *, primary: bool, every_index: bool = False
+) -> HostArray:
     """Copies the pieces of ``value`` this process owns into host memory.
 
     For a ``jax.Array`` these are the addressable shards with ``replica_id ==
-    0``; a numpy array is written whole by the primary process. The host
+    0``; with ``every_index`` (a local tier, which must hold whatever this host
+    reads back), one addressable shard of every index, the others marked
+    ``held``. A numpy array is written whole by the primary process. The host
     arrays never alias a buffer the caller can mutate or donate: numpy inputs
     are copied, and device buffers are transferred (on CPU the view holds an
     external reference, which makes XLA copy instead of donating).
@@ -69,7 +76,15 @@ def snapshot_array(leaf: SavedLeaf, value: Any, *, primary: bool) -> HostArray:
     if isinstance(value, jax.Array):
         if leaf.kind == "key":
             value = jax.random.key_data(value)
-        shards = [s for s in value.addressable_shards if s.replica_id == 0]
+        if every_index:
+            chosen: dict[Region, Any] = {}
+            for s in sorted(value.addressable_shards, key=lambda s: s.replica_id):
+                chosen.setdefault(region_of(s.index, value.shape), s)
+            shards = list(chosen.values())
+            held = {r for r, s in chosen.items() if s.replica_id != 0}
+            host.held = frozenset(held)
+        else:
+            shards = [s for s in value.addressable_shards if s.replica_id == 0]
         for s in shards:
             s.data.copy_to_host_async()
         for s in shards:
@@ -80,7 +95,7 @@ def snapshot_array(leaf: SavedLeaf, value: Any, *, primary: bool) -> HostArray:
     return host
 
 
-def _chunks_of(region: Region, chunk_shape: Sequence[int]) -> Iterator[Region]:
+def chunks_of(region: Region, chunk_shape: Sequence[int]) -> Iterator[Region]:
     ranges = [range(lo, hi, c) for (lo, hi), c in zip(region, chunk_shape, strict=True)]
     for starts in itertools.product(*ranges):
         yield tuple(
@@ -94,9 +109,6 @@ def chunk_key(chunk: Region, chunk_shape: Sequence[int]) -> str:
     return "c/" + "/".join(str(lo // c) for (lo, _), c in zip(chunk, chunk_shape, strict=True))
 
 
-TRAILER_BYTES = 4  # the crc32c codec appends CRC32C(raw), little-endian
-
-
 def _stored_digest(data: np.ndarray) -> tuple[int, int]:
     """Size of the stored chunk object and CRC32C of its raw bytes (the trailer's value).
 
@@ -107,19 +119,6 @@ def _stored_digest(data: np.ndarray) -> tuple[int, int]:
         data = data.astype(data.dtype.newbyteorder("<"))
     raw = np.require(data, requirements="C").reshape(-1).view(np.uint8)
     return raw.nbytes + TRAILER_BYTES, int(_crc32c.crc32c(raw.data))
-
-
-def chunk_problem(stored: bytes | np.ndarray, record: ChunkRecord) -> str | None:
-    """Why a stored chunk object does not match its manifest record, or None."""
-    if len(stored) != record.size:
-        return f"size {len(stored)} != recorded {record.size}"
-    view = memoryview(stored) if isinstance(stored, bytes) else stored.data
-    raw, trailer = view[:-TRAILER_BYTES], bytes(view[-TRAILER_BYTES:])
-    if int(_crc32c.crc32c(raw)) != record.crc32c:
-        return "checksum mismatch"
-    if trailer != record.crc32c.to_bytes(TRAILER_BYTES, "little"):
-        return "checksum trailer mismatch"
-    return None
 
 
 class ArrayWriter:
@@ -178,7 +177,7 @@ class ArrayWriter:
             store = stores[leaf.name].result()
             chunk_records = []
             for region, data in host.pieces:
-                for chunk in _chunks_of(region, leaf.chunk_shape):
+                for chunk in chunks_of(region, leaf.chunk_shape):
                     local = tuple(
                         slice(lo - rlo, hi - rlo)
                         for (lo, hi), (rlo, _) in zip(chunk, region, strict=True)

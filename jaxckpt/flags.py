@@ -31,6 +31,15 @@ Flags (all prefixed ``checkpoint_``):
   runs :func:`jaxckpt.check_resume`); 0 (default) skips it.
 * ``--checkpoint_preflight_root``: an empty scratch root for that check (default: a
   temporary local directory).
+* ``--checkpoint_local_root``: a fast local tier (one per host, e.g. on local NVMe);
+  saves commit there and ``--checkpoint_root`` becomes the durable tier.
+* ``--checkpoint_promote_every_steps`` / ``--checkpoint_promote_every_seconds``: which
+  local saves are promoted to the durable root (with ``--checkpoint_on_preemption``, also
+  the first after SIGTERM); unset: every one.
+* ``--checkpoint_local_keep_last``: retention of the local tier (steps waiting for
+  promotion are always kept); the ``keep`` flags above apply to the durable root.
+* ``--checkpoint_promotion``: ``background`` (a thread of the trainer promotes) or
+  ``external`` (a ``jaxckpt promote --watch`` sidecar does).
 
 With no interval flag, every ``save`` call saves. The save policies combine with ``|``: a
 step is saved when any of them says so.
@@ -56,6 +65,7 @@ __all__ = [
     "manager_from_flags",
     "options_from_flags",
     "preflight_from_flags",
+    "promote_policy_from_flags",
     "retention_from_flags",
     "save_policy_from_flags",
 ]
@@ -74,6 +84,16 @@ FLAG_NAMES = (
     "checkpoint_timeout_seconds",
     "checkpoint_preflight_steps",
     "checkpoint_preflight_root",
+    "checkpoint_local_root",
+    "checkpoint_promote_every_steps",
+    "checkpoint_promote_every_seconds",
+    "checkpoint_local_keep_last",
+    "checkpoint_promotion",
+)
+_TIER_FLAGS = (
+    "checkpoint_promote_every_steps",
+    "checkpoint_promote_every_seconds",
+    "checkpoint_local_keep_last",
 )
 
 
@@ -165,6 +185,41 @@ def define_flags(flag_values: absl_flags.FlagValues | None = None) -> None:
         "An empty scratch root for the pre-flight check (default: a temporary local directory).",
         **kw,
     )
+    flags.DEFINE_string(
+        "checkpoint_local_root",
+        None,
+        "A fast local tier, one per host (e.g. local NVMe): saves commit there and the steps "
+        "chosen for promotion are copied to --checkpoint_root.",
+        **kw,
+    )
+    flags.DEFINE_integer(
+        "checkpoint_promote_every_steps",
+        None,
+        "With a local tier: promote saves at steps that are multiples of N (default: every save).",
+        lower_bound=1,
+        **kw,
+    )
+    flags.DEFINE_float(
+        "checkpoint_promote_every_seconds",
+        None,
+        "With a local tier: promote a save when this many seconds passed since the last one.",
+        lower_bound=0,
+        **kw,
+    )
+    flags.DEFINE_integer(
+        "checkpoint_local_keep_last",
+        None,
+        "With a local tier: keep the N newest local steps (and any waiting for promotion).",
+        lower_bound=1,
+        **kw,
+    )
+    flags.DEFINE_enum(
+        "checkpoint_promotion",
+        "background",
+        ["background", "external"],
+        "With a local tier: who promotes, a thread of this process or a `jaxckpt promote` sidecar.",
+        **kw,
+    )
 
 
 def _fv(flag_values: absl_flags.FlagValues | None) -> absl_flags.FlagValues:
@@ -219,6 +274,43 @@ def retention_from_flags(
     )
 
 
+def promote_policy_from_flags(
+    flag_values: absl_flags.FlagValues | None = None,
+) -> SavePolicy | None:
+    """Which local saves the flags promote; None (every one) when no promote interval is set."""
+    from jaxckpt import policy
+
+    fv = _fv(flag_values)
+    parts: list[SavePolicy] = []
+    if fv.checkpoint_promote_every_steps is not None:
+        parts.append(policy.EveryNSteps(fv.checkpoint_promote_every_steps))
+    if fv.checkpoint_promote_every_seconds is not None:
+        parts.append(policy.EveryNSeconds(fv.checkpoint_promote_every_seconds))
+    if not parts:
+        return None
+    if fv.checkpoint_on_preemption:
+        parts.append(policy.OnPreemption())
+    return parts[0] if len(parts) == 1 else policy.AnySave(policies=tuple(parts))
+
+
+def _tier_fields(fv: absl_flags.FlagValues) -> dict[str, Any]:
+    """The local tier's options; raises if a tier flag is set without a local root."""
+    from jaxckpt import policy
+
+    if not fv.checkpoint_local_root:
+        given = [f"--{name}" for name in _TIER_FLAGS if fv[name].value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --checkpoint_local_root")
+        return {}
+    keep = fv.checkpoint_local_keep_last
+    return {
+        "local_root": fv.checkpoint_local_root,
+        "promote_policy": promote_policy_from_flags(fv),
+        "local_retention": policy.KeepLast(keep) if keep is not None else None,
+        "promotion": fv.checkpoint_promotion,
+    }
+
+
 def options_from_flags(
     flag_values: absl_flags.FlagValues | None = None, **overrides: Any
 ) -> CheckpointOptions:
@@ -226,6 +318,9 @@ def options_from_flags(
 
     ``--checkpoint_root`` and ``--checkpoint_async`` are not options; see
     :func:`manager_from_flags`. ``overrides`` replace fields (e.g. ``storage_options``).
+
+    Raises:
+      ValueError: a local tier flag is set without ``--checkpoint_local_root``.
     """
     from jaxckpt._options import CheckpointOptions
 
@@ -234,6 +329,7 @@ def options_from_flags(
         "save_policy": save_policy_from_flags(fv),
         "retention": retention_from_flags(fv),
         "save_timeout_s": fv.checkpoint_timeout_seconds,
+        **_tier_fields(fv),
     }
     fields.update(overrides)
     return CheckpointOptions(**fields)

@@ -7,6 +7,7 @@ Usage::
         --mode {save,restore,save_and_die,restore_and_die,policy} [--mesh AxB]
         [--spec data,model] [--steps 1,2] [--save-timeout S] [--primary-host H]
         [--exchange-min-bytes N] [--exchange-part-bytes N] [--scale K]
+        [--local-root PREFIX --promotion {background,external}] [--leaves x,y]
 
 The process joins a ``jax.distributed`` group of ``P`` processes with ``D``
 CPU devices each, builds a ``('data', 'model')`` mesh of shape ``AxB`` over
@@ -31,6 +32,14 @@ all ``P*D`` devices, and then:
   steps, the others steps divisible by 3) and prints ``DECIDED s True|False``:
   every process must follow the primary's answer.
 
+With ``--local-root`` the manager is tiered: process ``i`` saves to its own
+local root ``PREFIX<i>`` and ``ROOT`` is the durable root; ``save`` then waits
+until the last step is durable (background promotion) and prints ``DURABLE
+s``, and ``restore`` prints ``TIER local|durable``: where this process read
+its regions from. ``--leaves`` limits the state to some leaves (all by
+default), e.g. ``x,y`` with ``--mesh 4x1``: every process holds distinct
+shards, so a local tier holds every region its process reads.
+
 Values are a deterministic function of the leaf, the step and the global
 index, so any process can check any shard. Protocol lines go to stdout:
 ``READY``, ``SAVED s``, ``COMMITTED s``, ``DECIDED s b``, ``RESTORED s``,
@@ -40,6 +49,7 @@ index, so any process can check any shard. Protocol lines go to stdout:
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -122,11 +132,30 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--exchange-part-bytes", type=int, default=None, help="..._replicated.PART_BYTES"
     )
+    p.add_argument("--local-root", default=None, help="prefix of each process's local tier")
+    p.add_argument("--promotion", default="background", help="CheckpointOptions.promotion")
+    p.add_argument("--leaves", default=None, help="comma-separated leaves to save (default all)")
     return p.parse_args(argv)
 
 
 def _say(text: str) -> None:
     print(text, flush=True)
+
+
+_LEAVES: set[str] = set()  # empty: every leaf
+
+
+def _wanted(name: str) -> bool:
+    return not _LEAVES or name in _LEAVES
+
+
+class _TierHandler(logging.Handler):
+    """Prints ``TIER <name>`` when the manager reports where it restored a step from."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if text.startswith("restored step "):
+            _say(f"TIER {text.split(' from the ')[1].split()[0]}")
 
 
 def _spec(text: str) -> tuple[str | None, ...]:
@@ -165,18 +194,28 @@ def main(argv: list[str] | None = None) -> int:
         jaxckpt._replicated.PART_BYTES = args.exchange_part_bytes
     mesh = _mesh(jax, args.mesh, args.num_processes * args.devices)
     save_policy = _DisagreeingPolicy(args.primary_host) if args.mode == "policy" else None
+    if args.leaves:
+        _LEAVES.update(args.leaves.split(","))
+    tiered: dict[str, Any] = {}
+    if args.local_root is not None:
+        tiered = {"local_root": f"{args.local_root}{args.process_id}", "promotion": args.promotion}
+        logging.getLogger("jaxckpt").addHandler(_TierHandler())
+        logging.getLogger("jaxckpt").setLevel(logging.INFO)
     manager = jaxckpt.CheckpointManager(
         args.root,
         save_timeout_s=args.save_timeout,
         primary_host=args.primary_host,
         save_policy=save_policy,
         layout=args.layout,
+        **tiered,
     )
     _say("READY")
     steps = [int(s) for s in args.steps.split(",")]
     if args.mode == "save":
         for step in steps:
             _save(manager, mesh, step)
+        if tiered and args.promotion == "background":
+            _say(f"DURABLE {manager.wait_durable(timeout_s=args.save_timeout)}")
     elif args.mode == "restore":
         _restore(manager, mesh, _spec(args.spec))
     elif args.mode == "restore_and_die":
@@ -254,10 +293,10 @@ def build_state(mesh: Any, step: int) -> dict[str, Any]:
         sharding = _sharding(jax, mesh, spec)
         return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
 
-    state: dict[str, Any] = {n: global_array(n, SAVE_SPECS[n]) for n in SHARDED}
-    state.update({n: global_array(n, ()) for n in REPLICATED})
-    state.update({n: global_array(n, spec) for n, (_, spec) in BIG.items()})
-    state.update({n: expected(n, step) for n in HOST})
+    state: dict[str, Any] = {n: global_array(n, SAVE_SPECS[n]) for n in SHARDED if _wanted(n)}
+    state.update({n: global_array(n, ()) for n in REPLICATED if _wanted(n)})
+    state.update({n: global_array(n, spec) for n, (_, spec) in BIG.items() if _wanted(n)})
+    state.update({n: expected(n, step) for n in HOST if _wanted(n)})
     state.update(value_leaves(step))
     return state
 
@@ -274,13 +313,20 @@ def _restore(manager: Any, mesh: Any, spec: tuple[str | None, ...]) -> None:
 
     target: dict[str, Any] = {}
     for name, shape in SHARDED.items():
-        target[name] = jax.ShapeDtypeStruct(shape, np.float32, sharding=_sharding(jax, mesh, spec))
+        if _wanted(name):
+            sharding = _sharding(jax, mesh, spec)
+            target[name] = jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
     for name, (shape, dtype) in REPLICATED.items():
-        target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding(jax, mesh, ()))
+        if _wanted(name):
+            target[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=_sharding(jax, mesh, ()))
     for name, (shape, _) in BIG.items():
-        target[name] = jax.ShapeDtypeStruct(shape, np.float32, sharding=_sharding(jax, mesh, ()))
+        if _wanted(name):
+            target[name] = jax.ShapeDtypeStruct(
+                shape, np.float32, sharding=_sharding(jax, mesh, ())
+            )
     for name, (shape, dtype) in HOST.items():
-        target[name] = np.zeros(shape, dtype)
+        if _wanted(name):
+            target[name] = np.zeros(shape, dtype)
     target.update(value_leaves(0))
     counter = _CountingStorage(manager._protocol.storage)
     manager._protocol.storage = counter  # every read of the restore goes through it
@@ -291,9 +337,9 @@ def _restore(manager: Any, mesh: Any, spec: tuple[str | None, ...]) -> None:
     step = restored["step"]  # a value leaf: which step this process actually restored
     _say(f"RESTORED {step}")
     checked = 0
-    for name in [*SHARDED, *REPLICATED, *BIG]:
+    for name in [n for n in [*SHARDED, *REPLICATED, *BIG] if _wanted(n)]:
         checked += _check_array(name, restored[name], target[name].sharding, step)
-    for name in HOST:
+    for name in [n for n in HOST if _wanted(n)]:
         np.testing.assert_array_equal(restored[name], expected(name, step), err_msg=name)
         checked += 1
     if {k: restored[k] for k in VALUES} != VALUES:

@@ -54,9 +54,8 @@ from jaxckpt._layout import (
     parse_pending_key,
 )
 from jaxckpt._phases import PHASES
-from jaxckpt._records import CommitMarker, FileDigest, json_record
+from jaxckpt._records import TRAILER_BYTES, CommitMarker, FileDigest, json_record
 from jaxckpt._storage import Storage
-from jaxckpt._tsio import TRAILER_BYTES
 from jaxckpt.errors import CorruptCheckpointError
 
 SAVE_PHASES = tuple(p for p in PHASES if p != "delete_retracted")

@@ -150,3 +150,38 @@ def test_sync_manager_commits_before_save_returns(tmp_path):
             assert mgr.save(step, {"x": np.full(1000, step)}) is True
             assert mgr.latest_step() == step  # committed: no wait() needed
         assert [s.step for s in mgr.save_stats()] == [1, 2]
+
+
+def test_tier_flags_build_a_tiered_manager(tmp_path):
+    with flagsaver.as_parsed(
+        checkpoint_root=str(tmp_path / "durable"),
+        checkpoint_local_root=str(tmp_path / "local"),
+        checkpoint_promote_every_steps="2",
+        checkpoint_local_keep_last="1",
+        checkpoint_keep_last="1",
+        checkpoint_promotion="external",
+    ):
+        opts = jaxckpt.flags.options_from_flags()
+        mgr = jaxckpt.flags.manager_from_flags()
+    assert opts.local_root == str(tmp_path / "local") and opts.promotion == "external"
+    assert opts.promote_policy == policy.EveryNSteps(2) | policy.OnPreemption()
+    assert opts.local_retention == policy.KeepLast(1) and opts.retention == policy.KeepLast(1)
+    with mgr:
+        assert mgr.local_root == str(tmp_path / "local")
+        for step in (1, 2, 3):
+            mgr.save(step, {"x": np.full(10, step)})
+        mgr.wait()
+        mgr.wait_for_deletions(timeout_s=60)
+        assert mgr.steps(tier="local") == [2, 3]  # step 2 waits for the external promoter
+        with pytest.raises(jaxckpt.PromotionTimeoutError):
+            mgr.wait_durable(2, timeout_s=0.2)
+    with flagsaver.flagsaver(checkpoint_promote_every_seconds=60.0, checkpoint_on_preemption=False):
+        assert jaxckpt.flags.promote_policy_from_flags() == policy.EveryNSeconds(60.0)
+
+
+@flagsaver.flagsaver(checkpoint_local_root=None, checkpoint_local_keep_last=2)
+def test_tier_flags_without_a_local_root_name_the_flags():
+    with pytest.raises(
+        ValueError, match="--checkpoint_local_keep_last need --checkpoint_local_root"
+    ):
+        jaxckpt.flags.options_from_flags()

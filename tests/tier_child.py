@@ -2,17 +2,20 @@
 
 Usage::
 
-    python tests/tier_child.py ROOT LOCAL_ROOT --steps K
+    python tests/tier_child.py ROOT LOCAL_ROOT --steps K [--start S] [--arm-last PHASE]
 
 Opens ``CheckpointManager(ROOT, local_root=LOCAL_ROOT, promotion="external",
-local_retention=KeepLast(1))``, saves steps ``1..K`` (step ``s`` holds
+local_retention=KeepLast(1))``, saves steps ``S..S+K-1`` (step ``s`` holds
 :func:`state` ``(s)``), prints ``COMMITTED s`` once each local commit is
-done, then ``READY`` and sleeps until it is SIGKILLed.
+done, then ``READY`` and sleeps until it is SIGKILLed. ``--arm-last`` sets
+``JAXCKPT_PAUSE_AT`` for the last save only (see ``jaxckpt._phases``), so the
+test can kill it inside that save.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -35,6 +38,8 @@ def main() -> None:
     p.add_argument("root")
     p.add_argument("local_root")
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--start", type=int, default=1)
+    p.add_argument("--arm-last", default=None, metavar="PHASE")
     args = p.parse_args()
     import jaxckpt
     from jaxckpt import policy
@@ -46,7 +51,10 @@ def main() -> None:
         local_retention=policy.KeepLast(1),
         chunk_bytes=64 << 10,
     )
-    for step in range(1, args.steps + 1):
+    last = args.start + args.steps - 1
+    for step in range(args.start, last + 1):
+        if step == last and args.arm_last:
+            os.environ["JAXCKPT_PAUSE_AT"] = args.arm_last
         mgr.save(step, state(step))
         mgr.wait()
         print(f"COMMITTED {step}", flush=True)

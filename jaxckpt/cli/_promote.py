@@ -37,6 +37,14 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--metrics-addr", default="0.0.0.0", metavar="ADDR", help="default 0.0.0.0 (all)"
     )
+    p.add_argument(
+        "--parts-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="multi-host job, the primary host's promoter: how long to wait for the other "
+        "hosts' parts of a step per pass (default 300)",
+    )
     add_retention_flags(p)  # applied to the durable root after each promoted step
     p.add_argument(
         "--archive",
@@ -109,7 +117,13 @@ def cmd_promote(args: argparse.Namespace) -> int:
             report(result)
         return results
 
-    promoter = Promoter(local, durable, retention=retention(args), on_result=report)
+    promoter = Promoter(
+        local,
+        durable,
+        retention=retention(args),
+        on_result=report,
+        parts_timeout_s=args.parts_timeout,
+    )
     if not args.watch:
         results = promoter.promote_once()
         done = sum(r.outcome == PROMOTED for r in results)

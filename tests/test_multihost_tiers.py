@@ -1,0 +1,200 @@
+"""Tiers on several hosts: 2 real JAX processes x 2 CPU devices, one local tier each.
+
+Each process saves to its own local root (``<prefix>0``, ``<prefix>1``) and
+commits its own part there; promotion puts every host's part into one durable
+attempt, committed by the primary's promoter once every part is present. On
+the ``2x2`` mesh (``data`` across the processes) ``x`` and ``y`` are split
+between the processes, while ``z``, ``rep`` and ``count`` are replicated
+across them: their ``replica_id == 0`` copies are process 0's, so process 1
+keeps its copies in a *held* part of its local tier, which makes each local
+tier hold every region its process reads back (the numpy leaf, saved by the
+primary only, is left out). Checked:
+
+a. background promotion onto S3 and GCS: every host's part in the one durable step,
+   each local tier holds its own part only, no request left; one host's
+   corrupt local chunk makes that host read the durable copy while the other
+   reads its local one, both bit-exact;
+b. external promotion: one ``jaxckpt promote`` per host, run at once (the
+   primary's commits); then one host's local tier wiped (a replaced node):
+   it reads the durable copy, the other its local one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import servers
+import test_multihost as mh
+from rootpaths import chunk_path
+
+import jaxckpt
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._promote import read_requests
+from jaxckpt._storage import open_storage
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = mh.STEPS
+GROUP = {"processes": 2, "devices": 2, "mesh": "2x2"}
+LEAVES = ("x", "y", "z", "rep", "count")
+
+
+def tiers(local: Path, promotion: str) -> tuple[str, ...]:
+    return (f"--local-root={local}", f"--promotion={promotion}", f"--leaves={','.join(LEAVES)}")
+
+
+def save(tmp_path: Path, root: str, local: Path, promotion: str) -> list[mh.Proc]:
+    procs = mh.run_group(tmp_path, root, mode="save", extra=tiers(local, promotion), **GROUP)
+    for p in procs:
+        assert p.said("COMMITTED") == [f"COMMITTED {s}" for s in STEPS], p.report()
+    for i in range(2):  # each local tier commits its own part only
+        protocol = CommitProtocol(open_storage(f"{local}{i}"))
+        for step in STEPS:
+            files = protocol.require_marker(step).files
+            held = ["manifest/1.held.json"] if i == 1 else []  # process 1's replicas
+            assert sorted(files) == sorted([f"manifest/{i}.json", *held, "tree.json"]), files
+        with jaxckpt.CheckpointManager(f"{local}{i}", read_only=True) as mgr:
+            report = mgr.verify(STEPS[-1])  # one host's part, held replicas included
+            assert report.ok and report.chunks_checked > 0, report
+    return procs
+
+
+def restore_tiers(tmp_path: Path, root: str, local: Path, promotion: str) -> list[str]:
+    """Restores in a group; returns where each process read from (both restore step 2)."""
+    procs = mh.restore(tmp_path, root, extra=tiers(local, promotion), **GROUP)
+    assert mh.restored_steps(procs) == [STEPS[-1]] * 2
+    for p in procs:
+        assert p.said("CHECKED") == ["CHECKED 10"], p.report()  # 5 arrays, 2 shards each
+    assert procs[0].said("AGREEMENT KEYS LEFT") == ["AGREEMENT KEYS LEFT 0"], procs[0].report()
+    tiers_read = []
+    for p in procs:
+        (line,) = p.said("TIER")
+        tiers_read.append(line.split()[1])
+    return tiers_read
+
+
+def check_durable(root: str) -> None:
+    """Every host's part is in the durable step (each chunk in one part, held
+    replicas not promoted), and it restores bit-exactly."""
+    protocol = CommitProtocol(open_storage(root))
+    assert sorted(protocol.committed()) == list(STEPS)
+    for step in STEPS:
+        marker = protocol.require_marker(step)
+        assert marker.num_processes == 2
+        assert sorted(n for n in marker.files if n.startswith("manifest/")) == [
+            "manifest/0.json",
+            "manifest/1.json",
+        ]
+        owners: dict[tuple[str, str], int] = {}
+        for part in protocol.read_manifest(marker):
+            for name, records in part.arrays.items():
+                for r in records:
+                    assert owners.setdefault((name, r.key), part.process) == part.process
+        prefix = marker.location.arrays_prefix
+        stored = {
+            tuple(k[len(prefix) :].split("/", 1))
+            for k in protocol.storage.list(prefix)
+            if "/c" in k[len(prefix) :]
+        }
+        assert stored == set(owners)  # every chunk once, nothing else
+        assert {n for n, _ in owners} == set(LEAVES)
+        assert {p for (n, _), p in owners.items() if n in ("rep", "count")} == {0}
+        with jaxckpt.CheckpointManager(root, read_only=True) as mgr:
+            restored = mgr.restore(step)
+        for name in LEAVES:
+            np.testing.assert_array_equal(restored[name], mh.child.expected(name, step))
+            assert restored[name].dtype == mh.child.expected(name, step).dtype
+
+
+def test_background_promotion_to_an_object_store_and_a_corrupt_local_chunk(
+    object_root: str, tmp_path: Path
+) -> None:
+    root = object_root
+    local = tmp_path / "local"
+    for p in save(tmp_path, root, local, "background"):
+        assert p.said("DURABLE") == [f"DURABLE {STEPS[-1]}"], p.report()
+    check_durable(root)
+    for i in range(2):
+        assert read_requests(CommitProtocol(open_storage(f"{local}{i}"))) == {}
+    # x's first chunk (rows 0:4, on device 0) is in process 0's local tier only.
+    servers.corrupt_object(chunk_path(f"{local}0", STEPS[-1], "x", 0, 0))
+    assert restore_tiers(tmp_path, root, local, "background") == ["durable", "local"]
+
+
+def test_external_promotion_one_sidecar_per_host_and_a_wiped_local_tier(tmp_path: Path) -> None:
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    save(tmp_path, root, local, "external")
+    assert CommitProtocol(open_storage(root)).committed() == {}  # nobody promoted yet
+    sidecars = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxckpt",
+                "promote",
+                f"{local}{i}",
+                root,
+                "--parts-timeout",
+                str(mh.RUN_TIMEOUT_S),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    for proc in sidecars:
+        out, err = proc.communicate(timeout=mh.RUN_TIMEOUT_S)
+        assert proc.returncode == 0, err
+        outs.append(out)
+    assert "promoted 2 steps" in outs[0], outs  # the primary's sidecar commits ...
+    assert "step 2: part uploaded" in outs[1], outs  # ... the other uploads its part
+    check_durable(root)
+    locals_ = [CommitProtocol(open_storage(f"{local}{i}")) for i in range(2)]
+    assert read_requests(locals_[0]) == {}
+    assert sorted(read_requests(locals_[1])) == list(STEPS)  # uploaded, committed by the other
+    rerun = subprocess.run(
+        [sys.executable, "-m", "jaxckpt", "promote", f"{local}1", root],
+        capture_output=True,
+        text=True,
+        timeout=mh.RUN_TIMEOUT_S,
+    )
+    assert rerun.returncode == 0 and "promoted 0 steps" in rerun.stdout, rerun.stderr
+    assert read_requests(locals_[1]) == {}  # durable now: its requests are dropped
+    shutil.rmtree(f"{local}1")  # a replaced node
+    assert restore_tiers(tmp_path, root, local, "external") == ["local", "durable"]
+
+
+def test_a_failed_multi_host_save_is_never_promoted(tmp_path: Path) -> None:
+    """Process 1 is SIGKILLed before its local commit of step 2; process 0 committed
+    its own part locally, then its save times out: it withdraws its request of
+    step 2 (the other part will never come), so no promoter waits for it."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    pause = {mh.child.PAUSE_ENV: "data_written", "JAXCKPT_PAUSE_S": "300"}
+    with mh.spawn(
+        tmp_path,
+        root,
+        mode="save_and_die",
+        save_timeout_s=mh.DIE_SAVE_TIMEOUT_S,
+        env_for={1: pause},
+        extra=tiers(local, "external"),
+        **GROUP,
+    ) as procs:
+        target, survivor = procs[1], procs[0]
+        mh.wait_for_phase(target, f"JAXCKPT_PHASE data_written {STEPS[1]}", procs)
+        target.popen.send_signal(signal.SIGKILL)
+        survivor.popen.wait(timeout=mh.DIE_SAVE_TIMEOUT_S + mh.LOAD_MARGIN_S)
+    assert survivor.popen.returncode == 0, survivor.report()
+    (failed,) = survivor.said("FAILED")
+    assert failed.split()[1] == "SaveTimeoutError", survivor.report()
+    local0 = CommitProtocol(open_storage(f"{local}0"))
+    assert sorted(local0.committed()) == list(STEPS)  # process 0's part of step 2 ...
+    assert sorted(read_requests(local0)) == [STEPS[0]]  # ... is not to be promoted
+    local1 = CommitProtocol(open_storage(f"{local}1"))
+    assert sorted(local1.committed()) == [STEPS[0]]
