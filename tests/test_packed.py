@@ -206,8 +206,13 @@ def test_plain_and_packed_steps_share_a_root_and_the_cli_reads_both(
     from jaxckpt import zarr_compat
 
     assert zarr_compat.open_group(root, 3)["w"][:3].tolist() == [0.0, 3.0, 6.0]
-    with pytest.raises(jaxckpt.CheckpointError, match=r"step 2 .* is packed"):
-        zarr_compat.open_group(root, 2)
+    # A packed step through its reference manifest: each chunk a byte range of a pack.
+    spec = json.loads(json.dumps(zarr_compat.reference_manifest(root, 2)))
+    chunk_refs = [v for k, v in spec["refs"].items() if k.startswith("w/c/")]
+    assert len(chunk_refs) > 1 and all(r[0].endswith("packs/0.0.bin") for r in chunk_refs)
+    packed_w = zarr_compat.open_group(root, 2)["w"]
+    assert packed_w[:].tobytes() == (np.arange(300.0, dtype=np.float32) * 2).tobytes()
+    assert packed_w[70:75].tolist() == [140.0, 142.0, 144.0, 146.0, 148.0]
     assert cli.main(["export", f"{root}:2", str(tmp_path / "st")]) == 0
     capsys.readouterr()
     from safetensors.numpy import load_file
