@@ -24,7 +24,10 @@ GCS (the emulator), both started here through ``tests/servers.py``, by:
 *objects* are the keys a save added under the root; *requests* are the HTTP
 requests the server logged during the save or the restore (object stores
 only); *restore RSS* is the peak growth of this process's resident memory
-during a restore over its size before (sampled every 5 ms). The machine is
+during a restore over its size before (sampled every 5 ms, after handing
+freed heap pages back with ``malloc_trim``); it includes the restored state
+itself (``state_mib``), so the extra memory a restore needs is the
+difference. The machine is
 shared: compare ratios within one run.
 
 Usage: ``python scripts/bench_packed.py [--rounds 3] [--json results/bench_packed.json]``
@@ -40,6 +43,8 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import ctypes
+import gc
 import importlib.util
 import json
 import re
@@ -51,7 +56,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -162,8 +167,16 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _trim() -> None:
+    """Hands freed heap memory back to the OS, so a restore cannot hide in reused pages."""
+    gc.collect()
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _timed_rss(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     """``fn``'s wall time, the peak growth of RSS while it ran, and its result."""
+    _trim()
     base = peak = _rss()
     done = threading.Event()
 
