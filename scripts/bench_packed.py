@@ -23,12 +23,12 @@ GCS (the emulator), both started here through ``tests/servers.py``, by:
 
 *objects* are the keys a save added under the root; *requests* are the HTTP
 requests the server logged during the save or the restore (object stores
-only); *restore RSS* is the peak growth of this process's resident memory
-during a restore over its size before (sampled every 5 ms, after handing
-freed heap pages back with ``malloc_trim``); it includes the restored state
-itself (``state_mib``), so the extra memory a restore needs is the
-difference. The machine is
-shared: compare ratios within one run.
+only). *save RSS* and *restore RSS* are the peak growth of this process's
+resident memory during a save (host snapshot, pack buffers) or a restore,
+over its size before (sampled every 5 ms, after handing freed heap pages back
+with ``malloc_trim``); restore RSS includes the restored state itself
+(``state_mib``), so the extra memory a restore needs is the difference. The
+machine is shared: compare ratios within one run.
 
 Usage: ``python scripts/bench_packed.py [--rounds 3] [--json results/bench_packed.json]``
 """
@@ -212,7 +212,7 @@ def run_jaxckpt(
                 mgr.save(step, state)
                 mgr.wait()
 
-            save_s, _ = _timed(save)
+            save_s, save_rss, _ = _timed_rss(save)
             save_requests = counter.delta()
             objects = len(set(storage.list("")) - before)
             restore_s, restore_rss, out = _timed_rss(
@@ -230,6 +230,7 @@ def run_jaxckpt(
                     "save_s": save_s,
                     "restore_s": restore_s,
                     "restore_rss": restore_rss,
+                    "save_rss": save_rss,
                 }
             )
     return _summary(rows, nbytes(state))
@@ -287,7 +288,7 @@ def run_ocdbt(root: str, log: Path | None, state: dict[str, Any], rounds: int) -
                 w.result()
             txn.commit_async().result()
 
-        save_s, _ = _timed(save)
+        save_s, save_rss, _ = _timed_rss(save)
         save_requests = counter.delta()
         objects = len(set(storage.list("")) - before)
 
@@ -322,6 +323,7 @@ def run_ocdbt(root: str, log: Path | None, state: dict[str, Any], rounds: int) -
                 "save_s": save_s,
                 "restore_s": restore_s,
                 "restore_rss": restore_rss,
+                "save_rss": save_rss,
             }
         )
     return _summary(rows, nbytes(state))
@@ -342,7 +344,7 @@ def run_orbax(root: str, state: dict[str, Any], rounds: int) -> dict[str, Any]:
                 ckptr.save(path, state)
                 ckptr.wait_until_finished()
 
-            save_s, _ = _timed(save)
+            save_s, save_rss, _ = _timed_rss(save)
             objects = sum(1 for p in path.rglob("*") if p.is_file())
             restore_s, restore_rss, _ = _timed_rss(lambda path=path: ckptr.restore(path, target))
             rows.append(
@@ -353,6 +355,7 @@ def run_orbax(root: str, state: dict[str, Any], rounds: int) -> dict[str, Any]:
                     "save_s": save_s,
                     "restore_s": restore_s,
                     "restore_rss": restore_rss,
+                    "save_rss": save_rss,
                 }
             )
     return _summary(rows, nbytes(state))
@@ -370,6 +373,7 @@ def _summary(rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
         "save_mbps": size / save_s / 1e6,
         "restore_mbps": size / restore_s / 1e6,
         "restore_rss_mib": max(r["restore_rss"] for r in rows) / 2**20,
+        "save_rss_mib": max(r["save_rss"] for r in rows) / 2**20,
         "state_mib": size / 2**20,
     }
 
@@ -377,8 +381,8 @@ def _summary(rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
 def markdown(results: list[dict[str, Any]]) -> str:
     head = (
         "| state | backend | layout | objects | save requests | restore requests "
-        "| save (MB/s) | restore (MB/s) | restore RSS (MiB) |\n"
-        "|---|---|---|---:|---:|---:|---:|---:|---:|"
+        "| save (MB/s) | restore (MB/s) | save RSS (MiB) | restore RSS (MiB) |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]
     for r in results:
@@ -388,7 +392,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['state']} | {r['backend']} | {r['layout']} | {r['objects']:,} | {req[0]} "
             f"| {req[1]} | {r['save_mbps']:.1f} | {r['restore_mbps']:.1f} "
-            f"| {r['restore_rss_mib']:.1f} |"
+            f"| {r['save_rss_mib']:.1f} | {r['restore_rss_mib']:.1f} |"
         )
     return "\n".join(lines)
 

@@ -70,7 +70,7 @@ def test_tiny_bench_packed_writes_one_row_per_state_and_contender(tmp_path: Path
     ]
     keys = {"objects", "save_requests", "restore_requests", "save_mbps", "restore_mbps"}
     for r in rows:
-        assert keys | {"restore_rss_mib", "state_mib"} <= r.keys(), r
+        assert keys | {"save_rss_mib", "restore_rss_mib", "state_mib"} <= r.keys(), r
         assert r["save_requests"] is None and r["restore_requests"] is None  # no server here
         assert r["save_mbps"] > 0 and r["restore_mbps"] > 0 and r["restore_rss_mib"] >= 0
     objects = {(r["state"], r["layout"]): r["objects"] for r in rows}
