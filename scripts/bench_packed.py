@@ -1,18 +1,34 @@
-"""Plain vs packed layout (and Orbax's OCDBT default): objects, requests, save and restore speed.
+"""Plain vs packed layout vs TensorStore's OCDBT: objects, requests, save and restore speed.
 
 Two states, the issue's cluster-scale shapes at benchmark size:
 
 * ``many``: 1,000 leaves of 64 KiB (float32) on one device, 62.5 MiB;
 * ``sharded``: 200 leaves of 32 KiB sharded over 8 devices, 6.25 MiB.
 
+(``--tiny``: 20 leaves of 1 KiB and 10 leaves of 4 KiB, for the smoke test.)
+
 Each is saved and restored ``--rounds`` times (fresh step each round; the
-median is reported) with ``layout="plain"`` and ``layout="packed"`` on a local
-directory and on loopback S3 (moto_server) and GCS (the emulator), both started
-here through ``tests/servers.py``; Orbax's ``StandardCheckpointer`` (OCDBT, its
-default) on the local directory only (Orbax 0.12 refuses ``s3://`` roots, see
-NOTES). *objects* are the keys a save added under the root; *requests* are the
-HTTP requests the server logged during the save or the restore (object stores
-only). The machine is shared: compare ratios within one run.
+median is reported) on a local directory and on loopback S3 (moto_server) and
+GCS (the emulator), both started here through ``tests/servers.py``, by:
+
+* jaxckpt with ``layout="plain"`` and ``layout="packed"``;
+* ``ocdbt``: the same zarr3 arrays (same chunks, ``bytes`` + ``crc32c``
+  codecs, no compression of the data) written by TensorStore alone through its
+  ``ocdbt`` kvstore over the same base kvstore (file, s3 or gcs), every chunk
+  of a save in one TensorStore transaction from this one process, and read
+  back with a fresh context onto the same shardings (what Orbax does under
+  the hood, without Orbax's own files or its per-process databases and merge);
+* Orbax's ``StandardCheckpointer`` (OCDBT, its default) on the local directory
+  only (Orbax 0.12 refuses ``s3://`` roots, see NOTES).
+
+*objects* are the keys a save added under the root; *requests* are the HTTP
+requests the server logged during the save or the restore (object stores
+only). *save RSS* and *restore RSS* are the peak growth of this process's
+resident memory during a save (host snapshot, pack buffers) or a restore,
+over its size before (sampled every 5 ms, after handing freed heap pages back
+with ``malloc_trim``); restore RSS includes the restored state itself
+(``state_mib``), so the extra memory a restore needs is the difference. The
+machine is shared: compare ratios within one run.
 
 Usage: ``python scripts/bench_packed.py [--rounds 3] [--json results/bench_packed.json]``
 """
@@ -27,6 +43,8 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import ctypes
+import gc
 import importlib.util
 import json
 import re
@@ -34,10 +52,11 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -54,22 +73,25 @@ REPO = Path(__file__).resolve().parents[1]
 _REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|DELETE|HEAD|PATCH) ')
 
 
-def many_leaves() -> dict[str, Any]:
+def many_leaves(tiny: bool = False) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     device = jax.devices()[0]
+    count, size = (20, 256) if tiny else (1000, 16384)
     return {
-        f"l{i:04d}": jax.device_put(rng.standard_normal(16384, dtype=np.float32), device)
-        for i in range(1000)
+        f"l{i:04d}": jax.device_put(rng.standard_normal(size, dtype=np.float32), device)
+        for i in range(count)
     }
 
 
-def sharded_leaves() -> dict[str, Any]:
+def sharded_leaves(tiny: bool = False) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
     sharding = NamedSharding(mesh, P("fsdp"))
+    count = 10 if tiny else 200
+    size = 1024 if tiny else 8192
     return {
-        f"l{i:03d}": jax.device_put(rng.standard_normal(8192, dtype=np.float32), sharding)
-        for i in range(200)
+        f"l{i:03d}": jax.device_put(rng.standard_normal(size, dtype=np.float32), sharding)
+        for i in range(count)
     }
 
 
@@ -139,6 +161,42 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def _rss() -> int:
+    """This process's resident set size in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _trim() -> None:
+    """Hands freed heap memory back to the OS, so a restore cannot hide in reused pages."""
+    gc.collect()
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _timed_rss(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    """``fn``'s wall time, the peak growth of RSS while it ran, and its result."""
+    _trim()
+    base = peak = _rss()
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.wait(0.005):
+            peak = max(peak, _rss())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        seconds, out = _timed(fn)
+        jax.block_until_ready(out)
+        peak = max(peak, _rss())
+    finally:
+        done.set()
+        sampler.join(timeout=5)
+    return seconds, peak - base, out
+
+
 def run_jaxckpt(
     root: str, log: Path | None, layout: str, state: dict[str, Any], rounds: int
 ) -> dict[str, Any]:
@@ -154,11 +212,12 @@ def run_jaxckpt(
                 mgr.save(step, state)
                 mgr.wait()
 
-            save_s, _ = _timed(save)
+            save_s, save_rss, _ = _timed_rss(save)
             save_requests = counter.delta()
             objects = len(set(storage.list("")) - before)
-            restore_s, out = _timed(lambda step=step: mgr.restore(step, target=state))
-            jax.block_until_ready(out)
+            restore_s, restore_rss, out = _timed_rss(
+                lambda step=step: mgr.restore(step, target=state)
+            )
             restore_requests = counter.delta()
             assert all(
                 np.array_equal(np.asarray(out[k]), np.asarray(state[k])) for k in list(state)[:5]
@@ -170,8 +229,103 @@ def run_jaxckpt(
                     "restore_requests": restore_requests,
                     "save_s": save_s,
                     "restore_s": restore_s,
+                    "restore_rss": restore_rss,
+                    "save_rss": save_rss,
                 }
             )
+    return _summary(rows, nbytes(state))
+
+
+def _ocdbt_spec(base: dict[str, Any], name: str, x: jax.Array) -> dict[str, Any]:
+    """The zarr3 array jaxckpt would write for ``x`` (chunk = shard), inside an OCDBT database."""
+    chunk = x.sharding.shard_shape(x.shape)
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "ocdbt", "base": base, "path": f"{name}/"},
+        "metadata": {
+            "shape": list(x.shape),
+            "data_type": str(x.dtype),
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": [
+                {"name": "bytes", "configuration": {"endian": "little"}},
+                {"name": "crc32c"},
+            ],
+        },
+    }
+
+
+def run_ocdbt(root: str, log: Path | None, state: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """TensorStore alone: zarr3 over ``ocdbt`` over the root's base kvstore."""
+    import tensorstore as ts
+
+    storage = open_storage(root)
+    rows = []
+    counter = RequestCounter(log)
+    for step in range(1, rounds + 1):
+        base = storage.kvstore_spec(f"{step}/")
+        before = set(storage.list(""))
+        counter.delta()
+
+        def save(base: dict[str, Any] = base) -> None:
+            context = ts.Context(storage.context_spec())
+            txn = ts.Transaction()
+            opened = {
+                name: ts.open(
+                    {**_ocdbt_spec(base, name, x), "create": True},
+                    context=context,
+                    transaction=txn,
+                )
+                for name, x in state.items()
+            }
+            writes = []
+            for name, x in state.items():
+                array = opened[name].result()
+                for shard in x.addressable_shards:
+                    if shard.replica_id == 0:
+                        writes.append(array[shard.index].write(np.asarray(shard.data)))
+            for w in writes:
+                w.result()
+            txn.commit_async().result()
+
+        save_s, save_rss, _ = _timed_rss(save)
+        save_requests = counter.delta()
+        objects = len(set(storage.list("")) - before)
+
+        def restore(base: dict[str, Any] = base) -> dict[str, Any]:
+            context = ts.Context(storage.context_spec())  # a fresh cache, as a new process
+            opened = {
+                name: ts.open({**_ocdbt_spec(base, name, x), "open": True}, context=context)
+                for name, x in state.items()
+            }
+            reads = {}
+            for name, x in state.items():
+                array = opened[name].result()
+                index = x.sharding.addressable_devices_indices_map(x.shape)
+                reads[name] = [(d, array[i].read()) for d, i in index.items()]
+            return {
+                name: jax.make_array_from_single_device_arrays(
+                    x.shape,
+                    x.sharding,
+                    [jax.device_put(f.result(), d) for d, f in reads[name]],
+                )
+                for name, x in state.items()
+            }
+
+        restore_s, restore_rss, out = _timed_rss(restore)
+        restore_requests = counter.delta()
+        assert all(np.array_equal(np.asarray(out[k]), np.asarray(state[k])) for k in state)
+        rows.append(
+            {
+                "objects": objects,
+                "save_requests": save_requests,
+                "restore_requests": restore_requests,
+                "save_s": save_s,
+                "restore_s": restore_s,
+                "restore_rss": restore_rss,
+                "save_rss": save_rss,
+            }
+        )
     return _summary(rows, nbytes(state))
 
 
@@ -190,10 +344,9 @@ def run_orbax(root: str, state: dict[str, Any], rounds: int) -> dict[str, Any]:
                 ckptr.save(path, state)
                 ckptr.wait_until_finished()
 
-            save_s, _ = _timed(save)
+            save_s, save_rss, _ = _timed_rss(save)
             objects = sum(1 for p in path.rglob("*") if p.is_file())
-            restore_s, out = _timed(lambda path=path: ckptr.restore(path, target))
-            jax.block_until_ready(out)
+            restore_s, restore_rss, _ = _timed_rss(lambda path=path: ckptr.restore(path, target))
             rows.append(
                 {
                     "objects": objects,
@@ -201,6 +354,8 @@ def run_orbax(root: str, state: dict[str, Any], rounds: int) -> dict[str, Any]:
                     "restore_requests": None,
                     "save_s": save_s,
                     "restore_s": restore_s,
+                    "restore_rss": restore_rss,
+                    "save_rss": save_rss,
                 }
             )
     return _summary(rows, nbytes(state))
@@ -217,13 +372,17 @@ def _summary(rows: list[dict[str, Any]], size: int) -> dict[str, Any]:
         "restore_s": restore_s,
         "save_mbps": size / save_s / 1e6,
         "restore_mbps": size / restore_s / 1e6,
+        "restore_rss_mib": max(r["restore_rss"] for r in rows) / 2**20,
+        "save_rss_mib": max(r["save_rss"] for r in rows) / 2**20,
+        "state_mib": size / 2**20,
     }
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
     head = (
         "| state | backend | layout | objects | save requests | restore requests "
-        "| save (MB/s) | restore (MB/s) |\n|---|---|---|---:|---:|---:|---:|---:|"
+        "| save (MB/s) | restore (MB/s) | save RSS (MiB) | restore RSS (MiB) |\n"
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"
     )
     lines = [head]
     for r in results:
@@ -232,7 +391,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
         ]
         lines.append(
             f"| {r['state']} | {r['backend']} | {r['layout']} | {r['objects']:,} | {req[0]} "
-            f"| {req[1]} | {r['save_mbps']:.1f} | {r['restore_mbps']:.1f} |"
+            f"| {req[1]} | {r['save_mbps']:.1f} | {r['restore_mbps']:.1f} "
+            f"| {r['save_rss_mib']:.1f} | {r['restore_rss_mib']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -243,9 +403,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--no-object-stores", action="store_true", help="local directory only")
     p.add_argument("--states", default="many,sharded")
+    p.add_argument("--layouts", default="plain,packed,ocdbt,orbax-ocdbt")
+    p.add_argument("--tiny", action="store_true", help="tiny states (the smoke test)")
     args = p.parse_args(argv)
     assert jax.device_count() >= 8, jax.devices()
     builders = {"many": many_leaves, "sharded": sharded_leaves}
+    layouts = args.layouts.split(",")
+    unknown = set(layouts) - {"plain", "packed", "ocdbt", "orbax-ocdbt"}
+    if unknown:
+        p.error(f"unknown layouts {sorted(unknown)}")
     scratch = Path(tempfile.mkdtemp(prefix="bench-packed-"))
     results: list[dict[str, Any]] = []
     try:
@@ -253,18 +419,19 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib_nullable(not args.no_object_stores, scratch) as extra:
             stores.update(extra)
             for name in args.states.split(","):
-                state = builders[name]()
+                state = builders[name](args.tiny)
                 for backend, (base, log) in stores.items():
-                    for layout in ("plain", "packed"):
+                    for layout in layouts:
                         root = f"{base.rstrip('/')}/{name}-{layout}-{uuid.uuid4().hex[:6]}"
-                        row = run_jaxckpt(root, log, layout, state, args.rounds)
+                        if layout in ("plain", "packed"):
+                            row = run_jaxckpt(root, log, layout, state, args.rounds)
+                        elif layout == "ocdbt":
+                            row = run_ocdbt(root, log, state, args.rounds)
+                        elif backend == "local":  # orbax-ocdbt: Orbax refuses s3:// roots
+                            row = run_orbax(root, state, args.rounds)
+                        else:
+                            continue
                         results.append({"state": name, "backend": backend, "layout": layout, **row})
-                        print(json.dumps(results[-1]), flush=True)
-                    if backend == "local":
-                        row = run_orbax(str(scratch / f"orbax-{name}"), state, args.rounds)
-                        results.append(
-                            {"state": name, "backend": backend, "layout": "orbax-ocdbt", **row}
-                        )
                         print(json.dumps(results[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
