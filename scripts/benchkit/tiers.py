@@ -12,15 +12,14 @@ the ratios compare like with like:
 * time to durable: from the call to ``save()`` until the step was committed
   on the object store (``SaveStats.total_s`` direct, ``durable_s`` tiered).
 
-Usage: ``python scripts/bench_tiers.py [--mb 32] [--leaves 4] [--saves 3]
-[--every 10] [--stores s3,gcs] [--out results/bench_tiers.json]``.
+Usage: ``python scripts/bench.py tiers [--mb 32] [--leaves 4] [--saves 3]
+[--every 20] [--stores s3,gcs] [--out results/bench_tiers.json]``.
 Needs ``jaxckpt[test]`` (moto, gcp-storage-emulator). Servers listen on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -33,16 +32,8 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _servers() -> Any:
-    spec = importlib.util.spec_from_file_location("_bench_servers", REPO / "tests" / "servers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from benchkit.common import REPO
+from benchkit.stores import load_test_servers
 
 
 def make_state(mb: float, leaves: int, seed: int) -> dict[str, np.ndarray]:
@@ -102,16 +93,16 @@ def bench(kind: str, root: str, args: argparse.Namespace, base_loop_s: float) ->
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.py tiers", description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=float, default=32)
     p.add_argument("--leaves", type=int, default=4)
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--every", type=int, default=20)
     p.add_argument("--stores", default="s3,gcs")
     p.add_argument("--out", default=str(REPO / "results" / "bench_tiers.json"))
-    args = p.parse_args()
-    servers = _servers()
+    args = p.parse_args(argv)
+    servers = load_test_servers()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-tiers-servers-"))
     servers.isolate_cloud_env(os.environ, str(log_dir))
     started = []
@@ -157,7 +148,4 @@ def main() -> None:
             f"| {r['to_durable_s']:.2f} |"
         )
     sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

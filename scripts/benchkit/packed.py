@@ -30,13 +30,15 @@ with ``malloc_trim``); restore RSS includes the restored state itself
 (``state_mib``), so the extra memory a restore needs is the difference. The
 machine is shared: compare ratios within one run.
 
-Usage: ``python scripts/bench_packed.py [--rounds 3] [--json results/bench_packed.json]``
+Usage: ``python scripts/bench.py packed [--rounds 3] [--json results/bench_packed.json]``
 """
 
 from __future__ import annotations
 
 import os
 
+# 8 CPU devices for the sharded state: set before jax is imported, which is why
+# ``bench.py`` imports this module only for ``bench.py packed``.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
@@ -45,12 +47,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import ctypes
 import gc
-import importlib.util
 import json
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -58,7 +58,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import jax
@@ -69,7 +68,8 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from jaxckpt._storage import open_storage
 
-REPO = Path(__file__).resolve().parents[1]
+from benchkit.stores import load_test_servers
+
 _REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|DELETE|HEAD|PATCH) ')
 
 
@@ -99,19 +99,10 @@ def nbytes(state: dict[str, Any]) -> int:
     return sum(x.nbytes for x in state.values())
 
 
-def _servers() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_bench_servers", REPO / "tests" / "servers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @contextmanager
 def object_stores(log_dir: Path) -> Iterator[dict[str, tuple[str, Path]]]:
     """Starts moto and the GCS emulator; yields ``{kind: (bucket URI, server log)}``."""
-    servers = _servers()
+    servers = load_test_servers()
     servers.isolate_cloud_env(os.environ, str(log_dir))
     s3 = servers.start_moto(log_dir)
     try:
@@ -398,7 +389,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(prog="bench.py packed", description=__doc__.split("\n", 1)[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--no-object-stores", action="store_true", help="local directory only")
@@ -451,7 +442,3 @@ def contextlib_nullable(enabled: bool, scratch: Path) -> Iterator[dict[str, tupl
     log_dir.mkdir()
     with object_stores(log_dir) as stores:
         yield dict(stores)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
