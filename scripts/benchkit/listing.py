@@ -23,13 +23,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from benchkit.stores import load_test_servers
+from benchkit.stores import load_test_servers, loopback_endpoint
 
 
 @contextlib.contextmanager
-def s3_bucket(log_dir: Path) -> Iterator[str]:
+def s3_bucket(log_dir: Path, endpoint: str | None = None) -> Iterator[str]:
+    """A bucket on ``endpoint`` (a running loopback server) or on a moto_server started here."""
     servers = load_test_servers()
     servers.isolate_cloud_env(os.environ, str(log_dir))
+    if endpoint:
+        os.environ["AWS_ENDPOINT_URL_S3"] = loopback_endpoint(endpoint)
+        yield f"s3://{servers.BUCKET}"
+        return
     server = servers.start_moto(log_dir)
     os.environ["AWS_ENDPOINT_URL_S3"] = server.endpoint
     try:
@@ -92,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--many", type=int, default=300)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--s3-endpoint", help="use this running loopback S3 server, start none")
     args = p.parse_args(argv)
     results: dict[str, dict[str, dict[str, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp, s3_bucket(Path(tmp)) as bucket:
+    with tempfile.TemporaryDirectory() as tmp, s3_bucket(Path(tmp), args.s3_endpoint) as bucket:
         for backend, base in (("local", tmp), ("s3", bucket)):
             results[backend] = {}
             for n in (args.few, args.many):

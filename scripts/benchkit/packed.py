@@ -66,9 +66,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from jaxckpt._storage import open_storage
-
 from benchkit.stores import load_test_servers
+from jaxckpt._storage import open_storage
 
 _REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|DELETE|HEAD|PATCH) ')
 

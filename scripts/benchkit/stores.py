@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +34,18 @@ def load_test_servers() -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def loopback_endpoint(url: str) -> str:
+    """``url`` if it names a server on this machine (``http://127.0.0.1:PORT``); else exits.
+
+    For benchmarks pointed at a server that is already running (the test
+    session's), whose bucket is ``servers.BUCKET``.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost") or not parts.port:
+        raise SystemExit(f"{url!r}: only a loopback server, http://127.0.0.1:PORT, may be used")
+    return url.rstrip("/")
 
 
 @contextmanager

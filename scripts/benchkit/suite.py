@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             {"part": name, "argv": cmd[2:], "rc": rc, "elapsed_s": time.perf_counter() - started}
         )
         sys.stdout.flush()
-    (args.out / "bench_all.json").write_text(json.dumps({"tiny": args.tiny, "runs": runs}, indent=1))
+    (args.out / "bench_all.json").write_text(
+        json.dumps({"tiny": args.tiny, "runs": runs}, indent=1)
+    )
     failed = [r["part"] for r in runs if r["rc"] != 0]
     _progress(f"bench.py all: {len(runs) - len(failed)} of {len(runs)} parts ok; failed: {failed}")
     return 1 if failed else 0
