@@ -334,14 +334,33 @@ class ObjectStorage:
             return None
         return bytes(result.value)
 
-    def read_range(self, key: str, offset: int, size: int) -> bytes | None:
-        """One ranged GET (``Range: bytes=offset-end``) through TensorStore's ``byte_range``."""
+    def read_range(self, key: str, offset: int, size: int) -> bytes | np.ndarray | None:
+        """``size`` bytes from ``offset`` (a span of a pack object), in an aligned buffer.
+
+        Read like :meth:`read_buffer`: ranged GETs of at most ``read_part_bytes``
+        under the ``read_ahead_bytes`` budget, copied into a 64-byte aligned,
+        writable buffer whose chunk slices become jax arrays without a copy.
+        If the object is shorter than the range, what it has there comes back.
+        """
+        name = self._name(key)
+        if size <= 0:
+            return b""
+        try:
+            buffer = self._ranged.read(name, size, offset)
+        except ShortObjectError:
+            return self._read_range_short(key, offset, size)
+        if buffer is None:
+            self._check_bucket("read", name)
+        return buffer
+
+    def _read_range_short(self, key: str, offset: int, size: int) -> bytes | None:
+        """The bytes an object has in ``[offset, offset + size)`` (it is shorter than that)."""
         name = self._name(key)
         try:
             future = self._kv.read(name, byte_range=slice(offset, offset + size))
             result = future.result(timeout=self._options.timeout_s)
         except ValueError as e:
-            if "OUT_OF_RANGE" not in str(e):
+            if not any(m in str(e) for m in ("OUT_OF_RANGE", "Unexpected Content-Range")):
                 raise self._error("read", name, e) from e
             whole = self.read(key)  # the object is shorter than the range: hand back the rest
             return None if whole is None else whole[offset : offset + size]

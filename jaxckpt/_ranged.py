@@ -76,11 +76,11 @@ class RangedReader:
         self._timeout = timeout_s
         self._error = error
 
-    def read(self, name: str, size: int) -> np.ndarray | None:
-        """The first ``size`` bytes of object ``name``; None if it does not exist.
+    def read(self, name: str, size: int, offset: int = 0) -> np.ndarray | None:
+        """``size`` bytes of object ``name`` from byte ``offset``; None if it does not exist.
 
         Raises:
-          ShortObjectError: the object is shorter than ``size``.
+          ShortObjectError: the object is shorter than ``offset + size``.
           StorageError: the store failed, or no part arrived within the timeout.
         """
         buffer = aligned_empty(size)
@@ -89,7 +89,7 @@ class RangedReader:
             for lo, hi in part_ranges(size, self._part):
                 if not self._acquire(name, pending, buffer):
                     return None
-                future = self._kv.read(name, byte_range=slice(lo, hi))
+                future = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
                 pending.append((lo, hi, future))
             while pending:
                 if not self._place(name, pending.popleft(), buffer):

@@ -14,6 +14,14 @@ committed step on ``gs://`` and ``s3://`` through fsspec (gcsfs / s3fs, the
 ``jaxckpt[zarr]`` extra), with the same endpoint environment variables as
 jaxckpt itself.
 
+A packed step (``layout="packed"``) has no per-array zarr objects: its chunks
+lie in pack objects. Each chunk there is stored exactly as zarr's ``bytes`` +
+``crc32c`` codecs encode it (``raw || crc32c(raw)``), so
+:func:`reference_manifest` maps every zarr key of the step (group and array
+``zarr.json``, chunk keys) to the bytes that hold it (``[pack URL, offset,
+size]``, a kerchunk / fsspec reference spec, version 1), and
+:func:`open_group` opens packed steps through fsspec's ``ReferenceFileSystem``.
+
 >>> import tempfile, numpy as np, ml_dtypes, jaxckpt
 >>> root = tempfile.mkdtemp()
 >>> with jaxckpt.CheckpointManager(root) as mgr:
@@ -32,7 +40,13 @@ from typing import Any
 
 from jaxckpt.errors import CheckpointError
 
-__all__ = ["ZARR_EXTRA_DTYPES", "fsspec_url", "open_group", "register_dtypes"]
+__all__ = [
+    "ZARR_EXTRA_DTYPES",
+    "fsspec_url",
+    "open_group",
+    "reference_manifest",
+    "register_dtypes",
+]
 
 #: Data types jaxckpt can write that zarr-python 3 lacks; all are 1 or 2 bytes
 #: per element, little-endian, like numpy's ml_dtypes types of the same name.
@@ -136,6 +150,105 @@ def fsspec_url(
     return uri.removeprefix("file://"), {}
 
 
+def _fill_value(dtype: str) -> Any:
+    """The zarr v3 ``fill_value`` TensorStore writes for a jaxckpt array (zero)."""
+    from jaxckpt._tree import np_dtype
+
+    kind = np_dtype(dtype).kind
+    if kind == "b":
+        return False
+    if kind in "iu":
+        return 0
+    if kind == "c":
+        return [0.0, 0.0]
+    return 0.0
+
+
+def _fsspec_protocol(uri: str) -> str:
+    return uri.split("://", 1)[0] if "://" in uri else "file"
+
+
+def reference_manifest(
+    root: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    endpoint: str | None = None,
+    region: str | None = None,
+) -> dict[str, Any]:
+    """A kerchunk-style reference spec (version 1) of a committed step's zarr group.
+
+    Every key of the step's ``arrays/`` zarr v3 group maps to where its bytes
+    are: the group's ``zarr.json`` and each array's ``zarr.json`` inline (the
+    same metadata a plain step stores), each chunk to ``[URL, offset, size]``
+    inside its pack object (packed steps) or ``[URL]`` of its chunk object
+    (plain steps). The chunk bytes are the zarr ``bytes`` + ``crc32c`` encoding,
+    so zarr-python decodes them and checks each CRC32C. The spec is plain JSON:
+    save it and open it later with ``fsspec.filesystem("reference", fo=...)``.
+    Value leaves (Python scalars, strings) are not zarr arrays and are left out.
+
+    Args:
+      root: a local path, ``gs://bucket/prefix`` or ``s3://bucket/prefix``.
+      step: the committed step; None takes the newest.
+      endpoint, region: as for :func:`open_group`.
+
+    Returns:
+      ``{"version": 1, "refs": {key: str | [url] | [url, offset, size]}}``.
+
+    Raises:
+      NotACheckpointRootError / StepNotFoundError: no such root or committed step.
+
+    >>> import tempfile, numpy as np, jaxckpt
+    >>> root = tempfile.mkdtemp()
+    >>> with jaxckpt.CheckpointManager(root, layout="packed") as mgr:
+    ...     mgr.save(1, {"w": np.arange(3, dtype=np.float32)})
+    True
+    >>> refs = reference_manifest(root)["refs"]
+    >>> sorted(refs), refs["w/c/0"][1:]
+    (['w/c/0', 'w/zarr.json', 'zarr.json'], [0, 16])
+    """
+    import json
+
+    from jaxckpt._commit import CommitProtocol
+    from jaxckpt._restore import load_step
+    from jaxckpt._storage import open_storage
+    from jaxckpt._tsio import zarr_metadata
+
+    options: dict[str, Any] = {}
+    if endpoint is not None:
+        options["endpoint"] = endpoint
+    if region is not None:
+        options["region"] = region
+    protocol = CommitProtocol(open_storage(root, **options))
+    protocol.ensure_root(create=False)
+    marker = protocol.marker_or_latest(step)
+    loaded = load_step(protocol, marker)
+    loc = marker.location
+    group = protocol.storage.read(loc.arrays_prefix + "zarr.json")
+    refs: dict[str, Any] = {
+        "zarr.json": group.decode()
+        if group is not None
+        else json.dumps(
+            {"zarr_format": 3, "node_type": "group", "attributes": {"jaxckpt_step": loc.step}}
+        )
+    }
+    for leaf in loaded.leaves:
+        if leaf.name is None or leaf.dtype is None:
+            continue
+        meta = {
+            "zarr_format": 3,
+            "node_type": "array",
+            **zarr_metadata(leaf),
+            "fill_value": _fill_value(leaf.dtype),
+        }
+        refs[f"{leaf.name}/zarr.json"] = json.dumps(meta, sort_keys=True)
+        for c in loaded.chunks.get(leaf.name, ()):
+            if c.pack is None:
+                refs[f"{leaf.name}/{c.key}"] = [protocol.where(loc.array_prefix(leaf.name) + c.key)]
+            else:
+                refs[f"{leaf.name}/{c.key}"] = [protocol.where(loc.key(c.pack)), c.offset, c.size]
+    return {"version": 1, "refs": refs}
+
+
 def open_group(
     root: str | os.PathLike[str],
     step: int | None = None,
@@ -148,9 +261,11 @@ def open_group(
     The step is found through jaxckpt's commit markers (the newest committed
     one by default), so a partial save is never opened; then the data types
     are registered (:func:`register_dtypes`) and the step's ``arrays/`` group
-    is opened, locally or through fsspec (gcsfs / s3fs). Array names are the
-    dotted tree paths (``params.dense.kernel``). zarr-python checks each
-    chunk's CRC32C as it reads.
+    is opened, locally or through fsspec (gcsfs / s3fs). A packed step is
+    opened through fsspec's ``ReferenceFileSystem`` over its
+    :func:`reference_manifest` (each chunk a ranged read of its pack). Array
+    names are the dotted tree paths (``params.dense.kernel``). zarr-python
+    checks each chunk's CRC32C as it reads.
 
     Args:
       root: a local path, ``gs://bucket/prefix`` or ``s3://bucket/prefix``.
@@ -164,12 +279,10 @@ def open_group(
 
     Raises:
       NotACheckpointRootError / StepNotFoundError: no such root or committed step.
-      CheckpointError: the step is packed (``layout="packed"``), which zarr cannot read.
       ZarrUnavailableError: zarr, or gcsfs/s3fs for an object store, is missing.
     """
     from jaxckpt._commit import CommitProtocol
     from jaxckpt._storage import open_storage
-    from jaxckpt.errors import CheckpointError
 
     options: dict[str, Any] = {}
     if endpoint is not None:
@@ -179,17 +292,33 @@ def open_group(
     protocol = CommitProtocol(open_storage(root, **options))
     protocol.ensure_root(create=False)
     marker = protocol.marker_or_latest(step)
-    if any(part.layout == "packed" for part in protocol.read_manifest(marker)):
-        raise CheckpointError(
-            f"step {marker.step} of {protocol.storage.uri} is packed (layout='packed'): its "
-            "chunks live in pack objects that zarr-python cannot open; read it with "
-            "jaxckpt.open_step or restore, or save plain steps for zarr readers"
-        )
+    packed = any(part.layout == "packed" for part in protocol.read_manifest(marker))
     register_dtypes()
     import zarr
 
     uri = protocol.where(marker.location.arrays_prefix).rstrip("/")
     url, storage_options = fsspec_url(uri, endpoint=endpoint, region=region)
+    if packed:
+        from fsspec.implementations.reference import ReferenceFileSystem
+
+        spec = reference_manifest(root, marker.step, endpoint=endpoint, region=region)
+        protocol_name = _fsspec_protocol(uri)
+        if protocol_name != "file":  # zarr drives fsspec asynchronously, as do s3fs/gcsfs
+            storage_options = {**storage_options, "asynchronous": True}
+        try:
+            fs = ReferenceFileSystem(
+                spec,
+                remote_protocol=protocol_name,
+                remote_options=storage_options,
+                asynchronous=True,
+            )
+        except ImportError as e:
+            raise ZarrUnavailableError(
+                f"reading {url} with zarr-python needs gcsfs/s3fs: "
+                f"pip install 'jaxckpt[zarr]' ({e})"
+            ) from e
+        store = zarr.storage.FsspecStore(fs=fs, path="", read_only=True)
+        return zarr.open_group(store=store, mode="r")
     if not storage_options and "://" not in url:
         return zarr.open_group(store=zarr.storage.LocalStore(url, read_only=True), mode="r")
     try:

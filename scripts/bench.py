@@ -37,12 +37,25 @@ Usage::
 
 Writes ``bench.md`` (tables with the date and machine), ``bench.png`` and
 ``bench.json`` to ``--out``.
+
+The other benchmarks are subcommands of this one entry point, each a module
+``benchkit/<name>.py`` with its own options (``bench.py <name> --help``)::
+
+    python scripts/bench.py tiers     # local tier vs straight to S3/GCS (bench_tiers.json)
+    python scripts/bench.py packed    # plain vs packed vs OCDBT (bench_packed.json)
+    python scripts/bench.py replread  # multi-host restore bytes (replread.json)
+    python scripts/bench.py listing   # latest_step()/steps()/ls at scale (listing.json)
+    python scripts/bench.py all [--out results/] [--tiny] [--parts core,tiers,...]
+
+``all`` runs every part (``core`` is the default benchmark above), one after
+the other in fresh processes, and writes all results under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import shutil
 import sys
@@ -80,6 +93,8 @@ from benchkit.rounds import (
     run_loop_rounds,
 )
 from benchkit.stores import object_stores, run_store_rounds
+from benchkit.suite import SUBCOMMANDS
+from benchkit.suite import main as run_suite
 from benchkit.summary import check_targets, summarize_io, summarize_loop
 
 
@@ -133,7 +148,10 @@ def _run_local_rounds(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"other benchmarks: bench.py {{{','.join(SUBCOMMANDS)},all}} [--help]",
+    )
     p.add_argument("--cases", help=f"comma-separated: {', '.join(CASES)} (default {DEFAULT_CASES})")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=REPO / "results")
@@ -235,6 +253,13 @@ def _maybe_object_stores(s: Settings) -> Iterator[Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:  # imported only here: packed sets XLA_FLAGS on import
+        return int(importlib.import_module(f"benchkit.{argv[0]}").main(argv[1:]))
+    if argv and argv[0] == "all":
+        return run_suite(argv[1:])
+    if argv and argv[0] == "core":
+        argv = argv[1:]
     args = parse_args(argv)
     if args.child is not None:
         return run_as_child(args.child)

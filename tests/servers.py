@@ -270,9 +270,11 @@ def _run_gcs_emulator(host: str) -> None:
     empty object (it reads the empty body as None and calls ``len(None)``);
     (2) ignores ``startOffset``/``endOffset`` when listing, so TensorStore's
     range listings and ``delete_range`` cover the whole bucket; (3) ignores
-    ``ifGenerationMatch`` on uploads, so create-only writes overwrite. Real
-    GCS does all three, and the code under test relies on them, so they are
-    patched here, as is its listen backlog. The emulator serves one request at a time (a plain
+    ``ifGenerationMatch`` on uploads, so create-only writes overwrite; (4)
+    sends no ``x-goog-generation`` header with a download, which TensorStore's
+    OCDBT driver needs ("Malformed StorageGeneration"). Real GCS does all
+    four, and the code under test relies on them, so they are patched here,
+    as is its listen backlog. The emulator serves one request at a time (a plain
     ``http.server.HTTPServer``), so the generation check and the upload are
     atomic with respect to other requests.
     """
@@ -286,6 +288,19 @@ def _run_gcs_emulator(host: str) -> None:
 
     original_insert, original_ls = objects.insert, objects.ls
     original_media_upload = objects._media_upload
+    original_download = objects.download
+
+    def download(request: Any, response: Any, storage: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original_download(request, response, storage, *args, **kwargs)
+        if response.status in (HTTPStatus.OK, HTTPStatus.PARTIAL_CONTENT):
+            try:
+                obj = storage.get_file_obj(
+                    request.params["bucket_name"], request.params["object_id"]
+                )
+            except NotFound:
+                return result
+            response["x-goog-generation"] = str(obj.get("generation") or 0)
+        return result
 
     def media_upload(request: Any, response: Any, storage: Any) -> Any:
         if request.data is None:
@@ -334,12 +349,15 @@ def _run_gcs_emulator(host: str) -> None:
     objects._media_upload = media_upload
     objects.insert = insert
     objects.ls = ls
+    objects.download = download  # also reached through objects.get (?alt=media)
     for _, handlers in server.HANDLERS:
         for method, handler in list(handlers.items()):
             if handler is original_insert:
                 handlers[method] = insert
             elif handler is original_ls:
                 handlers[method] = ls
+            elif handler is original_download:
+                handlers[method] = download
     # Not a GCS behaviour, but a test-speed one: the default listen backlog of
     # 5 drops the SYNs of TensorStore's concurrent requests, costing 1 s each.
     http.server.HTTPServer.request_queue_size = 128

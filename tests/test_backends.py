@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import servers
-from rootpaths import chunk_path, data_steps
+from rootpaths import chunk_path, data_objects, data_steps
 from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
@@ -62,11 +62,12 @@ def test_readme_names_every_storable_dtype_and_no_other():
         assert storage_problem(np.dtype(jnp.dtype(refused))), refused
 
 
-def test_round_trip_all_dtypes_and_tree_shapes(storage_root):
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_round_trip_all_dtypes_and_tree_shapes(storage_root, layout):
     with jax.enable_x64(True):
         state = {**sample_state(2), "dtypes": dtype_leaves(2)}
         assert {type(x) for x in state["dtypes"].values()} == {type(jnp.zeros(1))}
-        with jaxckpt.CheckpointManager(storage_root, chunk_bytes=256) as mgr:
+        with jaxckpt.CheckpointManager(storage_root, chunk_bytes=256, layout=layout) as mgr:
             assert mgr.save(2, state)
             mgr.wait()
             assert mgr.steps() == [2]
@@ -80,10 +81,13 @@ def test_round_trip_all_dtypes_and_tree_shapes(storage_root):
         k: np.dtype(v.dtype) for k, v in state["dtypes"].items()
     }
     assert reader.verify(2).ok
+    packs = [k for k in data_objects(storage_root, 2) if "/packs/" in k]
+    assert len(packs) == (1 if layout == "packed" else 0)
 
 
-def test_missing_step_and_tree_mismatch(storage_root):
-    with jaxckpt.CheckpointManager(storage_root) as mgr:
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_missing_step_and_tree_mismatch(storage_root, layout):
+    with jaxckpt.CheckpointManager(storage_root, layout=layout) as mgr:
         mgr.save(1, {"a": jnp.zeros((2, 3))})
     mgr = jaxckpt.CheckpointManager(storage_root)
     with pytest.raises(jaxckpt.StepNotFoundError, match=r"step 5 not found .*committed steps: 1"):
@@ -158,13 +162,14 @@ def test_delete_and_retention(storage_root, layout):
     assert data_steps(storage) == {5}
 
 
-def test_orbax_never_sees_the_root_uri_and_its_placeholder_is_never_created(storage_root):
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_orbax_never_sees_the_root_uri_and_its_placeholder_is_never_created(storage_root, layout):
     import os
 
     from jaxckpt import _handler
 
     placeholder = _handler.orbax_step_path(1)
-    with jaxckpt.CheckpointManager(storage_root) as mgr:
+    with jaxckpt.CheckpointManager(storage_root, layout=layout) as mgr:
         mgr.save(1, {"w": jnp.arange(4.0)})
     assert not os.path.exists(str(placeholder)) and not os.path.exists(str(placeholder.parent))
     assert jaxckpt.CheckpointManager(storage_root).steps() == [1]

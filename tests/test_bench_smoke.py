@@ -1,6 +1,9 @@
-"""Smoke test of ``scripts/bench.py``: a tiny run writes a table, a chart and JSON that parse.
+"""Smoke tests of ``scripts/bench.py``, the one benchmark entry point, and its subcommands.
 
-No timing is asserted: the numbers of a tiny run on a shared machine mean nothing.
+A tiny run of each part that fits in a few seconds (``tiers`` and ``listing``
+on the session's loopback S3 server) writes tables and JSON that parse;
+``replread`` (ten groups of multi-process JAX) is too slow for the suite. No
+timing is asserted: the numbers of a tiny run on a shared machine mean nothing.
 """
 
 from __future__ import annotations
@@ -10,20 +13,24 @@ import subprocess
 import sys
 from pathlib import Path
 
+import servers
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_tiny_bench_writes_markdown_chart_and_json(tmp_path: Path) -> None:
-    out, scratch = tmp_path / "results", tmp_path / "scratch"
-    argv = ["--tiny", "--repeats", "1", "--out", str(out), "--root", str(scratch)]
+def bench(*argv: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """``python scripts/bench.py *argv``, which must succeed."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout_s
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_tiny_bench_writes_markdown_chart_and_json(tmp_path: Path) -> None:
+    out, scratch = tmp_path / "results", tmp_path / "scratch"
+    bench("--tiny", "--repeats", "1", "--out", str(out), "--root", str(scratch), timeout_s=120)
 
     report = json.loads((out / "bench.json").read_text())
     assert {"machine", "settings", "cases"} <= report.keys()
@@ -48,3 +55,85 @@ def test_tiny_bench_writes_markdown_chart_and_json(tmp_path: Path) -> None:
 
     leftovers = list(scratch.iterdir())
     assert leftovers == [], f"scratch directories left behind: {leftovers}"
+
+
+def test_tiny_bench_packed_writes_one_row_per_state_and_contender(tmp_path: Path) -> None:
+    out = tmp_path / "packed.json"
+    argv = ["--tiny", "--rounds", "1", "--no-object-stores", "--json", str(out)]
+    proc = bench("packed", *argv, timeout_s=180)
+    rows = json.loads(out.read_text())
+    contenders = ["plain", "packed", "ocdbt", "orbax-ocdbt"]
+    assert [(r["state"], r["backend"], r["layout"]) for r in rows] == [
+        (state, "local", layout) for state in ("many", "sharded") for layout in contenders
+    ]
+    keys = {"objects", "save_requests", "restore_requests", "save_mbps", "restore_mbps"}
+    for r in rows:
+        assert keys | {"save_rss_mib", "restore_rss_mib", "state_mib"} <= r.keys(), r
+        assert r["save_requests"] is None and r["restore_requests"] is None  # no server here
+        assert r["save_mbps"] > 0 and r["restore_mbps"] > 0 and r["restore_rss_mib"] >= 0
+    objects = {(r["state"], r["layout"]): r["objects"] for r in rows}
+    for state, leaves, shards in (("many", 20, 1), ("sharded", 10, 8)):
+        # plain: a zarr.json and a chunk per shard of every leaf, plus the step's records
+        assert objects[(state, "plain")] > leaves * (shards + 1)
+        assert objects[(state, "packed")] <= 4 + 5  # one pack here, plus the step's records
+        assert objects[(state, "ocdbt")] < objects[(state, "plain")]
+    assert "| state | backend | layout | objects |" in proc.stdout
+
+
+def test_tiny_bench_tiers_on_the_session_s3_server(
+    tmp_path: Path, s3_server: servers.Server
+) -> None:
+    out = tmp_path / "bench_tiers.json"
+    argv = ["--mb", "1", "--leaves", "2", "--saves", "1", "--every", "2", "--stores", "s3"]
+    proc = bench(
+        "tiers", *argv, "--s3-endpoint", s3_server.endpoint, "--out", str(out), timeout_s=120
+    )
+    report = json.loads(out.read_text())
+    assert report["config"]["mb"] == 1 and report["config"]["stores"] == "s3"
+    rows = report["rows"]
+    assert [(r["store"], r["kind"], r["saves"]) for r in rows] == [
+        ("s3", "direct", 1),
+        ("s3", "tiered", 1),
+    ]
+    direct, tiered = rows
+    assert direct["to_local_s"] is None and tiered["to_local_s"] > 0
+    for r in rows:
+        assert r["blocking_ms"] > 0 and r["to_durable_s"] > 0 and r["base_loop_s"] > 0, r
+    assert "| s3 | object store |" in proc.stdout and "| s3 | local tier |" in proc.stdout
+
+
+def test_tiny_bench_listing_on_the_session_s3_server(
+    tmp_path: Path, s3_server: servers.Server
+) -> None:
+    out = tmp_path / "listing.json"
+    argv = ["--few", "2", "--many", "5", "--repeats", "1", "--json", str(out)]
+    proc = bench("listing", *argv, "--s3-endpoint", s3_server.endpoint, timeout_s=120)
+    results = json.loads(out.read_text())
+    ops = {"latest_step()", "steps()", "open (writable)", "jaxckpt ls"}
+    assert set(results) == {"local", "s3"}
+    for backend, by_steps in results.items():
+        assert set(by_steps) == {"2", "5"}, backend
+        for n, times in by_steps.items():
+            assert set(times) == ops and all(t > 0 for t in times.values()), (backend, n)
+    assert "| backend | operation | 2 steps (ms) | 5 steps (ms) | ratio |" in proc.stdout
+    assert "| s3 | latest_step() |" in proc.stdout
+
+
+def test_bench_all_refuses_an_unknown_part() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "all", "--parts", "core,nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "unknown parts ['nope']" in proc.stderr
+
+
+def test_bench_all_writes_each_part_result_under_out(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    bench("all", "--tiny", "--parts", "listing", "--out", str(out), timeout_s=180)
+    assert sorted(p.name for p in out.iterdir()) == ["bench_all.json", "listing.json"]
+    (run,) = json.loads((out / "bench_all.json").read_text())["runs"]
+    assert run["part"] == "listing" and run["rc"] == 0
+    assert run["argv"][:3] == ["listing", "--json", str(out / "listing.json")]
+    assert set(json.loads((out / "listing.json").read_text())) == {"local", "s3"}

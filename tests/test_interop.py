@@ -283,9 +283,10 @@ def test_zarr_python_opens_the_step_and_every_leaf(ckpt):
     assert members["params.w"].dtype == np.dtype(ml_dtypes.bfloat16)
 
 
-def test_zarr_compat_on_object_stores(object_root):
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_zarr_compat_on_object_stores(object_root, layout):
     w = jnp.arange(300, dtype=jnp.bfloat16).reshape(20, 15)
-    with jaxckpt.CheckpointManager(object_root, chunk_bytes=128) as mgr:
+    with jaxckpt.CheckpointManager(object_root, chunk_bytes=128, layout=layout) as mgr:
         mgr.save(4, {"params": {"w": w}, "f8": jnp.ones(3, jnp.float8_e5m2)})
     group = zarr_compat.open_group(object_root)
     assert _bits(group["params.w"][...]) == _bits(w)

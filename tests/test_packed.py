@@ -206,8 +206,13 @@ def test_plain_and_packed_steps_share_a_root_and_the_cli_reads_both(
     from jaxckpt import zarr_compat
 
     assert zarr_compat.open_group(root, 3)["w"][:3].tolist() == [0.0, 3.0, 6.0]
-    with pytest.raises(jaxckpt.CheckpointError, match=r"step 2 .* is packed"):
-        zarr_compat.open_group(root, 2)
+    # A packed step through its reference manifest: each chunk a byte range of a pack.
+    spec = json.loads(json.dumps(zarr_compat.reference_manifest(root, 2)))
+    chunk_refs = [v for k, v in spec["refs"].items() if k.startswith("w/c/")]
+    assert len(chunk_refs) > 1 and all(r[0].endswith("packs/0.0.bin") for r in chunk_refs)
+    packed_w = zarr_compat.open_group(root, 2)["w"]
+    assert packed_w[:].tobytes() == (np.arange(300.0, dtype=np.float32) * 2).tobytes()
+    assert packed_w[70:75].tolist() == [140.0, 142.0, 144.0, 146.0, 148.0]
     assert cli.main(["export", f"{root}:2", str(tmp_path / "st")]) == 0
     capsys.readouterr()
     from safetensors.numpy import load_file
@@ -259,3 +264,27 @@ def test_manifest_records_round_trip_and_older_readers_refuse_packed_steps() -> 
         ManifestPart.from_bytes(bad, "m")
     with pytest.raises(ValueError, match="layout"):
         jaxckpt.CheckpointOptions(layout="zip")
+
+
+def test_object_store_spans_arrive_aligned_in_parts_and_a_short_pack_is_named(
+    object_root: str,
+) -> None:
+    with jaxckpt.CheckpointManager(object_root, layout="packed", chunk_bytes=256) as mgr:
+        mgr.save(1, {"w": jnp.arange(256.0)})  # 4 chunks of 64 float32, 260 bytes each
+    uri, offset, size = packed_chunk(object_root, 1, "w", 1)
+    key = uri.removeprefix(object_root.rstrip("/") + "/")
+    storage = open_storage(object_root, read_part_bytes=100)  # a span in 7 ranged GETs
+    whole = storage.read(key)
+    assert whole is not None
+    span = storage.read_range(key, offset, 2 * 320 + size)  # chunks c/1..c/3, padding included
+    assert isinstance(span, np.ndarray) and span.flags.writeable
+    assert span.ctypes.data % 64 == 0  # chunk slices alias into jax arrays
+    assert span.tobytes() == whole[offset : offset + 2 * 320 + size]
+    restored = jaxckpt.CheckpointManager(object_root, read_only=True).restore(1)
+    np.testing.assert_array_equal(restored["w"], np.arange(256.0, dtype=np.float32))
+    _, offset3, _ = packed_chunk(object_root, 1, "w", 3)
+    storage.write(key, whole[: offset3 + 10])  # truncated inside chunk c/3
+    assert storage.read_range(key, offset3, size) == whole[offset3 : offset3 + 10]
+    mgr = jaxckpt.CheckpointManager(object_root, fallback_on_corrupt=False)
+    with pytest.raises(CorruptCheckpointError, match=r"chunk c/3 .*size 10 != recorded 260"):
+        mgr.restore(1)

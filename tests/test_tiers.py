@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from rootpaths import chunk_path, data_steps
+from rootpaths import chunk_path, data_objects, data_steps
 from tier_child import state
 from trees import assert_tree_bitexact
 
@@ -88,6 +88,21 @@ def test_saves_go_local_chosen_steps_become_durable_retention_per_tier(storage_r
     # A plain manager of the durable root sees an ordinary root.
     with jaxckpt.CheckpointManager(storage_root, read_only=True) as plain:
         assert_tree_bitexact(plain.restore(4), state(4))
+
+
+def test_a_packed_local_tier_promotes_by_copying_its_packs(object_root, tmp_path):
+    local = tmp_path / "local"
+    mgr = tiered(object_root, local, layout="packed", promote_policy=policy.EveryNSteps(1))
+    assert mgr.save(1, state(1))
+    assert mgr.wait_durable(timeout_s=TIMEOUT_S) == 1
+    mgr.close()
+    local_objects = [k.rsplit("/", 2)[-2:] for k in data_objects(str(local), 1)]
+    durable_objects = [k.rsplit("/", 2)[-2:] for k in data_objects(object_root, 1)]
+    assert durable_objects == local_objects and all(d == "packs" for d, _ in durable_objects)
+    assert 1 <= len(durable_objects) <= 4
+    with jaxckpt.CheckpointManager(object_root, read_only=True) as durable:
+        assert_tree_bitexact(durable.restore(1), state(1))
+        assert durable.verify(1).ok
 
 
 def test_restore_falls_back_to_durable_for_a_corrupt_or_wiped_local_tier(

@@ -3,5 +3,9 @@
 * ``common``: cases, settings, constants; ``contenders``: raw / jaxckpt / Orbax savers;
 * ``measure``: what a child process measures; ``rounds``: children, scratch, interleaving;
 * ``summary``: medians and targets; ``machine``: what it ran on;
-* ``stores``: loopback S3/GCS servers; ``report``: markdown, chart, JSON.
+* ``stores``: loopback S3/GCS servers, the one loader of ``tests/servers.py``;
+  ``report``: markdown, chart, JSON.
+
+The other benchmarks, each a ``bench.py`` subcommand with ``main(argv)``:
+``tiers``, ``packed``, ``replread``, ``listing``; ``suite`` is ``bench.py all``.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,16 +17,35 @@ from benchkit.rounds import BucketRoots, child_env, run_io_rounds
 from benchkit.summary import summarize_io
 
 
-def _load_test_servers() -> ModuleType | None:
+def load_test_servers() -> ModuleType:
+    """``tests/servers.py`` (starts moto_server and the GCS emulator), loaded once per process.
+
+    The one loader for every benchmark that needs the loopback servers.
+    """
+    name = "_bench_servers"
+    if name in sys.modules:
+        return sys.modules[name]
     path = REPO / "tests" / "servers.py"
     if not path.exists():
-        return None
-    spec = importlib.util.spec_from_file_location("_bench_servers", path)
+        raise RuntimeError(f"{path} is missing: it starts moto_server and the GCS emulator")
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def loopback_endpoint(url: str) -> str:
+    """``url`` if it names a server on this machine (``http://127.0.0.1:PORT``); else exits.
+
+    For benchmarks pointed at a server that is already running (the test
+    session's), whose bucket is ``servers.BUCKET``.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost") or not parts.port:
+        raise SystemExit(f"{url!r}: only a loopback server, http://127.0.0.1:PORT, may be used")
+    return url.rstrip("/")
 
 
 @contextmanager
@@ -38,9 +58,7 @@ def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], ...]]:
     (``AWS_ENDPOINT_URL*`` matter: Orbax's path handling inside jaxckpt goes
     through s3fs, which otherwise contacts ``s3.amazonaws.com``).
     """
-    servers = _load_test_servers()
-    if servers is None:
-        raise RuntimeError("tests/servers.py is missing: it starts moto_server and the emulator")
+    servers = load_test_servers()
     saved_env = dict(os.environ)
     servers.isolate_cloud_env(os.environ, str(log_dir))  # boto3 here and in the children
     try:

@@ -10,13 +10,12 @@ counted in each child's storage read path (array data only: chunk objects and
 ranges); the restore time is ``restore()`` in the children (the slowest
 process), noisy on a shared machine.
 
-    python scripts/bench_replread.py [--scale 16] [--json results/replread.json]
+    python scripts/bench.py replread [--scale 16] [--json results/replread.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -25,25 +24,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchkit.common import REPO
+from benchkit.stores import load_test_servers
+
 CHILD = REPO / "tests" / "multihost_child.py"
 OFF = str(1 << 62)  # an exchange threshold no leaf reaches
 TIMEOUT_S = 600
 
 
-def _servers() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "_replread_servers", REPO / "tests" / "servers.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def _free_port() -> int:
-    return int(_servers().free_port())
+    return int(load_test_servers().free_port())
 
 
 def run_group(root: str, mode: str, processes: int, devices: int, *args: str) -> list[str]:
@@ -117,17 +107,17 @@ def measure(root: str, scale: str) -> tuple[int, list[dict[str, Any]]]:
     return stored, rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.py replread", description=__doc__.splitlines()[0])
     p.add_argument("--scale", type=int, default=16)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
     scale = f"--scale={args.scale}"
     report: dict[str, Any] = {"scale": args.scale}
     with tempfile.TemporaryDirectory() as tmp:
         report["local"] = measure(f"{tmp}/root", scale)
-        servers = _servers()
+        servers = load_test_servers()
         servers.isolate_cloud_env(os.environ, tmp)  # the children inherit it
         server = servers.start_moto(Path(tmp))
         os.environ["AWS_ENDPOINT_URL_S3"] = server.endpoint
@@ -148,7 +138,4 @@ def main() -> None:
     print(f"step bytes stored: {stored} ({stored / 2**20:.1f} MiB)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -12,15 +12,14 @@ the ratios compare like with like:
 * time to durable: from the call to ``save()`` until the step was committed
   on the object store (``SaveStats.total_s`` direct, ``durable_s`` tiered).
 
-Usage: ``python scripts/bench_tiers.py [--mb 32] [--leaves 4] [--saves 3]
-[--every 10] [--stores s3,gcs] [--out results/bench_tiers.json]``.
+Usage: ``python scripts/bench.py tiers [--mb 32] [--leaves 4] [--saves 3]
+[--every 20] [--stores s3,gcs] [--out results/bench_tiers.json]``.
 Needs ``jaxckpt[test]`` (moto, gcp-storage-emulator). Servers listen on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -33,16 +32,8 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _servers() -> Any:
-    spec = importlib.util.spec_from_file_location("_bench_servers", REPO / "tests" / "servers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from benchkit.common import REPO
+from benchkit.stores import load_test_servers, loopback_endpoint
 
 
 def make_state(mb: float, leaves: int, seed: int) -> dict[str, np.ndarray]:
@@ -73,13 +64,15 @@ def run_loop(mgr: Any, args: argparse.Namespace, state: dict[str, np.ndarray]) -
     return {"loop_s": loop_s, "blocking_s": blocking}
 
 
-def bench(kind: str, root: str, args: argparse.Namespace, base_loop_s: float) -> dict[str, Any]:
+def bench(
+    kind: str, root: str, args: argparse.Namespace, base_loop_s: float, scratch: Path
+) -> dict[str, Any]:
     import jaxckpt
 
     state = make_state(args.mb, args.leaves, 1)
     kwargs: dict[str, Any] = {"chunk_bytes": 4 << 20}
     if kind == "tiered":
-        kwargs["local_root"] = tempfile.mkdtemp(prefix="bench-tier-")
+        kwargs["local_root"] = tempfile.mkdtemp(prefix="bench-tier-", dir=scratch)
     mgr = jaxckpt.CheckpointManager(root, **kwargs)
     loop = run_loop(mgr, args, state)
     t = time.perf_counter()
@@ -102,41 +95,25 @@ def bench(kind: str, root: str, args: argparse.Namespace, base_loop_s: float) ->
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.py tiers", description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=float, default=32)
     p.add_argument("--leaves", type=int, default=4)
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--every", type=int, default=20)
     p.add_argument("--stores", default="s3,gcs")
     p.add_argument("--out", default=str(REPO / "results" / "bench_tiers.json"))
-    args = p.parse_args()
-    servers = _servers()
-    log_dir = Path(tempfile.mkdtemp(prefix="bench-tiers-servers-"))
-    servers.isolate_cloud_env(os.environ, str(log_dir))
-    started = []
-    rows = []
-    try:
-        for store in args.stores.split(","):
-            if store == "s3":
-                server = servers.start_moto(log_dir)
-                os.environ["AWS_ENDPOINT_URL_S3"] = server.endpoint
-                scheme = "s3"
-            else:
-                server = servers.start_gcs_emulator(log_dir)
-                os.environ["STORAGE_EMULATOR_HOST"] = server.endpoint
-                scheme = "gs"
-            started.append(server)
-            for kind in ("direct", "tiered"):
-                root = f"{scheme}://{server.bucket}/{uuid.uuid4().hex}"
-                # the loop without saves, measured right before (the machine is shared)
-                base = min(run_loop(None, args, {})["loop_s"] for _ in range(2))
-                row = {"store": store, "base_loop_s": base, **bench(kind, root, args, base)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    finally:
-        for server in started:
-            server.stop()
+    for store in ("s3", "gcs"):
+        p.add_argument(
+            f"--{store}-endpoint",
+            help=f"use this running loopback {store} server (bucket servers.BUCKET), start none",
+        )
+    args = p.parse_args(argv)
+    unknown = set(args.stores.split(",")) - {"s3", "gcs"}
+    if unknown:
+        p.error(f"unknown stores {sorted(unknown)}; choose from s3, gcs")
+    with tempfile.TemporaryDirectory(prefix="bench-tiers-") as scratch:
+        rows = run_stores(args, Path(scratch))
     out = {
         "config": vars(args),
         "rows": rows,
@@ -144,6 +121,49 @@ def main() -> None:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
+    print_table(rows)
+    return 0
+
+
+def run_stores(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
+    """Direct and tiered rows for each store; servers (and their logs) in ``scratch``."""
+    servers = load_test_servers()
+    servers.isolate_cloud_env(os.environ, str(scratch))
+    started = []
+    rows = []
+    try:
+        for store in args.stores.split(","):
+            endpoint = getattr(args, f"{store}_endpoint")
+            if endpoint:  # a server that is already running, with the usual bucket
+                endpoint, bucket = loopback_endpoint(endpoint), servers.BUCKET
+            else:
+                start = servers.start_moto if store == "s3" else servers.start_gcs_emulator
+                started.append(start(scratch))
+                endpoint, bucket = started[-1].endpoint, started[-1].bucket
+            if store == "s3":
+                os.environ["AWS_ENDPOINT_URL_S3"] = endpoint
+                scheme = "s3"
+            else:
+                os.environ["STORAGE_EMULATOR_HOST"] = endpoint
+                scheme = "gs"
+            for kind in ("direct", "tiered"):
+                root = f"{scheme}://{bucket}/{uuid.uuid4().hex}"
+                # the loop without saves, measured right before (the machine is shared)
+                base = min(run_loop(None, args, {})["loop_s"] for _ in range(2))
+                row = {
+                    "store": store,
+                    "base_loop_s": base,
+                    **bench(kind, root, args, base, scratch),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for server in started:
+            server.stop()
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "\n| store | save to | blocking per save (ms) | loop overhead per save (ms) "
         "| to local commit (s) | to durable (s) |"
@@ -157,7 +177,3 @@ def main() -> None:
             f"| {r['to_durable_s']:.2f} |"
         )
     sys.stdout.flush()
-
-
-if __name__ == "__main__":
-    main()

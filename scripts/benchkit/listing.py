@@ -5,18 +5,17 @@ directory, each operation on a root with few and with many committed steps,
 and prints a Markdown table of medians and the many/few ratio (the target:
 ``latest_step()`` at 300 steps within 3x of its time at 3 steps).
 
-    python scripts/bench_listing.py [--few 3] [--many 300] [--repeats 5] [--json OUT]
+    python scripts/bench.py listing [--few 3] [--many 300] [--repeats 5] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import io
 import json
+import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -24,24 +23,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _servers() -> Any:
-    spec = importlib.util.spec_from_file_location("_listing_servers", REPO / "tests" / "servers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from benchkit.stores import load_test_servers, loopback_endpoint
 
 
 @contextlib.contextmanager
-def s3_bucket(log_dir: Path) -> Iterator[str]:
-    import os
-
-    servers = _servers()
+def s3_bucket(log_dir: Path, endpoint: str | None = None) -> Iterator[str]:
+    """A bucket on ``endpoint`` (a running loopback server) or on a moto_server started here."""
+    servers = load_test_servers()
     servers.isolate_cloud_env(os.environ, str(log_dir))
+    if endpoint:
+        os.environ["AWS_ENDPOINT_URL_S3"] = loopback_endpoint(endpoint)
+        yield f"s3://{servers.BUCKET}"
+        return
     server = servers.start_moto(log_dir)
     os.environ["AWS_ENDPOINT_URL_S3"] = server.endpoint
     try:
@@ -99,14 +92,15 @@ def measure(root: str, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench.py listing", description=__doc__.split("\n\n")[0])
     p.add_argument("--few", type=int, default=3)
     p.add_argument("--many", type=int, default=300)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--s3-endpoint", help="use this running loopback S3 server, start none")
     args = p.parse_args(argv)
     results: dict[str, dict[str, dict[str, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp, s3_bucket(Path(tmp)) as bucket:
+    with tempfile.TemporaryDirectory() as tmp, s3_bucket(Path(tmp), args.s3_endpoint) as bucket:
         for backend, base in (("local", tmp), ("s3", bucket)):
             results[backend] = {}
             for n in (args.few, args.many):
@@ -125,7 +119,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
