@@ -168,6 +168,23 @@ def _fsspec_protocol(uri: str) -> str:
     return uri.split("://", 1)[0] if "://" in uri else "file"
 
 
+def _committed(
+    root: str, step: int | None, endpoint: str | None, region: str | None
+) -> tuple[Any, Any]:
+    """The root's commit protocol and the marker of ``step`` (None: the latest)."""
+    from jaxckpt._commit import CommitProtocol
+    from jaxckpt._storage import open_storage
+
+    options: dict[str, Any] = {}
+    if endpoint is not None:
+        options["endpoint"] = endpoint
+    if region is not None:
+        options["region"] = region
+    protocol = CommitProtocol(open_storage(root, **options))
+    protocol.ensure_root(create=False)
+    return protocol, protocol.marker_or_latest(step)
+
+
 def reference_manifest(
     root: str | os.PathLike[str],
     step: int | None = None,
@@ -208,19 +225,10 @@ def reference_manifest(
     """
     import json
 
-    from jaxckpt._commit import CommitProtocol
     from jaxckpt._restore import load_step
-    from jaxckpt._storage import open_storage
     from jaxckpt._tsio import zarr_metadata
 
-    options: dict[str, Any] = {}
-    if endpoint is not None:
-        options["endpoint"] = endpoint
-    if region is not None:
-        options["region"] = region
-    protocol = CommitProtocol(open_storage(root, **options))
-    protocol.ensure_root(create=False)
-    marker = protocol.marker_or_latest(step)
+    protocol, marker = _committed(root, step, endpoint, region)
     loaded = load_step(protocol, marker)
     loc = marker.location
     group = protocol.storage.read(loc.arrays_prefix + "zarr.json")
@@ -281,17 +289,7 @@ def open_group(
       NotACheckpointRootError / StepNotFoundError: no such root or committed step.
       ZarrUnavailableError: zarr, or gcsfs/s3fs for an object store, is missing.
     """
-    from jaxckpt._commit import CommitProtocol
-    from jaxckpt._storage import open_storage
-
-    options: dict[str, Any] = {}
-    if endpoint is not None:
-        options["endpoint"] = endpoint
-    if region is not None:
-        options["region"] = region
-    protocol = CommitProtocol(open_storage(root, **options))
-    protocol.ensure_root(create=False)
-    marker = protocol.marker_or_latest(step)
+    protocol, marker = _committed(root, step, endpoint, region)
     packed = any(part.layout == "packed" for part in protocol.read_manifest(marker))
     register_dtypes()
     import zarr
