@@ -169,7 +169,7 @@ def _fsspec_protocol(uri: str) -> str:
 
 
 def _committed(
-    root: str, step: int | None, endpoint: str | None, region: str | None
+    root: str | os.PathLike[str], step: int | None, endpoint: str | None, region: str | None
 ) -> tuple[Any, Any]:
     """The root's commit protocol and the marker of ``step`` (None: the latest)."""
     from jaxckpt._commit import CommitProtocol
