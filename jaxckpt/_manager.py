@@ -124,7 +124,7 @@ class CheckpointManager:
                 "directly, or run one process per job"
             )
         save_root = root if local_root is None else local_root
-        self._storage = open_storage(save_root, **dict(self.options.storage_options))
+        self._storage = open_storage(save_root, **self.options.storage_kwargs(os.fspath(save_root)))
         self._protocol = CommitProtocol(self._storage)
         self._context = ts.Context(self._storage.context_spec())
         self._arrays = ArrayWriter(
@@ -176,7 +176,7 @@ class CheckpointManager:
         self._durable = DurableTier(
             os.fspath(root),
             self._protocol,
-            storage_options=opts.storage_options,
+            storage_options=opts.storage_kwargs(os.fspath(root)),
             max_inflight_bytes=opts.max_inflight_bytes,
             read_only=opts.read_only,
             promotion=opts.promotion,

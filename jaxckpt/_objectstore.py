@@ -91,11 +91,14 @@ class ObjectStoreOptions:
         of a prefix), covering stalled connections that retries do not; None
         waits forever.
       read_part_bytes: the largest ranged GET of a restore; a larger chunk
-        object is fetched by several requests at once.
+        object is fetched by several requests at once. None: a quarter of
+        ``read_ahead_bytes``, at most 4 MiB (so four or more requests are in
+        flight).
       read_ahead_bytes: the restore's memory budget on this store: response
         bytes in flight at once, beyond the restored arrays themselves (at
         least one part). Lower it on hosts with little RAM; raise it on
         high-latency links (throughput ≈ read_ahead_bytes / round-trip time).
+        ``CheckpointOptions.restore_memory_bytes`` sets it for a manager.
     """
 
     endpoint: str | None = None
@@ -105,8 +108,8 @@ class ObjectStoreOptions:
     max_delay_s: float = 8.0
     request_concurrency: int = 32
     timeout_s: float | None = 300.0
-    read_part_bytes: int = 8 << 20
-    read_ahead_bytes: int = 32 << 20
+    read_part_bytes: int | None = None
+    read_ahead_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
@@ -115,6 +118,8 @@ class ObjectStoreOptions:
             raise ValueError("region must be a non-empty string or None")
         for name in ("max_retries", "request_concurrency", "read_part_bytes", "read_ahead_bytes"):
             value = getattr(self, name)
+            if value is None and name == "read_part_bytes":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not 0.001 <= self.initial_delay_s <= self.max_delay_s:
@@ -124,6 +129,13 @@ class ObjectStoreOptions:
             )
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")
+
+    @property
+    def part_bytes(self) -> int:
+        """The largest ranged GET of a restore (``read_part_bytes`` resolved)."""
+        if self.read_part_bytes is not None:
+            return self.read_part_bytes
+        return max(1, min(4 << 20, self.read_ahead_bytes // 4))
 
 
 @functools.cache
@@ -319,7 +331,7 @@ class ObjectStorage:
             if self._reader is None:
                 self._reader = RangedReader(
                     kv,
-                    part_bytes=self._options.read_part_bytes,
+                    part_bytes=self._options.part_bytes,
                     ahead_bytes=self._options.read_ahead_bytes,
                     timeout_s=self._options.timeout_s,
                     error=self._error,
