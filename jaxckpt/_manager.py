@@ -249,14 +249,21 @@ class CheckpointManager:
             self._check_background()  # a finished failed save still surfaces, without waiting
             return False
         self.wait()
-        if self._protocol.read_marker(step) is not None:
+        listing = self._protocol.listing()  # begin_save's checks reuse it
+        if self._protocol.read_marker(step, listing) is not None:
             raise StepAlreadyExistsError(f"step {step} already exists under {self.root}")
         leaves, values = describe_state(state, chunk_bytes=self.options.chunk_bytes)
         tree = self._tree_record(step, leaves, metadata)
         checkpointer = self._ensure_checkpointer()
         attempt = self._agreement.agree("attempt", new_attempt(self._protocol.write_epoch()))
         self._session.start(
-            Inflight(loc=StepLocation(step, attempt), tree=tree, metrics=metrics, keep=keep)
+            Inflight(
+                loc=StepLocation(step, attempt),
+                tree=tree,
+                metrics=metrics,
+                keep=keep,
+                listing=listing,
+            )
         )
         try:
             checkpointer.save(

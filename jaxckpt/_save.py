@@ -13,14 +13,15 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
 
-from jaxckpt._commit import CommitProtocol
+from jaxckpt._commit import CommitProtocol, Listing
 from jaxckpt._layout import StepLocation
 from jaxckpt._pack import PackWriter
-from jaxckpt._phases import reached
+from jaxckpt._phases import reached, watched
 from jaxckpt._records import CommitMarker, ManifestPart
 from jaxckpt._telemetry import SaveRecorder
 from jaxckpt._tree import SavedLeaf
@@ -39,6 +40,8 @@ class Inflight:
     metrics: dict[str, float] | None
     keep: bool
     nbytes: int = 0
+    listing: Listing | None = None
+    """The root's listing taken by ``save`` (its begin phase checks against it)."""
 
     @property
     def step(self) -> int:
@@ -104,20 +107,28 @@ class SaveSession:
     # -- StepWriter ----------------------------------------------------------
 
     def begin(self, step: int) -> None:
-        self._protocol.begin_save(self._expect(step).loc)
+        inflight = self._expect(step)
+        self._protocol.begin_save(inflight.loc, inflight.listing)
 
     def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None:
         inflight = self._expect(step)
         loc = inflight.loc
-        if self._primary:
-            self._arrays.write_group(loc)
-            self._protocol.write_tree(loc, inflight.tree)
-        packs: dict[str, int] = {}
-        if self._packer is None:
-            records, layout = self._arrays.write(loc, arrays), "plain"
-        else:
-            records, packs = self._packer.write(loc, arrays)
-            layout = "packed"
+        # The primary's small records go out beside the chunks (a round trip
+        # less), unless a crash test watches the phases: then first, so that
+        # the tree record is durable at data_started as documented.
+        ordered = watched()
+        if ordered:
+            self._write_records(inflight)
+        with ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-records") as pool:
+            records_written = None if ordered else pool.submit(self._write_records, inflight)
+            packs: dict[str, int] = {}
+            if self._packer is None:
+                records, layout = self._arrays.write(loc, arrays), "plain"
+            else:
+                records, packs = self._packer.write(loc, arrays)
+                layout = "packed"
+            if records_written is not None:
+                records_written.result()
         part = ManifestPart(
             step=step,
             process=jax.process_index(),
@@ -129,6 +140,11 @@ class SaveSession:
         self._protocol.write_manifest_part(loc, part)
         reached("manifest_written", step)
         inflight.nbytes = part.nbytes
+
+    def _write_records(self, inflight: Inflight) -> None:
+        if self._primary:
+            self._arrays.write_group(inflight.loc)
+            self._protocol.write_tree(inflight.loc, inflight.tree)
 
     def commit(self, step: int) -> None:
         inflight = self._expect(step)
