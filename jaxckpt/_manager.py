@@ -326,6 +326,7 @@ class CheckpointManager:
                 self._session,
                 timeout_s=self.options.save_timeout_s,
                 primary_host=self.options.primary_host,
+                writer_nice=self.options.writer_nice,
             )
         return self._checkpointer
 

@@ -50,6 +50,12 @@ class CheckpointOptions:
         16 MiB). Lower it on hosts with little RAM; raise it on high-latency
         links. Local roots read chunk files straight into the restored arrays
         and need no budget.
+      writer_nice: niceness of the background save's own threads (Linux:
+        per thread, 0-19; 0 leaves them alone). It lowers their CPU priority
+        against the training loop, and with it their I/O priority (the
+        kernel derives a thread's best-effort I/O level from its nice value).
+        TensorStore's I/O threads, which copy the bytes into the page cache,
+        are shared with the rest of the process and keep their priority.
     """
 
     save_policy: SavePolicy | None = None
@@ -69,6 +75,7 @@ class CheckpointOptions:
     local_retention: RetentionPolicy | None = None
     promotion: str = "background"
     restore_memory_bytes: int | None = None
+    writer_nice: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -98,6 +105,8 @@ class CheckpointOptions:
                     "restore_memory_bytes and storage_options['read_ahead_bytes'] set the same "
                     "budget: give one"
                 )
+        if isinstance(self.writer_nice, bool) or self.writer_nice not in range(20):
+            raise ValueError(f"writer_nice must be an integer 0-19, got {self.writer_nice!r}")
         if self.save_timeout_s <= 0:
             raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")
 

@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Any
 
-from benchkit.common import LOWMEM_STORAGE_OPTIONS, Case, MiB
+from benchkit.common import LOWMEM_STORAGE_OPTIONS, WRITER_NICE, Case, MiB
 
 
 def make_state(case: Case, seed: int = 0) -> dict[str, Any]:
@@ -244,6 +244,8 @@ def open_saver(spec: dict[str, Any]) -> Any:
         if contender.endswith("-lowmem"):
             options = {**spec["jaxckpt_options"], "storage_options": LOWMEM_STORAGE_OPTIONS}
             return JaxckptSaver(root, options, keep_storage_options=True)
+        if contender.endswith("-nice"):
+            return JaxckptSaver(root, {**spec["jaxckpt_options"], "writer_nice": WRITER_NICE})
         return JaxckptSaver(root, spec["jaxckpt_options"])
     if contender.startswith("orbax"):
         return OrbaxSaver(root)
