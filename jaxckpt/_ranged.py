@@ -78,14 +78,21 @@ class ShortObjectError(Exception):
 def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` ranges of about equal size, each at most ``part_bytes``.
 
+    An overshoot of at most 1/64 of a part (a chunk's 4-byte CRC trailer)
+    is spread over the parts rather than fetched by a request of its own.
+
     >>> part_ranges(10, 4)
     [(0, 3), (3, 6), (6, 10)]
+    >>> part_ranges(8 + 4, 4 << 20)[-1]
+    (0, 12)
+    >>> len(part_ranges((16 << 20) + 4, 4 << 20))
+    4
     >>> part_ranges(0, 4)
     []
     """
     if size <= 0:
         return []
-    n = math.ceil(size / part_bytes)
+    n = max(1, math.ceil((size - part_bytes // 64) / part_bytes))
     bounds = [size * i // n for i in range(n + 1)]
     return list(itertools.pairwise(bounds))
 
