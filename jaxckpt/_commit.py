@@ -268,12 +268,6 @@ class CommitProtocol:
         text = raw.decode(errors="replace").strip() if raw else ""
         return int(text) if text.isdigit() else None
 
-    def _raise_hint(self, step: int, epoch: int) -> None:
-        """Raises ``epoch``'s hint to ``step`` before the marker is written (never lowers it)."""
-        hint = self._hint(epoch)
-        if hint is None or hint < step:
-            self.storage.write(latest_hint_key(epoch), str(step).encode())
-
     def marker_or_latest(self, step: int | None) -> CommitMarker:
         """The marker of ``step``, or of the newest committed step when ``step`` is None.
 
