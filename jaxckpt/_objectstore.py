@@ -91,13 +91,14 @@ class ObjectStoreOptions:
         of a prefix), covering stalled connections that retries do not; None
         waits forever.
       read_part_bytes: the largest ranged GET of a restore; a larger chunk
-        object is fetched by several requests at once. None: a quarter of
+        object is fetched by several requests at once. None: an eighth of
         ``read_ahead_bytes``, at most 4 MiB (so four or more requests are in
         flight).
-      read_ahead_bytes: the restore's memory budget on this store: response
-        bytes in flight at once, beyond the restored arrays themselves (at
-        least one part). Lower it on hosts with little RAM; raise it on
-        high-latency links (throughput ≈ read_ahead_bytes / round-trip time).
+      read_ahead_bytes: the restore's memory budget on this store, beyond the
+        restored arrays themselves: the responses in flight at once plus the
+        copy each becomes on its way into its array (at least one part).
+        Lower it on hosts with little RAM; raise it on high-latency links
+        (throughput ≈ read_ahead_bytes / 2 / round-trip time).
         ``CheckpointOptions.restore_memory_bytes`` sets it for a manager.
     """
 
@@ -135,7 +136,7 @@ class ObjectStoreOptions:
         """The largest ranged GET of a restore (``read_part_bytes`` resolved)."""
         if self.read_part_bytes is not None:
             return self.read_part_bytes
-        return max(1, min(4 << 20, self.read_ahead_bytes // 4))
+        return max(1, min(4 << 20, self.read_ahead_bytes // 8))
 
 
 @functools.cache

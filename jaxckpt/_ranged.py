@@ -103,8 +103,10 @@ class RangedReader:
     Args:
       kv: the bucket's kvstore.
       part_bytes: the largest ranged GET.
-      ahead_bytes: response bytes in flight at once, over every thread using
-        this reader (at least one part).
+      ahead_bytes: the transient memory of every thread using this reader
+        together: the parts in flight plus the Python copy each becomes before
+        it lands in its buffer, so ``ahead_bytes // (2 * part_bytes)`` parts
+        are in flight (at least one).
       timeout_s: the longest wait for one part, or for room in the budget.
       error: turns a TensorStore failure into a :class:`StorageError`.
     """
@@ -120,7 +122,7 @@ class RangedReader:
     ) -> None:
         self._kv = kv
         self._part = part_bytes
-        self._slots = threading.Semaphore(max(1, ahead_bytes // part_bytes))
+        self._slots = threading.Semaphore(max(1, ahead_bytes // (2 * part_bytes)))
         self._timeout = timeout_s
         self._error = error
         self._count_lock = threading.Lock()

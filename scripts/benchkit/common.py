@@ -19,7 +19,7 @@ LOOP_CONTENDERS = ("raw", "jaxckpt", "orbax", "jaxckpt-nice")
 WRITER_NICE = 10
 STORE_CONTENDERS = ("raw-s3", "jaxckpt-s3", "jaxckpt-s3-lowmem", "raw-gcs", "jaxckpt-gcs")
 # jaxckpt-*-lowmem: the restore memory budget lowered for small-RAM hosts.
-LOWMEM_STORAGE_OPTIONS = {"read_ahead_bytes": 8 * MiB, "read_part_bytes": 2 * MiB}
+LOWMEM_RESTORE_BYTES = 8 * MiB  # CheckpointOptions.restore_memory_bytes (default 16 MiB)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
