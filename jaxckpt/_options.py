@@ -44,10 +44,11 @@ class CheckpointOptions:
         durable root's); a step waiting for promotion is always kept.
       promotion: ``"background"`` (a thread of this manager promotes) or
         ``"external"`` (a ``jaxckpt promote`` process does; ``close`` does not wait).
-      restore_memory_bytes: the restore's memory budget on object stores: the
-        most response bytes in flight at once, beyond the restored arrays
-        (``read_ahead_bytes`` of the storage options; None keeps its default,
-        16 MiB). Lower it on hosts with little RAM; raise it on high-latency
+      restore_memory_bytes: the restore's memory budget on object stores,
+        beyond the restored arrays: responses in flight plus their copies
+        (``read_ahead_bytes`` of the storage options). None: a tenth of each
+        restore's bytes, from 16 MiB to 1 GiB (about 1.05x the state at
+        peak). Lower it on hosts with little RAM; raise it on high-latency
         links. Local roots read chunk files straight into the restored arrays
         and need no budget.
       writer_nice: niceness of the background save's own threads (Linux:

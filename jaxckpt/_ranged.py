@@ -123,6 +123,7 @@ class RangedReader:
         self._kv = kv
         self._part = part_bytes
         self._slots = threading.Semaphore(max(1, ahead_bytes // (2 * part_bytes)))
+        self.ahead_bytes = ahead_bytes
         self._timeout = timeout_s
         self._error = error
         self._count_lock = threading.Lock()
@@ -130,6 +131,16 @@ class RangedReader:
         self.peak_inflight_bytes = 0
         """The most response bytes requested and not yet placed, at any moment."""
         release_large_frees()
+
+    def set_budget(self, *, part_bytes: int, ahead_bytes: int) -> bool:
+        """Changes the budget between restores; False (unchanged) while reads are in flight."""
+        with self._count_lock:
+            if self._inflight:
+                return False
+            self._part = part_bytes
+            self._slots = threading.Semaphore(max(1, ahead_bytes // (2 * part_bytes)))
+            self.ahead_bytes = ahead_bytes
+            return True
 
     def _count(self, nbytes: int) -> None:
         with self._count_lock:

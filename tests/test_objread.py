@@ -216,3 +216,15 @@ def test_freed_parts_go_back_to_the_kernel() -> None:
     }
     assert kept["default"] >= 16, kept  # glibc's dynamic threshold keeps them resident
     assert kept["pinned"] <= 4, kept
+
+
+def test_default_restore_budget_is_a_tenth_of_the_restore(object_root: str) -> None:
+    storage = open_storage(object_root)
+    storage.plan_restore(400 << 20)  # type: ignore[attr-defined]
+    reader = storage._ranged  # type: ignore[attr-defined]
+    assert (reader.ahead_bytes, reader._part) == (40 << 20, 4 << 20)
+    storage.plan_restore(1 << 20)  # type: ignore[attr-defined]
+    assert (reader.ahead_bytes, reader._part) == (16 << 20, 2 << 20)  # the floor
+    fixed = open_storage(object_root, read_ahead_bytes=3000)
+    fixed.plan_restore(400 << 20)  # type: ignore[attr-defined]
+    assert fixed._ranged.ahead_bytes == 3000  # type: ignore[attr-defined]
