@@ -22,7 +22,6 @@ a process therefore pins glibc's mmap and trim thresholds
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import itertools
 import math
@@ -57,9 +56,8 @@ def release_large_frees() -> bool:
     128 KiB by default), and a heap shrinks once 1 MiB at its top is free.
     Returns False where the C library is not glibc (nothing is changed).
     """
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
+        libc = ctypes.CDLL(None)  # the process's own symbols, the C library's among them
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018 -- glibc only
     except (OSError, AttributeError, TypeError):
@@ -133,7 +131,11 @@ class RangedReader:
         release_large_frees()
 
     def set_budget(self, *, part_bytes: int, ahead_bytes: int) -> bool:
-        """Changes the budget between restores; False (unchanged) while reads are in flight."""
+        """Changes the budget between restores; False (unchanged) while reads are in flight.
+
+        A read racing the change may return its slot to the new budget: one
+        part over it at most, never a deadlock.
+        """
         with self._count_lock:
             if self._inflight:
                 return False
