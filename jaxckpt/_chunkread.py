@@ -94,6 +94,9 @@ def read_regions(
     inflight: deque[_Pending] = deque()
     inflight_bytes = 0
     spans = _spans(loc, requests, records)
+    plan = getattr(storage, "plan_restore", None)  # object stores size their read budget
+    if plan is not None:
+        plan(sum(math.prod(_extent(r.region)) * r.leaf.numpy_dtype.itemsize for r in requests))
     with ThreadPoolExecutor(workers, thread_name_prefix="jaxckpt-read") as pool:
         for i, request in enumerate(requests):
             leaf = request.leaf

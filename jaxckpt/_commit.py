@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from jaxckpt import policy
@@ -63,6 +64,29 @@ log = logging.getLogger("jaxckpt")
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One look at ``writers/`` and ``commits/``, shared by the checks of one phase.
+
+    A save's phases each need the fence (the newest epoch) and the visible
+    steps; one listing of each prefix, taken concurrently, answers both. A
+    listing may be a moment old when it is used: the fence check is advisory,
+    the visibility rule (:mod:`jaxckpt._fence`) is what makes a zombie's
+    commit invisible whatever the timing.
+    """
+
+    epochs: Epochs
+    refs: tuple[MarkerRef, ...]
+
+    def visible(self) -> dict[int, MarkerRef]:
+        """Steps whose marker is visible by the epoch rule."""
+        result: dict[int, MarkerRef] = {}
+        for ref in self.refs:
+            if self.epochs.visible(ref):
+                result[ref.step] = max(ref, result.get(ref.step, ref))
+        return result
 
 
 class CommitProtocol:
@@ -122,15 +146,18 @@ class CommitProtocol:
         )
         return record
 
-    def check_fence(self, action: str) -> None:
+    def check_fence(self, action: str, epochs: Epochs | None = None) -> None:
         """Raises if a newer writer took over the root (no-op without an epoch).
+
+        Args:
+          epochs: a listing of the epochs just taken; None lists them.
 
         Raises:
           WriterFencedError: a newer epoch exists.
         """
         if self.epoch is None:
             return
-        newest = self.epochs.newest()
+        newest = self.epochs.newest() if epochs is None else epochs.newest
         if newest > self.epoch:
             raise WriterFencedError(
                 f"cannot {action}: writer epoch {self.epoch} of {self.storage.uri} was fenced "
@@ -147,6 +174,13 @@ class CommitProtocol:
         """Every marker object under ``commits/`` (valid or not, visible or not)."""
         refs = (parse_marker_key(k) for k in self.storage.list(COMMITS))
         return sorted(r for r in refs if r is not None)
+
+    def listing(self) -> Listing:
+        """Lists ``writers/`` and ``commits/`` at once (two requests, one round trip)."""
+        with ThreadPoolExecutor(2, thread_name_prefix="jaxckpt-list") as pool:
+            epochs = pool.submit(self.epochs.load)
+            refs = pool.submit(self.marker_refs)
+            return Listing(epochs.result(), tuple(refs.result()))
 
     def visible_refs(
         self, epochs: Epochs | None = None, refs: Sequence[MarkerRef] | None = None
@@ -182,9 +216,9 @@ class CommitProtocol:
             return None
         return marker
 
-    def read_marker(self, step: int) -> CommitMarker | None:
-        """The step's visible, valid marker, or None."""
-        ref = self.visible_refs().get(step)
+    def read_marker(self, step: int, listing: Listing | None = None) -> CommitMarker | None:
+        """The step's visible, valid marker, or None (``listing``: one just taken)."""
+        ref = (self.visible_refs() if listing is None else listing.visible()).get(step)
         return None if ref is None else self.read_ref(ref)
 
     def committed(self) -> dict[int, CommitMarker]:
@@ -234,12 +268,6 @@ class CommitProtocol:
         text = raw.decode(errors="replace").strip() if raw else ""
         return int(text) if text.isdigit() else None
 
-    def _raise_hint(self, step: int, epoch: int) -> None:
-        """Raises ``epoch``'s hint to ``step`` before the marker is written (never lowers it)."""
-        hint = self._hint(epoch)
-        if hint is None or hint < step:
-            self.storage.write(latest_hint_key(epoch), str(step).encode())
-
     def marker_or_latest(self, step: int | None) -> CommitMarker:
         """The marker of ``step``, or of the newest committed step when ``step`` is None.
 
@@ -286,20 +314,24 @@ class CommitProtocol:
 
     # -- writing a step -----------------------------------------------------
 
-    def begin_save(self, loc: StepLocation) -> None:
+    def begin_save(self, loc: StepLocation, listing: Listing | None = None) -> None:
         """Announces a save attempt (its pending record). Never deletes anything.
+
+        Args:
+          listing: the listing this save's caller just took (None: take one).
 
         Raises:
           StepAlreadyExistsError: the step is committed (or has a damaged marker).
           WriterFencedError: a newer writer took over.
         """
-        ref = self.visible_refs().get(loc.step)
+        listing = self.listing() if listing is None else listing
+        ref = listing.visible().get(loc.step)
         if ref is not None:
             damaged = "" if self.read_ref(ref) is not None else " (with a damaged marker)"
             raise StepAlreadyExistsError(
                 f"step {loc.step} already exists under {self.storage.uri}{damaged}"
             )
-        self.check_fence(f"save step {loc.step}")
+        self.check_fence(f"save step {loc.step}", listing.epochs)
         record = json_record(
             operation="save", started=time.time(), step=loc.step, attempt=loc.attempt
         )
@@ -363,8 +395,20 @@ class CommitProtocol:
         files: dict[str, FileDigest] = {}
         parts = []
         covered = range(num_processes) if processes is None else processes
-        for name in [TREE_FILE, *(manifest_name(p) for p in covered), *extra]:
-            data = self.storage.read(loc.key(name))
+        names = [TREE_FILE, *(manifest_name(p) for p in covered), *extra]
+        # Every read the commit needs, in flight at once: the records, the
+        # attempt's chunk listing, the fence and visibility listing, the hint.
+        with ThreadPoolExecutor(self._list_workers, thread_name_prefix="jaxckpt-commit") as pool:
+            reads = [pool.submit(self.storage.read, loc.key(name)) for name in names]
+            chunk_keys = pool.submit(self.storage.list, loc.arrays_prefix)
+            epochs = pool.submit(self.epochs.load)
+            refs = pool.submit(self.marker_refs)
+            hint = pool.submit(self._hint, loc.epoch)
+            records = [future.result() for future in reads]
+            listing = Listing(epochs.result(), tuple(refs.result()))
+            present = set(chunk_keys.result())
+            hinted = hint.result()
+        for name, data in zip(names, records, strict=True):
             if data is None:
                 raise CheckpointError(
                     f"cannot commit step {step}: {self.where(loc.key(name))} is missing"
@@ -372,7 +416,7 @@ class CommitProtocol:
             files[name] = FileDigest.of(data)
             if is_manifest_name(name):
                 parts.append(ManifestPart.from_bytes(data, self.where(loc.key(name))))
-        self._check_chunks_present(loc, parts)
+        self._check_chunks_present(loc, parts, present)
         marker = CommitMarker(
             step=step,
             time=time.time(),
@@ -384,12 +428,13 @@ class CommitProtocol:
             attempt=loc.attempt,
             epoch=loc.epoch,
         )
-        self.check_fence(f"commit step {step}")
-        if step in self.visible_refs():
+        self.check_fence(f"commit step {step}", listing.epochs)
+        if step in listing.visible():
             raise StepAlreadyExistsError(
                 f"step {step} was committed by another writer under {self.storage.uri}"
             )
-        self._raise_hint(step, loc.epoch)
+        if hinted is None or hinted < step:  # raised before the marker, never lowered
+            self.storage.write(latest_hint_key(loc.epoch), str(step).encode())
         reached("before_marker", step)
         try:
             self.storage.write(marker_key(step, loc.epoch), marker.to_bytes(), exclusive=True)
@@ -406,12 +451,13 @@ class CommitProtocol:
             log.warning("step %d is committed; its pending record stays until gc: %s", step, e)
         return marker
 
-    def _check_chunks_present(self, loc: StepLocation, parts: Sequence[ManifestPart]) -> None:
-        """Every chunk the manifest parts list exists (one listing of the attempt).
+    def _check_chunks_present(
+        self, loc: StepLocation, parts: Sequence[ManifestPart], present: set[str]
+    ) -> None:
+        """Every chunk the manifest parts list exists (``present``: a listing of ``arrays/``).
 
         A packed chunk's pack object must exist and its part must record it.
         """
-        present = set(self.storage.list(loc.arrays_prefix))
         if any(part.layout == "packed" for part in parts):
             present |= set(self.storage.list(loc.packs_prefix))
         for part in parts:

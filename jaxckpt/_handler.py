@@ -13,7 +13,10 @@ used: the final path is never renamed, and the metadata store is a no-op.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import tempfile
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -39,6 +42,24 @@ class StepWriter(Protocol):
     def commit(self, step: int) -> None: ...
 
 
+_log = logging.getLogger("jaxckpt")
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Raises the calling thread's nice value to ``nice`` (Linux: per thread; never lowers it).
+
+    Threads it starts inherit the value. Elsewhere, or without permission, logs and goes on.
+    """
+    if nice <= 0:
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (AttributeError, OSError) as e:
+        _log.warning("could not lower the save thread's priority to nice %d: %s", nice, e)
+
+
 @dataclasses.dataclass
 class SaveArgs(ocp.args.CheckpointArgs):
     """Orbax args for one save: the step, its described leaves and their values."""
@@ -52,12 +73,22 @@ class ZarrHandler(ocp.AsyncCheckpointHandler):
     """Saves a described pytree as zarr v3 arrays, one writer per chunk."""
 
     def __init__(
-        self, writer: StepWriter, *, primary_host: int = 0, per_host: bool = False
+        self,
+        writer: StepWriter,
+        *,
+        primary_host: int = 0,
+        per_host: bool = False,
+        writer_nice: int = 0,
     ) -> None:
         self._writer = writer
         self._primary_host = primary_host
         self._per_host = per_host  # a local tier: every host keeps every index it addresses
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-write")
+        self._executor = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="jaxckpt-write",
+            initializer=lower_thread_priority,
+            initargs=(writer_nice,),
+        )
 
     async def async_save(self, directory: epath.Path, args: SaveArgs) -> list[Future[None]]:
         primary = jax.process_index() == self._primary_host
@@ -171,6 +202,7 @@ def make_checkpointer(
     timeout_s: float,
     primary_host: int = 0,
     per_host: bool = False,
+    writer_nice: int = 0,
 ) -> ocp.AsyncCheckpointer:
     """An AsyncCheckpointer wired to jaxckpt's handler and commit protocol.
 
@@ -181,7 +213,7 @@ def make_checkpointer(
     ``per_host``: saves to a local tier (see :func:`~jaxckpt._tsio.snapshot_array`).
     """
     return ocp.AsyncCheckpointer(
-        ZarrHandler(writer, primary_host=primary_host, per_host=per_host),
+        ZarrHandler(writer, primary_host=primary_host, per_host=per_host, writer_nice=writer_nice),
         timeout_secs=max(1, int(timeout_s)),
         async_options=ocp.options.AsyncOptions(
             timeout_secs=max(1, int(timeout_s)),

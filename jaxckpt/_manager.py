@@ -119,7 +119,7 @@ class CheckpointManager:
         self._durable: DurableTier | None = None
         local_root = self.options.local_root
         save_root = root if local_root is None else local_root
-        self._storage = open_storage(save_root, **dict(self.options.storage_options))
+        self._storage = open_storage(save_root, **self.options.storage_kwargs(os.fspath(save_root)))
         self._protocol = CommitProtocol(self._storage)
         self._context = ts.Context(self._storage.context_spec())
         self._arrays = ArrayWriter(
@@ -179,7 +179,7 @@ class CheckpointManager:
         self._durable = DurableTier(
             os.fspath(root),
             self._protocol,
-            storage_options=opts.storage_options,
+            storage_options=opts.storage_kwargs(os.fspath(root)),
             max_inflight_bytes=opts.max_inflight_bytes,
             read_only=opts.read_only,
             promotion=opts.promotion,
@@ -255,7 +255,8 @@ class CheckpointManager:
             self._check_background()  # a finished failed save still surfaces, without waiting
             return False
         self.wait()
-        if self._protocol.read_marker(step) is not None:
+        listing = self._protocol.listing()  # begin_save's checks reuse it
+        if self._protocol.read_marker(step, listing) is not None:
             raise StepAlreadyExistsError(f"step {step} already exists under {self.root}")
         leaves, values = describe_state(state, chunk_bytes=self.options.chunk_bytes)
         tree = self._tree_record(step, leaves, metadata)
@@ -275,6 +276,7 @@ class CheckpointManager:
                 metrics=metrics,
                 keep=keep,
                 request=request,
+                listing=listing,
             )
         )
         try:
@@ -355,6 +357,7 @@ class CheckpointManager:
                 timeout_s=self.options.save_timeout_s,
                 primary_host=self.options.primary_host,
                 per_host=self._durable is not None,
+                writer_nice=self.options.writer_nice,
             )
         return self._checkpointer
 

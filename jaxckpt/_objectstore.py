@@ -91,11 +91,16 @@ class ObjectStoreOptions:
         of a prefix), covering stalled connections that retries do not; None
         waits forever.
       read_part_bytes: the largest ranged GET of a restore; a larger chunk
-        object is fetched by several requests at once.
-      read_ahead_bytes: the restore's memory budget on this store: response
-        bytes in flight at once, beyond the restored arrays themselves (at
-        least one part). Lower it on hosts with little RAM; raise it on
-        high-latency links (throughput ≈ read_ahead_bytes / round-trip time).
+        object is fetched by several requests at once. None: an eighth of
+        the budget, at most 4 MiB (so four or more requests are in flight).
+      read_ahead_bytes: the restore's memory budget on this store, beyond the
+        restored arrays themselves: the responses in flight at once plus the
+        copy each becomes on its way into its array (at least one part).
+        Lower it on hosts with little RAM; raise it on high-latency links
+        (throughput ≈ read_ahead_bytes / 2 / round-trip time). None: a tenth
+        of each restore's bytes, from 16 MiB to 1 GiB
+        (:func:`restore_budget`).
+        ``CheckpointOptions.restore_memory_bytes`` sets it for a manager.
     """
 
     endpoint: str | None = None
@@ -105,8 +110,8 @@ class ObjectStoreOptions:
     max_delay_s: float = 8.0
     request_concurrency: int = 32
     timeout_s: float | None = 300.0
-    read_part_bytes: int = 8 << 20
-    read_ahead_bytes: int = 32 << 20
+    read_part_bytes: int | None = None
+    read_ahead_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
@@ -115,6 +120,8 @@ class ObjectStoreOptions:
             raise ValueError("region must be a non-empty string or None")
         for name in ("max_retries", "request_concurrency", "read_part_bytes", "read_ahead_bytes"):
             value = getattr(self, name)
+            if value is None and name in ("read_part_bytes", "read_ahead_bytes"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not 0.001 <= self.initial_delay_s <= self.max_delay_s:
@@ -124,6 +131,33 @@ class ObjectStoreOptions:
             )
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")
+
+    def budget(self, restore_bytes: int) -> tuple[int, int]:
+        """``(part_bytes, ahead_bytes)`` of a restore of ``restore_bytes``."""
+        ahead = self.read_ahead_bytes
+        if ahead is None:
+            ahead = restore_budget(restore_bytes)
+        part = self.read_part_bytes
+        return (max(1, min(4 << 20, ahead // 8)) if part is None else part), ahead
+
+
+MIN_RESTORE_BUDGET = 16 << 20
+MAX_RESTORE_BUDGET = 1 << 30
+
+
+def restore_budget(restore_bytes: int) -> int:
+    """The default memory budget of a restore: a tenth of its bytes, 16 MiB to 1 GiB.
+
+    Half of it is in flight, so a restore peaks at about 1.05x the state
+    (from 160 MiB of state up), and a large restore keeps many requests in
+    flight on a high-latency link.
+
+    >>> restore_budget(256 << 20) >> 20
+    25
+    >>> restore_budget(0) >> 20, restore_budget(1 << 40) >> 20
+    (16, 1024)
+    """
+    return min(MAX_RESTORE_BUDGET, max(MIN_RESTORE_BUDGET, restore_bytes // 10))
 
 
 @functools.cache
@@ -311,16 +345,22 @@ class ObjectStorage:
             self._check_bucket("read", name)
         return buffer
 
+    def plan_restore(self, nbytes: int) -> None:
+        """Sizes the memory budget of a restore of ``nbytes`` (see ``read_ahead_bytes``)."""
+        part, ahead = self._options.budget(nbytes)
+        self._ranged.set_budget(part_bytes=part, ahead_bytes=ahead)
+
     @property
     def _ranged(self) -> RangedReader:
         """One reader per storage object, so all threads share one memory budget."""
         kv = self._kv
+        part, ahead = self._options.budget(0)
         with self._open_lock:
             if self._reader is None:
                 self._reader = RangedReader(
                     kv,
-                    part_bytes=self._options.read_part_bytes,
-                    ahead_bytes=self._options.read_ahead_bytes,
+                    part_bytes=part,
+                    ahead_bytes=ahead,
                     timeout_s=self._options.timeout_s,
                     error=self._error,
                 )

@@ -40,6 +40,20 @@ TIER_PHASES = (
 _POLL_S = 0.02
 
 
+def watched(phase: str | None = None) -> bool:
+    """Whether reaching ``phase`` (None: any phase) is traced or paused at.
+
+    A save whose phases are watched makes each phase's action durable before
+    it announces the phase, in the order of :data:`PHASES`; unwatched, it
+    overlaps actions that need no order (the first chunk with the rest, the
+    tree record with the chunks).
+    """
+    if os.environ.get("JAXCKPT_TRACE"):
+        return True
+    targets = os.environ.get("JAXCKPT_PAUSE_AT")
+    return targets is not None and (phase is None or phase in targets.split(","))
+
+
 def reached(phase: str, step: int) -> None:
     """Marks that the current save or delete of ``step`` reached ``phase``."""
     if os.environ.get("JAXCKPT_TRACE"):

@@ -17,14 +17,15 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
 
-from jaxckpt._commit import CommitProtocol
+from jaxckpt._commit import CommitProtocol, Listing
 from jaxckpt._layout import StepLocation, held_manifest_name
 from jaxckpt._pack import PackWriter
-from jaxckpt._phases import reached
+from jaxckpt._phases import reached, watched
 from jaxckpt._promote import PromotionRequest, request_promotion, withdraw
 from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart
 from jaxckpt._telemetry import SaveRecorder
@@ -46,6 +47,8 @@ class Inflight:
     nbytes: int = 0
     request: PromotionRequest | None = None
     """Local tier: the promotion request, written before the local marker."""
+    listing: Listing | None = None
+    """The root's listing taken by ``save`` (its begin phase checks against it)."""
 
     @property
     def step(self) -> int:
@@ -118,22 +121,30 @@ class SaveSession:
     # -- StepWriter ----------------------------------------------------------
 
     def begin(self, step: int) -> None:
-        self._protocol.begin_save(self._expect(step).loc)
+        inflight = self._expect(step)
+        self._protocol.begin_save(inflight.loc, inflight.listing)
 
     def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None:
         inflight = self._expect(step)
         loc = inflight.loc
         if self._per_host and not self._primary:
             self._protocol.begin_save(loc)  # this host's own local root
-        if self._primary or self._per_host:
-            self._arrays.write_group(loc)
-            self._protocol.write_tree(loc, inflight.tree)
-        packs: dict[str, int] = {}
-        if self._packer is None:
-            records, layout = self._arrays.write(loc, arrays), "plain"
-        else:
-            records, packs = self._packer.write(loc, arrays)
-            layout = "packed"
+        # The primary's small records go out beside the chunks (a round trip
+        # less), unless a crash test watches the phases: then first, so that
+        # the tree record is durable at data_started as documented.
+        ordered = watched()
+        if ordered:
+            self._write_records(inflight)
+        with ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-records") as pool:
+            records_written = None if ordered else pool.submit(self._write_records, inflight)
+            packs: dict[str, int] = {}
+            if self._packer is None:
+                records, layout = self._arrays.write(loc, arrays), "plain"
+            else:
+                records, packs = self._packer.write(loc, arrays)
+                layout = "packed"
+            if records_written is not None:
+                records_written.result()
         records, held = _split_held(records, arrays)
 
         def manifest_part(records: dict[str, tuple[ChunkRecord, ...]]) -> ManifestPart:
@@ -173,6 +184,11 @@ class SaveSession:
         )
         self._recorder.committed(inflight.step, inflight.nbytes)
         self._on_commit(marker)
+
+    def _write_records(self, inflight: Inflight) -> None:
+        if self._primary or self._per_host:
+            self._arrays.write_group(inflight.loc)
+            self._protocol.write_tree(inflight.loc, inflight.tree)
 
     def commit(self, step: int) -> None:
         inflight = self._expect(step)

@@ -224,12 +224,24 @@ class LocalStorage:
             raise self._error("list", prefix, e) from e
 
     def _walk(self, base: str) -> Iterator[str]:
+        """Keys of the files under ``base`` (``os.walk``'s rules: symlinked directories
+        are not entered, a directory that vanishes is skipped), from ``scandir``'s
+        entry types alone: a commit lists every chunk of the attempt."""
         if not os.path.isdir(base):
             return
-        for dirpath, _, filenames in os.walk(base):
-            rel = os.path.relpath(dirpath, self._root).replace(os.sep, "/")
-            for name in filenames:
-                yield name if rel == "." else f"{rel}/{name}"
+        rel = os.path.relpath(base, self._root).replace(os.sep, "/")
+        stack = [(base, "" if rel == "." else rel + "/")]
+        while stack:
+            path, prefix = stack.pop()
+            try:
+                with os.scandir(path) as entries:
+                    for entry in entries:
+                        if not entry.is_dir():
+                            yield prefix + entry.name
+                        elif not entry.is_symlink():
+                            stack.append((entry.path, f"{prefix}{entry.name}/"))
+            except OSError:
+                continue
 
     def kvstore_spec(self, prefix: str) -> dict[str, Any]:
         return {"driver": "file", "path": _join(self._root, prefix.rstrip("/")) + "/"}

@@ -574,3 +574,33 @@ def test_numpy_results_are_read_only_views_or_arrays(root):
         with pytest.raises(ValueError, match="read-only"):
             value[0] = 1.0
     np.testing.assert_array_equal(out["many_chunks"], np.arange(64.0))
+
+
+def _writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("jaxckpt-write")]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_writer_nice_lowers_the_save_thread_only(root):
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    state = {"w": jnp.arange(8.0)}
+    with jaxckpt.CheckpointManager(root, writer_nice=max(7, main_nice)) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        (writer,) = [t for t in _writer_threads() if t.is_alive()]
+        assert writer.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == max(7, main_nice)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice
+        np.testing.assert_array_equal(mgr.restore(1)["w"], np.arange(8.0))
+    with jaxckpt.CheckpointManager(root) as mgr:  # the default leaves the thread alone
+        mgr.save(2, state)
+        mgr.wait()
+        (writer,) = [t for t in _writer_threads() if t.is_alive()]
+        assert writer.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, writer.native_id) == main_nice
+
+
+@pytest.mark.parametrize("nice", [-1, 20, True])
+def test_writer_nice_is_validated(nice):
+    with pytest.raises(ValueError, match="writer_nice"):
+        jaxckpt.CheckpointOptions(writer_nice=nice)

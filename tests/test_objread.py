@@ -142,3 +142,89 @@ def test_a_save_sends_one_request_per_array_record_and_chunk(s3_server: servers.
     chunks = [m for m, p in arrays if "/c/" in p]
     assert metadata == ["PUT"] * 4, arrays
     assert chunks == ["PUT"] * 8, arrays
+
+
+def test_restore_memory_budget_bounds_the_response_bytes_in_flight(object_root: str) -> None:
+    state = {f"w{i}": jnp.arange(2048 + i, dtype=jnp.float32) for i in range(4)}  # ~8 KiB each
+    with jaxckpt.CheckpointManager(object_root) as mgr:
+        mgr.save(1, state)
+    mgr = jaxckpt.CheckpointManager(object_root, read_only=True, restore_memory_bytes=3000)
+    restored = mgr.restore(1, target=state)
+    for name in state:
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(state[name]))
+    reader = mgr._storage._ranged  # type: ignore[attr-defined]
+    assert reader._part == 375  # an eighth of the budget: four parts and their copies
+    assert 0 < reader.peak_inflight_bytes <= 3000 // 2
+    mgr.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"restore_memory_bytes": 0}, "restore_memory_bytes"),
+        ({"restore_memory_bytes": 2.5}, "restore_memory_bytes"),
+        (
+            {"restore_memory_bytes": 1 << 20, "storage_options": {"read_ahead_bytes": 1 << 20}},
+            "same budget",
+        ),
+    ],
+)
+def test_restore_memory_option_is_validated(options: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        jaxckpt.CheckpointOptions(**options)  # type: ignore[arg-type]
+
+
+_FREES = """
+import ctypes, sys, threading
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+def touch_and_free(n, size):
+    blocks = [libc.malloc(size) for _ in range(n)]
+    for b in blocks:
+        ctypes.memset(b, 1, size)
+    for b in blocks:
+        libc.free(b)
+touch_and_free(1, 16 << 20)  # glibc raises its mmap threshold to 16 MiB
+if sys.argv[1] == "pinned":
+    from jaxckpt._ranged import release_large_frees
+    assert release_large_frees()
+before = rss()
+# What the parts' bytes did: blocks allocated and freed on a reader thread's arena.
+reader = threading.Thread(target=touch_and_free, args=(12, 2 << 20))
+reader.start()
+reader.join()
+print((rss() - before) >> 20)
+"""
+
+
+def test_freed_parts_go_back_to_the_kernel() -> None:
+    """After the reader pins glibc's thresholds, freed 4 MiB blocks leave RSS (glibc only)."""
+    import subprocess
+    import sys
+
+    kept = {
+        mode: int(
+            subprocess.run(
+                [sys.executable, "-c", _FREES, mode], capture_output=True, text=True, check=True
+            ).stdout
+        )
+        for mode in ("default", "pinned")
+    }
+    assert kept["default"] >= 16, kept  # glibc's dynamic threshold keeps them resident
+    assert kept["pinned"] <= 4, kept
+
+
+def test_default_restore_budget_is_a_tenth_of_the_restore(object_root: str) -> None:
+    storage = open_storage(object_root)
+    storage.plan_restore(400 << 20)  # type: ignore[attr-defined]
+    reader = storage._ranged  # type: ignore[attr-defined]
+    assert (reader.ahead_bytes, reader._part) == (40 << 20, 4 << 20)
+    storage.plan_restore(1 << 20)  # type: ignore[attr-defined]
+    assert (reader.ahead_bytes, reader._part) == (16 << 20, 2 << 20)  # the floor
+    fixed = open_storage(object_root, read_ahead_bytes=3000)
+    fixed.plan_restore(400 << 20)  # type: ignore[attr-defined]
+    assert fixed._ranged.ahead_bytes == 3000  # type: ignore[attr-defined]

@@ -188,7 +188,7 @@ def test_marker_committed_after_a_takeover_is_never_listed(root: str) -> None:
     old.save(1, {"w": jnp.arange(4.0)})
     old.wait()
     new = jaxckpt.CheckpointManager(root)
-    old._protocol.check_fence = lambda action: None  # type: ignore[method-assign]
+    old._protocol.check_fence = lambda action, epochs=None: None  # type: ignore[method-assign]
     old.save(2, {"w": jnp.arange(4.0) * 2})  # committed by a writer that missed the fence
     old.wait()
     assert new.steps() == [1]

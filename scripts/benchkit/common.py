@@ -14,10 +14,12 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
 KEEP_BYTES = 3 * GiB  # scratch kept on disk within a case (see Scratch)
 CONTENDERS = ("raw", "jaxckpt", "orbax")
-LOOP_CONTENDERS = ("raw", "jaxckpt", "orbax")
+LOOP_CONTENDERS = ("raw", "jaxckpt", "orbax", "jaxckpt-nice")
+# jaxckpt-nice: the background save's threads at nice WRITER_NICE (issue 14, item 4).
+WRITER_NICE = 10
 STORE_CONTENDERS = ("raw-s3", "jaxckpt-s3", "jaxckpt-s3-lowmem", "raw-gcs", "jaxckpt-gcs")
 # jaxckpt-*-lowmem: the restore memory budget lowered for small-RAM hosts.
-LOWMEM_STORAGE_OPTIONS = {"read_ahead_bytes": 8 * MiB, "read_part_bytes": 2 * MiB}
+LOWMEM_RESTORE_BYTES = 8 * MiB  # CheckpointOptions.restore_memory_bytes (default 16 MiB)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Any
 
-from benchkit.common import LOWMEM_STORAGE_OPTIONS, Case, MiB
+from benchkit.common import LOWMEM_RESTORE_BYTES, WRITER_NICE, Case, MiB
 
 
 def make_state(case: Case, seed: int = 0) -> dict[str, Any]:
@@ -103,13 +103,11 @@ def _fsync_dir(path: str) -> None:
 class JaxckptSaver:
     """jaxckpt.CheckpointManager, with the bench's options."""
 
-    def __init__(
-        self, root: str, options: dict[str, Any], *, keep_storage_options: bool = False
-    ) -> None:
+    def __init__(self, root: str, options: dict[str, Any]) -> None:
         import jaxckpt
 
         self._root = root
-        if "://" in root and not keep_storage_options:  # local-disk options
+        if "://" in root:  # local-disk options
             options = {k: v for k, v in options.items() if k != "storage_options"}
         self._m = jaxckpt.CheckpointManager(root, **options)
 
@@ -242,8 +240,10 @@ def open_saver(spec: dict[str, Any]) -> Any:
         return BackgroundRawSaver(root) if spec["phase"] == "loop" else RawSaver(root)
     if contender.startswith("jaxckpt"):
         if contender.endswith("-lowmem"):
-            options = {**spec["jaxckpt_options"], "storage_options": LOWMEM_STORAGE_OPTIONS}
-            return JaxckptSaver(root, options, keep_storage_options=True)
+            options = {**spec["jaxckpt_options"], "restore_memory_bytes": LOWMEM_RESTORE_BYTES}
+            return JaxckptSaver(root, options)
+        if contender.endswith("-nice"):
+            return JaxckptSaver(root, {**spec["jaxckpt_options"], "writer_nice": WRITER_NICE})
         return JaxckptSaver(root, spec["jaxckpt_options"])
     if contender.startswith("orbax"):
         return OrbaxSaver(root)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchkit.common import CONTENDERS, LOOP_CONTENDERS, Case, _ratio
+from benchkit.common import CONTENDERS, LOOP_CONTENDERS, WRITER_NICE, Case, _ratio
 from benchkit.summary import _get
 
 
@@ -84,14 +84,22 @@ def _loop_rows(summary: dict[str, Any]) -> list[str]:
     loop = summary.get("loop")
     if not loop:
         return [f"| training loop | {summary.get('loop_skipped', 'not run')} | | | | |"]
-    r, j, o = (loop.get(c, {}) for c in LOOP_CONTENDERS)
+    r, j, o, n = (loop.get(c, {}) for c in ("raw", "jaxckpt", "orbax", "jaxckpt-nice"))
     overhead = [_f(x.get("overhead_s_per_save"), 1e3, 1) for x in (r, j, o)]
     in_loop = [_f(x.get("blocking_s_in_loop"), 1e3, 1) for x in (r, j, o)]
+    nice = (
+        f"; writer_nice={WRITER_NICE}: {_f(n.get('overhead_s_per_save'), 1e3, 1)} ms,"
+        f" {_f(_ratio(n.get('overhead_s_per_save'), r.get('overhead_s_per_save')))}× the raw"
+        " writer thread's"
+        if n
+        else ""
+    )
     ratios = (
         f"{_f(_ratio(j.get('overhead_s_per_save'), j.get('blocking_s_alone')))}× its blocking"
         f" alone, {_f(_ratio(j.get('overhead_s_per_save'), r.get('overhead_s_per_save')))}×"
         f" the raw writer thread's overhead (Orbax"
         f" {_f(_ratio(o.get('overhead_s_per_save'), o.get('blocking_s_alone')))}× its blocking)"
+        f"{nice}"
     )
     head = (
         f"training loop ({loop['saves']} saves, one every {loop['every']} steps of "
