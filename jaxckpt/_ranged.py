@@ -25,6 +25,7 @@ import ctypes
 import functools
 import itertools
 import math
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from jaxckpt.errors import StorageError
 _SHORT_MARKERS = ("OUT_OF_RANGE", "Unexpected Content-Range")
 
 
+MALLOC_TUNING_ENV = "JAXCKPT_MALLOC_TUNING"
+"""Set to ``0`` to leave glibc's malloc thresholds alone (see :func:`release_large_frees`)."""
 # mallopt(3) parameters.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -54,8 +57,13 @@ def release_large_frees() -> bool:
     A process-wide setting: blocks of 1 MiB and more are then always mapped
     and unmapped (glibc's own behaviour until the first such block is freed,
     128 KiB by default), and a heap shrinks once 1 MiB at its top is free.
-    Returns False where the C library is not glibc (nothing is changed).
+    Returns False where the C library is not glibc, or where the environment
+    sets ``JAXCKPT_MALLOC_TUNING=0`` (nothing is changed: an application that
+    tunes malloc itself keeps its settings, and restores keep freed response
+    buffers resident as glibc decides).
     """
+    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0":
+        return False
     try:
         libc = ctypes.CDLL(None)  # the process's own symbols, the C library's among them
         mallopt = libc.mallopt

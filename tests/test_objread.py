@@ -189,9 +189,9 @@ def touch_and_free(n, size):
     for b in blocks:
         libc.free(b)
 touch_and_free(1, 16 << 20)  # glibc raises its mmap threshold to 16 MiB
-if sys.argv[1] == "pinned":
+if sys.argv[1] != "default":
     from jaxckpt._ranged import release_large_frees
-    assert release_large_frees()
+    assert release_large_frees() == (sys.argv[1] == "pinned")
 before = rss()
 # What the parts' bytes did: blocks allocated and freed on a reader thread's arena.
 reader = threading.Thread(target=touch_and_free, args=(12, 2 << 20))
@@ -202,20 +202,32 @@ print((rss() - before) >> 20)
 
 
 def test_freed_parts_go_back_to_the_kernel() -> None:
-    """After the reader pins glibc's thresholds, freed 4 MiB blocks leave RSS (glibc only)."""
+    """After the reader pins glibc's thresholds, freed 4 MiB blocks leave RSS (glibc only);
+    ``JAXCKPT_MALLOC_TUNING=0`` leaves glibc's own behaviour."""
+    import os
     import subprocess
     import sys
 
-    kept = {
-        mode: int(
-            subprocess.run(
-                [sys.executable, "-c", _FREES, mode], capture_output=True, text=True, check=True
-            ).stdout
+    from jaxckpt._ranged import MALLOC_TUNING_ENV
+
+    def kept_mib(mode: str) -> int:
+        env = dict(os.environ)
+        env.pop(MALLOC_TUNING_ENV, None)
+        if mode == "opted-out":
+            env[MALLOC_TUNING_ENV] = "0"
+        out = subprocess.run(
+            [sys.executable, "-c", _FREES, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
         )
-        for mode in ("default", "pinned")
-    }
+        return int(out.stdout)
+
+    kept = {mode: kept_mib(mode) for mode in ("default", "pinned", "opted-out")}
     assert kept["default"] >= 16, kept  # glibc's dynamic threshold keeps them resident
     assert kept["pinned"] <= 4, kept
+    assert kept["opted-out"] >= 16, kept
 
 
 def test_default_restore_budget_is_a_tenth_of_the_restore(object_root: str) -> None:
