@@ -70,7 +70,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchkit, also under
 
 from benchkit.common import (
     CASES,
-    CONTENDERS,
     DEFAULT_CASES,
     REPO,
     TINY_CASES,
@@ -80,6 +79,7 @@ from benchkit.common import (
     Settings,
     _progress,
     _size,
+    io_contenders,
 )
 from benchkit.machine import fits_in_memory, machine_info
 from benchkit.measure import run_as_child
@@ -127,7 +127,7 @@ def _run_local_rounds(
     s: Settings, case: Case, step_s: Callable[[], float], scratch: Scratch
 ) -> dict[str, Any]:
     env = child_env()
-    samples = run_io_rounds(s, case, CONTENDERS, scratch, env)
+    samples = run_io_rounds(s, case, io_contenders(case), scratch, env)
     summary: dict[str, Any] = {
         "case": dataclasses.asdict(case),
         "samples": {"io": samples},

@@ -43,11 +43,17 @@ def test_tiny_bench_writes_markdown_chart_and_json(tmp_path: Path) -> None:
         for contender in ("jaxckpt", "orbax"):
             assert case["loop"][contender]["errors"] == [], (name, contender)
         assert {t["verdict"] for t in case["targets"]} <= {"PASS", "MISS", "n/a"}
+    # the packed layout runs side by side in the many-small case (skipped in tiny-big)
+    assert "jaxckpt-packed" in cases["tiny-small"]["io"]
+    assert "jaxckpt-packed" not in cases["tiny-big"]["io"]
+    packed = {t["target"]: t for t in cases["tiny-small"]["targets"]}
+    assert packed["save throughput vs raw write+fsync (layout=packed)"]["value"] > 0
 
     markdown = (out / "bench.md").read_text()
     assert markdown.startswith("# jaxckpt benchmark")
     assert "| case | target | measured | bound | result |" in markdown
     assert "### tiny-big" in markdown and "### tiny-small" in markdown
+    assert "| raw write+fsync | jaxckpt | jaxckpt packed | Orbax |" in markdown
     assert report["machine"]["cpu"] in markdown
 
     png = (out / "bench.png").read_bytes()

@@ -13,7 +13,10 @@ RESULT_MARK = "BENCH-RESULT "
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
 KEEP_BYTES = 3 * GiB  # scratch kept on disk within a case (see Scratch)
-CONTENDERS = ("raw", "jaxckpt", "orbax")
+CONTENDERS = ("raw", "jaxckpt", "jaxckpt-packed", "orbax")
+# jaxckpt-packed: CheckpointOptions(layout="packed") (issue 15), a few pack objects per
+# process instead of two files per leaf; local save + restore rounds only.
+PACKED_OPTIONS = {"layout": "packed"}
 LOOP_CONTENDERS = ("raw", "jaxckpt", "orbax", "jaxckpt-nice")
 # jaxckpt-nice: the background save's threads at nice WRITER_NICE (issue 14, item 4).
 WRITER_NICE = 10
@@ -53,6 +56,14 @@ CASES = {
 }
 DEFAULT_CASES = "big,small,huge"
 TINY_CASES = "tiny-big,tiny-small"
+
+
+def io_contenders(case: Case) -> tuple[str, ...]:
+    """The save + restore contenders of ``case``: all, but the smoke test's tiny few-big
+    case skips ``jaxckpt-packed`` (test time; tiny-small runs it)."""
+    if case.name.startswith("tiny") and case.kind != "many-small":
+        return tuple(c for c in CONTENDERS if c != "jaxckpt-packed")
+    return CONTENDERS
 
 
 def _size(n: float) -> str:

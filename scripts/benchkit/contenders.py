@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Any
 
-from benchkit.common import LOWMEM_RESTORE_BYTES, WRITER_NICE, Case, MiB
+from benchkit.common import LOWMEM_RESTORE_BYTES, PACKED_OPTIONS, WRITER_NICE, Case, MiB
 
 
 def make_state(case: Case, seed: int = 0) -> dict[str, Any]:
@@ -244,6 +244,8 @@ def open_saver(spec: dict[str, Any]) -> Any:
             return JaxckptSaver(root, options)
         if contender.endswith("-nice"):
             return JaxckptSaver(root, {**spec["jaxckpt_options"], "writer_nice": WRITER_NICE})
+        if contender.endswith("-packed"):
+            return JaxckptSaver(root, {**spec["jaxckpt_options"], **PACKED_OPTIONS})
         return JaxckptSaver(root, spec["jaxckpt_options"])
     if contender.startswith("orbax"):
         return OrbaxSaver(root)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from benchkit.common import CONTENDERS, LOOP_CONTENDERS, WRITER_NICE, Case, _ratio
-from benchkit.summary import _get
+from benchkit.summary import PACKED_SUFFIX, _get
 
 
 def _f(value: float | None, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
@@ -21,33 +21,30 @@ def _cell(io: dict[str, Any], contender: str, key: str, scale: float = 1.0, digi
     return _f(entry.get(key), scale, digits)
 
 
-def _verdicts(summary: dict[str, Any], label: str) -> str:
+def _verdicts(summary: dict[str, Any], label: str, prefix: str = "") -> str:
     hits = [t for t in summary.get("targets", []) if t["target"] == label]
-    return "; ".join(f"{t['bound']} → **{t['verdict']}**" for t in hits) or ""
+    return "; ".join(f"{prefix}{t['bound']} → **{t['verdict']}**" for t in hits) or ""
+
+
+def _vs_text(summary: dict[str, Any], contender: str, key: str, others: tuple[str, ...]) -> str:
+    """``contender``'s ``key`` as a multiple of each of ``others``' (``"0.52× raw, ..."``)."""
+    names = {"raw": "raw", "orbax": "Orbax"}
+    mine = _get(summary, contender, key)
+    return ", ".join(f"{_f(_ratio(mine, _get(summary, o, key)))}× {names[o]}" for o in others)
 
 
 def _io_rows(summary: dict[str, Any]) -> list[str]:
     io = summary["io"]
-    j = lambda key: _get(summary, "jaxckpt", key)  # noqa: E731
-    o = lambda key: _get(summary, "orbax", key)  # noqa: E731
-    r = lambda key: _get(summary, "raw", key)  # noqa: E731
-    rows = [
-        (
-            "save: blocking (ms)",
-            "blocking_s",
-            1e3,
-            1,
-            f"{_f(_ratio(j('blocking_s'), o('blocking_s')))}× Orbax",
-            "blocking time vs Orbax",
-        ),
-        ("save: until committed (s)", "commit_s", 1.0, 3, "", ""),
+    # (row, key, scale, digits, ratios to (none, Orbax, or raw and Orbax), target labels)
+    rows: list[tuple[str, str, float, int, tuple[str, ...], str]] = [
+        ("save: blocking (ms)", "blocking_s", 1e3, 1, ("orbax",), "blocking time vs Orbax"),
+        ("save: until committed (s)", "commit_s", 1.0, 3, (), ""),
         (
             "save throughput (GB/s)",
             "save_gbps",
             1.0,
             3,
-            f"{_f(_ratio(j('save_gbps'), r('save_gbps')))}× raw, "
-            f"{_f(_ratio(j('save_gbps'), o('save_gbps')))}× Orbax",
+            ("raw", "orbax"),
             "save throughput vs raw write+fsync|save throughput vs Orbax",
         ),
         (
@@ -55,8 +52,7 @@ def _io_rows(summary: dict[str, Any]) -> list[str]:
             "restore_gbps",
             1.0,
             3,
-            f"{_f(_ratio(j('restore_gbps'), r('restore_gbps')))}× raw, "
-            f"{_f(_ratio(j('restore_gbps'), o('restore_gbps')))}× Orbax",
+            ("raw", "orbax"),
             "restore throughput vs Orbax",
         ),
         (
@@ -64,29 +60,35 @@ def _io_rows(summary: dict[str, Any]) -> list[str]:
             "save_rss",
             1.0,
             2,
-            "",
+            (),
             "peak extra RSS during save / state",
         ),
-        ("peak extra RSS, restore (× state)", "restore_rss", 1.0, 2, "", ""),
-        ("bytes stored (× state)", "stored_ratio", 1.0, 3, "", ""),
+        ("peak extra RSS, restore (× state)", "restore_rss", 1.0, 2, (), ""),
+        ("bytes stored (× state)", "stored_ratio", 1.0, 3, (), ""),
     ]
     out = []
-    for name, key, scale, digits, ratio, labels in rows:
-        verdict = "; ".join(filter(None, (_verdicts(summary, x) for x in labels.split("|"))))
+    for name, key, scale, digits, others, labels in rows:
+        names = labels.split("|")
+        verdicts = [_verdicts(summary, x) for x in names]
+        verdicts += [_verdicts(summary, x + PACKED_SUFFIX, "packed: ") for x in names]
+        verdict = "; ".join(filter(None, verdicts))
         cells = [_cell(io, c, key, scale, digits) for c in CONTENDERS]
         if key == "blocking_s":
             cells[0] = "(= commit)"
-        out.append(f"| {name} | {' | '.join(cells)} | {ratio} | {verdict} |")
+        ratios = [_vs_text(summary, c, key, others) for c in ("jaxckpt", "jaxckpt-packed")]
+        out.append(f"| {name} | {' | '.join(cells)} | {' | '.join(ratios)} | {verdict} |")
     return out
 
 
 def _loop_rows(summary: dict[str, Any]) -> list[str]:
     loop = summary.get("loop")
     if not loop:
-        return [f"| training loop | {summary.get('loop_skipped', 'not run')} | | | | |"]
+        return [f"| training loop | {summary.get('loop_skipped', 'not run')} | | | | | | |"]
     r, j, o, n = (loop.get(c, {}) for c in ("raw", "jaxckpt", "orbax", "jaxckpt-nice"))
     overhead = [_f(x.get("overhead_s_per_save"), 1e3, 1) for x in (r, j, o)]
     in_loop = [_f(x.get("blocking_s_in_loop"), 1e3, 1) for x in (r, j, o)]
+    overhead.insert(2, "(not in the loop)")  # the jaxckpt-packed column
+    in_loop.insert(2, "")
     nice = (
         f"; writer_nice={WRITER_NICE}: {_f(n.get('overhead_s_per_save'), 1e3, 1)} ms,"
         f" {_f(_ratio(n.get('overhead_s_per_save'), r.get('overhead_s_per_save')))}× the raw"
@@ -108,8 +110,8 @@ def _loop_rows(summary: dict[str, Any]) -> list[str]:
     )
     verdict = _verdicts(summary, "training-loop overhead / blocking alone")
     return [
-        f"| {head}: overhead per save (ms) | {' | '.join(overhead)} | {ratios} | {verdict} |",
-        f"| training loop: blocking per save in the loop (ms) | {' | '.join(in_loop)} | | |",
+        f"| {head}: overhead per save (ms) | {' | '.join(overhead)} | {ratios} | | {verdict} |",
+        f"| training loop: blocking per save in the loop (ms) | {' | '.join(in_loop)} | | | |",
     ]
 
 
@@ -162,8 +164,9 @@ def _case_section(summary: dict[str, Any]) -> list[str]:
     if "skipped" in summary:
         return [*lines, f"Skipped: {summary['skipped']}.", ""]
     lines += [
-        "| metric | raw write+fsync | jaxckpt | Orbax | jaxckpt ratio | target |",
-        "|---|---|---|---|---|---|",
+        "| metric | raw write+fsync | jaxckpt | jaxckpt packed | Orbax | jaxckpt ratio"
+        " | packed ratio | target |",
+        "|---|---|---|---|---|---|---|---|",
         *_io_rows(summary),
         *_loop_rows(summary),
     ]
@@ -226,8 +229,8 @@ def _load(values: Any) -> str:
     return " ".join(f"{v:.2f}" for v in values) if values else "?"
 
 
-COLORS = {"raw": "#8c8c8c", "jaxckpt": "#1f77b4", "orbax": "#ff7f0e"}
-LIGHT = {"raw": "#cccccc", "jaxckpt": "#9ecae1", "orbax": "#fdd0a2"}
+COLORS = {"raw": "#8c8c8c", "jaxckpt": "#1f77b4", "jaxckpt-packed": "#2ca02c", "orbax": "#ff7f0e"}
+LIGHT = {"raw": "#cccccc", "jaxckpt": "#9ecae1", "jaxckpt-packed": "#a1d99b", "orbax": "#fdd0a2"}
 
 
 def _bars(
