@@ -10,6 +10,10 @@ if TYPE_CHECKING:
     from jaxckpt.policy import RetentionPolicy, SavePolicy
 
 
+MIN_RESTORE_MEMORY = 1 << 20
+"""The smallest ``restore_memory_bytes`` (its parts are an eighth of it: 128 KiB)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointOptions:
     """How a manager saves, keeps and restores checkpoints.
@@ -48,7 +52,7 @@ class CheckpointOptions:
         beyond the restored arrays: responses in flight plus their copies
         (``read_ahead_bytes`` of the storage options). None: a tenth of each
         restore's bytes, from 16 MiB to 1 GiB (about 1.05x the state at
-        peak). Lower it on hosts with little RAM; raise it on high-latency
+        peak); at least 1 MiB. Lower it on hosts with little RAM; raise it on high-latency
         links. Local roots read chunk files straight into the restored arrays
         and need no budget.
       writer_nice: niceness of the background save's own threads (Linux:
@@ -99,8 +103,17 @@ class CheckpointOptions:
             object.__setattr__(self, "local_root", str(self.local_root))  # a PathLike
         if self.restore_memory_bytes is not None:
             budget = self.restore_memory_bytes
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-                raise ValueError(f"restore_memory_bytes must be an integer >= 1, got {budget!r}")
+            if (
+                isinstance(budget, bool)
+                or not isinstance(budget, int)
+                or budget < MIN_RESTORE_MEMORY
+            ):
+                # Parts are an eighth of the budget: a few bytes would mean a
+                # ranged GET for every few bytes of the checkpoint.
+                raise ValueError(
+                    f"restore_memory_bytes must be an integer >= {MIN_RESTORE_MEMORY} (1 MiB), "
+                    f"got {budget!r}"
+                )
             if "read_ahead_bytes" in self.storage_options:
                 raise ValueError(
                     "restore_memory_bytes and storage_options['read_ahead_bytes'] set the same "

@@ -148,7 +148,10 @@ def test_restore_memory_budget_bounds_the_response_bytes_in_flight(object_root: 
     state = {f"w{i}": jnp.arange(2048 + i, dtype=jnp.float32) for i in range(4)}  # ~8 KiB each
     with jaxckpt.CheckpointManager(object_root) as mgr:
         mgr.save(1, state)
-    mgr = jaxckpt.CheckpointManager(object_root, read_only=True, restore_memory_bytes=3000)
+    # The storage option: restore_memory_bytes refuses budgets under 1 MiB.
+    mgr = jaxckpt.CheckpointManager(
+        object_root, read_only=True, storage_options={"read_ahead_bytes": 3000}
+    )
     restored = mgr.restore(1, target=state)
     for name in state:
         np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(state[name]))
@@ -162,6 +165,7 @@ def test_restore_memory_budget_bounds_the_response_bytes_in_flight(object_root: 
     ("options", "match"),
     [
         ({"restore_memory_bytes": 0}, "restore_memory_bytes"),
+        ({"restore_memory_bytes": 1}, "1 MiB"),  # one-byte ranged GETs otherwise
         ({"restore_memory_bytes": 2.5}, "restore_memory_bytes"),
         (
             {"restore_memory_bytes": 1 << 20, "storage_options": {"read_ahead_bytes": 1 << 20}},
