@@ -33,7 +33,7 @@ from jaxckpt._restore import StepReader, load_step
 from jaxckpt._save import Inflight, SaveSession
 from jaxckpt._storage import open_storage
 from jaxckpt._telemetry import SaveRecorder, SaveStats
-from jaxckpt._tiers import DurableTier, TieredRestore, local_everywhere
+from jaxckpt._tiers import DurableTier, TieredRestore, local_everywhere, require_own_local_roots
 from jaxckpt._tree import PathMap, SavedLeaf, describe_state
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt._verify import VerifyReport, verify_step
@@ -156,6 +156,7 @@ class CheckpointManager:
             self._open_durable(root)
             return
         if local_root is not None:  # each host writes its own local root, in its own epoch
+            require_own_local_roots(self._agreement, self._storage.uri)
             self._protocol.ensure_root(create=True)
             self._protocol.take_epoch()
             if self.options.gc_on_open:

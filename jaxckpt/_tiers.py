@@ -11,6 +11,8 @@ a :class:`~jaxckpt._promote.Promoter` on a background thread
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -319,6 +321,34 @@ def local_everywhere(agreement: Agreement, steps: Iterable[int]) -> set[int]:
     for other in agreement.gather("local-steps", sorted(common)):
         common &= set(other)
     return common
+
+
+def require_own_local_roots(agreement: Agreement, local_uri: str) -> None:
+    """Refuses a local tier that two processes of this job on one machine would share
+    (collective; nothing is written before it passes).
+
+    Every host is the only writer of its local root: two processes on one
+    machine given the same ``local_root`` (say, one process per GPU with
+    ``local_root="/mnt/nvme/run1"``) would fence each other's epochs there.
+    A path on storage that several machines mount is not detected.
+
+    Raises:
+      CheckpointError: two processes have the same host name and local root.
+    """
+    if jax.process_count() == 1:
+        return
+    path = local_uri if "://" in local_uri else os.path.realpath(local_uri)
+    first: dict[tuple[str, str], int] = {}
+    for process, (host, where) in enumerate(
+        agreement.gather("local-roots", [socket.gethostname(), path])
+    ):
+        other = first.setdefault((host, where), process)
+        if other != process:
+            raise CheckpointError(
+                f"local_root {where!r} on host {host}: processes {other} and {process} of this "
+                "job share it; each process needs a local tier of its own, e.g. "
+                f'local_root=f"{where}/{{jax.process_index()}}"'
+            )
 
 
 class TieredRestore:

@@ -134,6 +134,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--local-root", default=None, help="prefix of each process's local tier")
     p.add_argument("--promotion", default="background", help="CheckpointOptions.promotion")
+    p.add_argument(
+        "--shared-local-root", action="store_true", help="every process gets --local-root as is"
+    )
     p.add_argument("--leaves", default=None, help="comma-separated leaves to save (default all)")
     return p.parse_args(argv)
 
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         _LEAVES.update(args.leaves.split(","))
     tiered: dict[str, Any] = {}
     if args.local_root is not None:
-        tiered = {"local_root": f"{args.local_root}{args.process_id}", "promotion": args.promotion}
+        own = "" if args.shared_local_root else str(args.process_id)
+        tiered = {"local_root": f"{args.local_root}{own}", "promotion": args.promotion}
         logging.getLogger("jaxckpt").addHandler(_TierHandler())
         logging.getLogger("jaxckpt").setLevel(logging.INFO)
     manager = jaxckpt.CheckpointManager(

@@ -198,3 +198,23 @@ def test_a_failed_multi_host_save_is_never_promoted(tmp_path: Path) -> None:
     assert sorted(read_requests(local0)) == [STEPS[0]]  # ... is not to be promoted
     local1 = CommitProtocol(open_storage(f"{local}1"))
     assert sorted(local1.committed()) == [STEPS[0]]
+
+
+def test_processes_on_one_machine_cannot_share_a_local_tier(tmp_path: Path) -> None:
+    """Two processes given one local_root would fence each other there: both refuse
+    at construction, naming the root and the processes, and nothing is written."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    extra = (*tiers(local, "external"), "--shared-local-root")
+    with mh.spawn(tmp_path, root, mode="save", extra=extra, **GROUP) as procs:
+        for p in procs:
+            try:
+                p.popen.wait(timeout=60 + mh.LOAD_MARGIN_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"a process hangs\n{p.report()}")
+    for p in procs:
+        assert p.popen.returncode != 0, p.report()
+        assert p.said("READY") == [], p.report()
+        assert f"local_root {str(local)!r} on host" in p.stderr(), p.report()
+        assert "processes 0 and 1 of this job share it" in p.stderr(), p.report()
+    assert not local.exists()  # refused before the local root was created
+    assert not Path(root).exists()
