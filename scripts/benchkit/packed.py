@@ -66,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from benchkit.stores import load_test_servers
+from benchkit.stores import endpoints_env, load_test_servers
 from jaxckpt._storage import open_storage
 
 _REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|DELETE|HEAD|PATCH) ')
@@ -109,13 +109,7 @@ def object_stores(log_dir: Path) -> Iterator[dict[str, tuple[str, Path]]]:
     except BaseException:
         s3.stop()
         raise
-    os.environ.update(
-        AWS_ENDPOINT_URL_S3=s3.endpoint,
-        STORAGE_EMULATOR_HOST=gcs.endpoint,
-        TENSORSTORE_GCS_HTTP_URL=gcs.endpoint,
-        NO_PROXY="127.0.0.1,localhost",
-        no_proxy="127.0.0.1,localhost",
-    )
+    os.environ.update(endpoints_env(s3.endpoint, gcs.endpoint))
     try:
         yield {
             "s3": (f"s3://{s3.bucket}", s3.log_path),

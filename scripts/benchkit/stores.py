@@ -48,6 +48,17 @@ def loopback_endpoint(url: str) -> str:
     return url.rstrip("/")
 
 
+def endpoints_env(s3_endpoint: str, gcs_endpoint: str) -> dict[str, str]:
+    """The environment that sends S3 and GCS requests to the loopback servers."""
+    return {
+        "AWS_ENDPOINT_URL_S3": s3_endpoint,
+        "STORAGE_EMULATOR_HOST": gcs_endpoint,
+        "TENSORSTORE_GCS_HTTP_URL": gcs_endpoint,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+    }
+
+
 @contextmanager
 def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], ...]]:
     """Starts S3 and GCS servers on 127.0.0.1; yields (child env, buckets, server logs).
@@ -72,14 +83,7 @@ def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], ...]]:
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
-    env.update(
-        AWS_ENDPOINT_URL_S3=s3.endpoint,
-        AWS_ENDPOINT_URL=s3.endpoint,
-        STORAGE_EMULATOR_HOST=gcs.endpoint,
-        TENSORSTORE_GCS_HTTP_URL=gcs.endpoint,
-        NO_PROXY="127.0.0.1,localhost",
-        no_proxy="127.0.0.1,localhost",
-    )
+    env.update(endpoints_env(s3.endpoint, gcs.endpoint), AWS_ENDPOINT_URL=s3.endpoint)
     try:
         buckets = {"s3": f"s3://{s3.bucket}", "gcs": f"gs://{gcs.bucket}"}
         yield env, buckets, {"s3": str(s3.log_path), "gcs": str(gcs.log_path)}
