@@ -274,7 +274,8 @@ def _run_gcs_emulator(host: str) -> None:
     sends no ``x-goog-generation`` header with a download, which TensorStore's
     OCDBT driver needs ("Malformed StorageGeneration"). Real GCS does all
     four, and the code under test relies on them, so they are patched here,
-    as is its listen backlog. The emulator serves one request at a time (a plain
+    as are its listen backlog and (5) its silence on ``Expect: 100-continue``
+    (curl then waited 1 s before every upload over 1 MiB). The emulator serves one request at a time (a plain
     ``http.server.HTTPServer``), so the generation check and the upload are
     atomic with respect to other requests.
     """
@@ -361,6 +362,20 @@ def _run_gcs_emulator(host: str) -> None:
     # Not a GCS behaviour, but a test-speed one: the default listen backlog of
     # 5 drops the SYNs of TensorStore's concurrent requests, costing 1 s each.
     http.server.HTTPServer.request_queue_size = 128
+    # GCS answers "Expect: 100-continue" (which curl sends with every upload
+    # over 1 MiB); the emulator's HTTP/1.0 handler does not, so curl waited its
+    # 1 s expect timeout before each such upload's body.
+    original_parse = server.RequestHandler.parse_request
+
+    def parse_request(self: Any) -> bool:
+        ok = original_parse(self)
+        expect = self.headers.get("Expect", "") if ok else ""
+        if expect.lower() == "100-continue" and self.request_version >= "HTTP/1.1":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.wfile.flush()
+        return bool(ok)
+
+    server.RequestHandler.parse_request = parse_request
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _serve_gcs_emulator(host, "patched gcp-storage-emulator")
 
