@@ -275,9 +275,9 @@ def _run_gcs_emulator(host: str) -> None:
     OCDBT driver needs ("Malformed StorageGeneration"). Real GCS does all
     four, and the code under test relies on them, so they are patched here,
     as are its listen backlog and (5) its silence on ``Expect: 100-continue``
-    (curl then waited 1 s before every upload over 1 MiB). The emulator serves one request at a time (a plain
-    ``http.server.HTTPServer``), so the generation check and the upload are
-    atomic with respect to other requests.
+    (curl then waited 1 s before every upload over 1 MiB). The emulator
+    serves one request at a time (a plain ``http.server.HTTPServer``), so the
+    generation check and the upload are atomic with respect to other requests.
     """
     import http.server
     import logging
