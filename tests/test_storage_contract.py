@@ -406,4 +406,3 @@ def test_gcs_endpoint_is_process_wide_and_set_only_when_given(
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:3")
     assert open_storage("gs://bucket/run")._endpoint == "http://127.0.0.1:3"
     assert os.environ[name] == "http://127.0.0.1:3"
-
