@@ -45,6 +45,7 @@ from jaxckpt._layout import (
     WRITERS,
     StepLocation,
     is_latest_hint,
+    is_temp_key,
     manifest_name,
     new_attempt,
     pack_count,
@@ -219,14 +220,23 @@ def valid_marker_steps(storage: Storage) -> list[int]:
 
 
 def stray_objects(storage: Storage, committed: list[int]) -> list[str]:
-    """Stored objects other than root records, epochs, hints and the committed steps' objects."""
+    """Stored objects other than root records, epochs, hints and the committed steps' objects.
+
+    A local create-only write's hidden temp file (``commits/.<marker>.<unix>-<hex>.tmp``)
+    left by a writer killed inside that write is not counted: it is never read
+    or listed as a step, and garbage collection removes it only once it is
+    ``TEMP_GRACE_S`` old, because a fresh one may belong to a live writer.
+    """
     markers = {s: m for s, m in valid_markers(storage).items() if s in committed}
     allowed = {ROOT_RECORD} | {m.key for m in markers.values()}
     prefixes = (WRITERS, *(m.location.prefix for m in markers.values()))
     return [
         k
         for k in storage.list("")
-        if k not in allowed and not k.startswith(prefixes) and not is_latest_hint(k)
+        if k not in allowed
+        and not k.startswith(prefixes)
+        and not is_latest_hint(k)
+        and not is_temp_key(k)
     ]
 
 

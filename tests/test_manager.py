@@ -563,6 +563,11 @@ def test_create_only_local_writes_never_leave_a_torn_record(tmp_path):
     (tmp_path / "commits" / ".2.json.dead.tmp").write_bytes(b"half")  # a crash mid-create
     jaxckpt.CheckpointManager(str(tmp_path)).close()  # GC also drops the temp file
     assert storage.list("commits/") == ["commits/1.json"]
+    # A fresh one may be a live writer's create in progress: kept until TEMP_GRACE_S old.
+    fresh = f".3.json.{int(time.time())}-2414f4.tmp"
+    (tmp_path / "commits" / fresh).write_bytes(b"half")
+    jaxckpt.CheckpointManager(str(tmp_path)).close()
+    assert storage.list("commits/") == [f"commits/{fresh}", "commits/1.json"]
 
 
 def test_numpy_results_are_read_only_views_or_arrays(root):
