@@ -64,21 +64,7 @@ class Agreement:
         Raises:
           CheckpointError: some process did not publish its flag within the timeout.
         """
-        if jax.process_count() == 1:
-            return flag
-        client = self._client()
-        prefix = f"jaxckpt/{self._namespace}/{name}/{next(self._counter)}/"
-        client.key_value_set(prefix + str(jax.process_index()), "1" if flag else "0")
-        flags = []
-        for p in range(jax.process_count()):
-            try:
-                flags.append(client.blocking_key_value_get(prefix + str(p), self._timeout_ms))
-            except Exception as e:
-                raise CheckpointError(
-                    f"process {jax.process_index()}: no {name!r} flag from process {p} "
-                    f"within {self._timeout_s:.0f}s: {e}"
-                ) from e
-        return "1" in flags
+        return any(self.gather(name, bool(flag)))
 
     def gather(self, name: str, value: Any) -> list[Any]:
         """Every process's ``value`` (JSON-serialisable), by process index.
