@@ -240,6 +240,13 @@ def save_policy_from_flags(flag_values: absl_flags.FlagValues | None = None) -> 
         parts.append(
             policy.Adaptive(fv.checkpoint_mtbf_hours, max_overhead=fv.checkpoint_max_overhead)
         )
+    return _any_of(parts, fv)
+
+
+def _any_of(parts: list[SavePolicy], fv: absl_flags.FlagValues) -> SavePolicy | None:
+    """The interval policies combined, plus OnPreemption if asked; None without an interval."""
+    from jaxckpt import policy
+
     if not parts:
         return None
     if fv.checkpoint_on_preemption:
@@ -286,11 +293,7 @@ def promote_policy_from_flags(
         parts.append(policy.EveryNSteps(fv.checkpoint_promote_every_steps))
     if fv.checkpoint_promote_every_seconds is not None:
         parts.append(policy.EveryNSeconds(fv.checkpoint_promote_every_seconds))
-    if not parts:
-        return None
-    if fv.checkpoint_on_preemption:
-        parts.append(policy.OnPreemption())
-    return parts[0] if len(parts) == 1 else policy.AnySave(policies=tuple(parts))
+    return _any_of(parts, fv)
 
 
 def _tier_fields(fv: absl_flags.FlagValues) -> dict[str, Any]:
