@@ -132,13 +132,9 @@ class LocalStorage:
             with open(_join(self._root, key), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 buffer = aligned_empty(size)
-                view = buffer.data
-                done = 0
-                while done < size:
-                    n = f.readinto(view[done:])
-                    if not n:
-                        raise OSError(errno.EIO, f"file shrank while reading ({done} of {size})")
-                    done += n
+                done = _pread_into(f.fileno(), buffer, 0)
+                if done < size:
+                    raise OSError(errno.EIO, f"file shrank while reading ({done} of {size})")
                 return buffer
         except FileNotFoundError:
             return None
@@ -149,14 +145,8 @@ class LocalStorage:
         try:
             with open(_join(self._root, key), "rb", buffering=0) as f:
                 buffer = aligned_empty(size)
-                view = buffer.data
-                done = 0
-                while done < size:
-                    n = os.preadv(f.fileno(), [view[done:]], offset + done)
-                    if not n:
-                        return buffer[:done]  # the object ends early: the caller's size check
-                    done += n
-                return buffer
+                done = _pread_into(f.fileno(), buffer, offset)
+                return buffer[:done]  # short if the object ends early: the caller's size check
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -251,6 +241,18 @@ class LocalStorage:
             "file_io_concurrency": {"limit": self._io_concurrency},
             "file_io_sync": True,
         }
+
+
+def _pread_into(fd: int, buffer: np.ndarray, offset: int) -> int:
+    """Fills ``buffer`` from byte ``offset`` of ``fd``; the bytes read (fewer at end of file)."""
+    view = buffer.data
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if not n:
+            break
+        done += n
+    return done
 
 
 def aligned_empty(size: int, alignment: int = 64) -> np.ndarray:
