@@ -13,8 +13,8 @@ import itertools
 import math
 import sys
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,17 +264,7 @@ def check_chunks(
     kv = ts.KvStore.open(
         storage.kvstore_spec(loc.array_prefix(leaf.name)), context=context
     ).result()
-    queue: deque[tuple[ChunkRecord, Any]] = deque()
-    it = iter(chunks)
-    while True:
-        while len(queue) < window:
-            chunk = next(it, None)
-            if chunk is None:
-                break
-            queue.append((chunk, kv.read(chunk.key)))
-        if not queue:
-            return
-        chunk, fut = queue.popleft()
+    for chunk, fut in _windowed(chunks, lambda c: kv.read(c.key), window):
         try:
             result = fut.result()
         except Exception as e:  # TensorStore raises ValueError with a status text.
@@ -287,6 +277,23 @@ def check_chunks(
         yield chunk, chunk_problem(data, chunk), len(data)
 
 
+def _windowed(
+    chunks: Iterable[ChunkRecord], start: Callable[[ChunkRecord], Any], window: int
+) -> Iterator[tuple[ChunkRecord, Any]]:
+    """``(chunk, start(chunk))`` in order, with at most ``window`` reads started ahead."""
+    queue: deque[tuple[ChunkRecord, Any]] = deque()
+    it = iter(chunks)
+    while True:
+        while len(queue) < window:
+            chunk = next(it, None)
+            if chunk is None:
+                break
+            queue.append((chunk, start(chunk)))
+        if not queue:
+            return
+        yield queue.popleft()
+
+
 def _check_packed_chunks(
     storage: Storage, loc: StepLocation, chunks: Sequence[ChunkRecord], *, window: int
 ) -> Iterator[tuple[ChunkRecord, str | None, int]]:
@@ -296,17 +303,7 @@ def _check_packed_chunks(
         return storage.read_range(loc.key(chunk.pack), chunk.offset, chunk.size)
 
     with ThreadPoolExecutor(window, thread_name_prefix="jaxckpt-check") as pool:
-        queue: deque[tuple[ChunkRecord, Future[bytes | np.ndarray | None]]] = deque()
-        it = iter(chunks)
-        while True:
-            while len(queue) < window:
-                chunk = next(it, None)
-                if chunk is None:
-                    break
-                queue.append((chunk, pool.submit(read, chunk)))
-            if not queue:
-                return
-            chunk, fut = queue.popleft()
+        for chunk, fut in _windowed(chunks, lambda c: pool.submit(read, c), window):
             try:
                 data = fut.result()
             except Exception as e:  # StorageError (names the pack) or a bad record
