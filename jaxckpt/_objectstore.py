@@ -91,13 +91,16 @@ class ObjectStoreOptions:
         of a prefix), covering stalled connections that retries do not; None
         waits forever.
       read_part_bytes: the largest ranged GET of a restore; a larger chunk
-        object is fetched by several requests at once. None: an eighth of
-        the budget, at most 4 MiB (so four or more requests are in flight).
+        object is fetched by several requests at once. None: a fifth of the
+        budget, at most 16 MiB (so two or more requests are in flight).
       read_ahead_bytes: the restore's memory budget on this store, beyond the
-        restored arrays themselves: the responses in flight at once plus the
-        copy each becomes on its way into its array (at least one part).
-        Lower it on hosts with little RAM; raise it on high-latency links
-        (throughput ≈ read_ahead_bytes / 2 / round-trip time). None: a tenth
+        restored arrays themselves: the responses in flight at once, plus
+        three parts for the Python copy of the one being placed into its
+        array and for what malloc keeps of freed parts (at least one part in
+        flight).
+        Lower it on hosts with little RAM; raise it on
+        high-latency links (throughput ≈ read_ahead_bytes / round-trip
+        time). None: a tenth
         of each restore's bytes, from 16 MiB to 1 GiB
         (:func:`restore_budget`).
         ``CheckpointOptions.restore_memory_bytes`` sets it for a manager.
@@ -138,9 +141,11 @@ class ObjectStoreOptions:
         if ahead is None:
             ahead = restore_budget(restore_bytes)
         part = self.read_part_bytes
-        return (max(1, min(4 << 20, ahead // 8)) if part is None else part), ahead
+        return (max(1, min(MAX_READ_PART_BYTES, ahead // 5)) if part is None else part), ahead
 
 
+MAX_READ_PART_BYTES = 16 << 20
+"""The default part of a ranged GET is at most this (a fifth of the budget below it)."""
 MIN_RESTORE_BUDGET = 16 << 20
 MAX_RESTORE_BUDGET = 1 << 30
 
@@ -148,9 +153,9 @@ MAX_RESTORE_BUDGET = 1 << 30
 def restore_budget(restore_bytes: int) -> int:
     """The default memory budget of a restore: a tenth of its bytes, 16 MiB to 1 GiB.
 
-    Half of it is in flight, so a restore peaks at about 1.05x the state
-    (from 160 MiB of state up), and a large restore keeps many requests in
-    flight on a high-latency link.
+    Two fifths of it are in flight, so a restore peaks at about 1.08x the
+    state (from 160 MiB of state up: the issue-14 benchmark), and a large
+    restore keeps many requests in flight on a high-latency link.
 
     >>> restore_budget(256 << 20) >> 20
     25

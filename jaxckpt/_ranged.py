@@ -10,25 +10,25 @@ as soon as it is copied, and at most ``ahead_bytes`` of parts are in flight
 for one storage object (all reader threads together), which bounds the
 transient memory. A large object is fetched by several requests at once.
 
-glibc's malloc raises its mmap threshold to the size of the largest block
-freed so far (up to 32 MiB) and then keeps freed blocks of that size in its
-per-thread arenas, where :func:`malloc_trim` cannot reach the top of a heap:
-the parts' ``bytes`` (allocated on reader threads) stayed resident after they
-were freed, 0.3-0.4x the state on the issue-14 benchmark. The first reader in
-a process therefore pins glibc's mmap and trim thresholds
-(:func:`release_large_frees`), so that a freed part goes back to the kernel.
+Every part is turned into ``bytes`` and copied by the process's one placer
+thread, whichever thread asked for it. glibc's malloc serves each thread from
+its own arena and keeps the blocks freed there for that arena's next
+allocations: with the parts placed by eight reader threads, eight arenas each
+kept a few parts' worth resident (0.3x the state on the issue-14 benchmark),
+and returning them to the kernel instead (``mallopt``) cost a page fault per
+4 KiB on every part, which made restores 1.5-2x slower. One placer thread
+reuses one arena's few blocks for every part.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import itertools
 import math
 import os
 import threading
-from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 import tensorstore as ts
@@ -39,42 +39,6 @@ from jaxckpt.errors import StorageError
 # TensorStore's answer when an object is shorter than the requested range
 # (S3: OUT_OF_RANGE; the GCS emulator: an unexpected Content-Range).
 _SHORT_MARKERS = ("OUT_OF_RANGE", "Unexpected Content-Range")
-
-
-MALLOC_TUNING_ENV = "JAXCKPT_MALLOC_TUNING"
-"""Set to ``0`` to leave glibc's malloc thresholds alone (see :func:`release_large_frees`)."""
-# mallopt(3) parameters.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-LARGE_FREE_BYTES = 1 << 20
-"""Blocks at least this large are mmap-ed and returned to the kernel when freed."""
-
-
-@functools.cache
-def release_large_frees() -> bool:
-    """Pins glibc's malloc thresholds at :data:`LARGE_FREE_BYTES` (once per process).
-
-    A process-wide setting: blocks of 1 MiB and more are then always mapped
-    and unmapped (glibc's own behaviour until the first such block is freed,
-    128 KiB by default), and a heap shrinks once 1 MiB at its top is free.
-    Returns False where the C library is not glibc, or where the environment
-    sets ``JAXCKPT_MALLOC_TUNING=0`` (nothing is changed: an application that
-    tunes malloc itself keeps its settings, and restores keep freed response
-    buffers resident as glibc decides).
-    """
-    if os.environ.get(MALLOC_TUNING_ENV, "1") == "0":
-        return False
-    try:
-        libc = ctypes.CDLL(None)  # the process's own symbols, the C library's among them
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # noqa: B018 -- glibc only
-    except (OSError, AttributeError, TypeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(
-        mallopt(_M_MMAP_THRESHOLD, LARGE_FREE_BYTES)
-        and mallopt(_M_TRIM_THRESHOLD, LARGE_FREE_BYTES)
-    )
 
 
 class ShortObjectError(Exception):
@@ -103,6 +67,29 @@ def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
+_placer_lock = threading.Lock()
+_placers: dict[int, ThreadPoolExecutor] = {}
+
+
+def _placer() -> ThreadPoolExecutor:
+    """The process's one placer thread (a forked child starts its own)."""
+    pid = os.getpid()
+    with _placer_lock:
+        if pid not in _placers:
+            _placers.clear()
+            _placers[pid] = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-place")
+        return _placers[pid]
+
+
+PLACEMENT_PARTS = 3
+"""Parts of the budget not in flight: the Python copy being placed, and what malloc keeps."""
+
+
+def _slots(part_bytes: int, ahead_bytes: int) -> threading.Semaphore:
+    """One slot per part in flight: the budget less :data:`PLACEMENT_PARTS` (at least one)."""
+    return threading.Semaphore(max(1, ahead_bytes // part_bytes - PLACEMENT_PARTS))
+
+
 class RangedReader:
     """Reads objects of known size into aligned buffers, parts in parallel.
 
@@ -110,9 +97,10 @@ class RangedReader:
       kv: the bucket's kvstore.
       part_bytes: the largest ranged GET.
       ahead_bytes: the transient memory of every thread using this reader
-        together: the parts in flight plus the Python copy each becomes before
-        it lands in its buffer, so ``ahead_bytes // (2 * part_bytes)`` parts
-        are in flight (at least one).
+        together: the parts in flight, the Python copy of the one being
+        placed, and what malloc keeps of the parts it freed (measured: one to
+        two parts), so ``ahead_bytes // part_bytes - 3`` parts are in flight
+        (at least one).
       timeout_s: the longest wait for one part, or for room in the budget.
       error: turns a TensorStore failure into a :class:`StorageError`.
     """
@@ -128,7 +116,7 @@ class RangedReader:
     ) -> None:
         self._kv = kv
         self._part = part_bytes
-        self._slots = threading.Semaphore(max(1, ahead_bytes // (2 * part_bytes)))
+        self._slots = _slots(part_bytes, ahead_bytes)
         self.ahead_bytes = ahead_bytes
         self._timeout = timeout_s
         self._error = error
@@ -136,7 +124,6 @@ class RangedReader:
         self._inflight = 0
         self.peak_inflight_bytes = 0
         """The most response bytes requested and not yet placed, at any moment."""
-        release_large_frees()
 
     def set_budget(self, *, part_bytes: int, ahead_bytes: int) -> bool:
         """Changes the budget between restores; False (unchanged) while reads are in flight.
@@ -148,7 +135,7 @@ class RangedReader:
             if self._inflight:
                 return False
             self._part = part_bytes
-            self._slots = threading.Semaphore(max(1, ahead_bytes // (2 * part_bytes)))
+            self._slots = _slots(part_bytes, ahead_bytes)
             self.ahead_bytes = ahead_bytes
             return True
 
@@ -165,61 +152,75 @@ class RangedReader:
           StorageError: the store failed, or no part arrived within the timeout.
         """
         buffer = aligned_empty(size)
-        pending: deque[tuple[int, int, ts.Future[ts.KvStore.ReadResult]]] = deque()
+        # Held until placed or cancelled: a finished request holds its response.
+        requests: dict[int, ts.Future[ts.KvStore.ReadResult]] = {}
+        placed: list[Future[bool]] = []
         try:
             for lo, hi in part_ranges(size, self._part):
-                if not self._acquire(name, pending, buffer):
-                    return None
-                self._count(hi - lo)
-                future = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
-                pending.append((lo, hi, future))
-            while pending:
-                if not self._place(name, pending.popleft(), buffer):
-                    return None
-        finally:
-            for lo, hi, future in pending:
-                future.cancel()
-                self._count(lo - hi)
-                self._slots.release()
-        return buffer
-
-    def _acquire(self, name: str, pending: deque, buffer: np.ndarray) -> bool:
-        """Takes a slot; while none is free, finishes this thread's own oldest part.
-
-        Returns False if a finished part says the object is missing.
-
-        A thread never waits for a slot while it holds one, so threads sharing
-        the budget cannot deadlock.
-        """
-        while not self._slots.acquire(blocking=False):
-            if not pending:
-                if not self._slots.acquire(timeout=self._timeout):
+                slots = self._slots
+                if not slots.acquire(timeout=self._timeout):
                     raise self._error("read", name, TimeoutError())
-                return True
-            if not self._place(name, pending.popleft(), buffer):
-                return False
-        return True
-
-    def _place(self, name: str, item: tuple, buffer: np.ndarray) -> bool:
-        """Copies one finished part into ``buffer`` and frees its slot; False if missing."""
-        lo, hi, future = item
-        try:
-            try:
-                result = future.result(timeout=self._timeout)
-            except TimeoutError as e:
-                future.cancel()
-                raise self._error("read", name, e) from e
-            except (ValueError, NotImplementedError) as e:
-                if any(m in str(e) for m in _SHORT_MARKERS):
-                    raise ShortObjectError(name) from e
-                raise self._error("read", name, e) from e
-            if result.state != "value":
-                return False
-            value = result.value
-            if len(value) != hi - lo:
-                raise ShortObjectError(name)
-            buffer[lo:hi] = np.frombuffer(value, np.uint8)
-            return True
+                self._count(hi - lo)
+                requests[lo] = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
+                placed.append(self._when_done(requests, name, buffer, lo, hi, slots))
+            found = True
+            for part in placed:
+                try:
+                    found = part.result(timeout=self._timeout) and found
+                except FutureTimeout as e:
+                    raise self._error("read", name, TimeoutError()) from e
+            return buffer if found else None
         finally:
-            self._count(lo - hi)
-            self._slots.release()
+            for request in list(requests.values()):
+                request.cancel()  # frees the slot of a part still in flight
+
+    def _when_done(
+        self,
+        requests: dict[int, ts.Future[ts.KvStore.ReadResult]],
+        name: str,
+        buffer: np.ndarray,
+        lo: int,
+        hi: int,
+        slots: threading.Semaphore,
+    ) -> Future[bool]:
+        """Part ``lo``'s placement, queued on the placer thread once its response is in."""
+        placed: Future[bool] = Future()
+
+        def place() -> None:
+            try:
+                placed.set_result(self._place(requests[lo], name, buffer, lo, hi))
+            except BaseException as e:  # the reading thread raises it
+                placed.set_exception(e)
+            finally:
+                requests.pop(lo, None)  # the response's memory goes with the request
+                self._count(lo - hi)
+                slots.release()
+
+        def queue(_: ts.Future[ts.KvStore.ReadResult]) -> None:
+            _placer().submit(place)
+
+        requests[lo].add_done_callback(queue)
+        return placed
+
+    def _place(
+        self,
+        request: ts.Future[ts.KvStore.ReadResult],
+        name: str,
+        buffer: np.ndarray,
+        lo: int,
+        hi: int,
+    ) -> bool:
+        """Copies one finished part into ``buffer``; False if the object is missing."""
+        try:
+            result = request.result(timeout=0)
+        except (ValueError, NotImplementedError) as e:
+            if any(m in str(e) for m in _SHORT_MARKERS):
+                raise ShortObjectError(name) from e
+            raise self._error("read", name, e) from e
+        if result.state != "value":
+            return False
+        value = result.value
+        if len(value) != hi - lo:
+            raise ShortObjectError(name)
+        buffer[lo:hi] = np.frombuffer(value, np.uint8)
+        return True

@@ -113,7 +113,13 @@ START_TIMEOUT_S = 60.0
 _LISTENING = re.compile(r"(?:Running on|listening on) http://127\.0\.0\.1:(\d+)")
 
 
-def _spawn(name: str, argv: list[str], probe_path: str, log_dir: Path) -> Server:
+def _spawn(
+    name: str,
+    argv: list[str],
+    probe_path: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+) -> Server:
     """Starts a server that binds a port of its own choosing (port 0) and logs it.
 
     No port is picked by the caller and released, so no other process can take
@@ -121,7 +127,7 @@ def _spawn(name: str, argv: list[str], probe_path: str, log_dir: Path) -> Server
     """
     log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = Server(name, "", BUCKET, process, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not (match := _LISTENING.search(server.log_tail(100_000))):
@@ -145,10 +151,20 @@ def _spawn(name: str, argv: list[str], probe_path: str, log_dir: Path) -> Server
             time.sleep(0.05)
 
 
+MOTO_KEY_BUFFER_BYTES = 4 << 30
+"""Objects up to this size stay in moto's memory."""
+
+
 def start_moto(log_dir: Path) -> Server:
-    """Starts ``moto_server`` on a loopback port it picks, with bucket :data:`BUCKET`."""
+    """Starts ``moto_server`` on a loopback port it picks, with bucket :data:`BUCKET`.
+
+    Objects are kept in memory, as in the GCS emulator: moto spills an object
+    over 5 MiB to a temporary file by default, and reads that file whole for
+    every GET, ranged or not.
+    """
     binary = str(Path(sys.executable).parent / "moto_server")
-    server = _spawn("moto", [binary, "-H", "127.0.0.1", "-p", "0"], "/", log_dir)
+    env = dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(MOTO_KEY_BUFFER_BYTES))
+    server = _spawn("moto", [binary, "-H", "127.0.0.1", "-p", "0"], "/", log_dir, env)
     try:
         s3_client(server.endpoint).create_bucket(Bucket=server.bucket)
     except BaseException:
