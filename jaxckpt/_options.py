@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 MIN_RESTORE_MEMORY = 1 << 20
-"""The smallest ``restore_memory_bytes`` (its parts are an eighth of it: 128 KiB)."""
+"""The smallest ``restore_memory_bytes`` (its parts are a fifth of it: 204 KiB)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,10 +49,10 @@ class CheckpointOptions:
       promotion: ``"background"`` (a thread of this manager promotes) or
         ``"external"`` (a ``jaxckpt promote`` process does; ``close`` does not wait).
       restore_memory_bytes: the restore's memory budget on object stores,
-        beyond the restored arrays: responses in flight plus their copies
-        (``read_ahead_bytes`` of the storage options). None: a tenth of each
-        restore's bytes, from 16 MiB to 1 GiB (about 1.05x the state at
-        peak); at least 1 MiB. Lower it on hosts with little RAM; raise it on high-latency
+        beyond the restored arrays: responses in flight plus room for their
+        copies (``read_ahead_bytes`` of the storage options). None: a tenth
+        of each restore's bytes, from 16 MiB to 1 GiB (about 1.08x the state
+        at peak); at least 1 MiB. Lower it on hosts with little RAM; raise it on high-latency
         links. Local roots read chunk files straight into the restored arrays
         and need no budget.
       writer_nice: niceness of the background save's own threads (Linux:

@@ -40,6 +40,10 @@ Flags (all prefixed ``checkpoint_``):
   promotion are always kept); the ``keep`` flags above apply to the durable root.
 * ``--checkpoint_promotion``: ``background`` (a thread of the trainer promotes) or
   ``external`` (a ``jaxckpt promote --watch`` sidecar does).
+* ``--checkpoint_restore_memory_mib``: ``restore_memory_bytes`` in MiB, the memory a
+  restore from ``gs://`` or ``s3://`` may use beyond the restored arrays.
+* ``--checkpoint_writer_nice``: ``writer_nice``, niceness 0-19 of the background save's
+  own threads.
 
 With no interval flag, every ``save`` call saves. The save policies combine with ``|``: a
 step is saved when any of them says so.
@@ -89,6 +93,8 @@ FLAG_NAMES = (
     "checkpoint_promote_every_seconds",
     "checkpoint_local_keep_last",
     "checkpoint_promotion",
+    "checkpoint_restore_memory_mib",
+    "checkpoint_writer_nice",
 )
 _TIER_FLAGS = (
     "checkpoint_promote_every_steps",
@@ -213,6 +219,22 @@ def define_flags(flag_values: absl_flags.FlagValues | None = None) -> None:
         lower_bound=1,
         **kw,
     )
+    flags.DEFINE_integer(
+        "checkpoint_restore_memory_mib",
+        None,
+        "Restores from gs:// or s3:// use at most this much memory beyond the restored arrays "
+        "(default: a tenth of each restore, 16 MiB to 1 GiB).",
+        lower_bound=1,
+        **kw,
+    )
+    flags.DEFINE_integer(
+        "checkpoint_writer_nice",
+        0,
+        "Niceness 0-19 of the background save's own threads (Linux), below the training loop.",
+        lower_bound=0,
+        upper_bound=19,
+        **kw,
+    )
     flags.DEFINE_enum(
         "checkpoint_promotion",
         "background",
@@ -332,8 +354,11 @@ def options_from_flags(
         "save_policy": save_policy_from_flags(fv),
         "retention": retention_from_flags(fv),
         "save_timeout_s": fv.checkpoint_timeout_seconds,
+        "writer_nice": fv.checkpoint_writer_nice,
         **_tier_fields(fv),
     }
+    if fv.checkpoint_restore_memory_mib is not None:
+        fields["restore_memory_bytes"] = fv.checkpoint_restore_memory_mib << 20
     fields.update(overrides)
     return CheckpointOptions(**fields)
 

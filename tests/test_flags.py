@@ -123,6 +123,21 @@ def test_command_line_parsing_through_as_parsed(tmp_path):
     assert opts.save_timeout_s == 30.0
 
 
+def test_restore_memory_and_writer_nice_flags(tmp_path):
+    opts = jaxckpt.flags.options_from_flags()
+    assert (opts.restore_memory_bytes, opts.writer_nice) == (None, 0)
+    with flagsaver.as_parsed(
+        checkpoint_root=str(tmp_path),
+        checkpoint_restore_memory_mib="64",
+        checkpoint_writer_nice="10",
+    ):
+        opts = jaxckpt.flags.options_from_flags()
+    assert (opts.restore_memory_bytes, opts.writer_nice) == (64 << 20, 10)
+    with pytest.raises(flags.IllegalFlagValueError, match="checkpoint_writer_nice"):
+        FLAGS["checkpoint_writer_nice"].parse("20")
+    assert opts.storage_kwargs("s3://bucket/run")["read_ahead_bytes"] == 64 << 20
+
+
 @flagsaver.flagsaver(checkpoint_root=None)
 def test_manager_needs_a_root():
     with pytest.raises(ValueError, match="--checkpoint_root"):
