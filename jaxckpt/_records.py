@@ -110,6 +110,10 @@ class ChunkRecord:
         raise CorruptCheckpointError(f"{what}: malformed chunk record {item!r}")
 
 
+PLAIN_CODECS = "bytes+crc32c"
+"""A manifest part's ``codecs``: its arrays' chunks are raw little-endian bytes || crc32c."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ManifestPart:
     """The chunks one process wrote for one step."""
@@ -123,6 +127,12 @@ class ManifestPart:
     """``"plain"`` (one object per chunk) or ``"packed"`` (chunks inside pack objects)."""
     packs: Mapping[str, int] = field(default_factory=dict)
     """Packed: every pack object this process wrote (name relative to the attempt) and its size."""
+    plain_codecs: bool = False
+    """Every array of this part is stored with jaxckpt's own codec chain (zarr ``bytes``,
+    little-endian, then ``crc32c``), so a restore need not read its ``zarr.json`` to know
+    that its chunks are raw bytes plus a CRC32C trailer. Written as ``"codecs":
+    "bytes+crc32c"`` by saves since this field exists; a part without it (older saves,
+    ``jaxckpt cp --compress``) has each array's ``zarr.json`` read instead."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -140,6 +150,8 @@ class ManifestPart:
         }
         if self.layout == "packed":
             body.update(version=PACKED_VERSION, layout=self.layout, packs=dict(self.packs))
+        if self.plain_codecs:
+            body["codecs"] = PLAIN_CODECS
         return dumps(body)
 
     @classmethod
@@ -160,6 +172,7 @@ class ManifestPart:
             arrays=arrays,
             layout=layout,
             packs={str(k): int(v) for k, v in obj.get("packs", {}).items()},
+            plain_codecs=obj.get("codecs") == PLAIN_CODECS,
         )
 
     @property

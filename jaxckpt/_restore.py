@@ -40,6 +40,8 @@ class LoadedStep:
     versions: Mapping[str, str] = field(default_factory=dict)
     layout: str = "plain"
     """``"packed"`` when the step's chunks live in pack objects (see ``_pack``)."""
+    plain_codecs: bool = False
+    """Every manifest part says its arrays use jaxckpt's codec chain (``ManifestPart``)."""
 
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
@@ -47,7 +49,8 @@ def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
     tree = json.loads(protocol.read_step_file(marker, TREE_FILE))
     chunks: dict[str, list[ChunkRecord]] = {}
     layouts = set()
-    for part in protocol.read_manifest(marker):
+    parts = protocol.read_manifest(marker)
+    for part in parts:
         layouts.add(part.layout)
         for name, records in part.arrays.items():
             chunks.setdefault(name, []).extend(records)
@@ -58,6 +61,7 @@ def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
         user_metadata=tree.get("metadata"),
         versions=tree.get("versions") or {},
         layout="packed" if "packed" in layouts else "plain",
+        plain_codecs=bool(parts) and all(p.plain_codecs for p in parts),
     )
 
 
@@ -157,9 +161,11 @@ class StepReader:
     def plain_names(self, loaded: LoadedStep, leaves: Iterable[SavedLeaf]) -> set[str]:
         """Names of ``leaves`` stored with jaxckpt's plain codec chain (read chunk by chunk).
 
-        Every leaf of a packed step is (its chunks have the plain chain's bytes).
+        Every leaf of a packed step is (its chunks have the plain chain's bytes),
+        and of a step whose manifest parts all say so; otherwise each leaf's
+        ``zarr.json`` is read.
         """
-        if loaded.layout == "packed":
+        if loaded.layout == "packed" or loaded.plain_codecs:
             return {leaf.name for leaf in leaves if leaf.name is not None}
         kv = ts.KvStore.open(
             self._protocol.storage.kvstore_spec(loaded.marker.location.arrays_prefix),

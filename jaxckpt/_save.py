@@ -155,6 +155,7 @@ class SaveSession:
                 arrays=records,
                 layout=layout,
                 packs=packs,
+                plain_codecs=layout == "plain",  # ArrayWriter's chain: zarr_metadata()
             )
 
         extra = []

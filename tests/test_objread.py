@@ -243,3 +243,30 @@ def test_default_restore_budget_is_a_tenth_of_the_restore(object_root: str) -> N
     fixed = open_storage(object_root, read_ahead_bytes=3000)
     fixed.plan_restore(400 << 20)  # type: ignore[attr-defined]
     assert fixed._ranged.ahead_bytes == 3000  # type: ignore[attr-defined]
+
+
+def test_a_saved_step_is_restored_without_reading_its_zarr_json(
+    object_root: str, monkeypatch
+) -> None:
+    """Its manifest says the codec chain (``"codecs": "bytes+crc32c"``): one GET per leaf less."""
+    from jaxckpt import _restore
+    from jaxckpt._records import PLAIN_CODECS
+
+    state = {f"w{i}": jnp.arange(1000 + i, dtype=jnp.float32) for i in range(3)}
+    with jaxckpt.CheckpointManager(object_root) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        marker = mgr._protocol.require_marker(1)  # type: ignore[attr-defined]
+        loaded = _restore.load_step(mgr._protocol, marker)  # type: ignore[attr-defined]
+        assert loaded.plain_codecs
+        manifests = [n for n in marker.files if n.startswith("manifest/")]
+        raw = mgr._protocol.read_step_file(marker, manifests[0])  # type: ignore[attr-defined]
+        assert f'"codecs":"{PLAIN_CODECS}"' in raw.decode().replace(" ", "")
+
+        def no_zarr_json(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise AssertionError("zarr.json read")
+
+        monkeypatch.setattr(_restore, "plain_leaves", no_zarr_json)
+        restored = mgr.restore(1, target=state)
+    for name in state:
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(state[name]))
