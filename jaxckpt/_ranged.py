@@ -85,9 +85,33 @@ PLACEMENT_PARTS = 3
 """Parts of the budget not in flight: the Python copy being placed, and what malloc keeps."""
 
 
-def _slots(part_bytes: int, ahead_bytes: int) -> threading.Semaphore:
-    """One slot per part in flight: the budget less :data:`PLACEMENT_PARTS` (at least one)."""
-    return threading.Semaphore(max(1, ahead_bytes // part_bytes - PLACEMENT_PARTS))
+class _Budget:
+    """Bytes of responses in flight, at most ``capacity`` (one request alone may exceed it)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._used = 0
+        self._changed = threading.Condition()
+
+    def acquire(self, nbytes: int, timeout: float | None) -> bool:
+        """Takes ``nbytes``; False if there was no room within ``timeout``."""
+        with self._changed:
+            if not self._changed.wait_for(
+                lambda: self._used == 0 or self._used + nbytes <= self.capacity, timeout
+            ):
+                return False
+            self._used += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._changed:
+            self._used -= nbytes
+            self._changed.notify_all()
+
+
+def _budget(part_bytes: int, ahead_bytes: int) -> _Budget:
+    """The budget less :data:`PLACEMENT_PARTS` parts (at least one part)."""
+    return _Budget(max(part_bytes, ahead_bytes - PLACEMENT_PARTS * part_bytes))
 
 
 class RangedReader:
@@ -99,8 +123,8 @@ class RangedReader:
       ahead_bytes: the transient memory of every thread using this reader
         together: the parts in flight, the Python copy of the one being
         placed, and what malloc keeps of the parts it freed (measured: one to
-        two parts), so ``ahead_bytes // part_bytes - 3`` parts are in flight
-        (at least one).
+        two parts), so ``ahead_bytes - 3 * part_bytes`` of responses are in
+        flight (at least one part; small objects count their own size).
       timeout_s: the longest wait for one part, or for room in the budget.
       error: turns a TensorStore failure into a :class:`StorageError`.
     """
@@ -116,7 +140,7 @@ class RangedReader:
     ) -> None:
         self._kv = kv
         self._part = part_bytes
-        self._slots = _slots(part_bytes, ahead_bytes)
+        self._budget = _budget(part_bytes, ahead_bytes)
         self.ahead_bytes = ahead_bytes
         self._timeout = timeout_s
         self._error = error
@@ -128,14 +152,13 @@ class RangedReader:
     def set_budget(self, *, part_bytes: int, ahead_bytes: int) -> bool:
         """Changes the budget between restores; False (unchanged) while reads are in flight.
 
-        A read racing the change may return its slot to the new budget: one
-        part over it at most, never a deadlock.
+        Every part returns its bytes to the budget it took them from.
         """
         with self._count_lock:
             if self._inflight:
                 return False
             self._part = part_bytes
-            self._slots = _slots(part_bytes, ahead_bytes)
+            self._budget = _budget(part_bytes, ahead_bytes)
             self.ahead_bytes = ahead_bytes
             return True
 
@@ -157,12 +180,12 @@ class RangedReader:
         placed: list[Future[bool]] = []
         try:
             for lo, hi in part_ranges(size, self._part):
-                slots = self._slots
-                if not slots.acquire(timeout=self._timeout):
+                budget = self._budget
+                if not budget.acquire(hi - lo, self._timeout):
                     raise self._error("read", name, TimeoutError())
                 self._count(hi - lo)
                 requests[lo] = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
-                placed.append(self._when_done(requests, name, buffer, lo, hi, slots))
+                placed.append(self._when_done(requests, name, buffer, lo, hi, budget))
             found = True
             for part in placed:
                 try:
@@ -172,7 +195,7 @@ class RangedReader:
             return buffer if found else None
         finally:
             for request in list(requests.values()):
-                request.cancel()  # frees the slot of a part still in flight
+                request.cancel()  # returns the budget of a part still in flight
 
     def _when_done(
         self,
@@ -181,7 +204,7 @@ class RangedReader:
         buffer: np.ndarray,
         lo: int,
         hi: int,
-        slots: threading.Semaphore,
+        budget: _Budget,
     ) -> Future[bool]:
         """Part ``lo``'s placement, queued on the placer thread once its response is in."""
         placed: Future[bool] = Future()
@@ -194,7 +217,7 @@ class RangedReader:
             finally:
                 requests.pop(lo, None)  # the response's memory goes with the request
                 self._count(lo - hi)
-                slots.release()
+                budget.release(hi - lo)
 
         def queue(_: ts.Future[ts.KvStore.ReadResult]) -> None:
             _placer().submit(place)
