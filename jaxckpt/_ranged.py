@@ -6,9 +6,10 @@ must copy it: holding those objects until every leaf is read doubled restore
 memory on object stores. Here a chunk object whose size is known (from the
 manifest) is read as ranged GETs of ``part_bytes`` into a buffer from
 :func:`aligned_empty` that becomes the array; each part's ``bytes`` is dropped
-as soon as it is copied, and at most ``ahead_bytes`` of parts are in flight
-for one storage object (all reader threads together), which bounds the
-transient memory. A large object is fetched by several requests at once.
+as soon as it is copied, and the responses in flight for one storage object
+(all reader threads together) are bounded by ``ahead_bytes``, less room for
+the copies, which bounds the transient memory. A large object is fetched by
+several requests at once.
 
 Every part is turned into ``bytes`` and copied by the process's one placer
 thread, whichever thread asked for it. glibc's malloc serves each thread from
