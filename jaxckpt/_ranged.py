@@ -185,7 +185,12 @@ class RangedReader:
                 if not budget.acquire(hi - lo, self._timeout):
                     raise self._error("read", name, TimeoutError())
                 self._count(hi - lo)
-                requests[lo] = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
+                try:
+                    requests[lo] = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
+                except BaseException:
+                    self._count(lo - hi)
+                    budget.release(hi - lo)
+                    raise
                 placed.append(self._when_done(requests, name, buffer, lo, hi, budget))
             found = True
             for part in placed:
