@@ -97,7 +97,7 @@ class Scratch:
 
 
 class BucketRoots:
-    """Roots in the loopback buckets (in-memory servers: nothing to delete)."""
+    """Roots in the loopback buckets (each measurement empties its own root)."""
 
     def __init__(self, buckets: dict[str, str]) -> None:
         self._buckets = buckets
