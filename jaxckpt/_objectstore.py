@@ -97,11 +97,9 @@ class ObjectStoreOptions:
         restored arrays themselves: the responses in flight at once, plus
         three parts for the Python copy of the one being placed into its
         array and for what malloc keeps of freed parts (at least one part in
-        flight).
-        Lower it on hosts with little RAM; raise it on
-        high-latency links (throughput ≈ read_ahead_bytes / round-trip
-        time). None: a tenth
-        of each restore's bytes, from 16 MiB to 1 GiB
+        flight). Lower it on hosts with little RAM; raise it on high-latency
+        links (throughput ≈ two fifths of read_ahead_bytes / round-trip
+        time). None: a tenth of each restore's bytes, from 16 MiB to 1 GiB
         (:func:`restore_budget`).
         ``CheckpointOptions.restore_memory_bytes`` sets it for a manager.
     """
