@@ -92,7 +92,13 @@ class _Budget:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._used = 0
+        self.peak = 0
+        """The most bytes in flight at any moment."""
         self._changed = threading.Condition()
+
+    @property
+    def used(self) -> int:
+        return self._used
 
     def acquire(self, nbytes: int, timeout: float | None) -> bool:
         """Takes ``nbytes``; False if there was no room within ``timeout``."""
@@ -102,6 +108,7 @@ class _Budget:
             ):
                 return False
             self._used += nbytes
+            self.peak = max(self.peak, self._used)
             return True
 
     def release(self, nbytes: int) -> None:
@@ -145,28 +152,25 @@ class RangedReader:
         self.ahead_bytes = ahead_bytes
         self._timeout = timeout_s
         self._error = error
-        self._count_lock = threading.Lock()
-        self._inflight = 0
-        self.peak_inflight_bytes = 0
+        self._earlier_peak = 0  # of the budgets set_budget replaced
+
+    @property
+    def peak_inflight_bytes(self) -> int:
         """The most response bytes requested and not yet placed, at any moment."""
+        return max(self._earlier_peak, self._budget.peak)
 
     def set_budget(self, *, part_bytes: int, ahead_bytes: int) -> bool:
         """Changes the budget between restores; False (unchanged) while reads are in flight.
 
         Every part returns its bytes to the budget it took them from.
         """
-        with self._count_lock:
-            if self._inflight:
-                return False
-            self._part = part_bytes
-            self._budget = _budget(part_bytes, ahead_bytes)
-            self.ahead_bytes = ahead_bytes
-            return True
-
-    def _count(self, nbytes: int) -> None:
-        with self._count_lock:
-            self._inflight += nbytes
-            self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight)
+        if self._budget.used:
+            return False
+        self._earlier_peak = self.peak_inflight_bytes
+        self._part = part_bytes
+        self._budget = _budget(part_bytes, ahead_bytes)
+        self.ahead_bytes = ahead_bytes
+        return True
 
     def read(self, name: str, size: int, offset: int = 0) -> np.ndarray | None:
         """``size`` bytes of object ``name`` from byte ``offset``; None if it does not exist.
@@ -184,11 +188,9 @@ class RangedReader:
                 budget = self._budget
                 if not budget.acquire(hi - lo, self._timeout):
                     raise self._error("read", name, TimeoutError())
-                self._count(hi - lo)
                 try:
                     requests[lo] = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
                 except BaseException:
-                    self._count(lo - hi)
                     budget.release(hi - lo)
                     raise
                 placed.append(self._when_done(requests, name, buffer, lo, hi, budget))
@@ -222,7 +224,6 @@ class RangedReader:
                 placed.set_exception(e)
             finally:
                 requests.pop(lo, None)  # the response's memory goes with the request
-                self._count(lo - hi)
                 budget.release(hi - lo)
 
         def queue(_: ts.Future[ts.KvStore.ReadResult]) -> None:
