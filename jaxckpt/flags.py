@@ -253,16 +253,24 @@ def save_policy_from_flags(flag_values: absl_flags.FlagValues | None = None) -> 
     from jaxckpt import policy
 
     fv = _fv(flag_values)
-    parts: list[SavePolicy] = []
-    if fv.checkpoint_every_steps is not None:
-        parts.append(policy.EveryNSteps(fv.checkpoint_every_steps))
-    if fv.checkpoint_every_seconds is not None:
-        parts.append(policy.EveryNSeconds(fv.checkpoint_every_seconds))
+    parts = _intervals(fv.checkpoint_every_steps, fv.checkpoint_every_seconds)
     if fv.checkpoint_mtbf_hours is not None:
         parts.append(
             policy.Adaptive(fv.checkpoint_mtbf_hours, max_overhead=fv.checkpoint_max_overhead)
         )
     return _any_of(parts, fv)
+
+
+def _intervals(steps: int | None, seconds: float | None) -> list[SavePolicy]:
+    """EveryNSteps and EveryNSeconds for the interval flags that are set."""
+    from jaxckpt import policy
+
+    parts: list[SavePolicy] = []
+    if steps is not None:
+        parts.append(policy.EveryNSteps(steps))
+    if seconds is not None:
+        parts.append(policy.EveryNSeconds(seconds))
+    return parts
 
 
 def _any_of(parts: list[SavePolicy], fv: absl_flags.FlagValues) -> SavePolicy | None:
@@ -307,14 +315,9 @@ def promote_policy_from_flags(
     flag_values: absl_flags.FlagValues | None = None,
 ) -> SavePolicy | None:
     """Which local saves the flags promote; None (every one) when no promote interval is set."""
-    from jaxckpt import policy
 
     fv = _fv(flag_values)
-    parts: list[SavePolicy] = []
-    if fv.checkpoint_promote_every_steps is not None:
-        parts.append(policy.EveryNSteps(fv.checkpoint_promote_every_steps))
-    if fv.checkpoint_promote_every_seconds is not None:
-        parts.append(policy.EveryNSeconds(fv.checkpoint_promote_every_seconds))
+    parts = _intervals(fv.checkpoint_promote_every_steps, fv.checkpoint_promote_every_seconds)
     return _any_of(parts, fv)
 
 
