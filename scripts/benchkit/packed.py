@@ -66,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from benchkit.stores import endpoints_env, load_test_servers
+from benchkit.stores import endpoints_env, load_test_servers, start_both
 from jaxckpt._storage import open_storage
 
 _REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|DELETE|HEAD|PATCH) ')
@@ -103,12 +103,7 @@ def object_stores(log_dir: Path) -> Iterator[dict[str, tuple[str, Path]]]:
     """Starts moto and the GCS emulator; yields ``{kind: (bucket URI, server log)}``."""
     servers = load_test_servers()
     servers.isolate_cloud_env(os.environ, str(log_dir))
-    s3 = servers.start_moto(log_dir)
-    try:
-        gcs = servers.start_gcs_emulator(log_dir)
-    except BaseException:
-        s3.stop()
-        raise
+    s3, gcs = start_both(servers, log_dir)
     os.environ.update(endpoints_env(s3.endpoint, gcs.endpoint))
     try:
         yield {

@@ -59,6 +59,16 @@ def endpoints_env(s3_endpoint: str, gcs_endpoint: str) -> dict[str, str]:
     }
 
 
+def start_both(servers: ModuleType, log_dir: Path) -> tuple[Any, Any]:
+    """``(moto, GCS emulator)`` started on loopback; moto is stopped again if the emulator fails."""
+    s3 = servers.start_moto(log_dir)
+    try:
+        return s3, servers.start_gcs_emulator(log_dir)
+    except BaseException:
+        s3.stop()
+        raise
+
+
 @contextmanager
 def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], ...]]:
     """Starts S3 and GCS servers on 127.0.0.1; yields (child env, buckets, server logs).
@@ -73,12 +83,7 @@ def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], ...]]:
     saved_env = dict(os.environ)
     servers.isolate_cloud_env(os.environ, str(log_dir))  # boto3 here and in the children
     try:
-        s3 = servers.start_moto(log_dir)
-        try:
-            gcs = servers.start_gcs_emulator(log_dir)
-        except BaseException:
-            s3.stop()
-            raise
+        s3, gcs = start_both(servers, log_dir)
         env = child_env()
     finally:
         os.environ.clear()
