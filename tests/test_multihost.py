@@ -511,11 +511,12 @@ def test_dead_peer_during_the_exchange_is_bounded(
     ) as procs:
         survivor, target = procs
         wait_for_phase(target, f"JAXCKPT_PHASE {phase} {STEPS[1]}", procs)
-        target.popen.send_signal(signal.SIGKILL)
-        try:
-            survivor.popen.wait(timeout=DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"process 0 hangs after its peer died\n{survivor.report()}")
+        kill_and_outlive(
+            target,
+            survivor,
+            DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S,
+            "process 0 hangs after its peer died",
+        )
     assert survivor.popen.returncode == 0, survivor.report()
     (failed,) = survivor.said("FAILED")
     _, error, seconds = failed.split()
@@ -578,11 +579,12 @@ def test_killed_peer_times_the_save_out(
     ) as procs:
         target, survivor = procs[victim], procs[0]
         wait_for_phase(target, f"JAXCKPT_PHASE {phase} {STEPS[1]}", procs)
-        target.popen.send_signal(signal.SIGKILL)
-        try:
-            survivor.popen.wait(timeout=DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"process 0 hangs after its peer died\n{survivor.report()}")
+        kill_and_outlive(
+            target,
+            survivor,
+            DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S,
+            "process 0 hangs after its peer died",
+        )
     assert survivor.popen.returncode == 0, survivor.report()
     assert survivor.said("COMMITTED") == [f"COMMITTED {STEPS[0]}"], survivor.report()
     (failed,) = survivor.said("FAILED")
@@ -614,11 +616,12 @@ def test_killed_primary_on_process_0_aborts_the_others(tmp_path: Path) -> None:
     ) as procs:
         target, survivor = procs
         wait_for_phase(target, f"JAXCKPT_PHASE data_written {STEPS[1]}", procs)
-        target.popen.send_signal(signal.SIGKILL)
-        try:
-            survivor.popen.wait(timeout=PRIMARY_DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"process 1 hangs after the primary died\n{survivor.report()}")
+        kill_and_outlive(
+            target,
+            survivor,
+            PRIMARY_DIE_SAVE_TIMEOUT_S + LOAD_MARGIN_S,
+            "process 1 hangs after the primary died",
+        )
     assert survivor.said("COMMITTED") == [f"COMMITTED {STEPS[0]}"], survivor.report()
     failed = survivor.said("FAILED")
     if survivor.popen.returncode == -signal.SIGABRT:
@@ -672,6 +675,15 @@ def test_primary_writes_the_marker_only_after_every_part(tmp_path: Path) -> None
     with jaxckpt.CheckpointManager(root) as writer:  # the next writer removes the partial step
         assert writer.steps() == [STEPS[0]]
         assert state.stray_objects(storage, [STEPS[0]]) == []
+
+
+def kill_and_outlive(target: Proc, survivor: Proc, timeout_s: float, hang: str) -> None:
+    """SIGKILLs ``target``; ``survivor`` must exit within ``timeout_s``, else the test fails."""
+    target.popen.send_signal(signal.SIGKILL)
+    try:
+        survivor.popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{hang}\n{survivor.report()}")
 
 
 def wait_for_phase(target: Proc, line: str, procs: list[Proc]) -> None:

@@ -22,7 +22,6 @@ b. external promotion: one ``jaxckpt promote`` per host, run at once (the
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -188,8 +187,12 @@ def test_a_failed_multi_host_save_is_never_promoted(tmp_path: Path) -> None:
     ) as procs:
         target, survivor = procs[1], procs[0]
         mh.wait_for_phase(target, f"JAXCKPT_PHASE data_written {STEPS[1]}", procs)
-        target.popen.send_signal(signal.SIGKILL)
-        survivor.popen.wait(timeout=mh.DIE_SAVE_TIMEOUT_S + mh.LOAD_MARGIN_S)
+        mh.kill_and_outlive(
+            target,
+            survivor,
+            mh.DIE_SAVE_TIMEOUT_S + mh.LOAD_MARGIN_S,
+            "process 0 hangs after its peer died",
+        )
     assert survivor.popen.returncode == 0, survivor.report()
     (failed,) = survivor.said("FAILED")
     assert failed.split()[1] == "SaveTimeoutError", survivor.report()
