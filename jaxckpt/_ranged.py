@@ -19,11 +19,18 @@ kept a few parts' worth resident (0.3x the state on the issue-14 benchmark),
 and returning them to the kernel instead (``mallopt``) cost a page fault per
 4 KiB on every part, which made restores 1.5-2x slower. One placer thread
 reuses one arena's few blocks for every part.
+
+With a :class:`~jaxckpt._httpread.DirectReader` (the default on S3 and GCS),
+parts are instead read by its own HTTP connections straight into the buffer
+(no response copy, so no budget: parts of ``direct_part_bytes``, the first on
+the calling thread, the others on this reader's GET threads). A part that
+fails there is read again through TensorStore as above.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import threading
@@ -34,8 +41,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import tensorstore as ts
 
+from jaxckpt._httpread import DirectReader, DirectReadError
 from jaxckpt._storage import aligned_empty
 from jaxckpt.errors import StorageError
+
+_log = logging.getLogger(__name__)
 
 # TensorStore's answer when an object is shorter than the requested range
 # (S3: OUT_OF_RANGE; the GCS emulator: an unexpected Content-Range).
@@ -135,6 +145,11 @@ class RangedReader:
         flight (at least one part; small objects count their own size).
       timeout_s: the longest wait for one part, or for room in the budget.
       error: turns a TensorStore failure into a :class:`StorageError`.
+      direct: reads parts over its own connections into the buffer (while
+        it is enabled); TensorStore reads what fails there.
+      direct_part_bytes: the largest part of a direct read.
+      direct_threads: the GET threads for the second and later parts of
+        direct reads (the first is read on the calling thread).
     """
 
     def __init__(
@@ -145,8 +160,17 @@ class RangedReader:
         ahead_bytes: int,
         timeout_s: float | None,
         error: Callable[[str, str, BaseException], StorageError],
+        direct: DirectReader | None = None,
+        direct_part_bytes: int = 64 << 20,
+        direct_threads: int = 16,
     ) -> None:
         self._kv = kv
+        self.direct = direct
+        self._direct_part = direct_part_bytes
+        self._direct_threads = direct_threads
+        self._get_pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0
+        self._pool_lock = threading.Lock()
         self._part = part_bytes
         self._budget = _budget(part_bytes, ahead_bytes)
         self.ahead_bytes = ahead_bytes
@@ -179,6 +203,8 @@ class RangedReader:
           ShortObjectError: the object is shorter than ``offset + size``.
           StorageError: the store failed, or no part arrived within the timeout.
         """
+        if self.direct is not None and self.direct.enabled:
+            return self._read_direct(self.direct, name, size, offset)
         buffer = aligned_empty(size)
         # Held until placed or cancelled: a finished request holds its response.
         requests: dict[int, ts.Future[ts.KvStore.ReadResult]] = {}
@@ -204,6 +230,63 @@ class RangedReader:
         finally:
             for request in list(requests.values()):
                 request.cancel()  # returns the budget of a part still in flight
+
+    def _read_direct(
+        self, direct: DirectReader, name: str, size: int, offset: int
+    ) -> np.ndarray | None:
+        """:meth:`read` over ``direct``'s connections, parts in parallel, into the buffer."""
+        buffer = aligned_empty(size)
+        first, *rest = part_ranges(size, self._direct_part)
+        others = [
+            self._pool().submit(self._direct_part_into, direct, name, buffer, offset, lo, hi)
+            for lo, hi in rest
+        ]
+        found = self._direct_part_into(direct, name, buffer, offset, *first)
+        for part in others:
+            try:
+                found = part.result(timeout=self._timeout) and found
+            except FutureTimeout as e:
+                raise self._error("read", name, TimeoutError()) from e
+        return buffer if found else None
+
+    def _direct_part_into(
+        self, direct: DirectReader, name: str, buffer: np.ndarray, offset: int, lo: int, hi: int
+    ) -> bool:
+        """Reads ``[lo, hi)`` into ``buffer`` directly, else through TensorStore."""
+        try:
+            got = direct.read_into(name, offset + lo, buffer[lo:hi].data)
+        except DirectReadError as e:
+            _log.debug(
+                "direct read of %s [%d, %d) failed (%s); reading it through TensorStore",
+                name,
+                offset + lo,
+                offset + hi,
+                e,
+            )
+            request = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
+            try:
+                request.result(timeout=self._timeout)
+            except FutureTimeout as timeout:
+                request.cancel()
+                raise self._error("read", name, TimeoutError()) from timeout
+            except (ValueError, NotImplementedError):
+                pass  # _place reports it
+            return self._place(request, name, buffer, lo, hi)
+        if got is None:
+            return False
+        if got < hi - lo:
+            raise ShortObjectError(name)
+        return True
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """This reader's GET threads (a forked child starts its own)."""
+        with self._pool_lock:
+            if self._get_pool is None or self._pool_pid != os.getpid():
+                self._get_pool = ThreadPoolExecutor(
+                    self._direct_threads, thread_name_prefix="jaxckpt-get"
+                )
+                self._pool_pid = os.getpid()
+            return self._get_pool
 
     def _when_done(
         self,

@@ -2,7 +2,9 @@
 
 Real loopback servers (moto, the GCS emulator); part sizes are shrunk so that
 small objects exercise many parts, a budget smaller than one object and
-several threads sharing it.
+several threads sharing it. The read tests run on both read paths: jaxckpt's
+own connections (``direct_reads``, the default) and TensorStore's (the
+fallback, and the budget's subject).
 """
 
 from __future__ import annotations
@@ -21,10 +23,17 @@ import jaxckpt
 from jaxckpt._storage import open_storage
 
 SMALL_PARTS = {"read_part_bytes": 1000, "read_ahead_bytes": 3000}
+THROUGH_TENSORSTORE = {"direct_reads": False}
 
 
-def test_ranged_read_is_exact_aligned_and_writable(object_root: str) -> None:
-    storage = open_storage(object_root, **SMALL_PARTS)
+@pytest.fixture(params=["direct", "tensorstore"])
+def parts(request: pytest.FixtureRequest) -> dict[str, object]:
+    """Small parts, read by jaxckpt's own connections or through TensorStore."""
+    return {**SMALL_PARTS, "direct_reads": request.param == "direct"}
+
+
+def test_ranged_read_is_exact_aligned_and_writable(object_root: str, parts) -> None:
+    storage = open_storage(object_root, **parts)
     data = np.random.default_rng(0).bytes(10_007)
     storage.write("obj/a", data)
     buffer = storage.read_buffer("obj/a", len(data))
@@ -34,8 +43,8 @@ def test_ranged_read_is_exact_aligned_and_writable(object_root: str) -> None:
     assert storage.read_buffer("obj/missing", 5000) is None
 
 
-def test_a_shorter_object_is_read_whole_so_the_size_check_sees_it(object_root: str) -> None:
-    storage = open_storage(object_root, **SMALL_PARTS)
+def test_a_shorter_object_is_read_whole_so_the_size_check_sees_it(object_root: str, parts) -> None:
+    storage = open_storage(object_root, **parts)
     storage.write("obj/short", b"x" * 2500)
     whole = storage.read_buffer("obj/short", 4000)
     assert whole is not None and bytes(whole) == b"x" * 2500
@@ -45,9 +54,11 @@ def test_a_shorter_object_is_read_whole_so_the_size_check_sees_it(object_root: s
 
 
 def test_threads_sharing_a_budget_smaller_than_their_objects_all_finish(
-    object_root: str,
+    object_root: str, parts
 ) -> None:
-    storage = open_storage(object_root, read_part_bytes=700, read_ahead_bytes=1400)
+    storage = open_storage(
+        object_root, read_part_bytes=700, read_ahead_bytes=1400, direct_reads=parts["direct_reads"]
+    )
     blobs = {f"obj/{i}": np.random.default_rng(i).bytes(5_000 + i) for i in range(6)}
     for key, blob in blobs.items():
         storage.write(key, blob)
@@ -66,11 +77,13 @@ def test_threads_sharing_a_budget_smaller_than_their_objects_all_finish(
     assert results == blobs
 
 
-def test_restore_through_small_parts_is_bit_exact_and_catches_damage(object_root: str) -> None:
+def test_restore_through_small_parts_is_bit_exact_and_catches_damage(
+    object_root: str, parts
+) -> None:
     state = {"w": jnp.arange(4096, dtype=jnp.float32), "b": jnp.ones((3, 5), jnp.int8)}
-    with jaxckpt.CheckpointManager(object_root, storage_options=SMALL_PARTS) as mgr:
+    with jaxckpt.CheckpointManager(object_root, storage_options=parts) as mgr:
         mgr.save(1, state)
-    mgr = jaxckpt.CheckpointManager(object_root, read_only=True, storage_options=SMALL_PARTS)
+    mgr = jaxckpt.CheckpointManager(object_root, read_only=True, storage_options=parts)
     restored = mgr.restore(1, target=state)
     for name in state:
         np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(state[name]))
@@ -79,23 +92,28 @@ def test_restore_through_small_parts_is_bit_exact_and_catches_damage(object_root
         mgr.restore(1)
 
 
-def test_restore_reports_a_truncated_chunk_by_its_size(object_root: str) -> None:
-    with jaxckpt.CheckpointManager(object_root, storage_options=SMALL_PARTS) as mgr:
+def test_restore_reports_a_truncated_chunk_by_its_size(object_root: str, parts) -> None:
+    with jaxckpt.CheckpointManager(object_root, storage_options=parts) as mgr:
         mgr.save(1, {"w": jnp.arange(4096, dtype=jnp.float32)})
     storage = open_storage(object_root)
     key = chunk_path(object_root, 1, "w", 0)[len(object_root.rstrip("/")) + 1 :]
     storage.write(key, (storage.read(key) or b"")[:5000])
-    mgr = jaxckpt.CheckpointManager(object_root, read_only=True, storage_options=SMALL_PARTS)
+    mgr = jaxckpt.CheckpointManager(object_root, read_only=True, storage_options=parts)
     with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"chunk c/0 .*size 5000 != recorded"):
         mgr.restore(1)
 
 
 @pytest.mark.parametrize(
     "options",
-    [{"read_part_bytes": 0}, {"read_ahead_bytes": -1}, {"read_part_bytes": 1.5}],
+    [
+        {"read_part_bytes": 0},
+        {"read_ahead_bytes": -1},
+        {"read_part_bytes": 1.5},
+        {"direct_reads": "yes"},
+    ],
 )
 def test_read_options_are_validated(options: dict[str, object]) -> None:
-    with pytest.raises(ValueError, match="read_"):
+    with pytest.raises(ValueError, match=next(iter(options))):
         open_storage("s3://bucket/p", **options)
 
 
@@ -150,7 +168,9 @@ def test_restore_memory_budget_bounds_the_response_bytes_in_flight(object_root: 
         mgr.save(1, state)
     # The storage option: restore_memory_bytes refuses budgets under 1 MiB.
     mgr = jaxckpt.CheckpointManager(
-        object_root, read_only=True, storage_options={"read_ahead_bytes": 3000}
+        object_root,
+        read_only=True,
+        storage_options={"read_ahead_bytes": 3000, **THROUGH_TENSORSTORE},
     )
     restored = mgr.restore(1, target=state)
     for name in state:
@@ -222,7 +242,8 @@ def test_every_part_is_placed_by_one_thread(object_root: str, monkeypatch) -> No
 
     monkeypatch.setattr(_ranged.RangedReader, "_place", recording)
     state = {f"w{i}": jnp.arange(4096 + i, dtype=jnp.float32) for i in range(8)}
-    with jaxckpt.CheckpointManager(object_root, storage_options=SMALL_PARTS) as mgr:
+    options = {**SMALL_PARTS, **THROUGH_TENSORSTORE}
+    with jaxckpt.CheckpointManager(object_root, storage_options=options) as mgr:
         mgr.save(1, state)
         restored = mgr.restore(1, target=state)
     for name in state:

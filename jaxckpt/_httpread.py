@@ -1,0 +1,286 @@
+"""Ranged GETs of S3 and GCS objects straight into the caller's buffer.
+
+TensorStore hands every read to Python as a new ``bytes`` object, copied out
+of its own response buffer: a restore through it either holds twice the bytes
+in flight or keeps few requests in flight (issue 14). The restore's chunk
+reads instead go over this module's own HTTP connections
+(:mod:`http.client`), whose ``readinto`` writes each response body into the
+array buffer it becomes: no response copy, and memory no larger than the
+arrays, so every reader thread keeps a request in flight.
+
+Only GETs of byte ranges go this way; writes, listings, markers and manifests
+stay on TensorStore. Requests are signed with the well-kept client libraries
+of each cloud: botocore's credential chain and SigV4 signer for S3
+(``jaxckpt[s3]``), google-auth's application-default credentials for GCS
+(``jaxckpt[gcs]``). Without them, or with an HTTP proxy in the environment
+(which TensorStore's libcurl honours and this reader does not), restores read
+through TensorStore. A read that fails here for any reason other than a
+missing or short object raises :class:`DirectReadError`, and the caller reads
+that range through TensorStore, with its retries.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import re
+import ssl
+import threading
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+_log = logging.getLogger(__name__)
+
+_GCS_READ_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
+_GCS_PUBLIC = "https://storage.googleapis.com"
+_DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
+FAILURES_BEFORE_OFF = 3
+"""Consecutive failed direct reads after which a reader leaves every read to TensorStore."""
+
+Authorize = Callable[[str, dict[str, str]], None]
+"""Adds the authorization headers of a GET of a URL to ``headers``."""
+
+
+class DirectReadError(Exception):
+    """A direct read failed; the caller reads the same range through TensorStore."""
+
+
+class DirectReader:
+    """GETs of byte ranges of one bucket's objects, into caller buffers.
+
+    Args:
+      base_url: ``scheme://host[:port]`` of the service.
+      object_path: the request path (with query) of an object name.
+      authorize: signs a request (adds headers), or None for anonymous requests.
+      timeout_s: the socket timeout of each connect, send and receive.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        object_path: Callable[[str], str],
+        authorize: Authorize | None,
+        timeout_s: float | None,
+    ) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) base URL: {base_url!r}")
+        self.base_url = f"{parts.scheme}://{parts.netloc}"
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port
+        self._object_path = object_path
+        self._authorize = authorize
+        self._timeout = timeout_s
+        self._lock = threading.Lock()
+        self._idle: list[http.client.HTTPConnection] = []
+        self._pid = os.getpid()
+        self._failures = 0
+        self.enabled = True
+        """False once :data:`FAILURES_BEFORE_OFF` reads in a row failed."""
+        self.reads = 0
+        """Ranges read here."""
+        self.failed = 0
+        """Ranges that failed here (and went to TensorStore)."""
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> int | None:
+        """Reads ``len(out)`` bytes of object ``name`` from ``offset`` into ``out``.
+
+        Returns:
+          None if the object does not exist; else the bytes it had in the
+          range, which is less than ``len(out)`` only if it is shorter.
+
+        Raises:
+          DirectReadError: anything else (a status other than 200/206/404/416,
+            a broken connection, a timeout); ``out`` may hold part of the range.
+        """
+        path = self._object_path(name)
+        headers = {"Range": f"bytes={offset}-{offset + len(out) - 1}"}
+        conn = self._take()
+        reuse = False
+        try:
+            if self._authorize is not None:
+                self._authorize(self.base_url + path, headers)
+            conn.request("GET", path, headers=headers)
+            response = conn.getresponse()
+            got, reuse = self._body(response, offset, out)
+        except DirectReadError:
+            self._failed()
+            raise
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            self._failed()
+            raise DirectReadError(f"{type(e).__name__}: {e}") from e
+        finally:
+            self._give(conn, reuse)
+        with self._lock:
+            self._failures = 0
+            self.reads += 1
+        return got
+
+    def _body(
+        self, response: http.client.HTTPResponse, offset: int, out: memoryview
+    ) -> tuple[int | None, bool]:
+        """``(bytes read or None, whether the connection can be reused)``."""
+        status = response.status
+        if status in (404, 416):  # missing; or the object ends before the range
+            response.read()
+            return (None if status == 404 else 0), True
+        if status not in (200, 206) or (status == 200 and offset):
+            raise DirectReadError(f"HTTP {status} {response.reason}")
+        length = response.length  # None: no Content-Length (chunked)
+        want = len(out) if length is None else min(len(out), length)
+        got = 0
+        while got < want:
+            n = response.readinto(out[got:want])
+            if not n:
+                raise DirectReadError(f"the response ended after {got} of {want} bytes")
+            got += n
+        # Reused only once the body is read to its end (not so: a 200 longer than the range).
+        return got, response.isclosed()
+
+    def _take(self) -> http.client.HTTPConnection:
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's sockets are not ours
+                self._idle, self._pid = [], os.getpid()
+            if self._idle:
+                return self._idle.pop()
+        if self._https:
+            return http.client.HTTPSConnection(
+                self._host, self._port, timeout=self._timeout, context=ssl.create_default_context()
+            )
+        return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+
+    def _give(self, conn: http.client.HTTPConnection, reuse: bool) -> None:
+        if not reuse:
+            conn.close()
+            return
+        with self._lock:
+            self._idle.append(conn)
+
+    def _failed(self) -> None:
+        with self._lock:
+            self.failed += 1
+            self._failures += 1
+            if self._failures >= FAILURES_BEFORE_OFF and self.enabled:
+                self.enabled = False
+                _log.warning(
+                    "%d direct reads from %s failed in a row; "
+                    "reading through TensorStore from now on",
+                    self._failures,
+                    self.base_url,
+                )
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _proxied(url: str) -> bool:
+    """Whether the environment sends requests to ``url`` through a proxy."""
+    parts = urllib.parse.urlsplit(url)
+    proxies = urllib.request.getproxies()
+    if parts.scheme not in proxies:
+        return False
+    return not urllib.request.proxy_bypass(parts.netloc)
+
+
+def s3_reader(
+    bucket: str, region: str, endpoint: str | None, timeout_s: float | None
+) -> DirectReader | None:
+    """A reader of an S3 bucket, or None (botocore missing, or a proxy in the way).
+
+    Requests are signed with SigV4 by botocore, with credentials from its
+    default chain (environment, shared files, SSO, web identity, instance
+    metadata), resolved on the first read; without credentials they are
+    anonymous. A custom ``endpoint`` is addressed path-style
+    (``endpoint/bucket/key``), as TensorStore does; AWS virtual-hosted style
+    when the bucket name allows it.
+    """
+    try:
+        import botocore.auth
+        import botocore.awsrequest
+        import botocore.session
+    except ImportError:
+        _log.debug("botocore is not installed: s3:// restores read through TensorStore")
+        return None
+    if endpoint:
+        base, prefix = endpoint.rstrip("/"), f"/{bucket}/"
+    elif _DNS_BUCKET.match(bucket):
+        base, prefix = f"https://{bucket}.s3.{region}.amazonaws.com", "/"
+    else:
+        base, prefix = f"https://s3.{region}.amazonaws.com", f"/{bucket}/"
+    if _proxied(base):
+        return None
+    lock = threading.Lock()
+    chain: list[Any] = []  # botocore's credentials, once resolved (None: anonymous)
+
+    def authorize(url: str, headers: dict[str, str]) -> None:
+        with lock:
+            if not chain:
+                chain.append(botocore.session.get_session().get_credentials())
+        credentials = chain[0]
+        if credentials is None:
+            return
+        request = botocore.awsrequest.AWSRequest("GET", url, headers=headers)
+        frozen = credentials.get_frozen_credentials()
+        botocore.auth.S3SigV4Auth(frozen, "s3", region).add_auth(request)
+        headers.update(request.headers.items())
+
+    def object_path(name: str) -> str:
+        return prefix + urllib.parse.quote(name, safe="/~")
+
+    return DirectReader(base, object_path, authorize, timeout_s)
+
+
+def gcs_reader(bucket: str, endpoint: str | None, timeout_s: float | None) -> DirectReader | None:
+    """A reader of a GCS bucket (JSON API media downloads), or None.
+
+    Over HTTPS, requests carry google-auth's application-default credentials
+    (read-only scope), resolved on the first read and refreshed on demand;
+    without credentials they are anonymous, as TensorStore's are. Over plain
+    HTTP (an emulator, e.g. ``STORAGE_EMULATOR_HOST``) they are anonymous: a
+    bearer token is never sent unencrypted. None if google-auth (or its
+    ``requests`` transport) is missing for an HTTPS endpoint, or a proxy is in
+    the way.
+    """
+    base = (endpoint or _GCS_PUBLIC).rstrip("/")
+    if _proxied(base):
+        return None
+    quoted_bucket = urllib.parse.quote(bucket, safe="")
+
+    def object_path(name: str) -> str:
+        return f"/storage/v1/b/{quoted_bucket}/o/{urllib.parse.quote(name, safe='')}?alt=media"
+
+    if base.startswith("http://"):
+        return DirectReader(base, object_path, None, timeout_s)
+    try:
+        import google.auth
+        import google.auth.exceptions
+        import google.auth.transport.requests
+    except ImportError:
+        _log.debug("google-auth is not installed: gs:// restores read through TensorStore")
+        return None
+    lock = threading.Lock()
+    chain: list[Any] = []  # the credentials, once resolved (None: anonymous)
+
+    def authorize(url: str, headers: dict[str, str]) -> None:
+        with lock:
+            if not chain:
+                try:
+                    credentials, _ = google.auth.default(scopes=[_GCS_READ_SCOPE])
+                except google.auth.exceptions.DefaultCredentialsError:
+                    credentials = None
+                chain.append(credentials)
+            credentials = chain[0]
+            if credentials is None:
+                return
+            if not credentials.valid:
+                credentials.refresh(google.auth.transport.requests.Request())
+            credentials.apply(headers)
+
+    return DirectReader(base, object_path, authorize, timeout_s)
