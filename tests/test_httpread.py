@@ -1,0 +1,206 @@
+"""Direct reads (``jaxckpt._httpread``): jaxckpt's own GETs into the restored arrays.
+
+Against the real loopback S3 and GCS servers (the restore path, and its
+fallback to TensorStore), and against a small HTTP server on loopback that
+answers the way a misbehaving store or proxy would.
+"""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt import _httpread
+from jaxckpt._httpread import DirectReader, DirectReadError
+from jaxckpt._storage import open_storage
+
+CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens on loopback
+
+
+def test_a_restore_reads_every_chunk_over_its_own_connections(object_root: str) -> None:
+    state = {f"w{i}": jnp.arange(16_384 + i, dtype=jnp.float32) for i in range(4)}
+    with jaxckpt.CheckpointManager(object_root) as mgr:
+        mgr.save(1, state)
+    with jaxckpt.CheckpointManager(object_root, read_only=True) as mgr:
+        restored = mgr.restore(1, target=state)
+        reader = mgr._storage._ranged  # type: ignore[attr-defined]
+    for name in state:
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(state[name]))
+    assert reader.direct is not None and reader.direct.enabled
+    assert (reader.direct.reads, reader.direct.failed) == (4, 0)
+    assert reader.peak_inflight_bytes == 0  # nothing went through TensorStore
+
+
+def test_parts_that_fail_directly_are_read_through_tensorstore(
+    object_root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = open_storage(object_root, read_part_bytes=1000)
+    blob = np.random.default_rng(0).bytes(10_007)
+    storage.write("obj/a", blob)
+    reader = storage._ranged  # type: ignore[attr-defined]
+    reader.direct = DirectReader(CLOSED, lambda name: "/" + name, None, timeout_s=5)
+    with caplog.at_level(logging.WARNING, logger="jaxckpt._httpread"):
+        buffer = storage.read_buffer("obj/a", len(blob))
+    assert buffer is not None and bytes(buffer) == blob
+    assert reader.direct.failed >= _httpread.FAILURES_BEFORE_OFF and not reader.direct.enabled
+    assert "failed in a row; reading through TensorStore from now on" in caplog.text
+    assert CLOSED in caplog.text
+    failed = reader.direct.failed
+    again = storage.read_buffer("obj/a", len(blob))
+    assert again is not None and bytes(again) == blob
+    assert reader.direct.failed == failed  # switched off: not tried again
+
+
+def test_a_proxy_in_the_environment_leaves_reads_to_tensorstore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("https_proxy", CLOSED)
+    assert _httpread.s3_reader("bucket", "us-east-1", None, 5) is None
+    assert _httpread.gcs_reader("bucket", None, 5) is None
+    monkeypatch.setenv("no_proxy", "amazonaws.com,googleapis.com")
+    assert _httpread.s3_reader("bucket", "us-east-1", None, 5) is not None
+    assert _httpread.gcs_reader("bucket", None, 5) is not None
+
+
+def test_urls_follow_each_store_s_addressing() -> None:
+    aws = _httpread.s3_reader("my-bucket", "eu-west-1", None, 5)
+    dotted = _httpread.s3_reader("my.bucket", "eu-west-1", None, 5)
+    custom = _httpread.s3_reader("b", "us-east-1", "http://127.0.0.1:9000/", 5)
+    gcs = _httpread.gcs_reader("b", "http://127.0.0.1:4443", 5)
+    assert aws is not None and dotted is not None and custom is not None and gcs is not None
+    assert aws.base_url == "https://my-bucket.s3.eu-west-1.amazonaws.com"
+    assert aws._object_path("run/a b+c") == "/run/a%20b%2Bc"
+    assert dotted.base_url == "https://s3.eu-west-1.amazonaws.com"
+    assert dotted._object_path("k") == "/my.bucket/k"
+    assert (custom.base_url, custom._object_path("run/k")) == ("http://127.0.0.1:9000", "/b/run/k")
+    assert gcs._object_path("run/c/0") == "/storage/v1/b/b/o/run%2Fc%2F0?alt=media"
+    assert gcs._authorize is None  # plain HTTP (an emulator): never a bearer token
+
+
+# ---- a loopback server that misbehaves on purpose ---------------------------------------------
+
+BODY = bytes(range(256)) * 4  # 1 KiB
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as object stores
+    behaviours: ClassVar[dict[str, Callable[[_Handler, int, int], None]]] = {}
+    connections: ClassVar[set[int]] = set()
+
+    def do_GET(self) -> None:
+        type(self).connections.add(id(self.connection))
+        lo, hi = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
+        type(self).behaviours[self.path](self, lo, hi)
+
+    def send(self, status: int, body: bytes, length: int | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body) if length is None else length))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _ranged(h: _Handler, lo: int, hi: int) -> None:
+    h.send(206 if lo < len(BODY) else 416, BODY[lo : hi + 1])
+
+
+def _whole(h: _Handler, lo: int, hi: int) -> None:
+    h.send(200, BODY)
+
+
+def _truncated(h: _Handler, lo: int, hi: int) -> None:
+    h.send(206, BODY[lo : lo + 40], length=hi + 1 - lo)
+    h.close_connection = True
+
+
+def _stalled(h: _Handler, lo: int, hi: int) -> None:
+    time.sleep(1.5)
+    _ranged(h, lo, hi)
+
+
+@pytest.fixture
+def misbehaving() -> Iterator[DirectReader]:
+    _Handler.behaviours = {
+        "/ok": _ranged,
+        "/whole": _whole,
+        "/truncated": _truncated,
+        "/missing": lambda h, lo, hi: h.send(404, b"<Error>NoSuchKey</Error>"),
+        "/busy": lambda h, lo, hi: h.send(503, b"<Error>SlowDown</Error>"),
+        "/stalled": _stalled,
+    }
+    _Handler.connections = set()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    reader = DirectReader(
+        f"http://127.0.0.1:{server.server_address[1]}", lambda name: "/" + name, None, 0.5
+    )
+    yield reader
+    reader.close()
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+def test_ranges_land_in_the_buffer_and_connections_are_reused(misbehaving: DirectReader) -> None:
+    out = bytearray(100)
+    assert misbehaving.read_into("ok", 300, memoryview(out)) == 100
+    assert bytes(out) == BODY[300:400]
+    assert misbehaving.read_into("ok", 1000, memoryview(out)) == 24  # the object is shorter
+    assert bytes(out[:24]) == BODY[1000:]
+    assert misbehaving.read_into("ok", 2000, memoryview(out)) == 0  # 416: it ends before
+    assert misbehaving.read_into("missing", 0, memoryview(out)) is None
+    assert len(_Handler.connections) == 1
+    assert (misbehaving.reads, misbehaving.failed) == (4, 0)
+
+
+def test_a_server_that_ignores_the_range_is_read_only_from_the_start(
+    misbehaving: DirectReader,
+) -> None:
+    out = bytearray(100)
+    assert misbehaving.read_into("whole", 0, memoryview(out)) == 100
+    assert bytes(out) == BODY[:100]
+    with pytest.raises(DirectReadError, match="HTTP 200"):
+        misbehaving.read_into("whole", 300, memoryview(out))
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("busy", "HTTP 503"),
+        ("truncated", "ended after 40 of 100 bytes"),
+        ("stalled", "timed out"),
+    ],
+)
+def test_failures_are_direct_read_errors_and_switch_it_off(
+    misbehaving: DirectReader, name: str, match: str
+) -> None:
+    out = bytearray(100)
+    for _ in range(_httpread.FAILURES_BEFORE_OFF):
+        assert misbehaving.enabled
+        with pytest.raises(DirectReadError, match=match):
+            misbehaving.read_into(name, 0, memoryview(out))
+    assert not misbehaving.enabled
+    assert misbehaving.failed == _httpread.FAILURES_BEFORE_OFF
+
+
+def test_a_success_resets_the_run_of_failures(misbehaving: DirectReader) -> None:
+    out = bytearray(10)
+    for _ in range(2 * _httpread.FAILURES_BEFORE_OFF):
+        with pytest.raises(DirectReadError):
+            misbehaving.read_into("busy", 0, memoryview(out))
+        assert misbehaving.read_into("ok", 0, memoryview(out)) == 10
+    assert misbehaving.enabled
