@@ -40,6 +40,9 @@ _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 FAILURES_BEFORE_OFF = 3
 """Consecutive failed direct reads after which a reader leaves every read to TensorStore."""
 
+# What sending on a kept-alive connection that the server has closed raises.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
 Authorize = Callable[[str, dict[str, str]], None]
 """Adds the authorization headers of a GET of a URL to ``headers``."""
 
@@ -98,27 +101,42 @@ class DirectReader:
             a broken connection, a timeout); ``out`` may hold part of the range.
         """
         path = self._object_path(name)
-        headers = {"Range": f"bytes={offset}-{offset + len(out) - 1}"}
-        conn = self._take()
-        reuse = False
         try:
-            if self._authorize is not None:
-                self._authorize(self.base_url + path, headers)
-            conn.request("GET", path, headers=headers)
-            response = conn.getresponse()
-            got, reuse = self._body(response, offset, out)
+            got = self._get(path, offset, out)
         except DirectReadError:
             self._failed()
             raise
         except (OSError, http.client.HTTPException, ValueError) as e:
             self._failed()
             raise DirectReadError(f"{type(e).__name__}: {e}") from e
-        finally:
-            self._give(conn, reuse)
         with self._lock:
             self._failures = 0
             self.reads += 1
         return got
+
+    def _get(self, path: str, offset: int, out: memoryview) -> int | None:
+        """One GET; sent again on a fresh connection if an idle one turns out closed."""
+        headers = {"Range": f"bytes={offset}-{offset + len(out) - 1}"}
+        if self._authorize is not None:
+            self._authorize(self.base_url + path, headers)
+        conn, idle = self._take()
+        reuse = False
+        try:
+            try:
+                conn.request("GET", path, headers=headers)
+                response = conn.getresponse()
+            except _STALE:
+                if not idle:
+                    raise
+                # The server closed the kept-alive connection while it was idle.
+                conn.close()
+                conn = self._connect()
+                conn.request("GET", path, headers=headers)
+                response = conn.getresponse()
+            got, reuse = self._body(response, offset, out)
+            return got
+        finally:
+            self._give(conn, reuse)
 
     def _body(
         self, response: http.client.HTTPResponse, offset: int, out: memoryview
@@ -141,12 +159,16 @@ class DirectReader:
         # Reused only once the body is read to its end (not so: a 200 longer than the range).
         return got, response.isclosed()
 
-    def _take(self) -> http.client.HTTPConnection:
+    def _take(self) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection (and True), else a new one (and False)."""
         with self._lock:
             if self._pid != os.getpid():  # a forked child: the parent's sockets are not ours
                 self._idle, self._pid = [], os.getpid()
             if self._idle:
-                return self._idle.pop()
+                return self._idle.pop(), True
+        return self._connect(), False
+
+    def _connect(self) -> http.client.HTTPConnection:
         if self._https:
             return http.client.HTTPSConnection(
                 self._host, self._port, timeout=self._timeout, context=ssl.create_default_context()

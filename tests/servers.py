@@ -155,15 +155,24 @@ MOTO_KEY_BUFFER_BYTES = 4 << 30
 """Objects up to this size stay in moto's memory."""
 
 
-def start_moto(log_dir: Path) -> Server:
+def start_moto(log_dir: Path, *, unauthenticated_requests: int | None = None) -> Server:
     """Starts ``moto_server`` on a loopback port it picks, with bucket :data:`BUCKET`.
 
     Objects are kept in memory, as in the GCS emulator: moto spills an object
     over 5 MiB to a temporary file by default, and reads that file whole for
     every GET, ranged or not.
+
+    Args:
+      log_dir: where the server's log goes.
+      unauthenticated_requests: if set, moto checks the signature and IAM
+        access key of every request after this many (its
+        ``INITIAL_NO_AUTH_ACTION_COUNT``); the start-up probe and the bucket's
+        creation take two of them.
     """
     binary = str(Path(sys.executable).parent / "moto_server")
     env = dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(MOTO_KEY_BUFFER_BYTES))
+    if unauthenticated_requests is not None:
+        env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(unauthenticated_requests)
     server = _spawn("moto", [binary, "-H", "127.0.0.1", "-p", "0"], "/", log_dir, env)
     try:
         s3_client(server.endpoint).create_bucket(Bucket=server.bucket)

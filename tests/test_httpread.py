@@ -96,10 +96,13 @@ BODY = bytes(range(256)) * 4  # 1 KiB
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as object stores
     behaviours: ClassVar[dict[str, Callable[[_Handler, int, int], None]]] = {}
-    connections: ClassVar[set[int]] = set()
+    connections: ClassVar[list[int]] = []  # one handler per connection: their ports
+
+    def setup(self) -> None:
+        super().setup()
+        type(self).connections.append(self.client_address[1])
 
     def do_GET(self) -> None:
-        type(self).connections.add(id(self.connection))
         lo, hi = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
         type(self).behaviours[self.path](self, lo, hi)
 
@@ -126,6 +129,12 @@ def _truncated(h: _Handler, lo: int, hi: int) -> None:
     h.close_connection = True
 
 
+def _ranged_then_closed(h: _Handler, lo: int, hi: int) -> None:
+    """Answers, then closes the connection without saying so (an idle timeout)."""
+    _ranged(h, lo, hi)
+    h.close_connection = True
+
+
 def _stalled(h: _Handler, lo: int, hi: int) -> None:
     time.sleep(1.5)
     _ranged(h, lo, hi)
@@ -135,13 +144,14 @@ def _stalled(h: _Handler, lo: int, hi: int) -> None:
 def misbehaving() -> Iterator[DirectReader]:
     _Handler.behaviours = {
         "/ok": _ranged,
+        "/closes": _ranged_then_closed,
         "/whole": _whole,
         "/truncated": _truncated,
         "/missing": lambda h, lo, hi: h.send(404, b"<Error>NoSuchKey</Error>"),
         "/busy": lambda h, lo, hi: h.send(503, b"<Error>SlowDown</Error>"),
         "/stalled": _stalled,
     }
-    _Handler.connections = set()
+    _Handler.connections = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -165,6 +175,17 @@ def test_ranges_land_in_the_buffer_and_connections_are_reused(misbehaving: Direc
     assert misbehaving.read_into("missing", 0, memoryview(out)) is None
     assert len(_Handler.connections) == 1
     assert (misbehaving.reads, misbehaving.failed) == (4, 0)
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_not_failed(
+    misbehaving: DirectReader,
+) -> None:
+    out = bytearray(100)
+    for offset in (0, 100, 200):
+        assert misbehaving.read_into("closes", offset, memoryview(out)) == 100
+        assert bytes(out) == BODY[offset : offset + 100]
+    assert len(_Handler.connections) == 3  # the later GETs found their idle connection closed
+    assert (misbehaving.reads, misbehaving.failed) == (3, 0)
 
 
 def test_a_server_that_ignores_the_range_is_read_only_from_the_start(
@@ -204,3 +225,37 @@ def test_a_success_resets_the_run_of_failures(misbehaving: DirectReader) -> None
             misbehaving.read_into("busy", 0, memoryview(out))
         assert misbehaving.read_into("ok", 0, memoryview(out)) == 10
     assert misbehaving.enabled
+
+
+def test_s3_reads_are_signed_as_a_checking_server_expects(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """moto with IAM checks on: a read signed with the key's secret passes, a wrong one fails."""
+    import boto3
+    import servers
+
+    server = servers.start_moto(tmp_path, unauthenticated_requests=5)
+    try:
+        iam = boto3.client("iam", endpoint_url=server.endpoint, region_name="us-east-1")
+        iam.create_user(UserName="trainer")
+        key = iam.create_access_key(UserName="trainer")["AccessKey"]
+        policy = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", '
+        policy += '"Action": "s3:*", "Resource": "*"}]}'
+        iam.put_user_policy(UserName="trainer", PolicyName="s3", PolicyDocument=policy)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        blob = np.random.default_rng(1).bytes(5000)
+        storage = open_storage(f"s3://{server.bucket}/run", endpoint=server.endpoint)
+        storage.write("obj/a b", blob)  # TensorStore's signed PUT: the checks are on
+        reader = _httpread.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
+        assert reader is not None
+        out = bytearray(3000)
+        assert reader.read_into("run/obj/a b", 1000, memoryview(out)) == 3000
+        assert bytes(out) == blob[1000:4000]
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong" + key["SecretAccessKey"][5:])
+        forged = _httpread.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
+        assert forged is not None
+        with pytest.raises(DirectReadError, match="HTTP 403"):
+            forged.read_into("run/obj/a b", 0, memoryview(out))
+    finally:
+        server.stop()

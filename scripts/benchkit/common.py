@@ -20,8 +20,17 @@ PACKED_OPTIONS = {"layout": "packed"}
 LOOP_CONTENDERS = ("raw", "jaxckpt", "orbax", "jaxckpt-nice")
 # jaxckpt-nice: the background save's threads at nice WRITER_NICE (issue 14, item 4).
 WRITER_NICE = 10
-STORE_CONTENDERS = ("raw-s3", "jaxckpt-s3", "jaxckpt-s3-lowmem", "raw-gcs", "jaxckpt-gcs")
-# jaxckpt-*-lowmem: the restore memory budget lowered for small-RAM hosts.
+STORE_CONTENDERS = (
+    "raw-s3",
+    "jaxckpt-s3",
+    "jaxckpt-s3-ts",
+    "jaxckpt-s3-lowmem",
+    "raw-gcs",
+    "jaxckpt-gcs",
+    "jaxckpt-gcs-ts",
+)
+# jaxckpt-*-ts: restores read through TensorStore (direct_reads=False), as before issue 14's
+# fourth pass; jaxckpt-*-lowmem: the restore memory budget lowered for small-RAM hosts.
 LOWMEM_RESTORE_BYTES = 8 * MiB  # CheckpointOptions.restore_memory_bytes (default 16 MiB)
 
 

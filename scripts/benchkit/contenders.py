@@ -242,6 +242,9 @@ def open_saver(spec: dict[str, Any]) -> Any:
         if contender.endswith("-lowmem"):
             options = {**spec["jaxckpt_options"], "restore_memory_bytes": LOWMEM_RESTORE_BYTES}
             return JaxckptSaver(root, options)
+        if contender.endswith("-ts"):
+            storage = {"direct_reads": False}
+            return JaxckptSaver(root, {**spec["jaxckpt_options"], "storage_options": storage})
         if contender.endswith("-nice"):
             return JaxckptSaver(root, {**spec["jaxckpt_options"], "writer_nice": WRITER_NICE})
         if contender.endswith("-packed"):

@@ -123,7 +123,8 @@ def _store_rows(summary: dict[str, Any]) -> list[str]:
         "",
         "Object stores on loopback (in-memory servers; the GCS emulator serves one request at a"
         " time; raw = TensorStore kvstore writes/reads of one object per leaf, all in flight;"
-        " requests counted from the server's log):",
+        " jaxckpt-*-ts = restores read through TensorStore, not jaxckpt's own connections;"
+        " -lowmem = an 8 MiB restore budget; requests counted from the server's log):",
         "",
         "| store | blocking (ms) | save (s) | save (MB/s) | save vs raw | restore (s) |"
         " restore (MB/s) | restore vs raw | requests save / restore |"
