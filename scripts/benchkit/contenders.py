@@ -103,12 +103,16 @@ def _fsync_dir(path: str) -> None:
 class JaxckptSaver:
     """jaxckpt.CheckpointManager, with the bench's options."""
 
-    def __init__(self, root: str, options: dict[str, Any]) -> None:
+    def __init__(
+        self, root: str, options: dict[str, Any], store_options: dict[str, Any] | None = None
+    ) -> None:
         import jaxckpt
 
         self._root = root
-        if "://" in root:  # local-disk options
+        if "://" in root:  # the bench's storage_options are local-disk options
             options = {k: v for k, v in options.items() if k != "storage_options"}
+            if store_options:
+                options["storage_options"] = store_options
         self._m = jaxckpt.CheckpointManager(root, **options)
 
     def save(self, step: int, state: Any) -> None:
@@ -243,8 +247,7 @@ def open_saver(spec: dict[str, Any]) -> Any:
             options = {**spec["jaxckpt_options"], "restore_memory_bytes": LOWMEM_RESTORE_BYTES}
             return JaxckptSaver(root, options)
         if contender.endswith("-ts"):
-            storage = {"direct_reads": False}
-            return JaxckptSaver(root, {**spec["jaxckpt_options"], "storage_options": storage})
+            return JaxckptSaver(root, spec["jaxckpt_options"], {"direct_reads": False})
         if contender.endswith("-nice"):
             return JaxckptSaver(root, {**spec["jaxckpt_options"], "writer_nice": WRITER_NICE})
         if contender.endswith("-packed"):
