@@ -147,15 +147,25 @@ class StepReader:
             exchange.settle(error)
             exchanged = exchange.run(agreement.timeout_s)
         data = {(r.leaf.name, r.region): a for r, a in zip(requests, arrays, strict=True)}
-        values = []
+        values: list[Any] = []
+        placed: list[int] = []  # leaves whose pieces go to devices in one batched device_put
         for i, (leaf, target, layout) in enumerate(zip(leaves, targets, plans, strict=True)):
             if i in shared:
                 values.append(exchanged[i])
             elif layout is None:
                 values.append(leaf.value)
-            else:
+            elif leaf.kind == "key" or _target_sharding(target) is None:
                 mine = {r: data[(leaf.name, r)] for r in set(layout.values())}
                 values.append(_assemble(leaf, target, layout, mine))
+            else:
+                values.append(None)
+                placed.append(i)
+        for i, array in zip(
+            placed,
+            _to_devices([(leaves[i], targets[i], plans[i], data) for i in placed]),
+            strict=True,
+        ):
+            values[i] = array
         return values
 
     def plain_names(self, loaded: LoadedStep, leaves: Iterable[SavedLeaf]) -> set[str]:
@@ -291,3 +301,36 @@ def _assemble(
         for device, region in regions.items()
     ]
     return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)
+
+
+def _to_devices(
+    items: Sequence[
+        tuple[SavedLeaf, Any, dict[Any, Region] | None, dict[tuple[str | None, Region], np.ndarray]]
+    ],
+) -> list[jax.Array]:
+    """Global arrays of sharded targets, every leaf's pieces put on their devices in one call.
+
+    One batched ``device_put`` for all leaves costs a fraction of one call per
+    leaf (1,000 small leaves: the per-call dispatch dominated the restore's
+    own CPU time). ``may_alias``: on CPU an aligned read buffer becomes the
+    array, no copy.
+    """
+    hosts: list[np.ndarray] = []
+    devices: list[Any] = []
+    for leaf, target, layout, data in items:
+        assert layout is not None
+        dtype = np.dtype(getattr(target, "dtype", leaf.numpy_dtype))
+        for device, region in layout.items():
+            hosts.append(data[(leaf.name, region)].astype(dtype, copy=False))
+            devices.append(device)
+    pieces = iter(jax.device_put(hosts, devices, may_alias=True))
+    arrays = []
+    for leaf, target, layout, _ in items:
+        sharding = _target_sharding(target)
+        assert sharding is not None and layout is not None
+        mine = [next(pieces) for _ in layout]
+        if len(mine) == 1 and mine[0].sharding == sharding:
+            arrays.append(mine[0])  # already the whole array, as the target wants it
+        else:
+            arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, mine))
+    return arrays
