@@ -23,7 +23,7 @@ reuses one arena's few blocks for every part.
 With a :class:`~jaxckpt._httpread.DirectReader` (the default on S3 and GCS),
 parts are instead read by its own HTTP connections straight into the buffer
 (no response copy, so no budget: parts of ``direct_part_bytes``, the first on
-the calling thread, the others on this reader's GET threads). A part that
+the calling thread, the others on the process's GET threads). A part that
 fails there is read again through TensorStore as above.
 """
 
@@ -92,6 +92,21 @@ def _placer() -> ThreadPoolExecutor:
         return _placers[pid]
 
 
+GET_THREADS = 16
+"""Threads per process for the second and later parts of direct reads."""
+_getter_pools: dict[int, ThreadPoolExecutor] = {}
+
+
+def _getters() -> ThreadPoolExecutor:
+    """The process's threads for direct-read parts (a forked child starts its own)."""
+    pid = os.getpid()
+    with _placer_lock:
+        if pid not in _getter_pools:
+            _getter_pools.clear()
+            _getter_pools[pid] = ThreadPoolExecutor(GET_THREADS, thread_name_prefix="jaxckpt-get")
+        return _getter_pools[pid]
+
+
 PLACEMENT_PARTS = 3
 """Parts of the budget not in flight: the Python copy being placed, and what malloc keeps."""
 
@@ -147,9 +162,9 @@ class RangedReader:
       error: turns a TensorStore failure into a :class:`StorageError`.
       direct: reads parts over its own connections into the buffer (while
         it is enabled); TensorStore reads what fails there.
-      direct_part_bytes: the largest part of a direct read.
-      direct_threads: the GET threads for the second and later parts of
-        direct reads (the first is read on the calling thread).
+      direct_part_bytes: the largest part of a direct read (the first part
+        is read on the calling thread, the others on the process's
+        :data:`GET_THREADS` threads).
     """
 
     def __init__(
@@ -162,15 +177,10 @@ class RangedReader:
         error: Callable[[str, str, BaseException], StorageError],
         direct: DirectReader | None = None,
         direct_part_bytes: int = 64 << 20,
-        direct_threads: int = 16,
     ) -> None:
         self._kv = kv
         self.direct = direct
         self._direct_part = direct_part_bytes
-        self._direct_threads = direct_threads
-        self._get_pool: ThreadPoolExecutor | None = None
-        self._pool_pid = 0
-        self._pool_lock = threading.Lock()
         self._part = part_bytes
         self._budget = _budget(part_bytes, ahead_bytes)
         self.ahead_bytes = ahead_bytes
@@ -238,7 +248,7 @@ class RangedReader:
         buffer = aligned_empty(size)
         first, *rest = part_ranges(size, self._direct_part)
         others = [
-            self._pool().submit(self._direct_part_into, direct, name, buffer, offset, lo, hi)
+            _getters().submit(self._direct_part_into, direct, name, buffer, offset, lo, hi)
             for lo, hi in rest
         ]
         found = self._direct_part_into(direct, name, buffer, offset, *first)
@@ -277,16 +287,6 @@ class RangedReader:
         if got < hi - lo:
             raise ShortObjectError(name)
         return True
-
-    def _pool(self) -> ThreadPoolExecutor:
-        """This reader's GET threads (a forked child starts its own)."""
-        with self._pool_lock:
-            if self._get_pool is None or self._pool_pid != os.getpid():
-                self._get_pool = ThreadPoolExecutor(
-                    self._direct_threads, thread_name_prefix="jaxckpt-get"
-                )
-                self._pool_pid = os.getpid()
-            return self._get_pool
 
     def _when_done(
         self,
