@@ -78,33 +78,32 @@ def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(bounds))
 
 
-_placer_lock = threading.Lock()
-_placers: dict[int, ThreadPoolExecutor] = {}
+GET_THREADS = 16
+"""Threads per process for the second and later parts of direct reads."""
+
+_pools_lock = threading.Lock()
+_pools: dict[tuple[int, str], ThreadPoolExecutor] = {}
+
+
+def _process_pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """The process's pool ``name`` (a forked child starts its own)."""
+    key = (os.getpid(), name)
+    with _pools_lock:
+        if key not in _pools:
+            for other in [k for k in _pools if k[0] != key[0]]:
+                del _pools[other]  # a forked parent's: its threads are not in this process
+            _pools[key] = ThreadPoolExecutor(workers, thread_name_prefix=f"jaxckpt-{name}")
+        return _pools[key]
 
 
 def _placer() -> ThreadPoolExecutor:
-    """The process's one placer thread (a forked child starts its own)."""
-    pid = os.getpid()
-    with _placer_lock:
-        if pid not in _placers:
-            _placers.clear()
-            _placers[pid] = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-place")
-        return _placers[pid]
-
-
-GET_THREADS = 16
-"""Threads per process for the second and later parts of direct reads."""
-_getter_pools: dict[int, ThreadPoolExecutor] = {}
+    """The process's one placer thread."""
+    return _process_pool("place", 1)
 
 
 def _getters() -> ThreadPoolExecutor:
-    """The process's threads for direct-read parts (a forked child starts its own)."""
-    pid = os.getpid()
-    with _placer_lock:
-        if pid not in _getter_pools:
-            _getter_pools.clear()
-            _getter_pools[pid] = ThreadPoolExecutor(GET_THREADS, thread_name_prefix="jaxckpt-get")
-        return _getter_pools[pid]
+    """The process's threads for direct-read parts."""
+    return _process_pool("get", GET_THREADS)
 
 
 PLACEMENT_PARTS = 3
@@ -230,13 +229,7 @@ class RangedReader:
                     budget.release(hi - lo)
                     raise
                 placed.append(self._when_done(requests, name, buffer, lo, hi, budget))
-            found = True
-            for part in placed:
-                try:
-                    found = part.result(timeout=self._timeout) and found
-                except FutureTimeout as e:
-                    raise self._error("read", name, TimeoutError()) from e
-            return buffer if found else None
+            return buffer if self._all_found(name, placed, True) else None
         finally:
             for request in list(requests.values()):
                 request.cancel()  # returns the budget of a part still in flight
@@ -252,12 +245,16 @@ class RangedReader:
             for lo, hi in rest
         ]
         found = self._direct_part_into(direct, name, buffer, offset, *first)
-        for part in others:
+        return buffer if self._all_found(name, others, found) else None
+
+    def _all_found(self, name: str, parts: list[Future[bool]], found: bool) -> bool:
+        """Waits for every part (each within the timeout); whether all found the object."""
+        for part in parts:
             try:
                 found = part.result(timeout=self._timeout) and found
             except FutureTimeout as e:
                 raise self._error("read", name, TimeoutError()) from e
-        return buffer if found else None
+        return found
 
     def _direct_part_into(
         self, direct: DirectReader, name: str, buffer: np.ndarray, offset: int, lo: int, hi: int
