@@ -73,6 +73,7 @@ class DirectReader:
             raise ValueError(f"not an http(s) base URL: {base_url!r}")
         self.base_url = f"{parts.scheme}://{parts.netloc}"
         self._https = parts.scheme == "https"
+        self._tls: ssl.SSLContext | None = None  # made on the first HTTPS connection
         self._host = parts.hostname
         self._port = parts.port
         self._object_path = object_path
@@ -118,7 +119,10 @@ class DirectReader:
         """One GET; sent again on a fresh connection if an idle one turns out closed."""
         headers = {"Range": f"bytes={offset}-{offset + len(out) - 1}"}
         if self._authorize is not None:
-            self._authorize(self.base_url + path, headers)
+            try:
+                self._authorize(self.base_url + path, headers)
+            except Exception as e:  # the clouds' credential errors share no base class
+                raise DirectReadError(f"cannot authorize: {type(e).__name__}: {e}") from e
         conn, idle = self._take()
         reuse = False
         try:
@@ -148,6 +152,9 @@ class DirectReader:
             return (None if status == 404 else 0), True
         if status not in (200, 206) or (status == 200 and offset):
             raise DirectReadError(f"HTTP {status} {response.reason}")
+        where = response.getheader("Content-Range", "")
+        if status == 206 and not where.startswith(f"bytes {offset}-"):
+            raise DirectReadError(f"asked for bytes from {offset}, got {where or 'no range'}")
         length = response.length  # None: no Content-Length (chunked)
         want = len(out) if length is None else min(len(out), length)
         got = 0
@@ -170,8 +177,10 @@ class DirectReader:
 
     def _connect(self) -> http.client.HTTPConnection:
         if self._https:
+            if self._tls is None:
+                self._tls = ssl.create_default_context()
             return http.client.HTTPSConnection(
-                self._host, self._port, timeout=self._timeout, context=ssl.create_default_context()
+                self._host, self._port, timeout=self._timeout, context=self._tls
             )
         return http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
 

@@ -106,8 +106,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         lo, hi = (int(x) for x in self.headers["Range"].removeprefix("bytes=").split("-"))
         type(self).behaviours[self.path](self, lo, hi)
 
-    def send(self, status: int, body: bytes, length: int | None = None) -> None:
+    def send(
+        self,
+        status: int,
+        body: bytes,
+        length: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body) if length is None else length))
         self.end_headers()
         self.wfile.write(body)
@@ -116,8 +124,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _ranged(h: _Handler, lo: int, hi: int) -> None:
-    h.send(206 if lo < len(BODY) else 416, BODY[lo : hi + 1])
+def _ranged(h: _Handler, lo: int, hi: int, shift: int = 0) -> None:
+    if lo >= len(BODY):
+        h.send(416, b"")
+        return
+    body = BODY[lo + shift : hi + 1 + shift]
+    h.send(
+        206,
+        body,
+        headers={"Content-Range": f"bytes {lo + shift}-{lo + shift + len(body) - 1}/{len(BODY)}"},
+    )
 
 
 def _whole(h: _Handler, lo: int, hi: int) -> None:
@@ -125,7 +141,9 @@ def _whole(h: _Handler, lo: int, hi: int) -> None:
 
 
 def _truncated(h: _Handler, lo: int, hi: int) -> None:
-    h.send(206, BODY[lo : lo + 40], length=hi + 1 - lo)
+    h.send(
+        206, BODY[lo : lo + 40], length=hi + 1 - lo, headers={"Content-Range": f"bytes {lo}-{hi}/*"}
+    )
     h.close_connection = True
 
 
@@ -149,6 +167,8 @@ def misbehaving() -> Iterator[DirectReader]:
         "/truncated": _truncated,
         "/missing": lambda h, lo, hi: h.send(404, b"<Error>NoSuchKey</Error>"),
         "/busy": lambda h, lo, hi: h.send(503, b"<Error>SlowDown</Error>"),
+        "/shifted": lambda h, lo, hi: _ranged(h, lo, hi, shift=8),
+        "/no-range": lambda h, lo, hi: h.send(206, BODY[lo : hi + 1]),
         "/stalled": _stalled,
     }
     _Handler.connections = []
@@ -202,6 +222,8 @@ def test_a_server_that_ignores_the_range_is_read_only_from_the_start(
     ("name", "match"),
     [
         ("busy", "HTTP 503"),
+        ("shifted", "asked for bytes from 0, got bytes 8-107/1024"),
+        ("no-range", "asked for bytes from 0, got no range"),
         ("truncated", "ended after 40 of 100 bytes"),
         ("stalled", "timed out"),
     ],
@@ -216,6 +238,16 @@ def test_failures_are_direct_read_errors_and_switch_it_off(
             misbehaving.read_into(name, 0, memoryview(out))
     assert not misbehaving.enabled
     assert misbehaving.failed == _httpread.FAILURES_BEFORE_OFF
+
+
+def test_a_credential_error_is_a_direct_read_error(misbehaving: DirectReader) -> None:
+    def no_credentials(url: str, headers: dict[str, str]) -> None:
+        raise LookupError("no credentials in the chain")
+
+    misbehaving._authorize = no_credentials
+    with pytest.raises(DirectReadError, match="cannot authorize: LookupError: no credentials"):
+        misbehaving.read_into("ok", 0, memoryview(bytearray(10)))
+    assert misbehaving.failed == 1
 
 
 def test_a_success_resets_the_run_of_failures(misbehaving: DirectReader) -> None:
