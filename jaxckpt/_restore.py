@@ -154,9 +154,8 @@ class StepReader:
                 values.append(exchanged[i])
             elif layout is None:
                 values.append(leaf.value)
-            elif leaf.kind == "key" or _target_sharding(target) is None:
-                mine = {r: data[(leaf.name, r)] for r in set(layout.values())}
-                values.append(_assemble(leaf, target, layout, mine))
+            elif leaf.kind == "key" or _target_sharding(target) is None:  # read whole
+                values.append(_assemble(leaf, target, data[(leaf.name, layout[None])]))
             else:
                 values.append(None)
                 placed.append(i)
@@ -279,28 +278,15 @@ def _regions_for(leaf: SavedLeaf, target: Any) -> dict[Any, Region]:
     return {device: region_of(index or (), leaf.shape) for device, index in index_map.items()}
 
 
-def _assemble(
-    leaf: SavedLeaf, target: Any, regions: dict[Any, Region], data: dict[Region, np.ndarray]
-) -> Any:
-    target_dtype = (
-        np.dtype(getattr(target, "dtype", leaf.numpy_dtype)) if leaf.kind != "key" else None
-    )
+def _assemble(leaf: SavedLeaf, target: Any, array: np.ndarray) -> Any:
+    """A key leaf (on the target's sharding, if it has one), or a numpy array (no sharding)."""
     if leaf.kind == "key":
-        keys = jax.random.wrap_key_data(jax.numpy.asarray(data[regions[None]]), impl=leaf.key_impl)
+        keys = jax.random.wrap_key_data(jax.numpy.asarray(array), impl=leaf.key_impl)
         sharding = _target_sharding(target)
         return jax.device_put(keys, sharding) if sharding is not None else keys
-    sharding = _target_sharding(target)
-    if sharding is None:
-        array = data[regions[None]]
-        if target_dtype is not None:
-            array = array.astype(target_dtype, copy=False)
-        array.flags.writeable = False  # often a view of the read buffer: read-only, always
-        return array
-    pieces = [  # may_alias: on CPU an aligned read buffer becomes the array, no copy
-        jax.device_put(data[region].astype(target_dtype, copy=False), device, may_alias=True)
-        for device, region in regions.items()
-    ]
-    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, pieces)
+    array = array.astype(np.dtype(getattr(target, "dtype", leaf.numpy_dtype)), copy=False)
+    array.flags.writeable = False  # often a view of the read buffer: read-only, always
+    return array
 
 
 def _to_devices(
