@@ -479,6 +479,9 @@ class CommitProtocol:
     def abandon(self, loc: StepLocation) -> bool:
         """Removes an uncommitted attempt; returns False (and keeps it) if a marker names it.
 
+        Also False if data reappeared under it while it was removed (a fenced
+        writer still writing): its pending record is then kept for the next collection.
+
         The check covers a marker whose write reported a failure but landed (a
         lost response after the last retry) and a commit racing a collection.
         """
@@ -493,6 +496,12 @@ class CommitProtocol:
                 log.warning("kept %s: %s names it", loc, self.where(key))
                 return False
         self.storage.delete_prefix(loc.prefix)
+        if self.storage.list(loc.prefix):
+            # A fenced writer still writing into it: keeping the pending record keeps the
+            # attempt in every scan, so the next collection finishes it (without the record
+            # its data would be an orphan that only a full scan finds).
+            log.warning("%s refilled while it was removed; collecting the rest later", loc)
+            return False
         self.storage.delete(loc.pending_key)
         return True
 

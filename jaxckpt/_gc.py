@@ -199,7 +199,7 @@ def collect(
             continue
         try:
             if not protocol.abandon(attempt.location):
-                continue  # committed since the scan
+                continue  # committed since the scan, or refilled while removed (kept)
         except StorageError as e:
             # A fenced writer may still be writing into it (a directory that
             # refills while it is removed); what is left is collected next time.

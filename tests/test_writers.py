@@ -292,6 +292,39 @@ def test_data_without_a_marker_is_reported_orphaned_and_collected(
     assert not os.path.exists(data)
 
 
+def test_an_attempt_refilled_while_collected_keeps_its_pending_record(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fenced writer still writing into its attempt: the next collection finishes it."""
+    from jaxckpt._storage import LocalStorage
+
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(8.0)})
+        mgr.save(2, {"w": jnp.arange(8.0)})
+    data = step_dir(root, 2)
+    attempt = os.path.basename(data.rstrip("/"))
+    marker_path(root, 2).unlink()  # as if the writer was fenced before its marker
+    pending = os.path.join(root, "pending", "2", f"{attempt}.json")
+    os.makedirs(os.path.dirname(pending), exist_ok=True)
+    with open(pending, "w") as f:
+        f.write(json.dumps({"format": "jaxckpt", "version": 2, "operation": "save", "started": 0}))
+    remove = LocalStorage.delete_prefix
+
+    def refilled(self: LocalStorage, prefix: str) -> None:  # the late chunk write lands
+        remove(self, prefix)
+        if attempt in prefix:
+            os.makedirs(os.path.join(data, "arrays", "w", "c"), exist_ok=True)
+            Path(data, "arrays", "w", "c", "0").write_bytes(b"late")
+
+    with monkeypatch.context() as m:
+        m.setattr(LocalStorage, "delete_prefix", refilled)
+        jaxckpt.CheckpointManager(root).close()  # collects: the data comes back
+    assert os.path.isdir(data) and os.path.exists(pending)  # not an orphan: still partial
+    assert [a.step for a in scan(CommitProtocol(open_storage(root)), full=False).attempts] == [2]
+    jaxckpt.CheckpointManager(root).close()  # the writer is gone: this time it goes
+    assert not os.path.exists(data) and not os.path.exists(pending)
+
+
 # -- Ctrl-C, restores racing deletes, listing at scale --------------------------------
 
 
