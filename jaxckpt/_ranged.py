@@ -271,14 +271,7 @@ class RangedReader:
                 e,
             )
             request = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
-            try:
-                request.result(timeout=self._timeout)
-            except FutureTimeout as timeout:
-                request.cancel()
-                raise self._error("read", name, TimeoutError()) from timeout
-            except (ValueError, NotImplementedError):
-                pass  # _place reports it
-            return self._place(request, name, buffer, lo, hi)
+            return self._place(request, name, buffer, lo, hi, timeout=self._timeout)
         if got is None:
             return False
         if got < hi - lo:
@@ -319,10 +312,14 @@ class RangedReader:
         buffer: np.ndarray,
         lo: int,
         hi: int,
+        timeout: float | None = 0,
     ) -> bool:
-        """Copies one finished part into ``buffer``; False if the object is missing."""
+        """Copies one part into ``buffer`` once it is in (within ``timeout``); False if missing."""
         try:
-            result = request.result(timeout=0)
+            result = request.result(timeout=timeout)
+        except TimeoutError as e:
+            request.cancel()
+            raise self._error("read", name, e) from e
         except (ValueError, NotImplementedError) as e:
             if any(m in str(e) for m in _SHORT_MARKERS):
                 raise ShortObjectError(name) from e
