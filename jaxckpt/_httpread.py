@@ -211,6 +211,20 @@ class DirectReader:
             conn.close()
 
 
+def _once(resolve: Callable[[], Any]) -> Callable[[], Any]:
+    """``resolve()``, called on the first use only (credentials: None means anonymous)."""
+    lock = threading.Lock()
+    value: list[Any] = []
+
+    def get() -> Any:
+        with lock:
+            if not value:
+                value.append(resolve())
+            return value[0]
+
+    return get
+
+
 def _proxied(url: str) -> bool:
     """Whether the environment sends requests to ``url`` through a proxy."""
     parts = urllib.parse.urlsplit(url)
@@ -247,14 +261,10 @@ def s3_reader(
         base, prefix = f"https://s3.{region}.amazonaws.com", f"/{bucket}/"
     if _proxied(base):
         return None
-    lock = threading.Lock()
-    chain: list[Any] = []  # botocore's credentials, once resolved (None: anonymous)
+    resolved = _once(lambda: botocore.session.get_session().get_credentials())
 
     def authorize(url: str, headers: dict[str, str]) -> None:
-        with lock:
-            if not chain:
-                chain.append(botocore.session.get_session().get_credentials())
-        credentials = chain[0]
+        credentials = resolved()
         if credentials is None:
             return
         request = botocore.awsrequest.AWSRequest("GET", url, headers=headers)
@@ -296,20 +306,21 @@ def gcs_reader(bucket: str, endpoint: str | None, timeout_s: float | None) -> Di
     except ImportError:
         _log.debug("google-auth is not installed: gs:// restores read through TensorStore")
         return None
-    lock = threading.Lock()
-    chain: list[Any] = []  # the credentials, once resolved (None: anonymous)
+
+    def application_default() -> Any:
+        try:
+            return google.auth.default(scopes=[_GCS_READ_SCOPE])[0]
+        except google.auth.exceptions.DefaultCredentialsError:
+            return None
+
+    resolved = _once(application_default)
+    refreshing = threading.Lock()  # one refresh at a time; apply reads the fresh token
 
     def authorize(url: str, headers: dict[str, str]) -> None:
-        with lock:
-            if not chain:
-                try:
-                    credentials, _ = google.auth.default(scopes=[_GCS_READ_SCOPE])
-                except google.auth.exceptions.DefaultCredentialsError:
-                    credentials = None
-                chain.append(credentials)
-            credentials = chain[0]
-            if credentials is None:
-                return
+        credentials = resolved()
+        if credentials is None:
+            return
+        with refreshing:
             if not credentials.valid:
                 credentials.refresh(google.auth.transport.requests.Request())
             credentials.apply(headers)
