@@ -148,22 +148,20 @@ class StepReader:
             exchanged = exchange.run(agreement.timeout_s)
         data = {(r.leaf.name, r.region): a for r, a in zip(requests, arrays, strict=True)}
         values: list[Any] = []
-        placed: list[int] = []  # leaves whose pieces go to devices in one batched device_put
+        placed: dict[int, _Placement] = {}  # their pieces go to devices in one device_put
         for i, (leaf, target, layout) in enumerate(zip(leaves, targets, plans, strict=True)):
+            sharding = _target_sharding(target)
             if i in shared:
                 values.append(exchanged[i])
             elif layout is None:
                 values.append(leaf.value)
-            elif leaf.kind == "key" or _target_sharding(target) is None:  # read whole
+            elif leaf.kind == "key" or sharding is None:  # read whole
                 values.append(_assemble(leaf, target, data[(leaf.name, layout[None])]))
             else:
                 values.append(None)
-                placed.append(i)
-        for i, array in zip(
-            placed,
-            _to_devices([(leaves[i], targets[i], plans[i], data) for i in placed]),
-            strict=True,
-        ):
+                dtype = np.dtype(getattr(target, "dtype", leaf.numpy_dtype))
+                placed[i] = _Placement(leaf, sharding, dtype, layout)
+        for i, array in zip(placed, _to_devices(list(placed.values()), data), strict=True):
             values[i] = array
         return values
 
@@ -289,10 +287,18 @@ def _assemble(leaf: SavedLeaf, target: Any, array: np.ndarray) -> Any:
     return array
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """A leaf restored onto a sharded target: its pieces' regions by device."""
+
+    leaf: SavedLeaf
+    sharding: jax.sharding.Sharding
+    dtype: np.dtype
+    layout: dict[Any, Region]
+
+
 def _to_devices(
-    items: Sequence[
-        tuple[SavedLeaf, Any, dict[Any, Region] | None, dict[tuple[str | None, Region], np.ndarray]]
-    ],
+    items: Sequence[_Placement], data: Mapping[tuple[str | None, Region], np.ndarray]
 ) -> list[jax.Array]:
     """Global arrays of sharded targets, every leaf's pieces put on their devices in one call.
 
@@ -301,22 +307,18 @@ def _to_devices(
     own CPU time). ``may_alias``: on CPU an aligned read buffer becomes the
     array, no copy.
     """
-    hosts: list[np.ndarray] = []
-    devices: list[Any] = []
-    for leaf, target, layout, data in items:
-        assert layout is not None
-        dtype = np.dtype(getattr(target, "dtype", leaf.numpy_dtype))
-        for device, region in layout.items():
-            hosts.append(data[(leaf.name, region)].astype(dtype, copy=False))
-            devices.append(device)
+    hosts = [
+        data[(p.leaf.name, region)].astype(p.dtype, copy=False)
+        for p in items
+        for region in p.layout.values()
+    ]
+    devices = [device for p in items for device in p.layout]
     pieces = iter(jax.device_put(hosts, devices, may_alias=True))
     arrays = []
-    for leaf, target, layout, _ in items:
-        sharding = _target_sharding(target)
-        assert sharding is not None and layout is not None
-        mine = [next(pieces) for _ in layout]
-        if len(mine) == 1 and mine[0].sharding == sharding:
+    for p in items:
+        mine = [next(pieces) for _ in p.layout]
+        if len(mine) == 1 and mine[0].sharding == p.sharding:
             arrays.append(mine[0])  # already the whole array, as the target wants it
         else:
-            arrays.append(jax.make_array_from_single_device_arrays(leaf.shape, sharding, mine))
+            arrays.append(jax.make_array_from_single_device_arrays(p.leaf.shape, p.sharding, mine))
     return arrays
