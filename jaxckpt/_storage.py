@@ -25,6 +25,7 @@ import numpy as np
 from jaxckpt.errors import StorageError
 
 _RMTREE_ATTEMPTS = 8  # a zombie writer may create files while its attempt is removed
+_RMTREE_RACES = 10_000  # walks restarted because another remover took an entry first
 
 
 class PreconditionFailed(Exception):
@@ -194,17 +195,29 @@ class LocalStorage:
             raise self._error("delete", key, e) from e
 
     def delete_prefix(self, prefix: str) -> None:
-        """Removes the directory tree; retries while another process still writes into it."""
+        """Removes the directory tree; retries while another process still writes into it.
+
+        Another process removing the same tree (a fenced writer abandoning its
+        attempt while the new writer collects it) takes entries from under
+        ``rmtree``, which then stops with FileNotFoundError halfway: the walk
+        starts again until the tree is gone.
+        """
         path = _join(self._root, prefix.rstrip("/"))
-        for attempt in range(_RMTREE_ATTEMPTS):
+        refilled = taken = 0
+        while True:
             try:
                 shutil.rmtree(path)
                 _fsync_dir(os.path.dirname(path))
                 return
-            except FileNotFoundError:
-                return
+            except FileNotFoundError as e:
+                taken += 1
+                if not os.path.lexists(path):
+                    return
+                if taken == _RMTREE_RACES:
+                    raise self._error("delete", prefix, e) from e
             except OSError as e:
-                if e.errno != errno.ENOTEMPTY or attempt == _RMTREE_ATTEMPTS - 1:
+                refilled += 1
+                if e.errno != errno.ENOTEMPTY or refilled == _RMTREE_ATTEMPTS:
                     raise self._error("delete", prefix, e) from e
 
     def list(self, prefix: str) -> list[str]:

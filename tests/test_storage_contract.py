@@ -111,6 +111,27 @@ def test_delete_prefix_removes_only_that_prefix(storage: Storage) -> None:
     storage.delete_prefix("missing/")
 
 
+def test_delete_prefix_returns_only_when_the_tree_is_gone_while_another_removes_it(
+    storage: Storage,
+) -> None:
+    """A fenced writer abandons its attempt while the new writer collects it."""
+    for i in range(8 if "://" in storage.uri else 40):
+        for j in range(10):
+            storage.write(f"t/d{i}/f{j}", b"v")
+    left: list[list[str]] = []
+
+    def remove() -> None:
+        storage.delete_prefix("t/")
+        left.append(storage.list("t/"))
+
+    removers = [threading.Thread(target=remove) for _ in range(2)]
+    for remover in removers:
+        remover.start()
+    for remover in removers:
+        remover.join(timeout=120)
+    assert left == [[], []]
+
+
 def test_list_is_recursive_sorted_and_relative(storage: Storage) -> None:
     keys = ["s/2/z", "s/10/a", "s/1/b/c", "t", "s/1/a"]
     for key in keys:
