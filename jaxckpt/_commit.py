@@ -495,11 +495,18 @@ class CommitProtocol:
             if named:
                 log.warning("kept %s: %s names it", loc, self.where(key))
                 return False
+        return self._remove(loc)
+
+    def _remove(self, loc: StepLocation) -> bool:
+        """Deletes an attempt's data, then its pending record once a listing shows it gone.
+
+        A fenced writer still writing into the attempt can refill it: keeping
+        the pending record keeps the attempt in every scan, so the next
+        collection finishes it (without the record its data would be an
+        orphan that only a full scan finds). False if data is left.
+        """
         self.storage.delete_prefix(loc.prefix)
         if self.storage.list(loc.prefix):
-            # A fenced writer still writing into it: keeping the pending record keeps the
-            # attempt in every scan, so the next collection finishes it (without the record
-            # its data would be an orphan that only a full scan finds).
             log.warning("%s refilled while it was removed; collecting the rest later", loc)
             return False
         self.storage.delete(loc.pending_key)
@@ -529,8 +536,7 @@ class CommitProtocol:
         self.storage.write(loc.pending_key, record)
         self.storage.delete(key)
         reached("delete_retracted", loc.step)
-        self.storage.delete_prefix(loc.prefix)
-        self.storage.delete(loc.pending_key)
+        self._remove(loc)  # what is left is an interrupted delete: every collection finishes it
 
     def map(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
         """``fn`` over ``items`` on a small thread pool (many small reads)."""
