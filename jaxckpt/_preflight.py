@@ -584,7 +584,12 @@ def nnx_step_fn(graphdef: Any, train_step: Callable[..., Any]) -> Callable[[Any,
         graphdef, state = nnx.split((model, optimizer))
         report = jaxckpt.check_resume(jaxckpt.nnx_step_fn(graphdef, train_step), state, batches)
     """
-    from flax import nnx
+    try:
+        from flax import nnx
+    except ImportError as e:
+        raise ImportError(
+            "jaxckpt.nnx_step_fn needs Flax: pip install 'jaxckpt[flax]' (or pip install flax)"
+        ) from e
 
     def step_fn(state: Any, batch: Any) -> tuple[Any, Any]:
         objects = nnx.merge(graphdef, state)

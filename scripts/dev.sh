@@ -2,6 +2,9 @@
 # One entry point for a fresh machine with only Python 3.11+:
 #   bash scripts/dev.sh demo   - set up .venv, run the end-to-end demo on a local root
 #   bash scripts/dev.sh test   - set up .venv, run ruff, mypy and the whole test suite
+#   bash scripts/dev.sh lock   - re-resolve the test environment from pyproject.toml into constraints.txt
+# The test environment is pinned by constraints.txt (users of the package still get the ranges in
+# pyproject.toml), so CI results do not drift with the package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,7 +14,22 @@ setup() {
     "$PY" -m venv .venv
   fi
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[dev]"
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[dev]"
+}
+
+lock() {
+  local tmp
+  tmp=$(mktemp -d)
+  "$PY" -m venv "$tmp/venv"
+  "$tmp/venv/bin/python" -m pip install --quiet --upgrade pip
+  "$tmp/venv/bin/python" -m pip install --quiet -e ".[dev]"
+  {
+    echo "# Pinned test environment: every package 'bash scripts/dev.sh test' installs, at the versions CI ran."
+    echo "# Users still get the ranges in pyproject.toml. Refresh deliberately with: bash scripts/dev.sh lock"
+    "$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -vi '^jaxckpt' | sort -f
+  } > constraints.txt
+  rm -rf "$tmp"
+  echo "constraints.txt: $(grep -vc '^#' constraints.txt) packages; run 'bash scripts/dev.sh test' before committing it"
 }
 
 case "${1:-}" in
@@ -28,8 +46,11 @@ case "${1:-}" in
     .venv/bin/mypy
     .venv/bin/python -m pytest -p no:cacheprovider "$@"
     ;;
+  lock)
+    lock
+    ;;
   *)
-    echo "usage: bash scripts/dev.sh {demo|test} [args]" >&2
+    echo "usage: bash scripts/dev.sh {demo|test|lock} [args]" >&2
     exit 2
     ;;
 esac

@@ -328,14 +328,22 @@ def test_an_attempt_refilled_while_collected_keeps_its_pending_record(
 # -- Ctrl-C, restores racing deletes, listing at scale --------------------------------
 
 
-def _main_thread_in(function: str, module_suffix: str) -> bool:
+def _main_thread_in(function: str) -> bool:
+    """Whether the main thread is inside jaxckpt's ``function`` (in whichever module holds it)."""
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == function and code.co_filename.endswith(module_suffix):
+        if code.co_name == function and f"{os.sep}jaxckpt{os.sep}" in code.co_filename:
             return True
         frame = frame.f_back
     return False
+
+
+def _await_main_thread_in(function: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _main_thread_in(function):
+        assert time.monotonic() < deadline, f"the main thread never entered {function}()"
+        time.sleep(0.01)
 
 
 def test_close_after_ctrl_c_in_wait_commits_or_raises(root: str) -> None:
@@ -343,21 +351,29 @@ def test_close_after_ctrl_c_in_wait_commits_or_raises(root: str) -> None:
 
     write = _tsio.ArrayWriter.write
     interrupted = threading.Event()
+    release = threading.Event()
 
     def interrupting_write(self: Any, *a: Any, **k: Any) -> Any:
-        # Ctrl-C exactly while the caller blocks in wait(), whatever the machine's load.
-        deadline = time.monotonic() + 60
-        while not _main_thread_in("wait", "_manager.py") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        signal.raise_signal(signal.SIGINT)
+        # Ctrl-C (a process-directed SIGINT, as a terminal sends it) exactly while the caller
+        # blocks in wait(); the write then holds until the caller is inside close(), so close()
+        # is the one that must wait for the commit, whatever the machine's load.
+        _await_main_thread_in("wait")
+        os.kill(os.getpid(), signal.SIGINT)
         interrupted.set()
-        time.sleep(1.0)  # the commit is still to come when close() is called
+        assert release.wait(60), "close() was never called"
         return write(self, *a, **k)
+
+    def release_once_closing() -> None:
+        if interrupted.wait(60):
+            _await_main_thread_in("close")
+        release.set()
 
     mgr = jaxckpt.CheckpointManager(root)
     mgr.save(1, {"w": jnp.arange(4.0)})
     mgr.wait()
     _tsio.ArrayWriter.write = interrupting_write  # type: ignore[method-assign]
+    releaser = threading.Thread(target=release_once_closing, daemon=True)
+    releaser.start()
     try:
         mgr.save(2, {"w": jnp.arange(4.0) * 2})
         with pytest.raises(KeyboardInterrupt):
@@ -365,7 +381,9 @@ def test_close_after_ctrl_c_in_wait_commits_or_raises(root: str) -> None:
         assert interrupted.is_set()
         mgr.close()  # returns only once step 2 is committed
     finally:
+        release.set()
         _tsio.ArrayWriter.write = write  # type: ignore[method-assign]
+        releaser.join(60)
     reader = jaxckpt.CheckpointManager(root, read_only=True)
     assert reader.steps() == [1, 2]
     np.testing.assert_array_equal(reader.restore(2)["w"], np.arange(4.0) * 2)
