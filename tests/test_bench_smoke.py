@@ -112,16 +112,25 @@ def test_tiny_bench_listing_on_the_session_s3_server(
     tmp_path: Path, s3_server: servers.Server
 ) -> None:
     out = tmp_path / "listing.json"
-    argv = ["--few", "2", "--many", "5", "--repeats", "1", "--json", str(out)]
+    argv = ["--steps", "2,5", "--repeats", "1", "--json", str(out)]
     proc = bench("listing", *argv, "--s3-endpoint", s3_server.endpoint, timeout_s=120)
     results = json.loads(out.read_text())
-    ops = {"latest_step()", "steps()", "open (writable)", "jaxckpt ls"}
+    ops = {
+        "latest_step()",
+        "steps()",
+        "restore() newest",
+        "restore(step)",
+        "open (writable)",
+        "save until committed",
+        "jaxckpt ls",
+    }
     assert set(results) == {"local", "s3"}
     for backend, by_steps in results.items():
         assert set(by_steps) == {"2", "5"}, backend
         for n, times in by_steps.items():
             assert set(times) == ops and all(t > 0 for t in times.values()), (backend, n)
     assert "| backend | operation | 2 steps (ms) | 5 steps (ms) | ratio |" in proc.stdout
+    assert "| local | restore() newest |" in proc.stdout
     assert "| s3 | latest_step() |" in proc.stdout
 
 

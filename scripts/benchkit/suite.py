@@ -62,7 +62,7 @@ PARTS = {
             name="listing",
             out_flag="--json",
             result="listing.json",
-            tiny=("--few", "2", "--many", "6", "--repeats", "1"),
+            tiny=("--steps", "2,6", "--repeats", "1"),
         ),
     )
 }
