@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from jaxckpt._import import import_orbax as import_orbax
     from jaxckpt._import import import_safetensors as import_safetensors
     from jaxckpt._manager import CheckpointManager as CheckpointManager
-    from jaxckpt._manager import LeafInfo as LeafInfo
-    from jaxckpt._manager import StepMetadata as StepMetadata
+    from jaxckpt._metadata import LeafInfo as LeafInfo
+    from jaxckpt._metadata import StepMetadata as StepMetadata
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
     from jaxckpt._preflight import LeafMismatch as LeafMismatch
     from jaxckpt._preflight import ResumeReport as ResumeReport
@@ -52,8 +52,8 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "CheckpointManager": "jaxckpt._manager",
-    "LeafInfo": "jaxckpt._manager",
-    "StepMetadata": "jaxckpt._manager",
+    "LeafInfo": "jaxckpt._metadata",
+    "StepMetadata": "jaxckpt._metadata",
     "CheckpointOptions": "jaxckpt._options",
     "LeafMismatch": "jaxckpt._preflight",
     "ResumeReport": "jaxckpt._preflight",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
+import zlib
 from typing import Any
 
 import jax
@@ -19,8 +21,20 @@ from jaxckpt.errors import CheckpointError
 log = logging.getLogger("jaxckpt")
 
 
+_opened: dict[str, int] = {}
+_opened_lock = threading.Lock()
+
+
 class Agreement:
     """Shares the primary's decisions for one manager; keys are namespaced by root."""
+
+    @classmethod
+    def for_root(cls, root: str, *, primary: int, timeout_s: float) -> Agreement:
+        """The agreement of the n-th manager of ``root`` in this process (its keys are
+        the same on every host, which opens its managers in the same order)."""
+        with _opened_lock:
+            n = _opened[root] = _opened.get(root, -1) + 1
+        return cls(f"{zlib.crc32(root.encode()):08x}.{n}", primary=primary, timeout_s=timeout_s)
 
     def __init__(self, namespace: str, *, primary: int = 0, timeout_s: float = 300.0) -> None:
         self._namespace = namespace
@@ -92,6 +106,11 @@ class Agreement:
                     f"within {self._timeout_s:.0f}s: {e}"
                 ) from e
         return values
+
+    @property
+    def primary(self) -> int:
+        """The process whose decisions are shared."""
+        return self._primary
 
     @property
     def timeout_s(self) -> float:

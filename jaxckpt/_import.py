@@ -47,7 +47,7 @@ def _save(
     source: str,
     storage_options: dict[str, Any],
 ) -> ImportResult:
-    from jaxckpt._manager import CheckpointManager
+    from jaxckpt import CheckpointManager
 
     leaves = [x for x in _leaves(tree) if isinstance(x, np.ndarray | np.generic)]
     with CheckpointManager(root, storage_options=storage_options) as mgr:

@@ -29,6 +29,14 @@ class PreemptionWatcher:
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
+    @classmethod
+    def for_policy(cls, save_policy: Any) -> PreemptionWatcher | None:
+        """A watcher when ``save_policy`` includes ``policy.OnPreemption()``, else None."""
+        from jaxckpt import policy
+
+        parts = save_policy.policies if isinstance(save_policy, policy.AnySave) else (save_policy,)
+        return cls() if any(isinstance(p, policy.OnPreemption) for p in parts) else None
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         log.warning("received %s: the next step will be saved", signal.Signals(signum).name)
         self._event.set()

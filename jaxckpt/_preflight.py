@@ -466,7 +466,7 @@ def check_resume(
     >>> report.ok, report.verdict
     (True, 'ok')
     """
-    from jaxckpt._manager import CheckpointManager
+    from jaxckpt import CheckpointManager
 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")

@@ -1,14 +1,17 @@
-"""The save session: owns the in-flight save and implements the handler's ``StepWriter``.
+"""The save session: the in-flight save, the Orbax checkpointer and the save's outcome.
 
-The Orbax handler calls :meth:`SaveSession.begin` (primary host, blocking
-part), :meth:`SaveSession.write` (every host, background thread) and
+:meth:`SaveSession.save` checks the step, describes the state and hands it
+to Orbax's ``AsyncCheckpointer``, whose handler then calls
+:meth:`SaveSession.begin` (primary host, blocking part),
+:meth:`SaveSession.write` (every host, background thread) and
 :meth:`SaveSession.commit` (primary host, after the barrier). On a local tier
 (``per_host``) every host is the writer of its own local root: ``write``
 begins, writes and commits the host's own part there (after writing the
 step's promotion request, if it is to be promoted), and ``commit`` only ends
-the session. The session
-knows the attempt's :class:`~jaxckpt._layout.StepLocation`, so every key of
-the save comes from one place, and the manager never shares its private state.
+the session. The session knows the attempt's
+:class:`~jaxckpt._layout.StepLocation`, so every key of the save comes from
+one place. It owns the checkpointer and the wait, failure and fence state;
+a commit notifies its listeners (retention, promotion), never the manager.
 """
 
 from __future__ import annotations
@@ -16,24 +19,43 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
 
 import jax
 
+from jaxckpt import _handler, policy
+from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol, Listing
-from jaxckpt._layout import StepLocation, held_manifest_name
+from jaxckpt._layout import StepLocation, held_manifest_name, new_attempt
+from jaxckpt._options import CheckpointOptions
 from jaxckpt._pack import PackWriter
 from jaxckpt._phases import reached, watched
 from jaxckpt._promote import PromotionRequest, request_promotion, withdraw
-from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart
+from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart, json_record
 from jaxckpt._telemetry import SaveRecorder
-from jaxckpt._tree import SavedLeaf
+from jaxckpt._tier import Tier
+from jaxckpt._tree import SavedLeaf, describe_state
 from jaxckpt._tsio import ArrayWriter, HostArray, chunk_key, chunks_of
-from jaxckpt.errors import CheckpointError
+from jaxckpt._versions import writer_versions
+from jaxckpt.errors import (
+    CheckpointError,
+    SaveFailedError,
+    SaveTimeoutError,
+    StepAlreadyExistsError,
+    WriterFencedError,
+)
 
 log = logging.getLogger("jaxckpt")
+
+
+class CommitListener(Protocol):
+    """Told after each commit of this process (retention, promotion)."""
+
+    def committed(self, marker: CommitMarker) -> None: ...
 
 
 @dataclass
@@ -56,28 +78,214 @@ class Inflight:
 
 
 class SaveSession:
-    """The in-flight save of one manager, shared with the Orbax handler."""
+    """The in-flight save of one manager, shared with the Orbax handler.
+
+    Args:
+      tier: the tier saves commit to (the nearest).
+      options: the manager's options.
+      agreement: the manager's (the attempt, the tree record).
+      where: the manager's root, for messages.
+      listeners: told after each commit of this process.
+    """
 
     def __init__(
         self,
-        protocol: CommitProtocol,
-        arrays: ArrayWriter,
-        recorder: SaveRecorder,
+        tier: Tier,
+        options: CheckpointOptions,
+        agreement: Agreement,
+        where: str,
         *,
-        primary: bool,
-        on_commit: Callable[[CommitMarker], None],
-        packer: PackWriter | None = None,
-        per_host: bool = False,
+        listeners: Sequence[CommitListener] = (),
     ) -> None:
-        self._protocol = protocol
-        self._arrays = arrays
-        self._recorder = recorder
-        self._primary = primary
-        self._on_commit = on_commit
-        self._packer = packer  # None: the plain layout
-        self._per_host = per_host
+        self._protocol: CommitProtocol = tier.protocol
+        self._arrays: ArrayWriter = tier.arrays
+        self.recorder = SaveRecorder()
+        self._options = options
+        self._agreement = agreement
+        self._root = where
+        self._primary = jax.process_index() == options.primary_host
+        self._listeners = tuple(listeners)
+        self._packer = PackWriter(tier.storage) if options.layout == "packed" else None
+        self._per_host = tier.own
         self._lock = threading.Lock()
         self._inflight: Inflight | None = None
+        self._checkpointer: Any = None
+        self._last_saved: tuple[int | None, float | None] | None = None
+        self.fenced: WriterFencedError | None = None
+        """Set once a newer writer took over: nothing more commits."""
+        self.closed = False
+
+    # -- the manager's side ------------------------------------------------------
+
+    def policy_says_save(
+        self, step: int, preempted: Callable[[int], bool], latest: Callable[[], int | None]
+    ) -> bool:
+        """Whether the save policy saves ``step`` now (the primary's answer)."""
+        save_policy = self._options.save_policy
+        if save_policy is None:
+            return True
+        if self._last_saved is None:
+            self._last_saved = (latest(), None)
+        last_step, last_time = self._last_saved
+        ctx = policy.SaveContext(
+            step=step,
+            now=time.monotonic(),
+            last_saved_step=last_step,
+            last_save_time=last_time,
+            preempted=preempted(step),
+            blocking_seconds=tuple(s.blocking_s for s in self.recorder.history()[-8:]),
+        )
+        return bool(self._agreement.agree("save", save_policy.should_save(ctx)))
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metadata: Any,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: Callable[[int], PromotionRequest | None],
+    ) -> None:
+        """Starts the save of ``step`` (see ``CheckpointManager.save``)."""
+        listing = self._protocol.listing()  # begin_save's checks reuse it
+        if self._protocol.read_marker(step, listing) is not None:
+            raise StepAlreadyExistsError(f"step {step} already exists under {self._root}")
+        leaves, values = describe_state(state, chunk_bytes=self._options.chunk_bytes)
+        tree = _tree_record(step, leaves, metadata)
+        checkpointer = self._ensure_checkpointer()
+        attempt = new_attempt(self._protocol.write_epoch())
+        if not self._per_host:  # one attempt for the job
+            attempt = self._agreement.agree("attempt", attempt)
+        elif jax.process_count() > 1:  # every local copy holds the primary's tree record
+            tree = self._agreement.agree("tree", tree.decode()).encode()
+        self.start(
+            Inflight(
+                loc=StepLocation(step, attempt),
+                tree=tree,
+                metrics=metrics,
+                keep=keep,
+                request=request(step),
+                listing=listing,
+            )
+        )
+        try:
+            checkpointer.save(
+                _handler.orbax_step_path(step),
+                args=_handler.SaveArgs(step=step, leaves=leaves, values=values),
+            )
+        except Exception as e:
+            self.end(failed=True)
+            fenced = _fence_error(e) or self._fenced_now(step)
+            if fenced is not None:
+                self.fenced = fenced
+                raise fenced from e
+            if isinstance(e, CheckpointError):
+                raise
+            raise SaveFailedError(f"save of step {step} under {self._root} failed: {e}") from e
+        self.recorder.blocked(step)
+        self._last_saved = (step, time.monotonic())
+
+    def _ensure_checkpointer(self) -> Any:
+        if self._checkpointer is None:
+            self._checkpointer = _handler.make_checkpointer(
+                self,
+                timeout_s=self._options.save_timeout_s,
+                primary_host=self._options.primary_host,
+                per_host=self._per_host,
+                writer_nice=self._options.writer_nice,
+            )
+        return self._checkpointer
+
+    def wait(self) -> None:
+        """Blocks until the in-flight save is committed (see ``CheckpointManager.wait``)."""
+        if self.fenced is not None:
+            raise self.fenced
+        if self._checkpointer is None:
+            return
+        try:
+            self._checkpointer.wait_until_finished()
+        except Exception as e:
+            self._raise_failed(e)
+        if not self._primary and self.current() is not None:
+            self.end(failed=False)  # Orbax's final barrier: the primary committed
+        self._await_commit()
+
+    def _await_commit(self) -> None:
+        """Waits until the in-flight save committed or failed.
+
+        Orbax joins its background thread, but a ``KeyboardInterrupt`` during
+        ``Thread.join`` can leave the thread looking finished to later joins
+        (CPython < 3.13), so the session's own state decides, with a deadline.
+        """
+        deadline = time.monotonic() + self._options.save_timeout_s
+        while (inflight := self.current()) is not None:
+            self.check_background()
+            if time.monotonic() > deadline:
+                self._raise_failed(
+                    TimeoutError(f"step {inflight.step} neither committed nor failed")
+                )
+            time.sleep(0.02)
+
+    def check_background(self) -> None:
+        """Raises the background save's failure, if it failed, without waiting."""
+        if self._checkpointer is None:
+            return
+        try:
+            self._checkpointer.check_for_errors()
+        except Exception as e:
+            self._raise_failed(e)
+
+    def _raise_failed(self, e: Exception) -> NoReturn:
+        inflight = self.end(failed=True)
+        step = inflight.step if inflight else None
+        fenced = _fence_error(e) or self._fenced_now(step)
+        if fenced is not None:
+            self.fenced = fenced
+            raise fenced from e
+        if isinstance(e, TimeoutError):
+            raise SaveTimeoutError(
+                f"save of step {step} under {self._root} did not commit within "
+                f"{self._options.save_timeout_s:.0f}s: {e}"
+            ) from e
+        raise SaveFailedError(
+            f"background save of step {step} under {self._root} failed: {e}"
+        ) from e
+
+    def _fenced_now(self, step: int | None) -> WriterFencedError | None:
+        """A newer writer took over (its garbage collection may be why a save failed)."""
+        try:
+            self._protocol.check_fence(f"commit step {step}")
+        except WriterFencedError as e:
+            return e
+        except CheckpointError:
+            pass  # the store is failing: report the save's own error
+        return None
+
+    def fence(self, error: WriterFencedError) -> None:
+        """Records that a newer writer took over (found by retention, say)."""
+        self.fenced = error
+
+    def check_writable(self) -> None:
+        """Raises unless this session may start a save or delete now.
+
+        Raises:
+          CheckpointError: the manager is closed or read-only.
+          WriterFencedError: a newer writer took over.
+        """
+        if self.closed:
+            raise CheckpointError(f"the manager of {self._root} is closed")
+        if self._options.read_only:
+            raise CheckpointError(f"the manager of {self._root} is read-only")
+        if self.fenced is not None:
+            raise self.fenced
+
+    def close(self) -> None:
+        """Closes the checkpointer (and the handler's writer thread)."""
+        self.closed = True
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+
+    # -- the session --------------------------------------------------------------
 
     def start(self, inflight: Inflight) -> None:
         with self._lock:
@@ -86,18 +294,27 @@ class SaveSession:
                     f"{self._inflight.loc} is still in flight; wait() before the next save"
                 )
             self._inflight = inflight
-        self._recorder.started(inflight.step)
+        self.recorder.started(inflight.step)
 
     def current(self) -> Inflight | None:
         with self._lock:
             return self._inflight
+
+    def current_steps(self) -> set[int]:
+        """The step in flight, if any (retention keeps it)."""
+        inflight = self.current()
+        return set() if inflight is None else {inflight.step}
+
+    def listen(self, *listeners: CommitListener) -> None:
+        """Adds components told after each commit of this process."""
+        self._listeners += listeners
 
     def end(self, *, failed: bool) -> Inflight | None:
         """Forgets the in-flight save; a failed attempt of a single process is removed."""
         with self._lock:
             inflight, self._inflight = self._inflight, None
         if inflight is not None and failed:
-            self._recorder.failed(inflight.step)
+            self.recorder.failed(inflight.step)
             if self._per_host or (self._primary and jax.process_count() == 1):
                 with contextlib.suppress(Exception):  # leftovers are collected anyway
                     removed = self._protocol.abandon(inflight.loc)  # kept if committed here
@@ -183,8 +400,8 @@ class SaveSession:
             processes=[jax.process_index()],
             extra=extra,
         )
-        self._recorder.committed(inflight.step, inflight.nbytes)
-        self._on_commit(marker)
+        self.recorder.committed(inflight.step, inflight.nbytes)
+        self._notify(marker)
 
     def _write_records(self, inflight: Inflight) -> None:
         if self._primary or self._per_host:
@@ -203,10 +420,40 @@ class SaveSession:
             metrics=inflight.metrics,
             keep=inflight.keep,
         )
-        self._recorder.committed(step, inflight.nbytes)
+        self.recorder.committed(step, inflight.nbytes)
         with self._lock:
             self._inflight = None
-        self._on_commit(marker)
+        self._notify(marker)
+
+    def _notify(self, marker: CommitMarker) -> None:
+        for listener in self._listeners:
+            listener.committed(marker)
+
+
+def _tree_record(step: int, leaves: Sequence[SavedLeaf], metadata: Any) -> bytes:
+    try:
+        return json_record(
+            step=step,
+            leaves=[x.to_json() for x in leaves],
+            metadata=metadata,
+            versions=dict(writer_versions()),
+        )
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"step {step}: metadata and non-array leaves must be JSON-serialisable: {e}"
+        ) from e
+
+
+def _fence_error(e: BaseException) -> WriterFencedError | None:
+    """The WriterFencedError behind ``e`` (Orbax wraps background errors), if any."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, WriterFencedError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 def _split_held(

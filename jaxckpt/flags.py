@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from absl import flags as absl_flags
 
-    from jaxckpt._manager import CheckpointManager
+    from jaxckpt import CheckpointManager
     from jaxckpt._options import CheckpointOptions
     from jaxckpt._preflight import ResumeReport
     from jaxckpt.policy import RetentionPolicy, SavePolicy
@@ -382,7 +382,7 @@ def manager_from_flags(
         raise ValueError("--checkpoint_root is required")
     options = options_from_flags(fv, **overrides)
     if fv.checkpoint_async:
-        from jaxckpt._manager import CheckpointManager
+        from jaxckpt import CheckpointManager
 
         return CheckpointManager(fv.checkpoint_root, options)
     return _sync_manager_class()(fv.checkpoint_root, options)
@@ -422,7 +422,7 @@ def preflight_from_flags(
 
 @functools.cache
 def _sync_manager_class() -> type[CheckpointManager]:
-    from jaxckpt._manager import CheckpointManager
+    from jaxckpt import CheckpointManager
 
     class SyncCheckpointManager(CheckpointManager):
         """A manager whose ``save`` returns only once the step is committed."""

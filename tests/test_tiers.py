@@ -411,3 +411,11 @@ def test_packed_local_tier_promotes_its_pack_objects(s3_server, tmp_path):
         for step in (1, 2):
             assert_tree_bitexact(plain.restore(step), state(step))
             assert plain.verify(step).ok
+
+
+@pytest.mark.parametrize("durable", ["s3:///run", "gs://", "http://x"])
+def test_an_invalid_durable_root_is_refused_before_the_local_root_is_written(tmp_path, durable):
+    local = tmp_path / "local"
+    with pytest.raises(jaxckpt.CheckpointError, match="root"):
+        jaxckpt.CheckpointManager(durable, local_root=str(local))
+    assert not local.exists()  # no root record, no local epoch, no directory

@@ -1,0 +1,286 @@
+"""The restore selection: which step, from which tier, on every host together.
+
+One function, :func:`restore`, for a plain and a tiered manager alike:
+
+1. *Candidates*, newest first, from listings only (no marker is read): an own
+   tier contributes the steps every host holds there, a shared tier the
+   primary's listing; with a ``step``, only that one.
+2. For each candidate, each host reads from the *nearest* tier that holds it
+   (its marker, then its data); a copy that is missing or corrupt falls back
+   to the next tier, with one warning. Markers are read newest first and the
+   loop stops at the first step that restores, so restoring the newest of
+   many steps reads one marker.
+3. With one tier every host reads the same copy: the primary's marker is
+   *agreed* (every host restores the same attempt, or raises the primary's
+   error) and leaves several hosts need are read once and exchanged.
+4. *Failure agreement*: whether any host failed, and how, is gathered, so
+   every host raises the same class or falls back to the next older step
+   together (one warning per fallback).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import jax
+
+from jaxckpt import errors
+from jaxckpt._agree import Agreement
+from jaxckpt._commit import brief
+from jaxckpt._records import CommitMarker
+from jaxckpt._restore import load_step
+from jaxckpt._tier import Tier
+from jaxckpt._tree import PathMap
+from jaxckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StepNotFoundError,
+    UncommittedStepError,
+)
+
+log = logging.getLogger("jaxckpt")
+
+_MISSING = (StepNotFoundError, UncommittedStepError)
+
+
+class Selection:
+    """The questions about a manager's tiers that every host answers alike: which steps
+    are there (:meth:`steps`, :meth:`latest`), where one is (:meth:`holder`), and
+    restoring one (:meth:`restore`).
+
+    Args:
+      tiers: nearest first.
+      agreement: the manager's (its primary lists the shared tiers for everyone).
+      fallback: without a step, ``restore`` tries older steps after a corrupt one.
+      guard: ``guard(step)`` protects a step from retention while it is read.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        agreement: Agreement,
+        fallback: bool,
+        guard: Callable[[int], AbstractContextManager[Any]],
+    ) -> None:
+        self.tiers = tuple(tiers)
+        self._agreement = agreement
+        self._primary = jax.process_index() == agreement.primary
+        self._fallback = fallback
+        self._guard = guard
+
+    def restore(
+        self,
+        step: int | None,
+        *,
+        target: Any = None,
+        partial: bool = False,
+        rename: PathMap | None = None,
+    ) -> tuple[int, Any]:
+        """:func:`restore` of these tiers."""
+        return restore(
+            self.tiers,
+            self._agreement,
+            step,
+            primary=self._primary,
+            target=target,
+            partial=partial,
+            rename=rename,
+            fallback=self._fallback,
+            guard=self._guard,
+        )
+
+    def steps(self, tier: str | None = None) -> list[int]:
+        """Committed steps of the named tier (None: all), ascending, the primary's view
+        (collective): an own tier's count when every host has them."""
+        steps: set[int] = set()
+        for t in self.named(tier):
+            steps |= t.everywhere(self._agreement, t.committed())
+        return list(self._agreement.agree("steps", sorted(steps)))
+
+    def latest(self) -> int | None:
+        """The newest committed step of any tier, or None (collective; newest markers only)."""
+        newest = [t.newest(self._agreement, primary=self._primary) for t in self.tiers]
+        steps = [s for s in newest if s is not None]
+        return self._agreement.agree("latest", max(steps, default=None))
+
+    def named(self, tier: str | None) -> tuple[Tier, ...]:
+        """The tiers ``tier`` names (None: all), nearest first.
+
+        Raises:
+          ValueError: there is no such tier.
+        """
+        chosen = tuple(t for t in self.tiers if tier in (None, t.name))
+        if not chosen:
+            names = ", ".join(repr(t.name) for t in self.tiers)
+            raise ValueError(f"tier must be None or one of {names}, got {tier!r}")
+        return chosen
+
+    def holder(self, step: int) -> Tier:
+        """The nearest tier that has ``step`` committed (else the one saves go to)."""
+        return next((t for t in self.tiers if t.holds(step)), self.tiers[0])
+
+
+def restore(
+    tiers: Sequence[Tier],
+    agreement: Agreement,
+    step: int | None,
+    *,
+    primary: bool,
+    target: Any = None,
+    partial: bool = False,
+    rename: PathMap | None = None,
+    fallback: bool = True,
+    guard: Callable[[int], AbstractContextManager[Any]],
+) -> tuple[int, Any]:
+    """Restores ``step`` (None: the newest restorable one) on every host; returns
+    ``(step, state)``.
+
+    Args:
+      tiers: nearest first.
+      agreement: the manager's (candidates, the marker and failures are shared).
+      primary: this process lists shared tiers for everyone.
+      target, partial, rename: as ``CheckpointManager.restore``.
+      fallback: without a ``step``, try the next older step after a corrupt one.
+      guard: ``guard(step)`` protects the step from retention while it is read.
+
+    Raises:
+      StepNotFoundError, UncommittedStepError, CorruptCheckpointError: as
+        ``CheckpointManager.restore`` (the same class on every host).
+    """
+    held, candidates = _candidates(tiers, agreement, step, primary=primary)
+    collective = len(tiers) == 1  # every host reads the same copy
+    for i, s in enumerate(candidates):
+        restored, error = None, None
+        nearest = [t for t, steps in zip(tiers, held, strict=True) if s in steps] or list(tiers)
+        for n, tier in enumerate(nearest):
+            marker: CommitMarker | None = None
+            try:
+                marker = _agreed_marker(tier, s, agreement) if collective else None
+                marker = marker or tier.protocol.require_marker(s)
+                with guard(s):
+                    restored = tier.reader.restore(
+                        load_step(tier.protocol, marker),
+                        target,
+                        partial=partial,
+                        rename=rename,
+                        agreement=agreement if collective else None,
+                    )
+                error = None
+                log.info("restored step %d from the %s copy (%s)", s, tier.name, tier.uri)
+                break
+            except (*_MISSING, CorruptCheckpointError) as e:
+                error = _deleted_meanwhile(tier, marker, e)
+                if n + 1 < len(nearest):
+                    log.warning(
+                        "the %s copy of step %d is corrupt or incomplete on this host (%s); "
+                        "reading the %s copy",
+                        tier.name,
+                        s,
+                        e,
+                        nearest[n + 1].name,
+                    )
+        failure = _agreed_failure(agreement, tiers, s, error)
+        if failure is None:
+            return s, restored
+        last = i == len(candidates) - 1
+        if isinstance(failure, CorruptCheckpointError) and (last or not fallback):
+            raise failure
+        if last:
+            raise failure
+        if isinstance(failure, CorruptCheckpointError):
+            log.warning(
+                "step %d is corrupt (%s); falling back to step %d", s, failure, candidates[i + 1]
+            )
+    raise AssertionError("unreachable")
+
+
+def _candidates(
+    tiers: Sequence[Tier], agreement: Agreement, step: int | None, *, primary: bool
+) -> tuple[list[set[int]], list[int]]:
+    """Per tier, the steps this host may read there; and the candidates, newest first.
+
+    From listings only. An own tier holds, for this host, what its own root
+    lists; a candidate from it must be on every host's. A shared tier holds
+    what the primary lists.
+    """
+    held: list[set[int]] = []
+    everywhere: set[int] = set()
+    for tier in tiers:
+        if tier.own:
+            mine = set(tier.visible())
+            held.append(mine)
+            everywhere |= tier.everywhere(agreement, mine)
+        else:
+            listed = tier.visible() if primary else []
+            shared = set(agreement.agree(f"restore-{tier.name}", listed))
+            held.append(shared)
+            everywhere |= shared
+    where = " or ".join(t.uri for t in tiers)
+    if step is None:
+        if not everywhere:
+            raise StepNotFoundError(f"no committed steps under {where}")
+        return held, sorted(everywhere, reverse=True)
+    if step not in everywhere and len(tiers) > 1:
+        here = sorted(next((h for t, h in zip(tiers, held, strict=True) if t.own), set()))
+        raise StepNotFoundError(
+            f"step {step} is neither under {tiers[-1].uri} nor committed on the local tier "
+            f"of every host (local here: {brief(here)}; durable: {brief(sorted(held[-1]))})"
+        )
+    return held, [step]
+
+
+def _agreed_marker(tier: Tier, step: int, agreement: Agreement) -> CommitMarker | None:
+    """The primary's marker of ``step`` (its attempt and checksums), on every process;
+    None on one process (the caller reads it). The primary's error is raised everywhere."""
+    if jax.process_count() == 1:
+        return None
+    kind, data = None, None
+    if jax.process_index() == agreement.primary:
+        try:
+            data = tier.protocol.require_marker(step).to_bytes().decode()
+        except CheckpointError as e:
+            kind, data = type(e).__name__, str(e)
+    kind, data = agreement.agree("marker", [kind, data])
+    if kind is not None:  # the primary's error, of the same class, on every process
+        raise getattr(errors, kind, CheckpointError)(data)
+    return CommitMarker.from_bytes(data.encode(), f"commit marker of step {step}")
+
+
+def _deleted_meanwhile(
+    tier: Tier, marker: CommitMarker | None, error: CheckpointError
+) -> CheckpointError:
+    """A corrupt read of a step deleted since its marker was read is a missing step."""
+    deleted = isinstance(error, CorruptCheckpointError) and marker is not None
+    if not deleted or marker is None or tier.protocol.still_committed(marker):
+        return error
+    missing = StepNotFoundError(
+        f"step {marker.step} under {tier.uri} was deleted while it was being restored"
+    )
+    missing.__cause__ = error
+    return missing
+
+
+def _agreed_failure(
+    agreement: Agreement, tiers: Sequence[Tier], step: int, error: CheckpointError | None
+) -> CheckpointError | None:
+    """None when every host restored ``step``; else the error every host raises:
+    corrupt if any host found it corrupt (from every copy it has), else missing."""
+    failed = None
+    if error is not None:
+        failed = "corrupt" if isinstance(error, CorruptCheckpointError) else "missing"
+    kinds = agreement.gather("restore-failed", failed)
+    if not any(kinds):
+        return None
+    where = " or ".join(t.uri for t in tiers)
+    if "corrupt" in kinds:
+        if isinstance(error, CorruptCheckpointError):
+            return error
+        return CorruptCheckpointError(
+            f"step {step} under {where} is corrupt in a region another process read"
+        )
+    if isinstance(error, _MISSING):
+        return error
+    return StepNotFoundError(f"step {step} under {where} could not be found by another process")

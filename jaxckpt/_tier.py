@@ -1,0 +1,228 @@
+"""A tier: one root a manager saves to or restores from, with everything that reads and writes it.
+
+A :class:`Tier` bundles a root's storage, its commit protocol, the TensorStore
+context, the array writer, the step reader and the retention rule that
+applies there. A plain manager holds one tier (``"durable"``, the job's shared
+root); a tiered manager holds two, nearest first: ``"local"`` (each host's own
+root) and ``"durable"``. Everything else (the save session, the restore
+selection, retention, promotion) works on tiers and never builds this bundle
+itself; :func:`open_tier` is the one place that does.
+
+A tier is either *own* (each host is the only writer of its own root and
+lists it itself) or *shared* (one root for the whole job: the primary takes
+its epoch and lists it for everyone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterable, Sequence
+
+import jax
+import tensorstore as ts
+
+from jaxckpt import _gc, policy
+from jaxckpt._agree import Agreement
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._options import CheckpointOptions
+from jaxckpt._records import CommitMarker
+from jaxckpt._restore import StepReader
+from jaxckpt._storage import Storage, open_storage
+from jaxckpt._tsio import ArrayWriter
+from jaxckpt.errors import CheckpointError
+
+log = logging.getLogger("jaxckpt")
+
+TIER_NAMES = ("local", "durable")
+
+
+class Tier:
+    """One root and its storage → protocol → context → writer → reader bundle.
+
+    Args:
+      name: ``"local"`` (an own root per host) or ``"durable"`` (shared by the job).
+      storage: the opened root.
+      options: the manager's options (in-flight bytes; the tier's retention rule).
+    """
+
+    def __init__(self, name: str, storage: Storage, options: CheckpointOptions) -> None:
+        if name not in TIER_NAMES:
+            raise ValueError(f"tier name must be one of {TIER_NAMES}, got {name!r}")
+        self.name = name
+        self.own = name == "local"
+        self.storage = storage
+        self.protocol = CommitProtocol(storage)
+        self.context = ts.Context(storage.context_spec())
+        self.arrays = ArrayWriter(
+            storage, self.context, max_inflight_bytes=options.max_inflight_bytes
+        )
+        self.reader = StepReader(self.protocol, self.arrays, self.context)
+        self.retention: policy.RetentionPolicy | None = (
+            options.local_retention if self.own else options.retention
+        )
+
+    def __repr__(self) -> str:
+        return f"Tier({self.name!r}, {self.uri!r})"
+
+    @property
+    def uri(self) -> str:
+        return self.storage.uri
+
+    # -- reading ---------------------------------------------------------------
+
+    def committed(self) -> dict[int, CommitMarker]:
+        """Every visible committed step with its validated marker (one GET per step)."""
+        return self.protocol.committed()
+
+    def visible(self) -> list[int]:
+        """Steps whose marker is visible, ascending (listings only, no marker read)."""
+        return sorted(self.protocol.visible_refs())
+
+    def latest(self) -> CommitMarker | None:
+        """The newest valid marker (usually one marker GET; see ``CommitProtocol.latest``)."""
+        return self.protocol.latest()
+
+    def holds(self, step: int) -> bool:
+        """Whether ``step`` has a visible marker here (a listing, no marker read)."""
+        return step in self.protocol.visible_refs()
+
+    def everywhere(self, agreement: Agreement, steps: Iterable[int]) -> set[int]:
+        """Of ``steps`` (this host's), those every host has here (collective on an own tier)."""
+        common = set(steps)
+        if not self.own:
+            return common
+        for other in agreement.gather(f"{self.name}-steps", sorted(common)):
+            common &= set(other)
+        return common
+
+    def newest(self, agreement: Agreement, *, primary: bool) -> int | None:
+        """The newest step restorable from this tier on every host (this host's answer).
+
+        A shared tier is read by the primary only, an own tier by every host; one
+        process reads one marker (:meth:`latest`).
+        """
+        if self.own and jax.process_count() > 1:
+            return max(self.everywhere(agreement, self.committed()), default=None)
+        marker = self.latest() if self.own or primary else None
+        return None if marker is None else marker.step
+
+    # -- writing ---------------------------------------------------------------
+
+    def ensure(self, *, create: bool) -> None:
+        """Checks (with ``create``: writes) the root record."""
+        self.protocol.ensure_root(create=create)
+
+    def take_epoch(self, agreement: Agreement, *, primary: bool, gc_grace_s: float | None) -> int:
+        """Becomes this root's writer: an own tier on every host, a shared one by the
+        primary, whose epoch every host then writes in (collective on a shared tier).
+
+        Args:
+          gc_grace_s: collect the root's garbage after taking the epoch; None: do not.
+        """
+        epoch = None
+        if self.own or primary:
+            self.ensure(create=True)
+            epoch = self.protocol.take_epoch().epoch
+            if gc_grace_s is not None:
+                self.collect(gc_grace_s)
+        if not self.own:
+            epoch = agreement.agree(f"{self.name}-epoch", epoch)
+        assert epoch is not None
+        self.protocol.epoch = epoch
+        return epoch
+
+    def collect(self, grace_s: float) -> None:
+        """Removes fenced and stale attempts; a failure leaves them for the next writer."""
+        try:
+            _gc.collect(self.protocol, _gc.scan(self.protocol, full=False), grace_s=grace_s)
+        except CheckpointError as e:
+            log.warning("garbage collection on open of %s failed (retried later): %s", self.uri, e)
+
+    def garbage_collect(self, grace_s: float, *, force: bool = False) -> list[int]:
+        """Removes partial, orphaned and fenced attempts (a full scan); returns their steps.
+
+        Raises:
+          WriterFencedError: a newer writer took over the root.
+        """
+        self.protocol.check_fence("collect garbage")
+        found = _gc.scan(self.protocol, full=True)
+        removed = _gc.collect(self.protocol, found, grace_s=grace_s, force=force)
+        return sorted({loc.step for loc in removed})
+
+    def delete(self, step: int) -> None:
+        """Deletes a committed step here (marker first, fence-checked)."""
+        self.protocol.delete(step)
+
+
+def open_tier(uri: str | os.PathLike[str], options: CheckpointOptions, name: str) -> Tier:
+    """Opens the root ``uri`` as the tier ``name`` (writes nothing).
+
+    Raises:
+      ValueError / CheckpointError: ``uri`` is not a root the storage layer accepts.
+    """
+    root = os.fspath(uri)
+    return Tier(name, open_storage(root, **options.storage_kwargs(root)), options)
+
+
+def open_tiers(root: str | os.PathLike[str], options: CheckpointOptions) -> tuple[Tier, ...]:
+    """The manager's tiers, nearest first: ``(durable,)``, or ``(local, durable)`` with
+    ``options.local_root``. Every root is opened (and so validated) before any is written.
+
+    Raises:
+      CheckpointError: ``local_root`` and ``root`` are the same root.
+    """
+    durable = open_tier(root, options, "durable")
+    if options.local_root is None:
+        return (durable,)
+    local = open_tier(options.local_root, options, "local")
+    if local.uri == durable.uri:
+        raise CheckpointError(f"local_root and root are the same root: {durable.uri}")
+    return (local, durable)
+
+
+def take_epochs(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointOptions) -> None:
+    """Opens ``tiers`` as the manager's ``options`` say (collective): read-only, each
+    root must exist; else each is written and its epoch taken, nearest first."""
+    if options.read_only:
+        for tier in tiers:
+            tier.ensure(create=False)
+        return
+    require_own_roots(agreement, tiers)
+    primary = jax.process_index() == options.primary_host
+    grace = options.gc_grace_s if options.gc_on_open else None
+    for tier in tiers:
+        tier.take_epoch(agreement, primary=primary, gc_grace_s=grace)
+
+
+def require_own_roots(agreement: Agreement, tiers: Iterable[Tier]) -> None:
+    """Refuses an own tier that two processes of this job on one machine would share
+    (collective; nothing is written before it passes).
+
+    Every host is the only writer of its local root: two processes on one
+    machine given the same ``local_root`` (say, one process per GPU with
+    ``local_root="/mnt/nvme/run1"``) would fence each other's epochs there.
+    A path on storage that several machines mount is not detected.
+
+    Raises:
+      CheckpointError: two processes have the same host name and local root.
+    """
+    if jax.process_count() == 1:
+        return
+    for tier in tiers:
+        if not tier.own:
+            continue
+        uri = tier.uri
+        path = uri if "://" in uri else os.path.realpath(uri)
+        first: dict[tuple[str, str], int] = {}
+        for process, (host, where) in enumerate(
+            agreement.gather("local-roots", [socket.gethostname(), path])
+        ):
+            other = first.setdefault((host, where), process)
+            if other != process:
+                raise CheckpointError(
+                    f"local_root {where!r} on host {host}: processes {other} and {process} of "
+                    "this job share it; each process needs a local tier of its own, e.g. "
+                    f'local_root=f"{where}/{{jax.process_index()}}"'
+                )
