@@ -78,9 +78,10 @@ class CheckpointManager:
             self.root, primary=opts.primary_host, timeout_s=opts.save_timeout_s
         )
         self._watcher = PreemptionWatcher.for_policy(opts.save_policy)
+        self.restored_step: int | None = None
+        """The step the last ``restore()`` returned (None before any; see ``restore``)."""
         take_epochs(self._tiers, self._agreement, opts)
-        self._protocol = self._tiers[0].protocol  # the tier saves commit to
-        self._storage = self._tiers[0].storage
+        self._protocol, self._storage = self._tiers[0].protocol, self._tiers[0].storage
         self._promotion = open_promotion(self._tiers, self._agreement, opts, self.preempted)
         self._session = session = SaveSession(self._tiers[0], opts, self._agreement, self.root)
         self._retention = retention = Retention(
@@ -222,7 +223,8 @@ class CheckpointManager:
         partial: bool = False,
         rename: PathMap | None = None,
     ) -> Any:
-        """Restores a committed step (the newest by default).
+        """Restores a committed step (the newest by default); ``restored_step`` then says
+        which (older than ``latest_step()`` when the newest was corrupt).
 
         On several processes this is collective: every process restores the
         same step and attempt, the primary's choice.
@@ -256,7 +258,8 @@ class CheckpointManager:
             raise ValueError("restore(partial=..., rename=...) needs a target")
         self.wait()
         step = None if step is None else _check_step(step)
-        return self._select.restore(step, target=target, partial=partial, rename=rename)[1]
+        self.restored_step, state = self._select.restore(step, target, partial, rename)
+        return state
 
     def metadata(self, step: int) -> StepMetadata:
         """The user metadata and a description of the saved tree of ``step``."""

@@ -74,7 +74,6 @@ class Selection:
     def restore(
         self,
         step: int | None,
-        *,
         target: Any = None,
         partial: bool = False,
         rename: PathMap | None = None,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
+from pathlib import Path
 
 import numpy as np
+import pytest
 import servers
+from rootpaths import chunk_path
 
 import jaxckpt
 
@@ -36,3 +40,27 @@ def test_restoring_the_newest_of_50_steps_reads_at_most_3_markers(s3_server):
     assert len(latest) == 1, latest
     assert len(restore) <= 3, restore
     mgr.close()
+
+
+def test_the_caller_learns_which_step_restore_restored(tmp_path, caplog):
+    root = str(tmp_path / "root")
+    with jaxckpt.CheckpointManager(root, chunk_bytes=1024) as mgr:
+        assert mgr.restored_step is None  # nothing restored yet
+        mgr.save(1, {"w": np.arange(1024.0)})
+        mgr.save(2, {"w": np.arange(1024.0) + 1})
+    chunk = Path(chunk_path(root, 2, "w", 2))
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    mgr = jaxckpt.CheckpointManager(root, read_only=True)
+    assert mgr.latest_step() == 2
+    with caplog.at_level(logging.WARNING, logger="jaxckpt"):
+        state = mgr.restore()
+    assert "falling back to step 1" in caplog.text
+    np.testing.assert_array_equal(state["w"], np.arange(1024.0))
+    assert mgr.restored_step == 1  # not latest_step(): the newest step was corrupt
+    mgr.restore(1)
+    assert mgr.restored_step == 1
+    with pytest.raises(jaxckpt.CorruptCheckpointError):
+        mgr.restore(2)
+    assert mgr.restored_step == 1  # a failed restore leaves it as it was
