@@ -97,7 +97,8 @@ def read_regions(
     plan = getattr(storage, "plan_restore", None)  # object stores size their read budget
     if plan is not None:
         plan(sum(math.prod(_extent(r.region)) * r.leaf.numpy_dtype.itemsize for r in requests))
-    with ThreadPoolExecutor(workers, thread_name_prefix="jaxckpt-read") as pool:
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="jaxckpt-read")
+    try:  # on Ctrl-C (or an error) do not wait for the reads in flight
         for i, request in enumerate(requests):
             leaf = request.leaf
             itemsize = leaf.numpy_dtype.itemsize
@@ -121,6 +122,10 @@ def read_regions(
                     inflight_bytes -= _place(item, requests, outputs, records, step, where)
         while inflight:
             _place(inflight.popleft(), requests, outputs, records, step, where)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     return [
         out if out is not None else np.empty(_extent(r.region), r.leaf.numpy_dtype)
         for out, r in zip(outputs, requests, strict=True)

@@ -2,8 +2,9 @@
 
 A :class:`PreemptionWatcher` turns a signal into a flag that the save policy
 reads (``OnPreemption``), so the training loop saves at the next step
-boundary and can then exit cleanly. The handlers it replaces are restored by
-:meth:`PreemptionWatcher.close`.
+boundary and can then exit cleanly. SIGINT (Ctrl-C) sets the flag and still
+interrupts: the handler it replaced runs too (by default, ``KeyboardInterrupt``).
+The handlers it replaces are restored by :meth:`PreemptionWatcher.close`.
 """
 
 from __future__ import annotations
@@ -38,8 +39,16 @@ class PreemptionWatcher:
         return cls() if any(isinstance(p, policy.OnPreemption) for p in parts) else None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        log.warning("received %s: the next step will be saved", signal.Signals(signum).name)
         self._event.set()
+        if signum != signal.SIGINT:
+            log.warning("received %s: the next step will be saved", signal.Signals(signum).name)
+            return
+        previous = self._previous.get(signum)
+        log.warning("received SIGINT: preempted, and interrupting")
+        if callable(previous):  # Ctrl-C is never swallowed: by default KeyboardInterrupt
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
 
     def notify(self) -> None:
         """Marks the process as preempted (for schedulers with their own notice)."""
