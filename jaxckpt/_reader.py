@@ -22,14 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from jaxckpt._chunkread import RegionRequest
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._restore import LoadedStep, StepReader, load_step
+from jaxckpt._restore import LoadedStep, load_step
 from jaxckpt._storage import open_storage
+from jaxckpt._tier import reading_tier
 from jaxckpt._tree import SavedLeaf
-from jaxckpt._tsio import ArrayWriter, Region
+from jaxckpt._tsio import Region
 from jaxckpt.errors import StepNotFoundError
 
 __all__ = ["LeafView", "StepView", "dotted_path", "open_step"]
@@ -192,8 +192,7 @@ class StepView:
     def __init__(self, protocol: CommitProtocol, loaded: LoadedStep) -> None:
         self._protocol = protocol
         self._loaded = loaded
-        context = ts.Context(protocol.storage.context_spec())
-        self._reader = StepReader(protocol, ArrayWriter(protocol.storage, context), context)
+        self._reader = reading_tier(protocol.storage).reader
         self._plain: set[str] | None = None
         self._lock = threading.Lock()
         self._by_key: dict[str, SavedLeaf] = {}

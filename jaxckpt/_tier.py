@@ -166,6 +166,11 @@ def open_tier(uri: str | os.PathLike[str], options: CheckpointOptions, name: str
     return Tier(name, open_storage(root, **options.storage_kwargs(root)), options)
 
 
+def reading_tier(storage: Storage) -> Tier:
+    """``storage`` as a tier to read outside a manager (``open_step``, the CLI)."""
+    return Tier("durable", storage, CheckpointOptions())
+
+
 def open_tiers(root: str | os.PathLike[str], options: CheckpointOptions) -> tuple[Tier, ...]:
     """The manager's tiers, nearest first: ``(durable,)``, or ``(local, durable)`` with
     ``options.local_root``. Every root is opened (and so validated) before any is written.
