@@ -1,6 +1,6 @@
 """The restore selection: which step, from which tier, on every host together.
 
-One function, :func:`restore`, for a plain and a tiered manager alike:
+One method, :meth:`Selection.restore`, for a plain and a tiered manager alike:
 
 1. *Candidates*, newest first, from listings only (no marker is read): an own
    tier contributes the steps every host holds there, a shared tier the
@@ -78,18 +78,60 @@ class Selection:
         partial: bool = False,
         rename: PathMap | None = None,
     ) -> tuple[int, Any]:
-        """:func:`restore` of these tiers."""
-        return restore(
-            self.tiers,
-            self._agreement,
-            step,
-            primary=self._primary,
-            target=target,
-            partial=partial,
-            rename=rename,
-            fallback=self._fallback,
-            guard=self._guard,
-        )
+        """Restores ``step`` (None: the newest restorable one) on every host; returns
+        ``(step, state)``. ``target``, ``partial``, ``rename``: as ``CheckpointManager.restore``.
+
+        Raises:
+          StepNotFoundError, UncommittedStepError, CorruptCheckpointError: as
+            ``CheckpointManager.restore`` (the same class on every host).
+        """
+        tiers, agreement = self.tiers, self._agreement
+        held, candidates = _candidates(tiers, agreement, step, primary=self._primary)
+        collective = len(tiers) == 1  # every host reads the same copy
+        for i, s in enumerate(candidates):
+            restored, error = None, None
+            nearest = [t for t, steps in zip(tiers, held, strict=True) if s in steps] or list(tiers)
+            for n, tier in enumerate(nearest):
+                marker: CommitMarker | None = None
+                try:
+                    marker = _agreed_marker(tier, s, agreement) if collective else None
+                    marker = marker or tier.protocol.require_marker(s)
+                    with self._guard(s):
+                        restored = tier.reader.restore(
+                            load_step(tier.protocol, marker),
+                            target,
+                            partial=partial,
+                            rename=rename,
+                            agreement=agreement if collective else None,
+                        )
+                    error = None
+                    log.info("restored step %d from the %s copy (%s)", s, tier.name, tier.uri)
+                    break
+                except (*_MISSING, CorruptCheckpointError) as e:
+                    error = _deleted_meanwhile(tier, marker, e)
+                    if n + 1 < len(nearest):
+                        log.warning(
+                            "the %s copy of step %d is corrupt or incomplete on this host (%s); "
+                            "reading the %s copy",
+                            tier.name,
+                            s,
+                            e,
+                            nearest[n + 1].name,
+                        )
+            failure = _agreed_failure(agreement, tiers, s, error)
+            if failure is None:
+                return s, restored
+            corrupt = isinstance(failure, CorruptCheckpointError)
+            if i == len(candidates) - 1 or (corrupt and not self._fallback):
+                raise failure
+            if corrupt:  # a missing step (deleted since the listing) is skipped silently
+                log.warning(
+                    "step %d is corrupt (%s); falling back to step %d",
+                    s,
+                    failure,
+                    candidates[i + 1],
+                )
+        raise AssertionError("unreachable")
 
     def steps(self, tier: str | None = None) -> list[int]:
         """Committed steps of the named tier (None: all), ascending, the primary's view
@@ -120,80 +162,6 @@ class Selection:
     def holder(self, step: int) -> Tier:
         """The nearest tier that has ``step`` committed (else the one saves go to)."""
         return next((t for t in self.tiers if t.holds(step)), self.tiers[0])
-
-
-def restore(
-    tiers: Sequence[Tier],
-    agreement: Agreement,
-    step: int | None,
-    *,
-    primary: bool,
-    target: Any = None,
-    partial: bool = False,
-    rename: PathMap | None = None,
-    fallback: bool = True,
-    guard: Callable[[int], AbstractContextManager[Any]],
-) -> tuple[int, Any]:
-    """Restores ``step`` (None: the newest restorable one) on every host; returns
-    ``(step, state)``.
-
-    Args:
-      tiers: nearest first.
-      agreement: the manager's (candidates, the marker and failures are shared).
-      primary: this process lists shared tiers for everyone.
-      target, partial, rename: as ``CheckpointManager.restore``.
-      fallback: without a ``step``, try the next older step after a corrupt one.
-      guard: ``guard(step)`` protects the step from retention while it is read.
-
-    Raises:
-      StepNotFoundError, UncommittedStepError, CorruptCheckpointError: as
-        ``CheckpointManager.restore`` (the same class on every host).
-    """
-    held, candidates = _candidates(tiers, agreement, step, primary=primary)
-    collective = len(tiers) == 1  # every host reads the same copy
-    for i, s in enumerate(candidates):
-        restored, error = None, None
-        nearest = [t for t, steps in zip(tiers, held, strict=True) if s in steps] or list(tiers)
-        for n, tier in enumerate(nearest):
-            marker: CommitMarker | None = None
-            try:
-                marker = _agreed_marker(tier, s, agreement) if collective else None
-                marker = marker or tier.protocol.require_marker(s)
-                with guard(s):
-                    restored = tier.reader.restore(
-                        load_step(tier.protocol, marker),
-                        target,
-                        partial=partial,
-                        rename=rename,
-                        agreement=agreement if collective else None,
-                    )
-                error = None
-                log.info("restored step %d from the %s copy (%s)", s, tier.name, tier.uri)
-                break
-            except (*_MISSING, CorruptCheckpointError) as e:
-                error = _deleted_meanwhile(tier, marker, e)
-                if n + 1 < len(nearest):
-                    log.warning(
-                        "the %s copy of step %d is corrupt or incomplete on this host (%s); "
-                        "reading the %s copy",
-                        tier.name,
-                        s,
-                        e,
-                        nearest[n + 1].name,
-                    )
-        failure = _agreed_failure(agreement, tiers, s, error)
-        if failure is None:
-            return s, restored
-        last = i == len(candidates) - 1
-        if isinstance(failure, CorruptCheckpointError) and (last or not fallback):
-            raise failure
-        if last:
-            raise failure
-        if isinstance(failure, CorruptCheckpointError):
-            log.warning(
-                "step %d is corrupt (%s); falling back to step %d", s, failure, candidates[i + 1]
-            )
-    raise AssertionError("unreachable")
 
 
 def _candidates(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import uuid
 from pathlib import Path
 
@@ -64,3 +65,33 @@ def test_the_caller_learns_which_step_restore_restored(tmp_path, caplog):
     with pytest.raises(jaxckpt.CorruptCheckpointError):
         mgr.restore(2)
     assert mgr.restored_step == 1  # a failed restore leaves it as it was
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_restore_reaches_the_step_reader_in_two_calls(tmp_path, monkeypatch, tiered):
+    from jaxckpt import _restore
+
+    kwargs = {"local_root": str(tmp_path / "local")} if tiered else {}
+    with jaxckpt.CheckpointManager(str(tmp_path / "root"), **kwargs) as mgr:
+        mgr.save(1, {"w": np.arange(4.0)})
+        if tiered:
+            mgr.wait_durable(1)
+    restore = _restore.StepReader.restore
+    chains: list[list[str]] = []
+
+    def recording(self, *args, **kwargs):
+        frame, chain = sys._getframe(1), []
+        while frame.f_code.co_name != "restore" or not frame.f_code.co_filename.endswith(
+            "_manager.py"
+        ):
+            chain.append(frame.f_code.co_qualname)
+            frame = frame.f_back
+        chains.append(chain)
+        return restore(self, *args, **kwargs)
+
+    monkeypatch.setattr(_restore.StepReader, "restore", recording)
+    reader = jaxckpt.CheckpointManager(str(tmp_path / "root"), read_only=True, **kwargs)
+    reader.restore()
+    reader.restore(1)
+    # CheckpointManager.restore -> Selection.restore -> StepReader.restore
+    assert chains == [["Selection.restore"]] * 2
