@@ -100,9 +100,11 @@ class Retention:
 
     def committed(self, marker: CommitMarker | None = None) -> None:
         """A step committed (or was promoted): schedule a pass of the deleter."""
-        if self._closed or not any(t.retention is not None for t in self._tiers):
+        if not any(t.retention is not None for t in self._tiers):
             return
         with self._lock:
+            if self._closed:  # a promotion finishing after close() is pruned next time
+                return
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-retention")
             self._deletion = self._pool.submit(self.apply)
@@ -130,8 +132,8 @@ class Retention:
 
     def close(self) -> None:
         """Finishes the scheduled deletions and stops the deleter."""
-        self._closed = True
         with self._lock:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)

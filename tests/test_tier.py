@@ -1,0 +1,72 @@
+"""Tiers and retention as components: what a tier reads and writes, what retention keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt import policy
+from jaxckpt._agree import Agreement
+from jaxckpt._options import CheckpointOptions
+from jaxckpt._retention import Retention
+from jaxckpt._tier import open_tier, open_tiers
+
+
+def saved(root: Path, steps: range) -> None:
+    with jaxckpt.CheckpointManager(str(root)) as mgr:
+        for step in steps:
+            mgr.save(step, {"w": np.full(2, step, np.float32)})
+
+
+def test_open_tiers_names_them_nearest_first_and_refuses_one_root_twice(tmp_path):
+    plain = open_tiers(tmp_path / "root", CheckpointOptions())
+    assert [(t.name, t.own) for t in plain] == [("durable", False)]
+    tiered = open_tiers(tmp_path / "root", CheckpointOptions(local_root=str(tmp_path / "l")))
+    assert [(t.name, t.own) for t in tiered] == [("local", True), ("durable", False)]
+    assert not (tmp_path / "root").exists() and not (tmp_path / "l").exists()  # opened only
+    with pytest.raises(jaxckpt.CheckpointError, match="same root"):
+        open_tiers(tmp_path / "r", CheckpointOptions(local_root=str(tmp_path / "r")))
+    with pytest.raises(ValueError, match="tier name"):
+        open_tier(tmp_path / "root", CheckpointOptions(), "peer")
+
+
+def test_a_tier_lists_reads_and_deletes_its_steps(tmp_path):
+    saved(tmp_path / "root", range(1, 4))
+    tier = open_tier(tmp_path / "root", CheckpointOptions(), "durable")
+    agreement = Agreement("test-tier", timeout_s=5)
+    assert tier.visible() == [1, 2, 3] and sorted(tier.committed()) == [1, 2, 3]
+    latest = tier.latest()
+    assert latest is not None and latest.step == 3
+    assert tier.newest(agreement, primary=True) == 3
+    assert tier.newest(agreement, primary=False) is None  # a shared tier: the primary reads
+    assert tier.holds(2) and not tier.holds(7)
+    epoch = tier.take_epoch(agreement, primary=True, gc_grace_s=None)
+    assert tier.protocol.epoch == epoch > 1  # the saving manager held epoch 1
+    tier.delete(2)
+    assert tier.visible() == [1, 3] and not tier.holds(2)
+
+
+def test_retention_prunes_every_tier_but_never_a_protected_step(tmp_path):
+    saved(tmp_path / "root", range(1, 6))
+    options = CheckpointOptions(retention=policy.KeepLast(1))
+    (tier,) = open_tiers(tmp_path / "root", options)
+    tier.take_epoch(Agreement("test-retention", timeout_s=5), primary=True, gc_grace_s=None)
+    fenced: list[Exception] = []
+    retention = Retention(
+        [tier], primary=True, protected=[lambda: {2}, lambda: {3}], on_fenced=fenced.append
+    )
+    with retention.restoring(4):
+        assert retention.protected() == {2, 3, 4}
+        retention.committed()
+        retention.wait(30)
+    assert tier.visible() == [2, 3, 4, 5]  # 1 goes; 2, 3 and 4 were protected
+    assert retention.protected() == {2, 3}
+    assert retention.explain(tier)[4] == ()  # no rule keeps it any more
+    retention.committed()
+    retention.close()
+    assert tier.visible() == [2, 3, 5] and fenced == []
+    retention.committed()  # after close(): nothing is scheduled
+    assert tier.visible() == [2, 3, 5]
