@@ -30,6 +30,7 @@ import jax
 from jaxckpt import errors
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import brief
+from jaxckpt._layout import MarkerRef
 from jaxckpt._records import CommitMarker
 from jaxckpt._restore import load_step
 from jaxckpt._tier import Tier
@@ -90,12 +91,14 @@ class Selection:
         collective = len(tiers) == 1  # every host reads the same copy
         for i, s in enumerate(candidates):
             restored, error = None, None
-            nearest = [t for t, steps in zip(tiers, held, strict=True) if s in steps] or list(tiers)
-            for n, tier in enumerate(nearest):
+            nearest = [(t, refs) for t, refs in zip(tiers, held, strict=True) if s in refs]
+            nearest = nearest or [(t, {}) for t in tiers]  # a step asked for: the errors say why
+            for n, (tier, refs) in enumerate(nearest):
                 marker: CommitMarker | None = None
                 try:
-                    marker = _agreed_marker(tier, s, agreement) if collective else None
-                    marker = marker or tier.protocol.require_marker(s)
+                    ref = refs.get(s)
+                    marker = _agreed_marker(tier, s, ref, agreement) if collective else None
+                    marker = marker or tier.marker(s, ref)
                     with self._guard(s):
                         restored = tier.reader.restore(
                             load_step(tier.protocol, marker),
@@ -116,7 +119,7 @@ class Selection:
                             tier.name,
                             s,
                             e,
-                            nearest[n + 1].name,
+                            nearest[n + 1][0].name,
                         )
             failure = _agreed_failure(agreement, tiers, s, error)
             if failure is None:
@@ -166,32 +169,33 @@ class Selection:
 
 def _candidates(
     tiers: Sequence[Tier], agreement: Agreement, step: int | None, *, primary: bool
-) -> tuple[list[set[int]], list[int]]:
-    """Per tier, the steps this host may read there; and the candidates, newest first.
+) -> tuple[list[dict[int, MarkerRef | None]], list[int]]:
+    """Per tier, the steps this host may read there (with their marker keys where
+    this host listed them); and the candidates, newest first.
 
     From listings only. An own tier holds, for this host, what its own root
     lists; a candidate from it must be on every host's. A shared tier holds
     what the primary lists.
     """
-    held: list[set[int]] = []
+    held: list[dict[int, MarkerRef | None]] = []
     everywhere: set[int] = set()
     for tier in tiers:
         if tier.own:
-            mine = set(tier.visible())
+            mine: dict[int, MarkerRef | None] = dict(tier.refs())
             held.append(mine)
             everywhere |= tier.everywhere(agreement, mine)
         else:
-            listed = tier.visible() if primary else []
-            shared = set(agreement.agree(f"restore-{tier.name}", listed))
-            held.append(shared)
-            everywhere |= shared
+            listed: dict[int, MarkerRef | None] = dict(tier.refs()) if primary else {}
+            shared = agreement.agree(f"restore-{tier.name}", sorted(listed))
+            held.append({s: listed.get(s) for s in shared})
+            everywhere |= set(shared)
     where = " or ".join(t.uri for t in tiers)
     if step is None:
         if not everywhere:
             raise StepNotFoundError(f"no committed steps under {where}")
         return held, sorted(everywhere, reverse=True)
     if step not in everywhere and len(tiers) > 1:
-        here = sorted(next((h for t, h in zip(tiers, held, strict=True) if t.own), set()))
+        here = sorted(next((h for t, h in zip(tiers, held, strict=True) if t.own), {}))
         raise StepNotFoundError(
             f"step {step} is neither under {tiers[-1].uri} nor committed on the local tier "
             f"of every host (local here: {brief(here)}; durable: {brief(sorted(held[-1]))})"
@@ -199,7 +203,9 @@ def _candidates(
     return held, [step]
 
 
-def _agreed_marker(tier: Tier, step: int, agreement: Agreement) -> CommitMarker | None:
+def _agreed_marker(
+    tier: Tier, step: int, ref: MarkerRef | None, agreement: Agreement
+) -> CommitMarker | None:
     """The primary's marker of ``step`` (its attempt and checksums), on every process;
     None on one process (the caller reads it). The primary's error is raised everywhere."""
     if jax.process_count() == 1:
@@ -207,7 +213,7 @@ def _agreed_marker(tier: Tier, step: int, agreement: Agreement) -> CommitMarker 
     kind, data = None, None
     if jax.process_index() == agreement.primary:
         try:
-            data = tier.protocol.require_marker(step).to_bytes().decode()
+            data = tier.marker(step, ref).to_bytes().decode()
         except CheckpointError as e:
             kind, data = type(e).__name__, str(e)
     kind, data = agreement.agree("marker", [kind, data])

@@ -26,6 +26,7 @@ import tensorstore as ts
 from jaxckpt import _gc, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
+from jaxckpt._layout import MarkerRef
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._records import CommitMarker
 from jaxckpt._restore import StepReader
@@ -79,6 +80,21 @@ class Tier:
     def visible(self) -> list[int]:
         """Steps whose marker is visible, ascending (listings only, no marker read)."""
         return sorted(self.protocol.visible_refs())
+
+    def refs(self) -> dict[int, MarkerRef]:
+        """Each visible step's marker key (listings only, no marker read)."""
+        return self.protocol.visible_refs()
+
+    def marker(self, step: int, ref: MarkerRef | None = None) -> CommitMarker:
+        """The marker of the committed ``step``: one GET when ``ref`` is from a listing
+        just taken; else (or if that marker is gone or damaged) through a fresh listing.
+
+        Raises:
+          StepNotFoundError / UncommittedStepError / CorruptCheckpointError: no valid
+            committed ``step`` (see ``CommitProtocol.require_marker``).
+        """
+        marker = None if ref is None else self.protocol.read_ref(ref)
+        return marker or self.protocol.require_marker(step)
 
     def latest(self) -> CommitMarker | None:
         """The newest valid marker (usually one marker GET; see ``CommitProtocol.latest``)."""
