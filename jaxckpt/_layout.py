@@ -9,7 +9,7 @@ attempt under its own prefix, so two writers never share a key::
     attempts/<step>/<attempt>/tree.json        the tree record
     attempts/<step>/<attempt>/manifest/<p>.json  chunks written by process <p>
     attempts/<step>/<attempt>/manifest/<p>.held.json  local tier only: replicas <p> keeps
-                                               for its own restores (see _tiers)
+                                               for its own restores (see _select)
     attempts/<step>/<attempt>/arrays/...       zarr v3 arrays (one per array leaf; plain layout)
     attempts/<step>/<attempt>/packs/<p>.<k>.bin  packed layout: process <p>'s pack objects
     commits/<step:012d>.e<epoch>.json          the commit marker; names its attempt

@@ -103,7 +103,7 @@ class CheckpointManager:
     @property
     def local_root(self) -> str | None:
         """The local tier's URI, or None when saves go straight to ``root``."""
-        return self._tiers[0].uri if len(self._tiers) > 1 else None
+        return next((t.uri for t in self._tiers if t.own), None)
 
     @property
     def epoch(self) -> int | None:
