@@ -24,6 +24,7 @@ from jaxckpt import _gc, _handler, errors, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol, retention_decision
 from jaxckpt._layout import StepLocation, new_attempt
+from jaxckpt._layout import check_step as _check_step
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._pack import PackWriter
 from jaxckpt._preemption import PreemptionWatcher
@@ -78,12 +79,6 @@ class StepMetadata:
     versions: Mapping[str, str] = field(default_factory=dict)
     """Versions of jaxckpt, jax, orbax-checkpoint, tensorstore, numpy that wrote the step
     (empty for steps written before they were recorded)."""
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return step
 
 
 class CheckpointManager:
