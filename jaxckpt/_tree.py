@@ -9,6 +9,7 @@ shape, dtype, chunk shape and a description of the sharding.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -59,15 +60,36 @@ def encode_path(path: Sequence[Any]) -> list[list[Any]]:
 
 
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+MAX_NAME_CHARS = 200
+"""The longest zarr array name (a directory name on a local disk: at most 255 bytes there)."""
+_LONG_NAME = 180  # longer names are cut and keep a digest of the whole (room for "~<n>")
+_RESERVED_NAMES = frozenset({"zarr.json"})  # beside the arrays: the group's metadata
 
 
 def array_names(paths: Sequence[list[list[Any]]]) -> list[str]:
-    """Unique, file-system-safe zarr array names for the given encoded paths."""
+    """Unique zarr array names for the given encoded paths, valid on every backend.
+
+    A name is one path segment of ``[A-Za-z0-9_.-]`` (other characters become
+    ``_``; no leading or trailing dot), at most :data:`MAX_NAME_CHARS` long. A
+    name a tree uses twice, or one the layout reserves (``zarr.json``), gets
+    ``~<n>``; a name over 180 characters keeps its first 160 and ``~`` and 16 hex
+    digits of its SHA-256. ``~`` never survives the first step, so these never
+    collide with a plain name. Readers take names from ``tree.json``, never from
+    this function, so steps written with other names still read.
+
+    >>> array_names([[["d", "params"], ["d", "w"]], [["d", "zarr.json"]], [["d", "a b"]]])
+    ['params.w', 'zarr.json~2', 'a_b']
+    >>> [len(n) for n in array_names([[["d", "k" * 300]]])]
+    [177]
+    """
     names: list[str] = []
-    seen: set[str] = set()
+    seen: set[str] = set(_RESERVED_NAMES)
     for parts in paths:
         base = ".".join(_NAME_UNSAFE.sub("_", str(key)) for _, key in parts) or "root"
         base = base.strip(".") or "root"
+        if len(base) > _LONG_NAME:
+            digest = hashlib.sha256(base.encode()).hexdigest()[:16]
+            base = f"{base[:160].rstrip('.')}~{digest}"
         name, n = base, 1
         while name in seen:
             n += 1
