@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from jaxckpt._tree import (
 )
 from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region, region_of
 from jaxckpt.errors import CorruptCheckpointError, StorageError
+
+log = logging.getLogger("jaxckpt")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,14 +227,41 @@ class StepReader:
             try:
                 out[i] = np.asarray(future.result())
             except ValueError as e:
-                raise self._diagnose(loaded, requests[i].leaf, e) from e
+                out[i] = self._read_again(loaded, requests[i], e)
         return [out[i] for i in range(len(requests))]
 
     def _opened(self, loaded: LoadedStep, leaf: SavedLeaf, future: Any) -> ts.TensorStore:
+        """An opened array; a failed open is tried once more (see ``_read_again``)."""
         try:
             return future.result()
         except ValueError as e:
-            raise self._diagnose(loaded, leaf, e) from e
+            first = e
+        try:
+            return self._arrays.open(loaded.marker.location, leaf, create=False).result()
+        except ValueError as e:
+            raise self._diagnose(loaded, leaf, e) from first
+
+    def _read_again(self, loaded: LoadedStep, request: RegionRequest, first: Exception) -> Any:
+        """A region whose TensorStore read failed, read once more before it is diagnosed.
+
+        A byte flipped in transit fails a chunk's CRC32C (``DATA_LOSS``) once, not
+        again; stored damage fails again and is named by :meth:`_diagnose`.
+        """
+        leaf = request.leaf
+        store = self._opened(
+            loaded, leaf, self._arrays.open(loaded.marker.location, leaf, create=False)
+        )
+        try:
+            data = np.asarray(read_region(store, request.region).result())
+        except ValueError as e:
+            raise self._diagnose(loaded, leaf, e) from first
+        log.warning(
+            "step %d: %s failed once (%s), read again intact: a transfer error, not damage",
+            loaded.marker.step,
+            leaf.path_text,
+            first,
+        )
+        return data
 
     def _diagnose(self, loaded: LoadedStep, leaf: SavedLeaf, exc: Exception) -> Exception:
         step = loaded.marker.step
