@@ -524,6 +524,7 @@ class CheckpointManager:
         target: Any = None,
         partial: bool = False,
         rename: PathMap | None = None,
+        allow_lossy_cast: bool | None = None,
     ) -> Any:
         """Restores a committed step (the newest by default).
 
@@ -546,19 +547,24 @@ class CheckpointManager:
             ``jaxckpt inspect``) writes them, e.g. ``{"['params']['encoder']":
             "['params']['enc']"}``, or a function from a saved path to its new path
             or ``None`` to skip the leaf.
+          allow_lossy_cast: ``target`` may convert arrays to dtypes that cannot hold
+            every saved value (float32 -> float16); None: ``options.allow_lossy_cast``.
+            Lossless conversions (widening, int16 -> float32) always happen.
 
         Raises:
           StepNotFoundError: no such committed step (the message lists them), or
             it was deleted while being restored.
           TreeMismatchError: ``target`` does not match the saved tree (every missing,
-            extra and mismatched path is named).
+            extra and mismatched path is named), or converts lossily (path and dtypes).
           CorruptCheckpointError: a chunk fails its checksum (step, path and chunk named).
           ValueError: ``partial`` or ``rename`` without a ``target``.
         """
         if target is None and (partial or rename is not None):
             raise ValueError("restore(partial=..., rename=...) needs a target")
         self.wait()
-        how = {"partial": partial, "rename": rename}
+        if allow_lossy_cast is None:
+            allow_lossy_cast = self.options.allow_lossy_cast
+        how = {"partial": partial, "rename": rename, "allow_lossy_cast": allow_lossy_cast}
         if self._durable is not None:
             return TieredRestore(
                 self._protocol,

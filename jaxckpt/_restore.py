@@ -21,6 +21,7 @@ from jaxckpt._replicated import Exchange, plan
 from jaxckpt._tree import (
     PathMap,
     SavedLeaf,
+    check_casts,
     flatten,
     match_target,
     path_str,
@@ -84,11 +85,16 @@ class StepReader:
         partial: bool = False,
         rename: PathMap | None = None,
         agreement: Agreement | None = None,
+        allow_lossy_cast: bool = False,
     ) -> Any:
         """The step's values; with a target, only the leaves it names are read.
 
         With an ``agreement`` on several processes this is collective: leaves that
         several processes need are read once in total and exchanged (``_replicated``).
+
+        Raises:
+          TreeMismatchError: the target does not match, or converts an array to a
+            dtype that cannot hold its values (``lossy_cast``) and not ``allow_lossy_cast``.
         """
         leaves = loaded.leaves
         if target is None:
@@ -100,7 +106,10 @@ class StepReader:
         targets = [t for _, t in flat]
         paths = [path_str(p) for p, _ in flat]
         matched = match_target(leaves, paths, targets, partial=partial, rename=rename)
-        values = self._read_all(loaded, matched, targets, agreement)
+        if not allow_lossy_cast:
+            check_casts(matched, paths, targets)
+        with np.errstate(over="ignore", invalid="ignore"):  # consented to: inf, wrapped ints
+            values = self._read_all(loaded, matched, targets, agreement)
         return jax.tree_util.tree_unflatten(treedef, values)
 
     def _read_all(

@@ -352,6 +352,52 @@ def match_target(
     return matched
 
 
+def lossy_cast(saved: np.dtype, target: np.dtype) -> bool:
+    """Whether converting ``saved`` to ``target`` can change a value.
+
+    Decided by the pair alone, by numpy's ``can_cast(..., "safe")`` (with
+    ml_dtypes' rules for bfloat16 and float8): widening within a kind
+    (float16 -> float32, int8 -> int32, uint8 -> uint16), unsigned to a wider
+    signed int, bool to anything, an int to a float whose significand holds
+    all its values (int8/uint8 -> bfloat16 or float16, int16 -> float32,
+    int32 -> float64) and bfloat16 -> float32 are lossless; everything else
+    (narrowing, float -> int, int32 -> float32, float16 <-> bfloat16) is lossy.
+
+    >>> lossy_cast(np.dtype("float32"), np.dtype("float16"))
+    True
+    >>> lossy_cast(np.dtype("int16"), np.dtype("float32"))
+    False
+    """
+    return not np.can_cast(saved, target, "safe")
+
+
+def check_casts(
+    leaves: Sequence[SavedLeaf], target_paths: Sequence[str], targets: Sequence[Any]
+) -> None:
+    """Refuses lossy dtype conversions from saved array leaves to their targets.
+
+    Args:
+      leaves: the saved leaf of every target leaf, in target order (``match_target``).
+      target_paths: the target's leaf paths, in the same order.
+      targets: the target's leaves.
+
+    Raises:
+      TreeMismatchError: naming every path whose conversion is lossy, with both dtypes.
+    """
+    problems = []
+    for leaf, path, target in zip(leaves, target_paths, targets, strict=True):
+        dtype = getattr(target, "dtype", None)
+        if leaf.kind != "array" or dtype is None:
+            continue
+        if lossy_cast(leaf.numpy_dtype, np.dtype(dtype)):
+            problems.append(f"  {path}: saved {leaf.dtype}, target {np.dtype(dtype).name}")
+    if problems:
+        raise TreeMismatchError(
+            "restore target converts saved arrays to dtypes that cannot hold every value "
+            "(pass allow_lossy_cast=True to convert anyway):\n" + "\n".join(problems)
+        )
+
+
 def _describe(x: Any) -> str:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
         return f"{tuple(x.shape)} {x.dtype}"
