@@ -298,6 +298,11 @@ class CommitProtocol:
         marker = None if ref is None else self.read_ref(ref)
         if marker is not None:
             return marker
+        if ref is not None and self.storage.read(ref.key) is None:
+            raise StepNotFoundError(  # listed, then gone: a delete (retention) won the race
+                f"step {step} under {self.storage.uri} was deleted while it was being read "
+                f"(its commit marker {self.where(ref.key)} was removed after the listing)"
+            )
         if ref is not None:
             raise CorruptCheckpointError(
                 f"step {step} under {self.storage.uri} has a damaged commit marker "
