@@ -175,3 +175,10 @@ def test_cp_rereads(s3_root, monkeypatch, tmp_path, capsys):
     assert "2 committed steps" in capsys.readouterr().out
     restored = jaxckpt.CheckpointManager(dst, read_only=True).restore(2)
     np.testing.assert_array_equal(restored["w"], _state(2)["w"])
+
+
+def test_verify_rereads_array_metadata(s3_root, monkeypatch):
+    _saved(s3_root)
+    with _flipping(monkeypatch, f"{step_key(s3_root, 2)}arrays/w/zarr.json"):
+        report = jaxckpt.CheckpointManager(s3_root, read_only=True).verify(2)
+    assert report.ok, report.problems
