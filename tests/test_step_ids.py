@@ -22,6 +22,9 @@ def test_marker_names_round_trip_and_sort_by_step():
     # Names of the steps format 2 always supported are unchanged.
     assert marker_key(10**12 - 1, 3) == "commits/999999999999.e3.json"
     assert marker_key(5, 1) == "commits/000000000005.e1.json"
+    # ... and those of larger steps are pinned: roots written with them must stay readable.
+    assert marker_key(10**12, 3) == "commits/w0000001000000000000.e3.json"
+    assert parse_marker_key("commits/1000000000000.e3.json") is None  # never written
 
 
 def test_large_steps_save_list_and_restore(storage_root, capsys):
