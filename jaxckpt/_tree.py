@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxckpt._records import path_text
@@ -355,19 +356,30 @@ def match_target(
 def lossy_cast(saved: np.dtype, target: np.dtype) -> bool:
     """Whether converting ``saved`` to ``target`` can change a value.
 
-    Decided by the pair alone, by numpy's ``can_cast(..., "safe")`` (with
+    Decided by the pair alone. An integer (or bool) becomes a float exactly when
+    the float's significand and range hold every value of the integer type
+    (int8/uint8 -> float16 or bfloat16, int16/uint16 -> float32, int32/uint32 ->
+    float64; but int32 -> float32, int64 -> float64 and int8 -> float8 are
+    lossy); every other pair follows numpy's ``can_cast(..., "safe")`` (with
     ml_dtypes' rules for bfloat16 and float8): widening within a kind
-    (float16 -> float32, int8 -> int32, uint8 -> uint16), unsigned to a wider
-    signed int, bool to anything, an int to a float whose significand holds
-    all its values (int8/uint8 -> bfloat16 or float16, int16 -> float32,
-    int32 -> float64) and bfloat16 -> float32 are lossless; everything else
-    (narrowing, float -> int, int32 -> float32, float16 <-> bfloat16) is lossy.
+    (float16 -> float32, bfloat16 -> float32, int8 -> int32), unsigned to a
+    wider signed int and bool to anything are lossless; narrowing, float ->
+    int and float16 <-> bfloat16 are lossy.
 
     >>> lossy_cast(np.dtype("float32"), np.dtype("float16"))
     True
-    >>> lossy_cast(np.dtype("int16"), np.dtype("float32"))
-    False
+    >>> f32, f64 = np.dtype("float32"), np.dtype("float64")
+    >>> lossy_cast(np.dtype("int16"), f32), lossy_cast(np.dtype("int64"), f64)
+    (False, True)
     """
+    if saved == target or saved == np.bool_:
+        return False
+    if jnp.issubdtype(saved, jnp.integer) and jnp.issubdtype(target, jnp.inexact):
+        import ml_dtypes
+
+        ints, floats = ml_dtypes.iinfo(saved), ml_dtypes.finfo(target)
+        largest = max(-int(ints.min), int(ints.max))
+        return largest > min(2 ** (floats.nmant + 1), float(floats.max))
     return not np.can_cast(saved, target, "safe")
 
 

@@ -33,6 +33,17 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
         ("int64", "int32", True),
         ("uint32", "int32", True),
         ("float32", "int32", True),
+        ("int64", "float64", True),  # numpy calls it safe; 2**53 + 1 is not a float64
+        ("uint64", "float64", True),
+        ("uint32", "float64", False),
+        ("uint8", BF16, False),
+        ("int16", BF16, True),
+        ("int8", np.dtype(ml_dtypes.float8_e4m3fn), True),  # ml_dtypes calls it safe
+        (np.dtype(ml_dtypes.float8_e4m3fn), BF16, False),
+        ("bool", BF16, False),
+        ("int8", "complex64", False),
+        ("float32", "complex64", False),
+        ("int32", "complex64", True),
     ],
 )
 def test_lossy_is_decided_by_the_dtype_pair(saved, target, lossy):
