@@ -483,7 +483,10 @@ def check_resume(
         try:
             want = abstract_target(state) if target is None else target
             lost = _lost_paths(state, want)
-            restored = None if lost else mgr.restore(_SAVED_STEP, target=want)
+            # A lossy cast is restored anyway, so the report can show what it changes.
+            restored = (
+                None if lost else mgr.restore(_SAVED_STEP, target=want, allow_lossy_cast=True)
+            )
         finally:
             mgr.delete(_SAVED_STEP)
         if lost:
