@@ -5,7 +5,8 @@ crc32c(raw)`` (zarr codecs ``bytes`` + ``crc32c``). Reading those objects
 with :meth:`Storage.read_buffer` on a thread pool and checking them against
 the manifest (hardware CRC32C over the buffer, no copy) is several times
 faster than TensorStore's zarr decode path, and names the damaged chunk
-directly. A packed step's chunks are ranged reads of their pack objects
+directly (after reading it twice more, see ``_reread``: a byte flipped in
+transit is not damage). A packed step's chunks are ranged reads of their pack objects
 (:meth:`Storage.read_range`): adjacent chunks that the read needs are fetched
 together (one request per run of up to ``MAX_SPAN_BYTES``), each still checked
 against its own record. Arrays with any other codec chain (e.g. ``jaxckpt cp --compress
