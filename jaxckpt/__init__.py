@@ -37,11 +37,11 @@ if TYPE_CHECKING:
     from jaxckpt._manager import CheckpointManager as CheckpointManager
     from jaxckpt._metadata import LeafInfo as LeafInfo
     from jaxckpt._metadata import StepMetadata as StepMetadata
+    from jaxckpt._nnx import nnx_step_fn as nnx_step_fn
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
     from jaxckpt._preflight import LeafMismatch as LeafMismatch
     from jaxckpt._preflight import ResumeReport as ResumeReport
     from jaxckpt._preflight import check_resume as check_resume
-    from jaxckpt._preflight import nnx_step_fn as nnx_step_fn
     from jaxckpt._reader import LeafView as LeafView
     from jaxckpt._reader import StepView as StepView
     from jaxckpt._reader import open_step as open_step
@@ -58,7 +58,7 @@ _LAZY = {
     "LeafMismatch": "jaxckpt._preflight",
     "ResumeReport": "jaxckpt._preflight",
     "check_resume": "jaxckpt._preflight",
-    "nnx_step_fn": "jaxckpt._preflight",
+    "nnx_step_fn": "jaxckpt._nnx",
     "LeafView": "jaxckpt._reader",
     "diff_steps": "jaxckpt._diff",
     "export_safetensors": "jaxckpt._safetensors",

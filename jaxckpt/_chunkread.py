@@ -5,7 +5,8 @@ crc32c(raw)`` (zarr codecs ``bytes`` + ``crc32c``). Reading those objects
 with :meth:`Storage.read_buffer` on a thread pool and checking them against
 the manifest (hardware CRC32C over the buffer, no copy) is several times
 faster than TensorStore's zarr decode path, and names the damaged chunk
-directly. A packed step's chunks are ranged reads of their pack objects
+directly (after reading it twice more, see ``_reread``: a byte flipped in
+transit is not damage). A packed step's chunks are ranged reads of their pack objects
 (:meth:`Storage.read_range`): adjacent chunks that the read needs are fetched
 together (one request per run of up to ``MAX_SPAN_BYTES``), each still checked
 against its own record. Arrays with any other codec chain (e.g. ``jaxckpt cp --compress
@@ -28,6 +29,7 @@ import tensorstore as ts
 
 from jaxckpt._layout import PACK_ALIGNMENT, StepLocation
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
+from jaxckpt._reread import reread_chunk
 from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import Region, chunk_key, zarr_metadata
@@ -89,8 +91,6 @@ def read_regions(
     """
     outputs: list[np.ndarray | None] = [None] * len(requests)
     records = {name: {c.key: c for c in cs} for name, cs in chunks.items()}
-    step = loc.step
-    where = f"{storage.uri.rstrip('/')}/{loc.arrays_prefix}"
     inflight: deque[_Pending] = deque()
     inflight_bytes = 0
     spans = _spans(loc, requests, records)
@@ -119,9 +119,9 @@ def read_regions(
                 inflight_bytes += math.prod(leaf.chunk_shape) * itemsize
                 while inflight_bytes > window_bytes and inflight:
                     item = inflight.popleft()
-                    inflight_bytes -= _place(item, requests, outputs, records, step, where)
+                    inflight_bytes -= _place(item, requests, outputs, records, storage, loc)
         while inflight:
-            _place(inflight.popleft(), requests, outputs, records, step, where)
+            _place(inflight.popleft(), requests, outputs, records, storage, loc)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
@@ -206,15 +206,17 @@ def _place(
     requests: Sequence[RegionRequest],
     outputs: list[np.ndarray | None],
     records: Mapping[str, Mapping[str, ChunkRecord]],
-    step: int,
-    where: str,
+    storage: Storage,
+    loc: StepLocation,
 ) -> int:
-    """Checks one chunk and copies its overlap into the output; returns its size."""
+    """Checks one chunk (read again if it fails, see ``_reread``) and copies its overlap
+    into the output; returns its size."""
     i, cell, key, future = item
     leaf, region = requests[i].leaf, requests[i].region
     dtype = leaf.numpy_dtype
     record = records.get(leaf.name or "", {}).get(key)
-    location = f"step {step}: {leaf.path_text}: chunk {key} of {where}{leaf.name}"
+    where = f"{storage.uri.rstrip('/')}/{loc.arrays_prefix}"
+    location = f"step {loc.step}: {leaf.path_text}: chunk {key} of {where}{leaf.name}"
     if record is not None and record.pack is not None:
         location += f" (in pack {record.pack} at byte {record.offset})"
     data = future.result()  # a StorageError names the object
@@ -224,7 +226,10 @@ def _place(
         raise CorruptCheckpointError(f"{location}: not listed in the manifest")
     problem = chunk_problem(data, record)
     if problem is not None:
-        raise CorruptCheckpointError(f"{location}: {problem}")
+        name = f"{loc.array_prefix(leaf.name or '')}{key}"
+        data, problem = reread_chunk(storage, loc, name, record, problem, where=location)
+        if data is None:
+            raise CorruptCheckpointError(f"{location}: {problem}")
     chunk = np.frombuffer(data, dtype=dtype, count=(len(data) - TRAILER_BYTES) // dtype.itemsize)
     chunk = chunk.reshape(_extent(cell))
     if cell == region:  # the common case: hand out the read buffer itself, no copy

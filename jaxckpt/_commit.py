@@ -199,15 +199,20 @@ class CommitProtocol:
         Raises:
           UnsupportedFormatError: the marker has a newer format version.
         """
-        data = self.storage.read(ref.key)
-        if data is None:
-            return None
-        try:
-            marker = CommitMarker.from_bytes(data, self.where(ref.key))
-        except UnsupportedFormatError:
-            raise
-        except CorruptCheckpointError as e:
-            log.warning("damaged commit marker (step %d not restorable): %s", ref.step, e)
+        marker = None
+        for _ in range(2):  # a byte flipped in transit fails once, stored damage twice
+            data = self.storage.read(ref.key)
+            if data is None:
+                return None  # never written, or deleted since the listing
+            try:
+                marker = CommitMarker.from_bytes(data, self.where(ref.key))
+                break
+            except UnsupportedFormatError:
+                raise
+            except CorruptCheckpointError as e:
+                error = e
+        if marker is None:
+            log.warning("damaged commit marker (step %d not restorable): %s", ref.step, error)
             return None
         if marker.step != ref.step or marker.epoch != ref.epoch:
             log.warning(
@@ -282,17 +287,25 @@ class CommitProtocol:
             raise NotACheckpointRootError(f"no committed steps under {self.storage.uri}")
         return marker
 
-    def require_marker(self, step: int) -> CommitMarker:
+    def require_marker(self, step: int, ref: MarkerRef | None = None) -> CommitMarker:
         """The marker of a committed step.
+
+        Args:
+          ref: the step's marker as a listing just taken found it (None: list now).
 
         Raises:
           UncommittedStepError: the step has a save under way or a damaged marker.
-          StepNotFoundError: no such step.
+          StepNotFoundError: no such step, or it was deleted since it was listed.
         """
-        ref = self.visible_refs().get(step)
+        ref = self.visible_refs().get(step) if ref is None else ref
         marker = None if ref is None else self.read_ref(ref)
         if marker is not None:
             return marker
+        if ref is not None and self.storage.read(ref.key) is None:
+            raise StepNotFoundError(  # listed, then gone: a delete (retention) won the race
+                f"step {step} under {self.storage.uri} was deleted while it was being read "
+                f"(its commit marker {self.where(ref.key)} was removed after the listing)"
+            )
         if ref is not None:
             raise CorruptCheckpointError(
                 f"step {step} under {self.storage.uri} has a damaged commit marker "
@@ -354,15 +367,18 @@ class CommitProtocol:
           CorruptCheckpointError: missing or altered.
         """
         key = marker.location.key(name)
-        data = self.storage.read(key)
         expected = marker.files.get(name)
-        if data is None or expected is None:
-            raise CorruptCheckpointError(f"step {marker.step}: {self.where(key)} is missing")
-        if FileDigest.of(data) != expected:
-            raise CorruptCheckpointError(
-                f"step {marker.step}: {self.where(key)} does not match its checksum"
-            )
-        return data
+        for attempt in range(2):  # a byte flipped in transit fails once, stored damage twice
+            data = self.storage.read(key)
+            if data is None or expected is None:
+                raise CorruptCheckpointError(f"step {marker.step}: {self.where(key)} is missing")
+            if FileDigest.of(data) == expected:
+                if attempt:
+                    log.warning("%s failed its checksum once, read again intact", self.where(key))
+                return data
+        raise CorruptCheckpointError(
+            f"step {marker.step}: {self.where(key)} does not match its checksum (read twice)"
+        )
 
     def read_manifest(self, marker: CommitMarker) -> list[ManifestPart]:
         names = sorted(n for n in marker.files if is_manifest_name(n))

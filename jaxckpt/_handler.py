@@ -143,6 +143,42 @@ class NoopMetadataStore:
         pass
 
 
+_PLACEHOLDER = "jaxckpt-orbax-placeholder"
+
+
+class _OwnSaveFailures(logging.Filter):
+    """Shortens Orbax's log of a failed background save of a jaxckpt step to one line.
+
+    Orbax logs the failure with its traceback (22-44 lines) and stores the
+    exception, which jaxckpt re-raises as ``SaveFailedError``; the record then
+    says, on one line, which step failed and why. Records of other checkpointers
+    (whose directory is not jaxckpt's placeholder) pass unchanged.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        if "Handler Commit operations" not in text or _PLACEHOLDER not in text:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        step = text.rstrip("/").rsplit("/", 1)[-1]
+        why = f": {type(error).__name__}: {error}" if error is not None else ""
+        line = f"jaxckpt: background save of step {step} failed{why}"
+        record.msg = " ".join(line.split())  # one line, whatever the exception says
+        record.args = None
+        record.exc_info = record.exc_text = None
+        return True
+
+
+_FILTER = _OwnSaveFailures()
+
+
+def install_log_filter() -> None:
+    """Installs the filter on Orbax's (absl's) logger, once per process."""
+    logger = logging.getLogger("absl")
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
+
+
 def orbax_step_path(step: int) -> epath.Path:
     """The directory handed to Orbax for ``step``: a placeholder it never touches.
 
@@ -153,7 +189,7 @@ def orbax_step_path(step: int) -> epath.Path:
     Orbax or etils code path can open a ``gs://``/``s3://`` URL with its own
     client (which would ignore jaxckpt's endpoint and credentials settings).
     """
-    return epath.Path(tempfile.gettempdir()) / "jaxckpt-orbax-placeholder" / str(step)
+    return epath.Path(tempfile.gettempdir()) / _PLACEHOLDER / str(step)
 
 
 def step_path_class(writer: StepWriter) -> type[atomicity_types.TemporaryPath]:
@@ -212,6 +248,7 @@ def make_checkpointer(
     writes the numpy leaves, as it writes the tree record in the manager.
     ``per_host``: saves to a local tier (see :func:`~jaxckpt._tsio.snapshot_array`).
     """
+    install_log_filter()
     return ocp.AsyncCheckpointer(
         ZarrHandler(writer, primary_host=primary_host, per_host=per_host, writer_nice=writer_nice),
         timeout_secs=max(1, int(timeout_s)),

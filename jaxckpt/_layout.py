@@ -13,6 +13,7 @@ attempt under its own prefix, so two writers never share a key::
     attempts/<step>/<attempt>/arrays/...       zarr v3 arrays (one per array leaf; plain layout)
     attempts/<step>/<attempt>/packs/<p>.<k>.bin  packed layout: process <p>'s pack objects
     commits/<step:012d>.e<epoch>.json          the commit marker; names its attempt
+                                               (steps >= 10**12: w<step:019d>.e<epoch>.json)
     commits/latest.e<epoch>                    the newest step <epoch> is committing (a hint)
     promote/<step:012d>.json                   local tier only: a request to promote the step
                                                to the durable root (see _promote)
@@ -47,8 +48,11 @@ LEGACY_STEPS = "steps/"
 PROMOTE = "promote/"
 
 _ATTEMPT = re.compile(r"e(\d+)-(\d+)-([0-9a-f]+)")
-_MARKER_V2 = re.compile(r"(\d{12})\.e(\d+)\.json")
-STEP_DIGITS = 12  # format-2 marker keys sort by step
+_MARKER_V2 = re.compile(r"(\d{12}|w\d{19})\.e(\d+)\.json")
+STEP_DIGITS = 12  # format-2 marker keys of steps below 10**12 sort by step
+WIDE_STEP_DIGITS = 19  # ... and of larger steps, after a "w" (sorting after every digit)
+MAX_STEP = 2**63 - 1
+"""The largest step id (a signed 64-bit integer): ``save`` refuses larger ones."""
 _V1_JSON = re.compile(r"(\d+)\.json")
 
 
@@ -171,11 +175,36 @@ class MarkerRef:
     key: str
 
 
+def check_step(step: object) -> int:
+    """``step`` if it is a valid step id: an int from 0 to :data:`MAX_STEP`.
+
+    Raises:
+      ValueError: anything else (a bool, a float, a negative or too large int).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be a non-negative int (at most 2**63 - 1), got {step!r}")
+    return step
+
+
+def marker_step_name(step: int) -> str:
+    """How a format-2 marker key spells ``step``: names sort in step order.
+
+    Steps below 10**12 have 12 digits (as format 2 always wrote them); larger
+    ones (such as millisecond timestamps) ``w`` and 19 digits.
+
+    >>> marker_step_name(42), marker_step_name(1_733_000_000_000)
+    ('000000000042', 'w0000001733000000000')
+    """
+    if step < 10**STEP_DIGITS:
+        return f"{step:0{STEP_DIGITS}d}"
+    return f"w{check_step(step):0{WIDE_STEP_DIGITS}d}"
+
+
 def marker_key(step: int, epoch: int | None) -> str:
     """The marker key of ``step`` (``epoch`` None: the format-1 key)."""
     if epoch is None:
         return f"{COMMITS}{step}.json"
-    return f"{COMMITS}{step:0{STEP_DIGITS}d}.e{epoch}.json"
+    return f"{COMMITS}{marker_step_name(step)}.e{epoch}.json"
 
 
 def latest_hint_key(epoch: int) -> str:
@@ -192,7 +221,7 @@ def parse_marker_key(key: str) -> MarkerRef | None:
     name = key[len(COMMITS) :] if key.startswith(COMMITS) else ""
     m = _MARKER_V2.fullmatch(name)
     if m:
-        return MarkerRef(step=int(m.group(1)), epoch=int(m.group(2)), key=key)
+        return MarkerRef(step=int(m.group(1).lstrip("w")), epoch=int(m.group(2)), key=key)
     m = _V1_JSON.fullmatch(name)
     return MarkerRef(step=int(m.group(1)), epoch=0, key=key) if m else None
 

@@ -22,6 +22,7 @@ import jax
 
 from jaxckpt import _select
 from jaxckpt._agree import Agreement
+from jaxckpt._layout import check_step as _check_step
 from jaxckpt._metadata import StepMetadata, step_metadata
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
@@ -37,12 +38,6 @@ from jaxckpt.errors import CheckpointError
 log = logging.getLogger("jaxckpt")
 
 
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return step
-
-
 class CheckpointManager:
     """Saves and restores checkpoints of a JAX pytree under one root.
 
@@ -50,10 +45,9 @@ class CheckpointManager:
     the data is written in the background and becomes visible only when its
     commit marker is written. At most one save is in flight.
 
-    With ``local_root`` the manager has two tiers: saves commit to the fast
-    local root, and the steps ``promote_policy`` chooses are promoted to
-    ``root`` (the durable tier) in the background or by a ``jaxckpt promote``
-    sidecar; ``restore`` reads the newest step of either tier (see the README).
+    With ``local_root`` there are two tiers: saves commit to the fast local root, and steps
+    ``promote_policy`` chooses are promoted to ``root`` (durable) in the background or by a
+    ``jaxckpt promote`` sidecar; ``restore`` reads the newest step of either (see README).
 
     Args:
       root: a local path, ``file://`` URI, ``gs://bucket/prefix`` or ``s3://bucket/prefix``.
@@ -170,9 +164,8 @@ class CheckpointManager:
     def save_stats(self) -> list[SaveStats]:
         """Telemetry of the recent committed saves, oldest first.
 
-        With a local tier, ``total_s`` is the time to the local commit and
-        ``durable_s`` the time until the step was committed on the durable root
-        (None while it is not, or when the promote policy did not choose it).
+        With a local tier, ``total_s`` is the time to the local commit and ``durable_s`` to
+        the durable commit (None while not durable, or not chosen by the promote policy).
         """
         self._promotion.record_durable(self._session.recorder)
         return self._session.recorder.history()
@@ -182,9 +175,8 @@ class CheckpointManager:
         the durable step waited for (None: nothing durable and nothing asked).
 
         Args:
-          step: a step chosen for promotion; None waits for the newest step
-            this manager asked to promote (or returns the newest durable step
-            when it asked for none).
+          step: a step chosen for promotion; None: the newest step this manager asked to
+            promote (when it asked for none, the newest durable step is returned).
           timeout_s: how long to wait; None means ``save_timeout_s``.
 
         Raises:
@@ -222,6 +214,7 @@ class CheckpointManager:
         target: Any = None,
         partial: bool = False,
         rename: PathMap | None = None,
+        allow_lossy_cast: bool | None = None,
     ) -> Any:
         """Restores a committed step (the newest by default); ``restored_step`` then says
         which (older than ``latest_step()`` when the newest was corrupt).
@@ -245,12 +238,14 @@ class CheckpointManager:
             ``jaxckpt inspect``) writes them, e.g. ``{"['params']['encoder']":
             "['params']['enc']"}``, or a function from a saved path to its new path
             or ``None`` to skip the leaf.
+          allow_lossy_cast: ``target`` may convert to dtypes that lose values (float32 ->
+            float16); None: ``options.allow_lossy_cast``. Lossless casts always happen.
 
         Raises:
           StepNotFoundError: no such committed step (the message lists them), or
             it was deleted while being restored.
           TreeMismatchError: ``target`` does not match the saved tree (every missing,
-            extra and mismatched path is named).
+            extra and mismatched path is named), or converts lossily (path and dtypes).
           CorruptCheckpointError: a chunk fails its checksum (step, path and chunk named).
           ValueError: ``partial`` or ``rename`` without a ``target``.
         """
@@ -258,7 +253,8 @@ class CheckpointManager:
             raise ValueError("restore(partial=..., rename=...) needs a target")
         self.wait()
         step = None if step is None else _check_step(step)
-        self.restored_step, state = self._select.restore(step, target, partial, rename)
+        lossy = self.options.allow_lossy_cast if allow_lossy_cast is None else allow_lossy_cast
+        self.restored_step, state = self._select.restore(step, target, partial, rename, lossy)
         return state
 
     def metadata(self, step: int) -> StepMetadata:
@@ -305,8 +301,7 @@ class CheckpointManager:
           force: also remove damaged commit markers and their steps' data.
         """
         self._session.check_writable()
-        if self._session.current_steps():
-            self.wait()
+        self.wait()  # this manager's own in-flight save commits first
         grace = self.options.gc_grace_s if older_than_s is None else older_than_s
         return self._tiers[0].garbage_collect(grace, force=force)
 

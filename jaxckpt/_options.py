@@ -26,6 +26,10 @@ class CheckpointOptions:
       save_timeout_s: a background save (every host) must commit within this.
       fallback_on_corrupt: ``restore()`` without a step falls back to the
         newest older step that reads back intact.
+      allow_lossy_cast: ``restore`` may convert an array to a target dtype that
+        cannot hold every value of the saved one (float32 -> float16, int32 ->
+        float32); False refuses such a target (``restore(allow_lossy_cast=...)``
+        decides per call).
       read_only: never write to the root (no root record, no garbage collection).
       gc_on_open: a writable manager removes partial attempts of fenced writers
         (and stale ones) when it opens.
@@ -69,6 +73,7 @@ class CheckpointOptions:
     max_inflight_bytes: int = 512 << 20
     save_timeout_s: float = 600.0
     fallback_on_corrupt: bool = True
+    allow_lossy_cast: bool = False
     read_only: bool = False
     gc_on_open: bool = True
     gc_grace_s: float = 3600.0

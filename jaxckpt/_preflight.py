@@ -483,7 +483,10 @@ def check_resume(
         try:
             want = abstract_target(state) if target is None else target
             lost = _lost_paths(state, want)
-            restored = None if lost else mgr.restore(_SAVED_STEP, target=want)
+            # A lossy cast is restored anyway, so the report can show what it changes.
+            restored = (
+                None if lost else mgr.restore(_SAVED_STEP, target=want, allow_lossy_cast=True)
+            )
         finally:
             mgr.delete(_SAVED_STEP)
         if lost:
@@ -571,30 +574,3 @@ def _compare_step(
     if reference["aux"] is not None or other["aux"] is not None:
         out += compare_trees(step, reference["aux"], other["aux"], prefix="aux")
     return out
-
-
-def nnx_step_fn(graphdef: Any, train_step: Callable[..., Any]) -> Callable[[Any, Any], Any]:
-    """Adapts a Flax NNX train step, which updates modules in place, to ``step_fn(state, batch)``.
-
-    ``train_step(*objects, batch)`` is typically an ``nnx.jit`` function; ``objects``
-    are ``nnx.merge(graphdef, state)`` (a tuple such as ``(model, optimizer)`` is passed
-    as separate arguments). The returned function gives ``(nnx.state(objects), aux)``
-    with ``aux`` whatever ``train_step`` returned (e.g. the loss)::
-
-        graphdef, state = nnx.split((model, optimizer))
-        report = jaxckpt.check_resume(jaxckpt.nnx_step_fn(graphdef, train_step), state, batches)
-    """
-    try:
-        from flax import nnx
-    except ImportError as e:
-        raise ImportError(
-            "jaxckpt.nnx_step_fn needs Flax: pip install 'jaxckpt[flax]' (or pip install flax)"
-        ) from e
-
-    def step_fn(state: Any, batch: Any) -> tuple[Any, Any]:
-        objects = nnx.merge(graphdef, state)
-        args = objects if isinstance(objects, tuple) else (objects,)
-        aux = train_step(*args, batch)
-        return nnx.state(objects), aux
-
-    return step_fn

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from jaxckpt._replicated import Exchange, plan
 from jaxckpt._tree import (
     PathMap,
     SavedLeaf,
+    check_casts,
     flatten,
     match_target,
     path_str,
@@ -27,6 +29,8 @@ from jaxckpt._tree import (
 )
 from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region, region_of
 from jaxckpt.errors import CorruptCheckpointError, StorageError
+
+log = logging.getLogger("jaxckpt")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,11 +85,16 @@ class StepReader:
         partial: bool = False,
         rename: PathMap | None = None,
         agreement: Agreement | None = None,
+        allow_lossy_cast: bool = False,
     ) -> Any:
         """The step's values; with a target, only the leaves it names are read.
 
         With an ``agreement`` on several processes this is collective: leaves that
         several processes need are read once in total and exchanged (``_replicated``).
+
+        Raises:
+          TreeMismatchError: the target does not match, or converts an array to a
+            dtype that cannot hold its values (``lossy_cast``) and not ``allow_lossy_cast``.
         """
         leaves = loaded.leaves
         if target is None:
@@ -97,7 +106,10 @@ class StepReader:
         targets = [t for _, t in flat]
         paths = [path_str(p) for p, _ in flat]
         matched = match_target(leaves, paths, targets, partial=partial, rename=rename)
-        values = self._read_all(loaded, matched, targets, agreement)
+        if not allow_lossy_cast:
+            check_casts(matched, paths, targets)
+        with np.errstate(over="ignore", invalid="ignore"):  # consented to: inf, wrapped ints
+            values = self._read_all(loaded, matched, targets, agreement)
         return jax.tree_util.tree_unflatten(treedef, values)
 
     def _read_all(
@@ -224,14 +236,41 @@ class StepReader:
             try:
                 out[i] = np.asarray(future.result())
             except ValueError as e:
-                raise self._diagnose(loaded, requests[i].leaf, e) from e
+                out[i] = self._read_again(loaded, requests[i], e)
         return [out[i] for i in range(len(requests))]
 
     def _opened(self, loaded: LoadedStep, leaf: SavedLeaf, future: Any) -> ts.TensorStore:
+        """An opened array; a failed open is tried once more (see ``_read_again``)."""
         try:
             return future.result()
         except ValueError as e:
-            raise self._diagnose(loaded, leaf, e) from e
+            first = e
+        try:
+            return self._arrays.open(loaded.marker.location, leaf, create=False).result()
+        except ValueError as e:
+            raise self._diagnose(loaded, leaf, e) from first
+
+    def _read_again(self, loaded: LoadedStep, request: RegionRequest, first: Exception) -> Any:
+        """A region whose TensorStore read failed, read once more before it is diagnosed.
+
+        A byte flipped in transit fails a chunk's CRC32C (``DATA_LOSS``) once, not
+        again; stored damage fails again and is named by :meth:`_diagnose`.
+        """
+        leaf = request.leaf
+        store = self._opened(
+            loaded, leaf, self._arrays.open(loaded.marker.location, leaf, create=False)
+        )
+        try:
+            data = np.asarray(read_region(store, request.region).result())
+        except ValueError as e:
+            raise self._diagnose(loaded, leaf, e) from first
+        log.warning(
+            "step %d: %s failed once (%s), read again intact: a transfer error, not damage",
+            loaded.marker.step,
+            leaf.path_text,
+            first,
+        )
+        return data
 
     def _diagnose(self, loaded: LoadedStep, leaf: SavedLeaf, exc: Exception) -> Exception:
         step = loaded.marker.step

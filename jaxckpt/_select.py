@@ -78,9 +78,10 @@ class Selection:
         target: Any = None,
         partial: bool = False,
         rename: PathMap | None = None,
+        allow_lossy_cast: bool = False,
     ) -> tuple[int, Any]:
         """Restores ``step`` (None: the newest restorable one) on every host; returns
-        ``(step, state)``. ``target``, ``partial``, ``rename``: as ``CheckpointManager.restore``.
+        ``(step, state)``. The other arguments: as ``CheckpointManager.restore``.
 
         Raises:
           StepNotFoundError, UncommittedStepError, CorruptCheckpointError: as
@@ -105,6 +106,7 @@ class Selection:
                             target,
                             partial=partial,
                             rename=rename,
+                            allow_lossy_cast=allow_lossy_cast,
                             agreement=agreement if collective else None,
                         )
                     error = None

@@ -87,14 +87,13 @@ class Tier:
 
     def marker(self, step: int, ref: MarkerRef | None = None) -> CommitMarker:
         """The marker of the committed ``step``: one GET when ``ref`` is from a listing
-        just taken; else (or if that marker is gone or damaged) through a fresh listing.
+        just taken (a marker gone since is a deleted step); else through a fresh listing.
 
         Raises:
           StepNotFoundError / UncommittedStepError / CorruptCheckpointError: no valid
             committed ``step`` (see ``CommitProtocol.require_marker``).
         """
-        marker = None if ref is None else self.protocol.read_ref(ref)
-        return marker or self.protocol.require_marker(step)
+        return self.protocol.require_marker(step, ref)
 
     def latest(self) -> CommitMarker | None:
         """The newest valid marker (usually one marker GET; see ``CommitProtocol.latest``)."""

@@ -9,6 +9,7 @@ shape, dtype, chunk shape and a description of the sharding.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxckpt._records import path_text
@@ -59,15 +61,36 @@ def encode_path(path: Sequence[Any]) -> list[list[Any]]:
 
 
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+MAX_NAME_CHARS = 200
+"""The longest zarr array name (a directory name on a local disk: at most 255 bytes there)."""
+_LONG_NAME = 180  # longer names are cut and keep a digest of the whole (room for "~<n>")
+_RESERVED_NAMES = frozenset({"zarr.json"})  # beside the arrays: the group's metadata
 
 
 def array_names(paths: Sequence[list[list[Any]]]) -> list[str]:
-    """Unique, file-system-safe zarr array names for the given encoded paths."""
+    """Unique zarr array names for the given encoded paths, valid on every backend.
+
+    A name is one path segment of ``[A-Za-z0-9_.-]`` (other characters become
+    ``_``; no leading or trailing dot), at most :data:`MAX_NAME_CHARS` long. A
+    name a tree uses twice, or one the layout reserves (``zarr.json``), gets
+    ``~<n>``; a name over 180 characters keeps its first 160 and ``~`` and 16 hex
+    digits of its SHA-256. ``~`` never survives the first step, so these never
+    collide with a plain name. Readers take names from ``tree.json``, never from
+    this function, so steps written with other names still read.
+
+    >>> array_names([[["d", "params"], ["d", "w"]], [["d", "zarr.json"]], [["d", "a b"]]])
+    ['params.w', 'zarr.json~2', 'a_b']
+    >>> [len(n) for n in array_names([[["d", "k" * 300]]])]
+    [177]
+    """
     names: list[str] = []
-    seen: set[str] = set()
+    seen: set[str] = set(_RESERVED_NAMES)
     for parts in paths:
         base = ".".join(_NAME_UNSAFE.sub("_", str(key)) for _, key in parts) or "root"
         base = base.strip(".") or "root"
+        if len(base) > _LONG_NAME:
+            digest = hashlib.sha256(base.encode()).hexdigest()[:16]
+            base = f"{base[:160].rstrip('.')}~{digest}"
         name, n = base, 1
         while name in seen:
             n += 1
@@ -328,6 +351,63 @@ def match_target(
             f"restore target does not match the saved tree{hint}:\n" + "\n".join(problems)
         )
     return matched
+
+
+def lossy_cast(saved: np.dtype, target: np.dtype) -> bool:
+    """Whether converting ``saved`` to ``target`` can change a value.
+
+    Decided by the pair alone. An integer (or bool) becomes a float exactly when
+    the float's significand and range hold every value of the integer type
+    (int8/uint8 -> float16 or bfloat16, int16/uint16 -> float32, int32/uint32 ->
+    float64; but int32 -> float32, int64 -> float64 and int8 -> float8 are
+    lossy); every other pair follows numpy's ``can_cast(..., "safe")`` (with
+    ml_dtypes' rules for bfloat16 and float8): widening within a kind
+    (float16 -> float32, bfloat16 -> float32, int8 -> int32), unsigned to a
+    wider signed int and bool to anything are lossless; narrowing, float ->
+    int and float16 <-> bfloat16 are lossy.
+
+    >>> lossy_cast(np.dtype("float32"), np.dtype("float16"))
+    True
+    >>> f32, f64 = np.dtype("float32"), np.dtype("float64")
+    >>> lossy_cast(np.dtype("int16"), f32), lossy_cast(np.dtype("int64"), f64)
+    (False, True)
+    """
+    if saved == target or saved == np.bool_:
+        return False
+    if jnp.issubdtype(saved, jnp.integer) and jnp.issubdtype(target, jnp.inexact):
+        import ml_dtypes
+
+        ints, floats = ml_dtypes.iinfo(saved), ml_dtypes.finfo(target)
+        largest = max(-int(ints.min), int(ints.max))
+        return largest > min(2 ** (floats.nmant + 1), float(floats.max))
+    return not np.can_cast(saved, target, "safe")
+
+
+def check_casts(
+    leaves: Sequence[SavedLeaf], target_paths: Sequence[str], targets: Sequence[Any]
+) -> None:
+    """Refuses lossy dtype conversions from saved array leaves to their targets.
+
+    Args:
+      leaves: the saved leaf of every target leaf, in target order (``match_target``).
+      target_paths: the target's leaf paths, in the same order.
+      targets: the target's leaves.
+
+    Raises:
+      TreeMismatchError: naming every path whose conversion is lossy, with both dtypes.
+    """
+    problems = []
+    for leaf, path, target in zip(leaves, target_paths, targets, strict=True):
+        dtype = getattr(target, "dtype", None)
+        if leaf.kind != "array" or dtype is None:
+            continue
+        if lossy_cast(leaf.numpy_dtype, np.dtype(dtype)):
+            problems.append(f"  {path}: saved {leaf.dtype}, target {np.dtype(dtype).name}")
+    if problems:
+        raise TreeMismatchError(
+            "restore target converts saved arrays to dtypes that cannot hold every value "
+            "(pass allow_lossy_cast=True to convert anyway):\n" + "\n".join(problems)
+        )
 
 
 def _describe(x: Any) -> str:

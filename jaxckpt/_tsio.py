@@ -26,6 +26,7 @@ import tensorstore as ts
 from jaxckpt._layout import StepLocation
 from jaxckpt._phases import reached, watched
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem, dumps
+from jaxckpt._reread import reread_chunk
 from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
 
@@ -255,11 +256,12 @@ def check_chunks(
 ) -> Iterator[tuple[ChunkRecord, str | None, int]]:
     """Re-reads each stored chunk; yields ``(chunk, problem or None, bytes read)``.
 
-    Chunks of a packed step are read from their pack objects by ranged reads.
+    Chunks of a packed step are read from their pack objects by ranged reads. A
+    chunk that fails its check is read again before it is reported (``_reread``).
     """
     assert leaf.name is not None
     if any(c.pack is not None for c in chunks):
-        yield from _check_packed_chunks(storage, loc, chunks, window=window)
+        yield from _check_packed_chunks(storage, loc, leaf, chunks, window=window)
         return
     kv = ts.KvStore.open(
         storage.kvstore_spec(loc.array_prefix(leaf.name)), context=context
@@ -274,7 +276,7 @@ def check_chunks(
             yield chunk, "missing", 0
             continue
         data = result.value
-        yield chunk, chunk_problem(data, chunk), len(data)
+        yield chunk, _recheck(storage, loc, leaf, chunk, data), len(data)
 
 
 def _windowed(
@@ -295,7 +297,12 @@ def _windowed(
 
 
 def _check_packed_chunks(
-    storage: Storage, loc: StepLocation, chunks: Sequence[ChunkRecord], *, window: int
+    storage: Storage,
+    loc: StepLocation,
+    leaf: SavedLeaf,
+    chunks: Sequence[ChunkRecord],
+    *,
+    window: int,
 ) -> Iterator[tuple[ChunkRecord, str | None, int]]:
     def read(chunk: ChunkRecord) -> bytes | np.ndarray | None:
         if chunk.pack is None:
@@ -312,7 +319,19 @@ def _check_packed_chunks(
             if data is None:
                 yield chunk, f"missing (pack {chunk.pack})", 0
                 continue
-            problem = chunk_problem(data, chunk)
+            problem = _recheck(storage, loc, leaf, chunk, data)
             if problem is not None:
                 problem += f" (pack {chunk.pack} at byte {chunk.offset})"
             yield chunk, problem, len(data)
+
+
+def _recheck(
+    storage: Storage, loc: StepLocation, leaf: SavedLeaf, chunk: ChunkRecord, data: Any
+) -> str | None:
+    """``chunk_problem`` of a chunk's first read, confirmed by reading it again."""
+    problem = chunk_problem(data, chunk)
+    if problem is None:
+        return None
+    key = f"{loc.array_prefix(leaf.name or '')}{chunk.key}"
+    where = f"step {loc.step}: {leaf.path_text}: chunk {chunk.key}"
+    return reread_chunk(storage, loc, key, chunk, problem, where=where)[1] or None

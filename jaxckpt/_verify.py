@@ -11,6 +11,7 @@ import tensorstore as ts
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import is_held_manifest_name, is_manifest_name
 from jaxckpt._restore import LoadedStep, load_step
+from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import check_chunks, expected_chunk_count, zarr_metadata
 from jaxckpt.errors import CheckpointError
 
@@ -108,22 +109,24 @@ def _check_array_metadata(
 ) -> list[Problem]:
     leaf = next(x for x in loaded.leaves if x.name == name)
     key = loaded.marker.location.array_prefix(name) + "zarr.json"
-    raw = protocol.storage.read(key)
+    problem = None
+    for _ in range(2):  # a byte flipped in transit fails once, stored damage twice
+        problem = _metadata_problem(protocol.storage.read(key), leaf, protocol.where(key))
+        if problem is None:
+            return []
+    return [Problem(path=path, chunk=None, message=str(problem))]
+
+
+def _metadata_problem(raw: bytes | None, leaf: SavedLeaf, where: str) -> str | None:
+    """What is wrong with an array's stored ``zarr.json`` (at ``where``), or None."""
     if raw is None:
-        return [Problem(path=path, chunk=None, message=f"{protocol.where(key)} is missing")]
+        return f"{where} is missing"
     try:
         meta = json.loads(raw)
     except ValueError:
-        return [Problem(path=path, chunk=None, message=f"{protocol.where(key)} is not JSON")]
+        return f"{where} is not JSON"
     expected = zarr_metadata(leaf)
     for field in ("shape", "data_type", "chunk_grid"):
         if meta.get(field) != expected[field]:
-            return [
-                Problem(
-                    path=path,
-                    chunk=None,
-                    message=f"zarr.json {field} is {meta.get(field)!r}, "
-                    f"expected {expected[field]!r}",
-                )
-            ]
-    return []
+            return f"zarr.json {field} is {meta.get(field)!r}, expected {expected[field]!r}"
+    return None

@@ -14,6 +14,9 @@ stay valid), except that, with the probabilities of the current
   load balancer dropping a connection produces;
 * delayed by up to ``slow_s`` seconds before it is forwarded (``slow``).
 
+:meth:`FaultProxy.inject` can also flip one byte of a response's body
+(``flip``): a transfer error that only a checksum catches, once.
+
 It forwards to 127.0.0.1 only (the upstream is checked), speaks HTTP/1.1 with
 keep-alive to the client and opens one upstream connection per request.
 Stdlib only; runs in threads of the calling process.
@@ -40,6 +43,7 @@ from typing import Any
 
 LOOPBACK = ("127.0.0.1", "localhost")
 FAULT_KINDS = ("error", "reset", "lost", "slow")
+INJECT_KINDS = (*FAULT_KINDS, "flip")  # ``flip``: by FaultProxy.inject only, never by a plan
 _HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -152,12 +156,13 @@ class FaultProxy:
         """Injects ``kind`` into the next ``times`` requests that match, whatever the plan.
 
         Args:
-          kind: one of :data:`FAULT_KINDS`.
+          kind: one of :data:`INJECT_KINDS` (``flip``: forward, then flip the middle byte
+            of the response body).
           method: the HTTP method to match (``PUT``, ``POST``, ...).
           path_contains: a substring of the URL-decoded request path and query.
         """
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault {kind!r}; use one of {FAULT_KINDS}")
+        if kind not in INJECT_KINDS:
+            raise ValueError(f"unknown fault {kind!r}; use one of {INJECT_KINDS}")
         with self._lock:
             self._rules.append(_Rule(kind, method.upper(), path_contains, times))
 
@@ -297,6 +302,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if fault == "lost":
             self._reset()
             return
+        if fault == "flip":
+            data = _flipped(data)
         self.send_response_only(status, reason)
         for name, value in headers:
             if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
@@ -326,3 +333,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return response.status, response.reason, response.getheaders(), data
         finally:
             conn.close()
+
+
+def _flipped(data: bytes) -> bytes:
+    """``data`` with its middle byte inverted."""
+    if not data:
+        return data
+    i = len(data) // 2
+    return data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]

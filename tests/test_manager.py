@@ -58,7 +58,9 @@ def test_restore_into_shape_dtype_structs_with_sharding_and_dtype_cast(root):
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     target = {"w": jax.ShapeDtypeStruct((4, 6), jnp.bfloat16, sharding=sharding), "n": 0}
-    out = jaxckpt.CheckpointManager(root).restore(0, target=target)
+    with pytest.raises(jaxckpt.TreeMismatchError, match="saved float32, target bfloat16"):
+        jaxckpt.CheckpointManager(root).restore(0, target=target)  # lossy: needs consent
+    out = jaxckpt.CheckpointManager(root).restore(0, target=target, allow_lossy_cast=True)
     assert out["w"].dtype == jnp.bfloat16 and out["w"].sharding == sharding
     np.testing.assert_array_equal(np.asarray(out["w"], np.float32), np.arange(24.0).reshape(4, 6))
     assert out["n"] == 7  # non-array leaves come back with their saved values

@@ -15,6 +15,7 @@ from jaxckpt.cli._common import (
     split_source,
 )
 from jaxckpt.cli._output import ago, err, human_bytes, human_duration, print_table
+from jaxckpt.errors import CheckpointError
 
 
 def register(sub: Any) -> None:
@@ -112,18 +113,29 @@ def cmd_cp(args: argparse.Namespace) -> int:
         return 2
     markers = [src.require_marker(only)] if only is not None else list(src.committed().values())
     existing = dst.committed()
+    vanished = []
     for marker in markers:
         step = marker.step
         if step in existing:
             print(f"step {step}: already committed under {dst.storage.uri}, skipped")
             continue
         start = time.monotonic()
-        nbytes = copy_step(src, dst, marker, compress=args.compress, level=args.level)
+        try:
+            nbytes = copy_step(src, dst, marker, compress=args.compress, level=args.level)
+        except CheckpointError:
+            if src.still_committed(marker):
+                raise
+            # Deleted from the source since the listing (retention of a live root):
+            # copy_step removed its partial copy; the other steps are still copied.
+            print(f"step {step}: deleted from {src.storage.uri} during the copy, skipped")
+            vanished.append(step)
+            continue
         seconds = time.monotonic() - start
         ratio = f", {nbytes / marker.nbytes:.0%} of the source" if args.compress else ""
         print(
             f"step {step}: copied {human_bytes(nbytes)} in {human_duration(seconds)} "
             f"({human_bytes(nbytes / max(seconds, 1e-9))}/s{ratio})"
         )
-    print(f"{dst.storage.uri}: {len(dst.committed())} committed steps")
+    gone = f" ({len(vanished)} deleted from the source meanwhile)" if vanished else ""
+    print(f"{dst.storage.uri}: {len(dst.committed())} committed steps{gone}")
     return 0
