@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import protocol_state as state
 import pytest
-import servers
+from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt
