@@ -66,7 +66,7 @@ class Agreement:
         except Exception as e:
             raise CheckpointError(
                 f"process {jax.process_index()}: no decision {name!r} from the primary "
-                f"within {self._timeout_s:.0f}s: {e}"
+                f"within {self._timeout_s:g}s: {e}"
             ) from e
         return json.loads(raw)
 
@@ -103,7 +103,7 @@ class Agreement:
             except Exception as e:
                 raise CheckpointError(
                     f"process {jax.process_index()}: no {name!r} from process {p} "
-                    f"within {self._timeout_s:.0f}s: {e}"
+                    f"within {self._timeout_s:g}s: {e}"
                 ) from e
         return values
 

@@ -158,6 +158,7 @@ class ManifestPart:
     def from_bytes(cls, data: bytes, what: str) -> ManifestPart:
         obj = _loads(data, what)
         _check_version(obj, what, newest=PACKED_VERSION)
+        _require(obj, what, "step", "process", "num_processes", "arrays")
         layout = obj.get("layout", "plain")
         if layout not in LAYOUTS:
             raise CorruptCheckpointError(f"{what}: unknown layout {layout!r}")
@@ -243,6 +244,7 @@ class CommitMarker:
         stored = obj.pop("marker_crc32c", None)
         if stored != crc32c(dumps(obj)):
             raise CorruptCheckpointError(f"{what}: marker checksum mismatch")
+        _require(obj, what, "step", "time", "num_processes", "files", "nbytes")
         attempt = obj.get("attempt")
         if obj["version"] >= 2 and (not isinstance(attempt, str) or not parse_attempt(attempt)):
             raise CorruptCheckpointError(f"{what}: names no valid save attempt")
@@ -268,6 +270,12 @@ def _loads(data: bytes, what: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"{what} is not a JSON object")
     return obj
+
+
+def _require(obj: Mapping[str, Any], what: str, *fields: str) -> None:
+    missing = [f for f in fields if f not in obj]
+    if missing:
+        raise CorruptCheckpointError(f"{what}: no {', '.join(missing)} field")
 
 
 def load_json_record(data: bytes, what: str) -> dict[str, Any]:

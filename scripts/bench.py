@@ -28,7 +28,7 @@ segment, pair by pair, so that drifts in the machine's load cancel) is set
 beside the blocking time of a save alone.
 
 With ``--object-stores``, ``moto_server`` and ``gcp-storage-emulator`` are started
-on 127.0.0.1 (through ``tests/servers.py`` when present) for informational rows.
+on 127.0.0.1 (through ``benchkit/servers.py``) for informational rows.
 
 Usage::
 
@@ -65,8 +65,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchkit, also under pytest
 
 from benchkit.common import (
     CASES,

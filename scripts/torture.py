@@ -6,7 +6,7 @@ Usage::
     python scripts/torture.py --rounds 11 --seed 1 --json out.json   # the test suite's short run
 
 It starts its own loopback servers (moto for S3, the patched GCS emulator;
-``tests/servers.py``) with a fault-injecting proxy in front of each
+``scripts/benchkit/servers.py``) with a fault-injecting proxy in front of each
 (``scripts/faultproxy.py``), then runs rounds until the time or round budget
 is spent. Every round picks a backend and a scenario (seeded) and starts real
 writer processes (``scripts/torture_child.py``) against a root that lives for
@@ -66,13 +66,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tests"))  # servers.py: the suite's loopback servers
-
-import servers  # noqa: E402
-from faultproxy import FAULT_KINDS, NO_FAULTS, FaultPlan, FaultProxy  # noqa: E402
-from torture_checks import (  # noqa: E402
+from benchkit import servers
+from faultproxy import FAULT_KINDS, NO_FAULTS, FaultPlan, FaultProxy
+from torture_checks import (
     Child,
     Event,
     Root,
@@ -81,6 +77,9 @@ from torture_checks import (  # noqa: E402
     check_round,
     cli,
 )
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
 SCENARIOS = ("kill", "zombie", "race", "faults")
 BACKENDS = ("local", "s3", "gcs")

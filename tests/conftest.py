@@ -9,23 +9,21 @@ for that test only, as a user's environment would, so ``open_storage("s3://…")
 needs no options, and every other test sees the same environment whatever ran
 before it.
 
-Test modules import the helpers with ``import servers``.
+Test modules import the helpers with ``from benchkit import servers``
+(``scripts/benchkit/servers.py``; pytest puts ``tests/`` and ``scripts/`` on the
+path, ``pythonpath`` in ``pyproject.toml``).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-import servers
+from benchkit import servers
 
 servers.isolate_cloud_env(os.environ, tempfile.gettempdir())
 

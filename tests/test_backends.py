@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import servers
+from benchkit import servers
 from rootpaths import chunk_path, data_objects, data_steps
 from trees import assert_tree_bitexact, sample_state
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import servers
+from benchkit import servers
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -24,20 +24,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import os
-import queue
 import random
-import re
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
 import protocol_state as state
 import pytest
@@ -120,12 +115,8 @@ def _no_pause_here(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- the child process ----------------------------------------------------------
 
 
-class PhaseNotReachedError(AssertionError):
-    """The child exited or timed out without printing the awaited line."""
-
-
-class Child:
-    """``crash_child.py`` running in its own process, its output read by two threads."""
+class Child(harness.Child):
+    """``crash_child.py`` running in its own process (see ``harness.Child``)."""
 
     def __init__(
         self,
@@ -135,86 +126,17 @@ class Child:
         resume_dir: Path | None = None,
         trace: bool = False,
     ) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")}
-        env.update(
+        env = harness.child_env(
+            pause_at=pause_at,
+            resume_dir=resume_dir,
+            trace=trace,
+            pause_s=600,  # far longer than any test: the kill lands during the pause
             JAX_PLATFORMS="cpu",
             XLA_FLAGS="--xla_force_host_platform_device_count=2",
-            JAXCKPT_PAUSE_S="600",  # far longer than any test: the kill lands during the pause
             PYTHONUNBUFFERED="1",
         )
-        if pause_at is not None:
-            env["JAXCKPT_PAUSE_AT"] = pause_at
-        if resume_dir is not None:
-            env["JAXCKPT_RESUME_DIR"] = str(resume_dir)
-        if trace:
-            env["JAXCKPT_TRACE"] = "1"
-        self.argv = [sys.executable, str(CHILD_PATH), root.uri, "--seed", str(SEED), *args]
-        self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-        )
-        self.log: list[str] = []
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self._lines: queue.Queue[tuple[str, str | None]] = queue.Queue()
-        self._readers = [
-            threading.Thread(target=self._read, args=(name, stream), daemon=True)
-            for name, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))
-        ]
-        for t in self._readers:
-            t.start()
-        self._open_streams = 2
-
-    def _read(self, name: str, stream: Any) -> None:
-        for line in stream:
-            self._lines.put((name, line.rstrip("\n")))
-        self._lines.put((name, None))
-
-    def _next(self, deadline: float) -> tuple[str, str | None]:
-        name, line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        if line is None:
-            self._open_streams -= 1
-        else:
-            self.log.append(f"[{name}] {line}")
-            (self.stdout if name == "out" else self.stderr).append(line)
-        return name, line
-
-    def expect(self, pattern: str, *, timeout: float = PHASE_TIMEOUT_S) -> re.Match[str]:
-        """Waits for a line matching ``pattern`` on stdout or stderr."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while self._open_streams:
-            try:
-                _, line = self._next(deadline)
-            except queue.Empty:
-                break
-            match = regex.fullmatch(line) if line is not None else None
-            if match:
-                return match
-        raise PhaseNotReachedError(
-            f"no line matching {pattern!r} within {timeout:.0f}s "
-            f"(exit code {self.proc.poll()}); child output:\n" + self.transcript()
-        )
-
-    def finish(self) -> int:
-        """Waits for the child to exit by itself; returns its exit code."""
-        try:
-            self.proc.wait(timeout=EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("the child did not exit:\n" + self.transcript()) from None
-        self.kill()  # reads the rest of the output
-        return int(self.proc.returncode)
-
-    def kill(self) -> None:
-        """SIGKILL, then read the rest of the output (everything printed before the kill)."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=EXIT_TIMEOUT_S)
-        deadline = time.monotonic() + EXIT_TIMEOUT_S
-        while self._open_streams:
-            self._next(deadline)
-        for t in self._readers:
-            t.join(timeout=EXIT_TIMEOUT_S)
-            assert not t.is_alive(), "an output reader of the killed child did not finish"
+        argv = [sys.executable, str(CHILD_PATH), root.uri, "--seed", str(SEED), *args]
+        super().__init__(argv, env=env, timeout_s=PHASE_TIMEOUT_S, exit_timeout_s=EXIT_TIMEOUT_S)
 
     def steps_said(self, word: str) -> list[int]:
         return [int(line.split()[1]) for line in self.stdout if line.startswith(word + " ")]
@@ -223,9 +145,6 @@ class Child:
         """``(phase, step)`` of every ``JAXCKPT_TRACE`` line, in order."""
         lines = (line.split() for line in self.stderr if line.startswith("JAXCKPT_TRACE "))
         return [(phase, int(step)) for _, phase, step in lines]
-
-    def transcript(self) -> str:
-        return " ".join(self.argv) + "\n" + "\n".join(self.log[-60:])
 
 
 @contextlib.contextmanager
@@ -417,7 +336,7 @@ def test_kill_at_phase(crash_root: CrashRoot, point: KillPoint) -> None:
     stray = state.plant_leftovers(storage, point.step) if point.leftovers else []
 
     with run_child(crash_root, *point.child_args(), pause_at=point.phase) as proc:
-        proc.expect(rf"JAXCKPT_PHASE {point.phase} {point.step}")
+        proc.wait_phase(point.phase, point.step)
         proc.kill()
 
     last_announced = point.start + point.steps if point.op == "delete" else point.step
@@ -448,9 +367,9 @@ def test_save_passes_every_phase_in_order(
     pause_at = ",".join(state.SAVE_PHASES)
     with run_child(crash_root, *args, pause_at=pause_at, resume_dir=resume) as proc:
         for phase in state.SAVE_PHASES:
-            proc.expect(rf"JAXCKPT_PHASE {phase} 2")
+            proc.wait_phase(phase, 2)
             state.check_phase(storage, 2, phase)
-            (resume / f"{phase}-2.resume").touch()
+            harness.resume(resume, phase, 2)
         assert proc.finish() == 0, proc.transcript()
     paused = [line.split()[1] for line in proc.stderr if line.startswith("JAXCKPT_PHASE ")]
     assert paused == list(state.SAVE_PHASES), proc.transcript()
@@ -467,7 +386,7 @@ def test_kill_during_a_packed_save(crash_root: CrashRoot, phase: str) -> None:
     """A packed save killed mid-way leaves no visible step; recovery is the plain one's."""
     point = KillPoint(phase=phase, variant="packed", start=1, steps=3, mb=8, step=3)
     with run_child(crash_root, *point.child_args(), "--layout", "packed", pause_at=phase) as proc:
-        proc.expect(rf"JAXCKPT_PHASE {phase} 3")
+        proc.wait_phase(phase, 3)
         proc.kill()
     assert proc.steps_said("COMMITTED") == [1, 2], proc.transcript()
     storage = crash_root.storage()

@@ -269,7 +269,7 @@ def test_s3_reads_are_signed_as_a_checking_server_expects(
 ) -> None:
     """moto with IAM checks on: a read signed with the key's secret passes, a wrong one fails."""
     import boto3
-    import servers
+    from benchkit import servers
 
     server = servers.start_moto(tmp_path, unauthenticated_requests=5)
     try:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import os
 import shutil
 import signal
 import subprocess
@@ -45,10 +44,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
 import protocol_state as state
 import pytest
-import servers
+from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt
@@ -75,10 +75,6 @@ BARRIER_WINDOW_S = 2.0  # how long a primary waiting for a paused peer is watche
 TRAILER = 4  # every stored chunk is raw bytes + a 4-byte crc32c
 
 pytestmark = pytest.mark.timeout(240)
-
-
-class PhaseNotReachedError(AssertionError):
-    """The process to kill finished or exited before it reached the pause phase."""
 
 
 class HostsDisagreeError(AssertionError):
@@ -190,9 +186,7 @@ def _start_group(
     name = f"{mode}-{processes}x{devices}-{uuid.uuid4().hex[:6]}"
     procs = []
     for i in range(processes):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")}
-        env.update(env_for.get(i, {}))
-        env["JAX_PLATFORMS"] = "cpu"
+        env = harness.child_env(**{**env_for.get(i, {}), "JAX_PLATFORMS": "cpu"})
         argv = [
             sys.executable,
             "-u",
@@ -679,22 +673,19 @@ def test_primary_writes_the_marker_only_after_every_part(tmp_path: Path) -> None
 
 def kill_and_outlive(target: Proc, survivor: Proc, timeout_s: float, hang: str) -> None:
     """SIGKILLs ``target``; ``survivor`` must exit within ``timeout_s``, else the test fails."""
-    target.popen.send_signal(signal.SIGKILL)
-    try:
-        survivor.popen.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{hang}\n{survivor.report()}")
+    harness.kill_and_outlive(target.popen, survivor.popen, timeout_s, hang, survivor.report)
 
 
 def wait_for_phase(target: Proc, line: str, procs: list[Proc]) -> None:
-    deadline = time.monotonic() + PHASE_TIMEOUT_S
-    while line not in target.stderr():
-        if target.popen.poll() is not None or target.said(f"COMMITTED {STEPS[1]}"):
-            raise PhaseNotReachedError(f"process {target.index} went past {line!r}")
-        if time.monotonic() > deadline:
-            logs = "\n".join(p.report() for p in procs)
-            pytest.fail(f"no {line!r} within {PHASE_TIMEOUT_S:.0f}s\n{logs}")
-        time.sleep(0.1)
+    """Waits until ``target`` printed ``line`` (a phase it paused at)."""
+    harness.wait_until(
+        lambda: line in target.stderr(),
+        what=f"{line!r} from process {target.index}",
+        timeout_s=PHASE_TIMEOUT_S,
+        gone=lambda: target.popen.poll() is not None or target.said(f"COMMITTED {STEPS[1]}"),
+        report=lambda: "\n".join(p.report() for p in procs),
+        poll_s=0.1,
+    )
 
 
 def test_s3_save_and_restore(s3_server: servers.Server, tmp_path: Path) -> None:

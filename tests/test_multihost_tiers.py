@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import servers
 import test_multihost as mh
+from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt

@@ -16,7 +16,7 @@ import uuid
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import servers
+from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt

@@ -15,7 +15,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import servers
+from benchkit import servers
 from rootpaths import data_objects, packed_chunk, step_key
 from trees import assert_tree_bitexact, sample_state
 

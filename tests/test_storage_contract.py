@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import servers
 import tensorstore as ts
+from benchkit import servers
 
 import jaxckpt
 from jaxckpt import _objectstore

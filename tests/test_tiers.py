@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import harness
 import numpy as np
 import pytest
 from rootpaths import chunk_path, data_objects, data_steps
@@ -45,9 +46,13 @@ def durable_steps(root: str) -> list[int]:
     return sorted(CommitProtocol(open_storage(root)).committed())
 
 
+def promote_argv(local: Path, root: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "jaxckpt", "promote", str(local), root, *args]
+
+
 def promote_cli(local: Path, root: str, *args: str, **env: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "jaxckpt", "promote", str(local), root, *args],
+        promote_argv(local, root, *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -131,27 +136,18 @@ def test_restore_falls_back_to_durable_for_a_corrupt_or_wiped_local_tier(
             mgr.restore(3)
 
 
-def trainer(root: str, local: Path, resume: Path, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, CHILD, root, str(local), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "JAXCKPT_RESUME_DIR": str(resume), "JAXCKPT_PAUSE_S": "600"},
-    )
+def trainer(root: str, local: Path, resume: Path, *args: str) -> harness.Child:
+    env = harness.child_env(inherit_jaxckpt=True, resume_dir=resume, pause_s=600)
+    return harness.Child([sys.executable, CHILD, root, str(local), *args], env=env)
 
 
-def kill_at(proc: subprocess.Popen[str], reached: Path) -> None:
-    """SIGKILLs ``proc`` once it pauses at the phase ``reached`` names."""
+def kill_at(proc: harness.Child, resume: Path, phase: str, step: int) -> None:
+    """SIGKILLs ``proc`` once it pauses at ``phase`` of ``step``."""
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not reached.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
+        proc.wait_reached(resume, phase, step, timeout=TIMEOUT_S)
     finally:
         proc.kill()
-        proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    assert proc.proc.returncode == -signal.SIGKILL
 
 
 def test_trainer_killed_right_after_a_local_commit_loses_nothing(s3_server, tmp_path):
@@ -163,7 +159,7 @@ def test_trainer_killed_right_after_a_local_commit_loses_nothing(s3_server, tmp_
     local, resume = tmp_path / "local", tmp_path / "resume"
     resume.mkdir()
     child = trainer(root, local, resume, "--steps", "3", "--arm-last", "marker_written")
-    kill_at(child, resume / "marker_written-3.reached")  # step 3's local marker is written
+    kill_at(child, resume, "marker_written", 3)  # step 3's local marker is written
     assert durable_steps(root) == []  # external promotion: nothing durable yet
     local_protocol = CommitProtocol(open_storage(str(local)))
     assert sorted(local_protocol.committed()) == [1, 2, 3]  # waiting steps outlive KeepLast(1)
@@ -181,7 +177,7 @@ def test_trainer_killed_right_after_a_local_commit_loses_nothing(s3_server, tmp_
 
     child = trainer(root, local, resume, "--start", "4", "--steps", "1", "--arm-last",
                     "promotion_requested")  # fmt: skip
-    kill_at(child, resume / "promotion_requested-4.reached")  # request written, no marker
+    kill_at(child, resume, "promotion_requested", 4)  # request written, no marker
     assert 4 in read_requests(local_protocol) and 4 not in local_protocol.committed()
     rc, out, err = finish(promote_cli(local, root))
     assert rc == 0 and "step 4: local save under way" in out, err  # never promoted half a save
@@ -201,21 +197,11 @@ def test_promoter_killed_mid_upload_leaves_nothing_listed_and_rerun_completes(
             mgr.save(step, state(step))
     resume = tmp_path / "resume"
     resume.mkdir()
-    proc = promote_cli(
-        local,
-        object_root,
-        JAXCKPT_PAUSE_AT="before_marker",
-        JAXCKPT_RESUME_DIR=str(resume),
-        JAXCKPT_PAUSE_S="600",
+    env = harness.child_env(
+        inherit_jaxckpt=True, pause_at="before_marker", resume_dir=resume, pause_s=600
     )
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (resume / "before_marker-2.reached").exists():  # newest first
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
+    with harness.running(promote_argv(local, object_root), env=env) as proc:
+        proc.wait_reached(resume, "before_marker", 2, timeout=TIMEOUT_S)  # newest first
     storage = open_storage(object_root)
     assert data_steps(storage) == {2}  # every chunk of step 2 uploaded ...
     assert durable_steps(object_root) == []  # ... and nothing listed without its marker

@@ -7,16 +7,12 @@ the first ones compile.
 
 from __future__ import annotations
 
-import os
-import queue
 import re
 import signal
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
+import harness
 import jax
 import numpy as np
 import pytest
@@ -41,67 +37,33 @@ TIMEOUT_S = 120.0
 pytestmark = pytest.mark.timeout(300)
 
 
-class Run:
+class Run(harness.Child):
     """``scripts/train.py`` in a child process, its log lines collected as they come."""
 
     def __init__(
         self, root: Path, cache: Path, *extra: str, env: dict[str, str] | None = None
     ) -> None:
-        env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")},
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-            "JAX_PLATFORMS": "cpu",
+        argv = [
+            sys.executable,
+            str(TRAIN),
+            f"--checkpoint_root={root}",
+            f"--compilation_cache={cache}",
+            *TINY,
+            *extra,
+        ]
+        env = harness.child_env(
+            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            JAX_PLATFORMS="cpu",
             **(env or {}),
-        }
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(TRAIN),
-                f"--checkpoint_root={root}",
-                f"--compilation_cache={cache}",
-                *TINY,
-                *extra,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
         )
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            self._queue.put(line)
-        self._queue.put(None)
+        super().__init__(argv, env=env, stdout=False, timeout_s=TIMEOUT_S)
 
     def wait_for(self, pattern: str) -> re.Match[str]:
         """The first new log line matching ``pattern``."""
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                line = self._queue.get(timeout=deadline - time.monotonic())
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            if m := re.search(pattern, line):
-                return m
-        self.proc.kill()
-        raise AssertionError(f"no line matching {pattern!r}; log:\n{self.log()}")
-
-    def finish(self) -> int:
-        try:
-            return self.proc.wait(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"did not exit; log:\n{self.log()}") from None
+        return self.search(pattern)
 
     def log(self) -> str:
-        return "".join(self.lines)
+        return "".join(line + "\n" for line in self.stderr)
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +92,15 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, cache):
     resume = tmp_path / "resume"
     resume.mkdir()
     for step in (5, 10):
-        (resume / f"data_written-{step}.resume").touch()
+        harness.resume(resume, "data_written", step)
     pause = {
-        "JAXCKPT_PAUSE_AT": "data_written",
-        "JAXCKPT_RESUME_DIR": str(resume),
-        "JAXCKPT_PAUSE_S": str(TIMEOUT_S),
+        harness.PAUSE_AT: "data_written",
+        harness.RESUME_DIR: str(resume),
+        harness.PAUSE_S: str(TIMEOUT_S),
     }
     killed = Run(tmp_path / "resumed", cache, f"--steps={STEPS}", env=pause)
-    killed.wait_for(r"JAXCKPT_PHASE data_written 15")
-    killed.proc.send_signal(signal.SIGKILL)
-    assert killed.finish() == -signal.SIGKILL
+    killed.wait_phase("data_written", 15)
+    assert killed.kill() == -signal.SIGKILL
     assert re.search(r"checkpoint: step 10 committed", killed.log()), killed.log()
     latest = jaxckpt.CheckpointManager(tmp_path / "resumed", read_only=True).latest_step()
     assert latest == 10, killed.log()

@@ -10,13 +10,13 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,21 +45,17 @@ def root(tmp_path: Path) -> str:
     return str(tmp_path / "ckpt")
 
 
-def _spawn(root: str, *args: str) -> subprocess.Popen[str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
-        [sys.executable, str(CHILD), root, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+def _spawn(root: str, *args: str) -> harness.Child:
+    env = harness.child_env(inherit_jaxckpt=True, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return harness.Child(
+        [sys.executable, str(CHILD), root, *args], env=env, timeout_s=CHILD_TIMEOUT_S
     )
 
 
-def _finish(proc: subprocess.Popen[str]) -> list[str]:
-    out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
-    assert proc.returncode == 0, err[-3000:]
-    return out.splitlines()
+def _finish(proc: harness.Child) -> list[str]:
+    rc = proc.finish()
+    assert rc == 0, "\n".join(proc.stderr)[-3000:]
+    return proc.stdout
 
 
 def _bits(tree: dict[str, Any]) -> dict[str, bytes]:
@@ -148,12 +144,9 @@ def test_older_writer_is_fenced_and_the_committed_step_is_the_newer_ones(root: s
 
 def test_zombie_job_is_fenced_and_never_wins(storage_root: str) -> None:
     zombie = _spawn(storage_root, "loop", "--start", "1", "--pause", "0.05", "--keep-last", "2")
-    assert zombie.stdout is not None
-    seen: list[str] = []
     deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while sum(line.startswith("COMMITTED") for line in seen) < 3:
-        assert time.monotonic() < deadline and zombie.poll() is None, seen
-        seen.append(zombie.stdout.readline().strip())
+    for _ in range(3):
+        zombie.search(r"^COMMITTED", timeout=max(0.0, deadline - time.monotonic()))
     with jaxckpt.CheckpointManager(storage_root, chunk_bytes=4096) as job:  # the restarted job
         resumed = job.latest_step()
         assert resumed is not None
@@ -162,7 +155,7 @@ def test_zombie_job_is_fenced_and_never_wins(storage_root: str) -> None:
         for step in mine:
             job.save(step, child.state(step))
         job.wait()
-    lines = seen + _finish(zombie)
+    lines = _finish(zombie)
     assert lines[-1].startswith("FENCED"), lines
     reader = jaxckpt.CheckpointManager(storage_root, read_only=True)
     listed = reader.steps()
@@ -210,32 +203,23 @@ def test_marker_committed_after_a_takeover_is_never_listed(root: str) -> None:
 def test_gc_and_prune_by_an_operator_leave_the_live_save_alone(
     root: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    env = dict(
-        os.environ,
+    env = harness.child_env(
+        inherit_jaxckpt=True,
+        pause_at="data_written",
+        pause_s=6,
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
-        JAXCKPT_PAUSE_AT="data_written",
-        JAXCKPT_PAUSE_S="6",
     )
     crash_child = Path(__file__).with_name("crash_child.py")
     args = ["--seed", "1", "--start", "1", "--steps", "3", "--mb", "1", "--arm", "save:3"]
-    proc = subprocess.Popen(
-        [sys.executable, str(crash_child), root, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    assert proc.stderr is not None
-    deadline = time.monotonic() + CHILD_TIMEOUT_S
-    while "JAXCKPT_PHASE data_written 3" not in (line := proc.stderr.readline()):
-        assert line and time.monotonic() < deadline, "the child never paused"
-    assert cli.main(["gc", root]) == 0  # default grace: the live attempt is kept
-    assert cli.main(["prune", root, "--keep-last=1"]) == 0
-    assert "keep (within grace period) step 3" in capsys.readouterr().out
-    out, err = proc.communicate(timeout=CHILD_TIMEOUT_S)
-    assert proc.returncode == 0, err[-3000:]
-    assert "COMMITTED 3" in out.splitlines(), out
+    argv = [sys.executable, str(crash_child), root, *args]
+    with harness.running(argv, env=env, timeout_s=CHILD_TIMEOUT_S) as proc:
+        proc.wait_phase("data_written", 3)  # the child never paused: PhaseNotReachedError
+        assert cli.main(["gc", root]) == 0  # default grace: the live attempt is kept
+        assert cli.main(["prune", root, "--keep-last=1"]) == 0
+        assert "keep (within grace period) step 3" in capsys.readouterr().out
+        out = _finish(proc)
+    assert "COMMITTED 3" in out, out
     reader = jaxckpt.CheckpointManager(root, read_only=True)
     assert reader.steps() == [2, 3] and reader.verify(3).ok
 

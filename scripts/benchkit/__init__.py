@@ -3,7 +3,8 @@
 * ``common``: cases, settings, constants; ``contenders``: raw / jaxckpt / Orbax savers;
 * ``measure``: what a child process measures; ``rounds``: children, scratch, interleaving;
 * ``summary``: medians and targets; ``machine``: what it ran on;
-* ``stores``: loopback S3/GCS servers, the one loader of ``tests/servers.py``;
+* ``servers``: the loopback S3 (moto) and GCS emulator servers, shared with the test suite;
+* ``stores``: the object-store rows on those servers;
   ``report``: markdown, chart, JSON.
 
 The other benchmarks, each a ``bench.py`` subcommand with ``main(argv)``:

@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from benchkit.stores import load_test_servers, loopback_endpoint
+from benchkit import servers
+from benchkit.stores import loopback_endpoint
 
 
 @contextlib.contextmanager
 def s3_bucket(log_dir: Path, endpoint: str | None = None) -> Iterator[str]:
     """A bucket on ``endpoint`` (a running loopback server) or on a moto_server started here."""
-    servers = load_test_servers()
     servers.isolate_cloud_env(os.environ, str(log_dir))
     if endpoint:
         os.environ["AWS_ENDPOINT_URL_S3"] = loopback_endpoint(endpoint)

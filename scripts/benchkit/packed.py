@@ -9,7 +9,7 @@ Two states, the issue's cluster-scale shapes at benchmark size:
 
 Each is saved and restored ``--rounds`` times (fresh step each round; the
 median is reported) on a local directory and on loopback S3 (moto_server) and
-GCS (the emulator), both started here through ``tests/servers.py``, by:
+GCS (the emulator), both started here through ``benchkit/servers.py``, by:
 
 * jaxckpt with ``layout="plain"`` and ``layout="packed"``;
 * ``ocdbt``: the same zarr3 arrays (same chunks, ``bytes`` + ``crc32c``
@@ -66,7 +66,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxckpt
-from benchkit.stores import endpoints_env, load_test_servers, start_both
+from benchkit import servers
+from benchkit.stores import endpoints_env, start_both
 from jaxckpt._storage import open_storage
 
 _REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|DELETE|HEAD|PATCH) ')
@@ -101,7 +102,6 @@ def nbytes(state: dict[str, Any]) -> int:
 @contextmanager
 def object_stores(log_dir: Path) -> Iterator[dict[str, tuple[str, Path]]]:
     """Starts moto and the GCS emulator; yields ``{kind: (bucket URI, server log)}``."""
-    servers = load_test_servers()
     servers.isolate_cloud_env(os.environ, str(log_dir))
     s3, gcs = start_both(servers, log_dir)
     os.environ.update(endpoints_env(s3.endpoint, gcs.endpoint))

@@ -24,8 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchkit import servers
 from benchkit.common import REPO
-from benchkit.stores import load_test_servers
 
 CHILD = REPO / "tests" / "multihost_child.py"
 OFF = str(1 << 62)  # an exchange threshold no leaf reaches
@@ -33,7 +33,7 @@ TIMEOUT_S = 600
 
 
 def _free_port() -> int:
-    return int(load_test_servers().free_port())
+    return int(servers.free_port())
 
 
 def run_group(root: str, mode: str, processes: int, devices: int, *args: str) -> list[str]:
@@ -117,7 +117,6 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"scale": args.scale}
     with tempfile.TemporaryDirectory() as tmp:
         report["local"] = measure(f"{tmp}/root", scale)
-        servers = load_test_servers()
         servers.isolate_cloud_env(os.environ, tmp)  # the children inherit it
         server = servers.start_moto(Path(tmp))
         os.environ["AWS_ENDPOINT_URL_S3"] = server.endpoint

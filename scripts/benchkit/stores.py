@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,28 +10,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from benchkit.common import REPO, STORE_CONTENDERS, Case, Settings
+from benchkit import servers
+from benchkit.common import STORE_CONTENDERS, Case, Settings
 from benchkit.rounds import BucketRoots, child_env, run_io_rounds
 from benchkit.summary import summarize_io
-
-
-def load_test_servers() -> ModuleType:
-    """``tests/servers.py`` (starts moto_server and the GCS emulator), loaded once per process.
-
-    The one loader for every benchmark that needs the loopback servers.
-    """
-    name = "_bench_servers"
-    if name in sys.modules:
-        return sys.modules[name]
-    path = REPO / "tests" / "servers.py"
-    if not path.exists():
-        raise RuntimeError(f"{path} is missing: it starts moto_server and the GCS emulator")
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def loopback_endpoint(url: str) -> str:
@@ -79,7 +59,6 @@ def object_stores(log_dir: Path) -> Iterator[tuple[dict[str, str], ...]]:
     (``AWS_ENDPOINT_URL*`` matter: Orbax's path handling inside jaxckpt goes
     through s3fs, which otherwise contacts ``s3.amazonaws.com``).
     """
-    servers = load_test_servers()
     saved_env = dict(os.environ)
     servers.isolate_cloud_env(os.environ, str(log_dir))  # boto3 here and in the children
     try:

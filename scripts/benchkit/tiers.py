@@ -32,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from benchkit import servers
 from benchkit.common import REPO
-from benchkit.stores import load_test_servers, loopback_endpoint
+from benchkit.stores import loopback_endpoint
 
 
 def make_state(mb: float, leaves: int, seed: int) -> dict[str, np.ndarray]:
@@ -127,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_stores(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
     """Direct and tiered rows for each store; servers (and their logs) in ``scratch``."""
-    servers = load_test_servers()
     servers.isolate_cloud_env(os.environ, str(scratch))
     started = []
     rows = []

@@ -1,11 +1,15 @@
-"""Loopback object-store servers for tests, and a helper to corrupt stored objects.
+"""Loopback object-store servers for tests and benchmarks, and a helper to corrupt objects.
 
-``conftest.py`` calls :func:`isolate_cloud_env` at import time and starts the
-servers once per session through fixtures; test modules import this module as
-``servers`` (conftest puts ``tests/`` on ``sys.path``).
+One module for the test suite, ``scripts/bench.py`` and ``scripts/torture.py``,
+imported everywhere as ``from benchkit import servers``: a script run from
+``scripts/`` has that directory on its path, and pytest adds it (``pythonpath``
+in ``pyproject.toml``). It imports nothing outside the standard library at
+module level, so a benchmark pays nothing for it. ``tests/conftest.py`` calls
+:func:`isolate_cloud_env` at import time and starts the servers once per
+session through fixtures.
 
 * S3: ``moto_server`` from the virtual environment.
-* GCS: ``gcp-storage-emulator``, started through this file (``python servers.py
+* GCS: ``gcp-storage-emulator``, started through this file (``python -P servers.py
   gcs-emulator HOST``) so that three gaps in it can be patched to behave as
   real GCS does (see :func:`_run_gcs_emulator`); ``gcs-emulator-unpatched``
   runs it as released.
@@ -191,7 +195,8 @@ def start_gcs_emulator(log_dir: Path, *, patched: bool = True) -> Server:
         the released emulator's server and handlers unchanged.
     """
     mode = "gcs-emulator" if patched else "gcs-emulator-unpatched"
-    argv = [sys.executable, __file__, mode, "127.0.0.1"]
+    # -P: benchkit's own modules (common, report, ...) must not shadow the emulator's imports
+    argv = [sys.executable, "-P", __file__, mode, "127.0.0.1"]
     server = _spawn(mode, argv, "/storage/v1/b?project=test", log_dir)
     try:
         request = urllib.request.Request(
