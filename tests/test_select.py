@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import servers
+from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt
