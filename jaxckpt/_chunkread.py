@@ -30,10 +30,10 @@ import tensorstore as ts
 from jaxckpt._layout import PACK_ALIGNMENT, StepLocation
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
 from jaxckpt._reread import reread_chunk
-from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import Region, chunk_key, zarr_metadata
 from jaxckpt.errors import CorruptCheckpointError
+from jaxckpt.storage import Storage, aligned_empty
 
 
 @dataclass(frozen=True)

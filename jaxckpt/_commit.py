@@ -47,7 +47,6 @@ from jaxckpt._records import (
     json_record,
     load_json_record,
 )
-from jaxckpt._storage import PreconditionFailed, Storage
 from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -59,6 +58,7 @@ from jaxckpt.errors import (
     UnsupportedFormatError,
     WriterFencedError,
 )
+from jaxckpt.storage import PreconditionFailed, Storage
 
 log = logging.getLogger("jaxckpt")
 

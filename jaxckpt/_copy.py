@@ -25,8 +25,8 @@ from jaxckpt._records import (
     chunk_problem,
     crc32c,
 )
-from jaxckpt._storage import Storage
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
+from jaxckpt.storage import Storage
 
 
 def copy_step(

@@ -39,9 +39,9 @@ from jaxckpt._layout import (
 )
 from jaxckpt._phases import reached
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord
-from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import HostArray, chunk_key, chunks_of
+from jaxckpt.storage import Storage
 
 
 def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, np.ndarray]]:

@@ -47,10 +47,10 @@ from jaxckpt._agree import Agreement
 from jaxckpt._layout import StepLocation
 from jaxckpt._phases import reached
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
-from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import chunk_key
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
+from jaxckpt.storage import Storage, aligned_empty
 
 MIN_BYTES = 1 << 20
 """Leaves smaller than this are read by every process that needs them (one request

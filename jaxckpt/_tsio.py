@@ -27,8 +27,8 @@ from jaxckpt._layout import StepLocation
 from jaxckpt._phases import reached, watched
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem, dumps
 from jaxckpt._reread import reread_chunk
-from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
+from jaxckpt.storage import Storage
 
 Region = tuple[tuple[int, int], ...]
 

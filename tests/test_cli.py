@@ -24,7 +24,7 @@ from jaxckpt._commit import CommitProtocol
 from jaxckpt._gc import scan
 from jaxckpt._layout import StepLocation, new_attempt
 from jaxckpt._records import json_record
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 STEPS = (1, 2, 5, 10, 20, 30)
 ARTICLE = [

@@ -24,7 +24,7 @@ from jaxckpt._layout import (
     new_attempt,
 )
 from jaxckpt._records import CommitMarker, FileDigest, json_record
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 GRACE_S = 3600.0
 NOW = 1_800_000_000.0

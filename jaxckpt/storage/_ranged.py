@@ -20,7 +20,7 @@ and returning them to the kernel instead (``mallopt``) cost a page fault per
 4 KiB on every part, which made restores 1.5-2x slower. One placer thread
 reuses one arena's few blocks for every part.
 
-With a :class:`~jaxckpt._httpread.DirectReader` (the default on S3 and GCS),
+With a :class:`~jaxckpt.storage._http.DirectReader` (the default on S3 and GCS),
 parts are instead read by its own HTTP connections straight into the buffer
 (no response copy, so no budget: parts of ``direct_part_bytes``, the first on
 the calling thread, the others on the process's GET threads). A part that
@@ -41,9 +41,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._httpread import DirectReader, DirectReadError
-from jaxckpt._storage import aligned_empty
 from jaxckpt.errors import StorageError
+from jaxckpt.storage._http import DirectReader, DirectReadError
+from jaxckpt.storage._local import aligned_empty
 
 _log = logging.getLogger(__name__)
 

@@ -333,7 +333,7 @@ def open_storage(root: str | os.PathLike[str], **kwargs: Any) -> Storage:
       root: a local path, ``file://`` URI, ``gs://bucket/prefix`` or
         ``s3://bucket/prefix``.
       **kwargs: backend options: ``io_concurrency`` for local roots; ``endpoint``,
-        ``region``, ``max_retries``, ... for object stores (see ``_objectstore.py``).
+        ``region``, ``max_retries``, ... for object stores (see ``storage/_object.py``).
 
     Raises:
       StorageError: the URI scheme is not supported.
@@ -344,9 +344,9 @@ def open_storage(root: str | os.PathLike[str], **kwargs: Any) -> Storage:
     if "://" in text:
         scheme = text.split("://", 1)[0]
         if scheme in ("gs", "s3"):
-            from jaxckpt import _objectstore
+            from jaxckpt.storage import _object
 
-            return _objectstore.open_object_storage(text, **kwargs)
+            return _object.open_object_storage(text, **kwargs)
         raise StorageError(
             errno.EINVAL,
             f"unsupported checkpoint root {text!r}: use a path, file://, gs:// or s3://",

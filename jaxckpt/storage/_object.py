@@ -42,10 +42,10 @@ from typing import Any, TypeVar
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._httpread import DirectReader, gcs_reader, s3_reader
-from jaxckpt._ranged import RangedReader, ShortObjectError
-from jaxckpt._storage import PreconditionFailed
 from jaxckpt.errors import StorageError
+from jaxckpt.storage._http import DirectReader, gcs_reader, s3_reader
+from jaxckpt.storage._local import PreconditionFailed
+from jaxckpt.storage._ranged import RangedReader, ShortObjectError
 
 __all__ = ["ObjectStorage", "ObjectStoreOptions", "open_object_storage"]
 
@@ -105,7 +105,7 @@ class ObjectStoreOptions:
         ``CheckpointOptions.restore_memory_bytes`` sets it for a manager.
         Applies to reads through TensorStore (below).
       direct_reads: a restore reads chunk objects over jaxckpt's own HTTP
-        connections, straight into the restored arrays (``jaxckpt._httpread``):
+        connections, straight into the restored arrays (``jaxckpt.storage._http``):
         no response copies, so no budget is needed, and parts of
         ``read_part_bytes`` (default 64 MiB) are in flight on every reader
         thread. S3 requests are signed by botocore (``pip install
@@ -221,7 +221,7 @@ def _resolve_gcs_endpoint(explicit: str | None) -> str | None:
 class ObjectStorage:
     """A checkpoint root in a GCS or S3 bucket, accessed through TensorStore.
 
-    Use :func:`jaxckpt._storage.open_storage` (or :func:`open_object_storage`)
+    Use :func:`jaxckpt.storage.open_storage` (or :func:`open_object_storage`)
     rather than constructing this directly.
     """
 
@@ -350,7 +350,7 @@ class ObjectStorage:
         """The object's bytes; with its expected ``size``, in an aligned, writable buffer.
 
         With ``size`` the object is read by ranged GETs under the
-        ``read_ahead_bytes`` budget (:mod:`jaxckpt._ranged`); the buffer can
+        ``read_ahead_bytes`` budget (:mod:`jaxckpt.storage._ranged`); the buffer can
         become a jax array without a copy. An object shorter than ``size`` is
         read whole, so the caller's size check names the difference.
         """
@@ -579,7 +579,7 @@ def open_object_storage(uri: str, **kwargs: Any) -> ObjectStorage:
       **kwargs: the fields of :class:`ObjectStoreOptions`.
 
     Returns:
-      An :class:`ObjectStorage` implementing :class:`jaxckpt._storage.Storage`.
+      An :class:`ObjectStorage` implementing :class:`jaxckpt.storage.Storage`.
 
     Raises:
       TypeError: an unknown option.
