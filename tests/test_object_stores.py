@@ -79,7 +79,6 @@ def test_a_store_that_stalls_mid_save_fails_it_within_timeout_s(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("FAILED "), proc.stdout + proc.stderr[-3000:]
     seconds = float(proc.stdout.split()[1])
-    print(proc.stdout)
     # Two attempts of 2 s without progress each, their backoff, and the load margin;
     # far below save_timeout_s.
     assert seconds < 60, proc.stdout

@@ -30,7 +30,6 @@ import os
 import re
 import ssl
 import threading
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -64,8 +63,8 @@ class DirectReader:
       base_url: ``scheme://host[:port]`` of the service.
       object_path: the request path (with query) of an object name.
       authorize: signs a request (adds headers), or None for anonymous requests.
-      timeout_s: the longest a request may take (each connect, send and
-        receive, and a whole response body); None waits forever.
+      timeout_s: the longest a request may go without progress (the socket
+        timeout of each connect, send and receive); None waits forever.
       stat_path: the request path (with query) of an object's timestamps, and
         how to find the modification time in that response (for :meth:`age`).
     """
@@ -180,7 +179,6 @@ class DirectReader:
     def _get(self, path: str, offset: int, out: memoryview) -> int | None:
         """One GET; sent again on a fresh connection if an idle one turns out closed."""
         headers = {"Range": f"bytes={offset}-{offset + len(out) - 1}"}
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
         conn, idle = self._take()
         reuse = False
         try:
@@ -193,17 +191,13 @@ class DirectReader:
                 conn.close()
                 conn = self._connect()
                 response = self._send(conn, path, {"Range": headers["Range"]})
-            got, reuse = self._body(response, offset, out, deadline)
+            got, reuse = self._body(response, offset, out)
             return got
         finally:
             self._give(conn, reuse)
 
     def _body(
-        self,
-        response: http.client.HTTPResponse,
-        offset: int,
-        out: memoryview,
-        deadline: float | None = None,
+        self, response: http.client.HTTPResponse, offset: int, out: memoryview
     ) -> tuple[int | None, bool]:
         """``(bytes read or None, whether the connection can be reused)``."""
         status = response.status
@@ -219,8 +213,6 @@ class DirectReader:
         want = len(out) if length is None else min(len(out), length)
         got = 0
         while got < want:
-            if deadline is not None and time.monotonic() > deadline:
-                raise DirectReadError(f"timed out after {got} of {want} bytes ({self._timeout} s)")
             n = response.readinto(out[got:want])
             if not n:
                 raise DirectReadError(f"the response ended after {got} of {want} bytes")

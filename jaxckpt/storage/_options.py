@@ -32,7 +32,7 @@ class ObjectStoreOptions:
         prefix): a connect or a transfer that moves nothing for this long
         fails and is retried (TensorStore's libcurl stall limits, set
         process-wide when the first root is opened, and the socket timeout
-        and per-request deadline of direct reads), so a store that stalls in
+        of direct reads), so a store that stalls in
         the middle of a save fails it after about ``(max_retries + 1) *
         timeout_s`` plus the backoff, not after ``save_timeout_s``. None
         waits forever.
