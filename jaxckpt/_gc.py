@@ -30,6 +30,7 @@ host's clock.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -173,6 +174,8 @@ def scan(protocol: CommitProtocol, *, full: bool) -> RootScan:
 
 def _stale_temp(storage: Storage, key: str) -> bool:
     """A temp file old enough, by the storage's clock, to be a crashed write's."""
+    if is_stale_temp_key(key, -math.inf):
+        return True  # no time in its name: no live writer made it (they stamp theirs)
     age = _written_ago(storage, key)
     if age is None:
         return is_stale_temp_key(key, time.time())  # not a concurrent writer's

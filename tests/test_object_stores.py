@@ -57,10 +57,19 @@ except jaxckpt.CheckpointError as e:
 
 @pytest.mark.timeout(280)
 def test_a_store_that_stalls_mid_save_fails_it_within_timeout_s(
-    s3_server: servers.Server,
+    s3_server: servers.Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Before: ``timeout_s`` did not reach TensorStore's HTTP requests; the stalled PUT
     failed only on TensorStore's own stall limit (132.6 s with one retry, measured)."""
+    # As if this process had opened a root with the default timeout_s (300 s): the
+    # child inherits those stall limits and must replace them with its own.
+    for name in (
+        "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
+        "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS",
+    ):
+        monkeypatch.setenv(name, "300")
+    monkeypatch.setenv("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+    monkeypatch.setenv("JAXCKPT_CURL_LIMITS_PID", str(os.getpid()))
     faultproxy = _faultproxy()
     proxy = faultproxy.FaultProxy(s3_server.endpoint)
     try:

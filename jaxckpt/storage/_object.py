@@ -63,6 +63,7 @@ _CURL_STALL_ENV = (
     "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS",
 )
 _CURL_SPEED_ENV = "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"
+_CURL_MARKER_ENV = "JAXCKPT_CURL_LIMITS_PID"
 _PROBE_PREFIX = ".jaxckpt-probe/"
 _CREATE_ATTEMPTS = 3
 _MAX_DETAIL = 400
@@ -125,18 +126,25 @@ def _bound_stalls(timeout_s: float | None) -> None:
 
     TensorStore has no per-request deadline in its context; its libcurl
     transport takes stall limits from the environment when it is created
-    (the process's first HTTP request). Limits the user set are kept; so are
-    those of an earlier root (one process, one transport), logged when they
-    differ.
+    (the process's first HTTP request), so the first root a process opens
+    sets them. Limits the user set are kept. Limits that came from a parent
+    process (marked with its pid in ``JAXCKPT_CURL_LIMITS_PID``) are not the
+    user's: a child sets its own.
     """
     if timeout_s is None:
         return
+    marker = os.environ.get(_CURL_MARKER_ENV)
+    if marker == str(os.getpid()):
+        return  # set by this process already: its transport has them
+    users = marker is None and any(
+        name in os.environ for name in (*_CURL_STALL_ENV, _CURL_SPEED_ENV)
+    )
+    if users:
+        return
     seconds = str(max(1, math.ceil(timeout_s)))
-    for name in _CURL_STALL_ENV:
-        current = os.environ.setdefault(name, seconds)
-        if current != seconds:
-            _log.debug("%s is %s, not %s (set earlier in this process)", name, current, seconds)
-    os.environ.setdefault(_CURL_SPEED_ENV, "1")
+    os.environ.update(dict.fromkeys(_CURL_STALL_ENV, seconds))
+    os.environ[_CURL_SPEED_ENV] = "1"
+    os.environ[_CURL_MARKER_ENV] = str(os.getpid())
 
 
 def _aws_credentials() -> dict[str, Any]:
