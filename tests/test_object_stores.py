@@ -7,7 +7,6 @@ SDK's log lines go to the process's own stderr.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,25 +14,12 @@ import time
 import uuid
 from pathlib import Path
 
+import faultproxy
 import numpy as np
 import pytest
-import servers
+from benchkit import servers
 
 import jaxckpt
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def _faultproxy():  # scripts/ is not a package
-    spec = importlib.util.spec_from_file_location(
-        "jaxckpt_scripts_faultproxy", SCRIPTS / "faultproxy.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 STALLED_SAVE = """
 import sys, time
@@ -70,7 +56,6 @@ def test_a_store_that_stalls_mid_save_fails_it_within_timeout_s(
         monkeypatch.setenv(name, "300")
     monkeypatch.setenv("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
     monkeypatch.setenv("JAXCKPT_CURL_LIMITS_PID", str(os.getpid()))
-    faultproxy = _faultproxy()
     proxy = faultproxy.FaultProxy(s3_server.endpoint)
     try:
         proxy.plan = faultproxy.FaultPlan(slow_s=3600.0)  # a "slow" fault: an hour

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import servers
+from benchkit import servers
 
 import jaxckpt
 from jaxckpt.errors import StorageError
