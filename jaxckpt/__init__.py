@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from jaxckpt._telemetry import SaveStats as SaveStats
     from jaxckpt._verify import Problem as Problem
     from jaxckpt._verify import VerifyReport as VerifyReport
+    from jaxckpt.storage import ObjectStoreOptions as ObjectStoreOptions
 
 _LAZY = {
     "CheckpointManager": "jaxckpt._manager",
@@ -69,6 +70,7 @@ _LAZY = {
     "SaveStats": "jaxckpt._telemetry",
     "Problem": "jaxckpt._verify",
     "VerifyReport": "jaxckpt._verify",
+    "ObjectStoreOptions": "jaxckpt.storage",
 }
 
 
@@ -92,6 +94,7 @@ __all__ = [
     "LeafMismatch",
     "LeafView",
     "NotACheckpointRootError",
+    "ObjectStoreOptions",
     "Problem",
     "PromotionError",
     "PromotionTimeoutError",

@@ -20,20 +20,21 @@ import json
 import math
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
 import tensorstore as ts
 
+from jaxckpt import _pools as pools
 from jaxckpt._layout import PACK_ALIGNMENT, StepLocation
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
 from jaxckpt._reread import reread_chunk
-from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import Region, chunk_key, zarr_metadata
 from jaxckpt.errors import CorruptCheckpointError
+from jaxckpt.storage import Storage, aligned_empty
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def read_regions(
     plan = getattr(storage, "plan_restore", None)  # object stores size their read budget
     if plan is not None:
         plan(sum(math.prod(_extent(r.region)) * r.leaf.numpy_dtype.itemsize for r in requests))
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="jaxckpt-read")
+    pool = pools.borrow("read", workers)
     try:  # on Ctrl-C (or an error) do not wait for the reads in flight
         for i, request in enumerate(requests):
             leaf = request.leaf
@@ -154,7 +155,7 @@ class _Slice:
         self._offset = offset - span.offset
         self._size = size
 
-    def start(self, pool: ThreadPoolExecutor, storage: Storage) -> None:
+    def start(self, pool: Executor, storage: Storage) -> None:
         span = self._span
         if span.future is None:
             span.future = pool.submit(storage.read_range, span.key, span.offset, span.size)

@@ -19,10 +19,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from jaxckpt import _pools as pools
 from jaxckpt import policy
 from jaxckpt._fence import EpochReader, EpochRecord, Epochs
 from jaxckpt._layout import (
@@ -47,7 +47,6 @@ from jaxckpt._records import (
     json_record,
     load_json_record,
 )
-from jaxckpt._storage import PreconditionFailed, Storage
 from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -59,6 +58,7 @@ from jaxckpt.errors import (
     UnsupportedFormatError,
     WriterFencedError,
 )
+from jaxckpt.storage import PreconditionFailed, Storage
 
 log = logging.getLogger("jaxckpt")
 
@@ -177,7 +177,7 @@ class CommitProtocol:
 
     def listing(self) -> Listing:
         """Lists ``writers/`` and ``commits/`` at once (two requests, one round trip)."""
-        with ThreadPoolExecutor(2, thread_name_prefix="jaxckpt-list") as pool:
+        with pools.borrow("list", 2) as pool:
             epochs = pool.submit(self.epochs.load)
             refs = pool.submit(self.marker_refs)
             return Listing(epochs.result(), tuple(refs.result()))
@@ -414,7 +414,7 @@ class CommitProtocol:
         names = [TREE_FILE, *(manifest_name(p) for p in covered), *extra]
         # Every read the commit needs, in flight at once: the records, the
         # attempt's chunk listing, the fence and visibility listing, the hint.
-        with ThreadPoolExecutor(self._list_workers, thread_name_prefix="jaxckpt-commit") as pool:
+        with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in names]
             chunk_keys = pool.submit(self.storage.list, loc.arrays_prefix)
             epochs = pool.submit(self.epochs.load)
@@ -559,7 +559,7 @@ class CommitProtocol:
         items = list(items)
         if len(items) <= 1:
             return [fn(i) for i in items]
-        with ThreadPoolExecutor(min(self._list_workers, len(items))) as pool:
+        with pools.borrow("map", min(self._list_workers, len(items))) as pool:
             return list(pool.map(fn, items))
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from jaxckpt import _pools as pools
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import TREE_FILE, StepLocation, is_manifest_name, manifest_name, new_attempt
 from jaxckpt._records import (
@@ -25,8 +25,8 @@ from jaxckpt._records import (
     chunk_problem,
     crc32c,
 )
-from jaxckpt._storage import Storage
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
+from jaxckpt.storage import Storage
 
 
 def copy_step(
@@ -102,7 +102,7 @@ def _copy_objects(
             )
         dst.write(new + key[len(old) :], bytes(data) if not isinstance(data, bytes) else data)
 
-    with ThreadPoolExecutor(16) as pool:
+    with pools.borrow("copy", 16) as pool:
         list(pool.map(one, keys))
 
 

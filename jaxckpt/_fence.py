@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from jaxckpt._layout import WRITERS, MarkerRef, epoch_key, parse_epoch_key
 from jaxckpt._records import dumps, load_json_record
-from jaxckpt._storage import PreconditionFailed, Storage
 from jaxckpt.errors import CheckpointError, StorageError
+from jaxckpt.storage import PreconditionFailed, Storage
 
 log = logging.getLogger("jaxckpt")
 

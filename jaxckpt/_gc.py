@@ -16,11 +16,21 @@ Collection removes partial and orphaned attempts of *fenced* epochs (older
 than the newest) and those older than the grace period, hidden steps, and
 stale pending records of committed attempts. A live writer's attempt (newest
 epoch, younger than the grace period) is never touched. Imports no jax.
+
+Ages are judged by the storage's own clock, never by the operator's: a
+partial attempt's age is that of its pending record as the store reports it
+(:meth:`jaxckpt.storage.Storage.age`: a file's mtime against a probe file's,
+an object's modification time against the ``Date`` of the same response), so
+``jaxckpt gc`` on a host whose clock is hours off keeps a live save. Only
+where the store cannot tell (an object store without a direct reader) does
+the age fall back to the ``started`` time the writer recorded, against this
+host's clock.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -31,11 +41,13 @@ from jaxckpt._layout import (
     COMMITS,
     LEGACY_STEPS,
     PENDING,
+    TEMP_GRACE_S,
     WRITERS,
     MarkerRef,
     StepLocation,
     is_latest_hint,
     is_stale_temp_key,
+    is_temp_key,
     latest_hint_key,
     parse_attempt,
     parse_data_key,
@@ -43,6 +55,7 @@ from jaxckpt._layout import (
 )
 from jaxckpt._records import CommitMarker, load_json_record
 from jaxckpt.errors import CheckpointError, StorageError
+from jaxckpt.storage import Storage
 
 log = logging.getLogger("jaxckpt")
 
@@ -55,12 +68,18 @@ class Attempt:
     kind: str  # "partial", "orphaned", or "damaged" (data of a step whose marker is damaged)
     operation: str | None = None
     started: float | None = None
+    written_ago: float | None = None
+    """Seconds since the pending record was written, by the storage's clock (None: unknown)."""
 
     @property
     def step(self) -> int:
         return self.location.step
 
     def age(self, now: float) -> float | None:
+        """Seconds since the attempt began: by the storage's clock when known, else
+        the writer's recorded start (or the attempt name's time) against ``now``."""
+        if self.written_ago is not None:
+            return self.written_ago
         started = self.started
         if started is None and self.location.attempt:
             parsed = parse_attempt(self.location.attempt)
@@ -112,21 +131,31 @@ def scan(protocol: CommitProtocol, *, full: bool) -> RootScan:
     hidden = [m for r, m in markers.items() if m is not None and not epochs.visible(r)]
     named = {m.location for m in committed.values()}
     attempts, stale = [], []
+    unnamed = []
     for loc, key in sorted(pending.items(), key=lambda kv: kv[1]):
         if loc in named:
             stale.append(key)
-            continue
-        operation, started = _pending_info(protocol, key)
-        attempts.append(Attempt(location=loc, kind="partial", operation=operation, started=started))
+        else:
+            unnamed.append((loc, key))
+    infos = protocol.map(lambda item: _pending_info(protocol, item[1]), unnamed)
+    for (loc, _), (operation, started, written_ago) in zip(unnamed, infos, strict=True):
+        attempts.append(
+            Attempt(
+                location=loc,
+                kind="partial",
+                operation=operation,
+                started=started,
+                written_ago=written_ago,
+            )
+        )
     seen = set(pending) | named | {m.location for m in hidden}
     for loc in sorted({loc for k in data_keys if (loc := parse_data_key(k))}, key=str):
         if loc not in seen:
             kind = "damaged" if loc.step in damaged else "orphaned"
             attempts.append(Attempt(location=loc, kind=kind))
     commit_keys = storage.list(COMMITS)
-    now = time.time()
     keys = pending_keys + commit_keys + storage.list(WRITERS)
-    temp = [k for k in keys if is_stale_temp_key(k, now)]  # not a concurrent writer's
+    temp = [k for k in keys if is_temp_key(k) and _stale_temp(storage, k)]
     # Hints of fenced epochs: only the newest epoch's hint is ever read.
     newest_hint = latest_hint_key(epochs.newest)
     temp += [k for k in commit_keys if is_latest_hint(k) and k != newest_hint]
@@ -143,15 +172,37 @@ def scan(protocol: CommitProtocol, *, full: bool) -> RootScan:
     )
 
 
-def _pending_info(protocol: CommitProtocol, key: str) -> tuple[str | None, float | None]:
+def _stale_temp(storage: Storage, key: str) -> bool:
+    """A temp file old enough, by the storage's clock, to be a crashed write's."""
+    if is_stale_temp_key(key, -math.inf):
+        return True  # no time in its name: no live writer made it (they stamp theirs)
+    age = _written_ago(storage, key)
+    if age is None:
+        return is_stale_temp_key(key, time.time())  # not a concurrent writer's
+    return age >= TEMP_GRACE_S
+
+
+def _written_ago(storage: Storage, key: str) -> float | None:
+    try:
+        return storage.age(key)
+    except StorageError as e:
+        log.debug("cannot tell the age of %s by the storage's clock: %s", key, e)
+        return None
+
+
+def _pending_info(
+    protocol: CommitProtocol, key: str
+) -> tuple[str | None, float | None, float | None]:
+    """``(operation, started, written_ago)`` of a pending record (Nones where unknown)."""
     raw = protocol.storage.read(key)
     if raw is None:
-        return None, None
+        return None, None, None
+    written_ago = _written_ago(protocol.storage, key)
     try:
         record = load_json_record(raw, protocol.where(key))
     except CheckpointError:
-        return None, None
-    return record.get("operation"), record.get("started")
+        return None, None, written_ago
+    return record.get("operation"), record.get("started"), written_ago
 
 
 def is_live(attempt: Attempt, current_epoch: int, grace_s: float, now: float) -> bool:

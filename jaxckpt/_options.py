@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from jaxckpt.storage import ObjectStoreOptions, parse_root
 
 if TYPE_CHECKING:
     from jaxckpt.policy import RetentionPolicy, SavePolicy
@@ -35,8 +38,9 @@ class CheckpointOptions:
         (and stale ones) when it opens.
       gc_grace_s: an uncommitted attempt of the current writer epoch younger
         than this is live, never garbage (``jaxckpt gc`` during training).
-      storage_options: backend options, e.g. ``{"endpoint": "http://..."}`` for
-        S3-compatible stores (see the README).
+      storage_options: the options of object-store roots: an
+        :class:`jaxckpt.ObjectStoreOptions`, or the same fields as a mapping,
+        e.g. ``{"endpoint": "http://..."}`` for S3-compatible stores.
       primary_host: the process that writes records and commits.
       layout: the data format of new steps: ``"plain"`` (one zarr chunk object
         per chunk, readable by any zarr v3 reader) or ``"packed"`` (each
@@ -77,7 +81,7 @@ class CheckpointOptions:
     read_only: bool = False
     gc_on_open: bool = True
     gc_grace_s: float = 3600.0
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    storage_options: ObjectStoreOptions | Mapping[str, Any] = field(default_factory=dict)
     primary_host: int = 0
     layout: str = "plain"
     local_root: str | None = None
@@ -119,7 +123,12 @@ class CheckpointOptions:
                     f"restore_memory_bytes must be an integer >= {MIN_RESTORE_MEMORY} (1 MiB), "
                     f"got {budget!r}"
                 )
-            if "read_ahead_bytes" in self.storage_options:
+            given = self.storage_options
+            if (
+                given.read_ahead_bytes is not None
+                if isinstance(given, ObjectStoreOptions)
+                else "read_ahead_bytes" in given
+            ):
                 raise ValueError(
                     "restore_memory_bytes and storage_options['read_ahead_bytes'] set the same "
                     "budget: give one"
@@ -131,7 +140,12 @@ class CheckpointOptions:
 
     def storage_kwargs(self, root: str) -> dict[str, Any]:
         """The backend options to open ``root`` with (``restore_memory_bytes`` applied)."""
-        kwargs = dict(self.storage_options)
-        if self.restore_memory_bytes is not None and root.startswith(("gs://", "s3://")):
+        given = self.storage_options
+        is_object = parse_root(root).scheme != "file"
+        if isinstance(given, ObjectStoreOptions):
+            kwargs = dataclasses.asdict(given) if is_object else {}
+        else:
+            kwargs = dict(given)
+        if self.restore_memory_bytes is not None and is_object:
             kwargs["read_ahead_bytes"] = self.restore_memory_bytes
         return kwargs

@@ -23,13 +23,14 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import cast
 
 import crc32c as _crc32c
 import jax
 import numpy as np
 
+from jaxckpt import _pools as pools
 from jaxckpt._layout import (
     MIN_PACK_BYTES,
     PACK_ALIGNMENT,
@@ -39,9 +40,9 @@ from jaxckpt._layout import (
 )
 from jaxckpt._phases import reached
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord
-from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import HostArray, chunk_key, chunks_of
+from jaxckpt.storage import Storage
 
 
 def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, np.ndarray]]:
@@ -102,7 +103,7 @@ class PackWriter:
                 started = True
                 reached("data_started", loc.step)
 
-        with ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-pack") as pool:
+        with pools.borrow("pack", 1) as pool:
 
             def flush() -> None:
                 nonlocal buffer, index, writing

@@ -26,11 +26,11 @@ import numpy as np
 from jaxckpt._chunkread import RegionRequest
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._restore import LoadedStep, load_step
-from jaxckpt._storage import open_storage
 from jaxckpt._tier import reading_tier
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import Region
 from jaxckpt.errors import StepNotFoundError
+from jaxckpt.storage import open_storage
 
 __all__ = ["LeafView", "StepView", "dotted_path", "open_step"]
 

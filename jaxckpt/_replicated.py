@@ -35,7 +35,6 @@ import json
 import math
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,14 +42,15 @@ import crc32c as _crc32c
 import jax
 import numpy as np
 
+from jaxckpt import _pools as pools
 from jaxckpt._agree import Agreement
 from jaxckpt._layout import StepLocation
 from jaxckpt._phases import reached
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
-from jaxckpt._storage import Storage, aligned_empty
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import chunk_key
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
+from jaxckpt.storage import Storage, aligned_empty
 
 MIN_BYTES = 1 << 20
 """Leaves smaller than this are read by every process that needs them (one request
@@ -245,7 +245,7 @@ class Exchange:
                 for x in range(start, stop, PART_BYTES):
                     y = min(x + PART_BYTES, stop)
                     parts.append(_Part(n, c, x, y, dst + x - start))
-        with ThreadPoolExecutor(_WORKERS, thread_name_prefix="jaxckpt-shared") as pool:
+        with pools.borrow("shared", _WORKERS) as pool:
             for part, crc in zip(parts, pool.map(self._read_part, parts), strict=True):
                 if crc is not None:
                     s = self._shared[part.leaf]

@@ -23,7 +23,7 @@ import tensorstore as ts
 
 from jaxckpt._layout import StepLocation
 from jaxckpt._records import ChunkRecord, chunk_problem
-from jaxckpt._storage import Storage
+from jaxckpt.storage import Storage
 
 log = logging.getLogger("jaxckpt")
 

@@ -156,7 +156,7 @@ def trajectory(
       One :class:`StepStats` per step, ascending.
     """
     from jaxckpt._commit import CommitProtocol
-    from jaxckpt._storage import open_storage
+    from jaxckpt.storage import open_storage
 
     if steps is None:
         protocol = CommitProtocol(open_storage(root, **storage_options))

@@ -30,9 +30,9 @@ from jaxckpt._layout import MarkerRef
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._records import CommitMarker
 from jaxckpt._restore import StepReader
-from jaxckpt._storage import Storage, open_storage
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt.errors import CheckpointError
+from jaxckpt.storage import Storage, open_storage
 
 log = logging.getLogger("jaxckpt")
 

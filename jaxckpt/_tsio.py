@@ -14,7 +14,6 @@ import math
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,12 +22,13 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from jaxckpt import _pools as pools
 from jaxckpt._layout import StepLocation
 from jaxckpt._phases import reached, watched
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem, dumps
 from jaxckpt._reread import reread_chunk
-from jaxckpt._storage import Storage
 from jaxckpt._tree import SavedLeaf
+from jaxckpt.storage import Storage
 
 Region = tuple[tuple[int, int], ...]
 
@@ -309,7 +309,7 @@ def _check_packed_chunks(
             raise ValueError(f"chunk {chunk.key} of a packed step names no pack object")
         return storage.read_range(loc.key(chunk.pack), chunk.offset, chunk.size)
 
-    with ThreadPoolExecutor(window, thread_name_prefix="jaxckpt-check") as pool:
+    with pools.borrow("check", window) as pool:
         for chunk, fut in _windowed(chunks, lambda c: pool.submit(read, c), window):
             try:
                 data = fut.result()

@@ -174,7 +174,7 @@ def _committed(
 ) -> tuple[Any, Any]:
     """The root's commit protocol and the marker of ``step`` (None: the latest)."""
     from jaxckpt._commit import CommitProtocol
-    from jaxckpt._storage import open_storage
+    from jaxckpt.storage import open_storage
 
     options: dict[str, Any] = {}
     if endpoint is not None:

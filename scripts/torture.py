@@ -171,7 +171,7 @@ class Torture:
         if root.backend == "local":
             shutil.rmtree(root.uri, ignore_errors=True)
             return
-        from jaxckpt._storage import open_storage
+        from jaxckpt.storage import open_storage
 
         with contextlib.suppress(Exception):
             open_storage(root.uri).delete_prefix("")
@@ -362,7 +362,7 @@ class Torture:
 
     def latest(self, root: Root) -> int:
         from jaxckpt._commit import CommitProtocol
-        from jaxckpt._storage import open_storage
+        from jaxckpt.storage import open_storage
 
         protocol = CommitProtocol(open_storage(root.uri))
         with contextlib.suppress(Exception):

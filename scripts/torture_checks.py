@@ -217,7 +217,7 @@ def check_round(root: Root, result: RoundResult, writers: list[Writer]) -> None:
 def check_writers(root: Root, result: RoundResult, writers: list[Writer]) -> None:
     """What the writers' own output must show."""
     from jaxckpt._fence import EpochReader
-    from jaxckpt._storage import open_storage
+    from jaxckpt.storage import open_storage
 
     newest_epoch = EpochReader(open_storage(root.uri)).newest()
     for w in writers:
@@ -273,7 +273,7 @@ def check_root(root: Root, result: RoundResult) -> None:
     import jaxckpt
     from jaxckpt._commit import CommitProtocol
     from jaxckpt._layout import ROOT_RECORD
-    from jaxckpt._storage import open_storage
+    from jaxckpt.storage import open_storage
 
     protocol = CommitProtocol(open_storage(root.uri))
     if protocol.storage.read(ROOT_RECORD) is None and not protocol.storage.list(""):
@@ -370,7 +370,7 @@ def check_visibility(root: Root, result: RoundResult, protocol: Any, listed: lis
 def check_newest_writer(root: Root, result: RoundResult, listed: list[int]) -> None:
     """The steps the root's newest writer committed are listed (its retention aside)."""
     from jaxckpt._fence import EpochReader
-    from jaxckpt._storage import open_storage
+    from jaxckpt.storage import open_storage
 
     newest = EpochReader(open_storage(root.uri)).newest()
     for w in root.writers.values():

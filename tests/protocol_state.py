@@ -56,8 +56,8 @@ from jaxckpt._layout import (
 )
 from jaxckpt._phases import PHASES
 from jaxckpt._records import TRAILER_BYTES, CommitMarker, FileDigest, json_record
-from jaxckpt._storage import Storage
 from jaxckpt.errors import CorruptCheckpointError
+from jaxckpt.storage import Storage
 
 SAVE_PHASES = tuple(p for p in PHASES if p != "delete_retracted")
 MAX_PROCESSES = 64

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import ATTEMPTS, LEGACY_STEPS, parse_data_key
-from jaxckpt._storage import Storage, open_storage
+from jaxckpt.storage import Storage, open_storage
 
 
 def step_key(root: str, step: int) -> str:

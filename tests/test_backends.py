@@ -17,7 +17,7 @@ from trees import assert_tree_bitexact, sample_state
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._records import json_record
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

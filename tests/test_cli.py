@@ -24,7 +24,7 @@ from jaxckpt._commit import CommitProtocol
 from jaxckpt._gc import scan
 from jaxckpt._layout import StepLocation, new_attempt
 from jaxckpt._records import json_record
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 STEPS = (1, 2, 5, 10, 20, 30)
 ARTICLE = [
@@ -95,6 +95,8 @@ def _partial(root: str, step: int, *, age_s: float) -> None:
     loc = StepLocation(step, new_attempt(CommitProtocol(storage).epochs.newest(), started))
     storage.write(loc.pending_key, json_record(operation="save", started=started))
     storage.write(loc.arrays_prefix + "x/c/0", b"half-written")
+    # gc judges age by the storage's clock: the record must be as old there too.
+    os.utime(os.path.join(storage.uri, loc.pending_key), (started, started))
 
 
 # ---------------------------------------------------------------------------------- ls

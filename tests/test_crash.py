@@ -39,7 +39,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt._phases import PHASES
-from jaxckpt._storage import Storage, open_storage
+from jaxckpt.storage import Storage, open_storage
 
 CHILD_PATH = Path(__file__).with_name("crash_child.py")
 _spec = importlib.util.spec_from_file_location("jaxckpt_crash_child", CHILD_PATH)

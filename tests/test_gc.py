@@ -9,6 +9,7 @@ what a crashed, fenced or live writer leaves.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from jaxckpt._layout import (
     new_attempt,
 )
 from jaxckpt._records import CommitMarker, FileDigest, json_record
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 GRACE_S = 3600.0
 NOW = 1_800_000_000.0
@@ -93,10 +94,15 @@ class Root:
         if pending:
             record = json_record(operation="save", started=started, step=step, attempt=loc.attempt)
             self.storage.write(loc.pending_key, record)
+            self.backdate(loc.pending_key, started)  # gc reads ages off the storage's clock
         if data:
             self.storage.write(loc.tree_key, b"{}")
             self.storage.write(loc.array_prefix("w") + "c/0", b"data")
         return loc
+
+    def backdate(self, key: str, when: float) -> None:
+        """Makes ``key`` as old by the storage's clock (its mtime) as ``when`` says."""
+        os.utime(os.path.join(self.storage.uri, key), (when, when))
 
     def commit(self, loc: StepLocation, *, keep_pending: bool = False) -> CommitMarker:
         """The marker, then (unless ``keep_pending``: killed just after it) no pending record."""
@@ -222,6 +228,7 @@ def test_stale_temp_files_and_fenced_hints_are_removed_fresh_ones_kept(root: Roo
     old = f"commits/.{marker_key(2, 1)[8:]}.{now - int(TEMP_GRACE_S) - 5}-cd.tmp"
     for key in (fresh, old, latest_hint_key(1)):
         root.storage.write(key, b"x")
+    root.backdate(old, now - TEMP_GRACE_S - 5)
     root.takeover()
     root.storage.write(latest_hint_key(2), b"x")
     found = scan(root.protocol, full=False)

@@ -1,4 +1,4 @@
-"""Direct reads (``jaxckpt._httpread``): jaxckpt's own GETs into the restored arrays.
+"""Direct reads (``jaxckpt.storage._http``): jaxckpt's own GETs into the restored arrays.
 
 Against the real loopback S3 and GCS servers (the restore path, and its
 fallback to TensorStore), and against a small HTTP server on loopback that
@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _httpread
-from jaxckpt._httpread import DirectReader, DirectReadError
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import _http, open_storage
+from jaxckpt.storage._http import DirectReader, DirectReadError
 
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens on loopback
 
@@ -48,10 +47,10 @@ def test_parts_that_fail_directly_are_read_through_tensorstore(
     storage.write("obj/a", blob)
     reader = storage._ranged  # type: ignore[attr-defined]
     reader.direct = DirectReader(CLOSED, lambda name: "/" + name, None, timeout_s=5)
-    with caplog.at_level(logging.WARNING, logger="jaxckpt._httpread"):
+    with caplog.at_level(logging.WARNING, logger="jaxckpt.storage._http"):
         buffer = storage.read_buffer("obj/a", len(blob))
     assert buffer is not None and bytes(buffer) == blob
-    assert reader.direct.failed >= _httpread.FAILURES_BEFORE_OFF and not reader.direct.enabled
+    assert reader.direct.failed >= _http.FAILURES_BEFORE_OFF and not reader.direct.enabled
     assert "failed in a row; reading through TensorStore from now on" in caplog.text
     assert CLOSED in caplog.text
     failed = reader.direct.failed
@@ -66,18 +65,18 @@ def test_a_proxy_in_the_environment_leaves_reads_to_tensorstore(
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("https_proxy", CLOSED)
-    assert _httpread.s3_reader("bucket", "us-east-1", None, 5) is None
-    assert _httpread.gcs_reader("bucket", None, 5) is None
+    assert _http.s3_reader("bucket", "us-east-1", None, 5) is None
+    assert _http.gcs_reader("bucket", None, 5) is None
     monkeypatch.setenv("no_proxy", "amazonaws.com,googleapis.com")
-    assert _httpread.s3_reader("bucket", "us-east-1", None, 5) is not None
-    assert _httpread.gcs_reader("bucket", None, 5) is not None
+    assert _http.s3_reader("bucket", "us-east-1", None, 5) is not None
+    assert _http.gcs_reader("bucket", None, 5) is not None
 
 
 def test_urls_follow_each_store_s_addressing() -> None:
-    aws = _httpread.s3_reader("my-bucket", "eu-west-1", None, 5)
-    dotted = _httpread.s3_reader("my.bucket", "eu-west-1", None, 5)
-    custom = _httpread.s3_reader("b", "us-east-1", "http://127.0.0.1:9000/", 5)
-    gcs = _httpread.gcs_reader("b", "http://127.0.0.1:4443", 5)
+    aws = _http.s3_reader("my-bucket", "eu-west-1", None, 5)
+    dotted = _http.s3_reader("my.bucket", "eu-west-1", None, 5)
+    custom = _http.s3_reader("b", "us-east-1", "http://127.0.0.1:9000/", 5)
+    gcs = _http.gcs_reader("b", "http://127.0.0.1:4443", 5)
     assert aws is not None and dotted is not None and custom is not None and gcs is not None
     assert aws.base_url == "https://my-bucket.s3.eu-west-1.amazonaws.com"
     assert aws._object_path("run/a b+c") == "/run/a%20b%2Bc"
@@ -237,12 +236,12 @@ def test_failures_are_direct_read_errors_and_switch_it_off(
     misbehaving: DirectReader, name: str, match: str
 ) -> None:
     out = bytearray(100)
-    for _ in range(_httpread.FAILURES_BEFORE_OFF):
+    for _ in range(_http.FAILURES_BEFORE_OFF):
         assert misbehaving.enabled
         with pytest.raises(DirectReadError, match=match):
             misbehaving.read_into(name, 0, memoryview(out))
     assert not misbehaving.enabled
-    assert misbehaving.failed == _httpread.FAILURES_BEFORE_OFF
+    assert misbehaving.failed == _http.FAILURES_BEFORE_OFF
 
 
 def test_a_credential_error_is_a_direct_read_error(misbehaving: DirectReader) -> None:
@@ -257,7 +256,7 @@ def test_a_credential_error_is_a_direct_read_error(misbehaving: DirectReader) ->
 
 def test_a_success_resets_the_run_of_failures(misbehaving: DirectReader) -> None:
     out = bytearray(10)
-    for _ in range(2 * _httpread.FAILURES_BEFORE_OFF):
+    for _ in range(2 * _http.FAILURES_BEFORE_OFF):
         with pytest.raises(DirectReadError):
             misbehaving.read_into("busy", 0, memoryview(out))
         assert misbehaving.read_into("ok", 0, memoryview(out)) == 10
@@ -284,13 +283,13 @@ def test_s3_reads_are_signed_as_a_checking_server_expects(
         blob = np.random.default_rng(1).bytes(5000)
         storage = open_storage(f"s3://{server.bucket}/run", endpoint=server.endpoint)
         storage.write("obj/a b", blob)  # TensorStore's signed PUT: the checks are on
-        reader = _httpread.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
+        reader = _http.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
         assert reader is not None
         out = bytearray(3000)
         assert reader.read_into("run/obj/a b", 1000, memoryview(out)) == 3000
         assert bytes(out) == blob[1000:4000]
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong" + key["SecretAccessKey"][5:])
-        forged = _httpread.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
+        forged = _http.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
         assert forged is not None
         with pytest.raises(DirectReadError, match="HTTP 403"):
             forged.read_into("run/obj/a b", 0, memoryview(out))

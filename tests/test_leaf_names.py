@@ -8,8 +8,8 @@ from trees import assert_tree_bitexact
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._restore import load_step
-from jaxckpt._storage import open_storage
 from jaxckpt._tree import MAX_NAME_CHARS, array_names
+from jaxckpt.storage import open_storage
 
 
 def _state() -> dict:

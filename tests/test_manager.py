@@ -19,7 +19,7 @@ from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
 from jaxckpt import policy
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 
 @pytest.fixture
@@ -526,6 +526,7 @@ def test_public_api_names():
         "VerifyReport", "WriterFencedError", "check_resume", "nnx_step_fn", "policy",
         "LeafView", "StepView", "open_step", "diff_steps", "export_safetensors",
         "import_orbax", "import_safetensors", "PromotionError", "PromotionTimeoutError",
+        "ObjectStoreOptions",
     }  # fmt: skip
     for name in jaxckpt.__all__:
         assert getattr(jaxckpt, name) is not None
@@ -554,7 +555,7 @@ def test_declined_save_surfaces_a_finished_background_failure(root, monkeypatch)
 
 
 def test_create_only_local_writes_never_leave_a_torn_record(tmp_path):
-    from jaxckpt._storage import LocalStorage, PreconditionFailed
+    from jaxckpt.storage import LocalStorage, PreconditionFailed
 
     storage = LocalStorage(str(tmp_path))
     storage.write("commits/1.json", b"first", exclusive=True)

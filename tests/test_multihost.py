@@ -54,7 +54,7 @@ from rootpaths import chunk_path
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._records import ManifestPart
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 CHILD_PATH = Path(__file__).with_name("multihost_child.py")
 _spec = importlib.util.spec_from_file_location("jaxckpt_multihost_child", CHILD_PATH)

@@ -35,7 +35,7 @@ from rootpaths import chunk_path
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._promote import read_requests
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = mh.STEPS

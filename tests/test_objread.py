@@ -20,7 +20,7 @@ from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 SMALL_PARTS = {"read_part_bytes": 1000, "read_ahead_bytes": 3000}
 THROUGH_TENSORSTORE = {"direct_reads": False}
@@ -200,7 +200,7 @@ def test_restore_memory_option_is_validated(options: dict[str, object], match: s
 
 _RETURNED = """
 import numpy as np
-from jaxckpt._storage import aligned_empty
+from jaxckpt.storage import aligned_empty
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -231,7 +231,7 @@ def test_large_restore_buffers_are_their_own_pages_and_go_back_when_dropped() ->
 
 def test_every_part_is_placed_by_one_thread(object_root: str, monkeypatch) -> None:
     """Responses become bytes on one thread: one malloc arena reuses their memory."""
-    from jaxckpt import _ranged
+    from jaxckpt.storage import _ranged
 
     placers: set[int] = set()
     place = _ranged.RangedReader._place

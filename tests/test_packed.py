@@ -24,8 +24,8 @@ from jaxckpt import cli
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import MAX_PACKS, pack_count
 from jaxckpt._records import ChunkRecord, ManifestPart, load_json_record
-from jaxckpt._storage import LocalStorage, open_storage
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from jaxckpt.storage import LocalStorage, open_storage
 
 
 def many_leaves(n: int, seed: int) -> dict:

@@ -17,7 +17,7 @@ import pytest
 import jaxckpt
 from jaxckpt import _copy, cli
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 
 def _prune(root: str, keep_last: int) -> None:

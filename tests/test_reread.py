@@ -25,7 +25,7 @@ import jaxckpt
 from jaxckpt import cli
 from jaxckpt._layout import marker_key
 from jaxckpt._safetensors import read_safetensors
-from jaxckpt._storage import LocalStorage
+from jaxckpt.storage import LocalStorage
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

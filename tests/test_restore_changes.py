@@ -15,7 +15,7 @@ import jaxckpt
 from jaxckpt import cli
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._restore import load_step
-from jaxckpt._storage import LocalStorage, open_storage
+from jaxckpt.storage import LocalStorage, open_storage
 
 
 def _state() -> dict:

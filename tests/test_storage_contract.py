@@ -17,9 +17,8 @@ import tensorstore as ts
 from benchkit import servers
 
 import jaxckpt
-from jaxckpt import _objectstore
-from jaxckpt._storage import PreconditionFailed, Storage, open_storage
 from jaxckpt.errors import CheckpointError, StorageError
+from jaxckpt.storage import PreconditionFailed, Storage, _object, open_storage
 
 
 @pytest.fixture
@@ -204,7 +203,7 @@ def test_missing_bucket_raises_storage_error_naming_uri(object_root: str, operat
 LOAD_MARGIN_S = 10.0
 
 
-def backoff_seconds(options: _objectstore.ObjectStoreOptions) -> float:
+def backoff_seconds(options: _object.ObjectStoreOptions) -> float:
     """The backoff delays TensorStore sleeps before giving up on a dead endpoint."""
     return sum(
         min(options.initial_delay_s * 2**i, options.max_delay_s) for i in range(options.max_retries)
@@ -220,7 +219,7 @@ def test_unreachable_endpoint_fails_after_the_configured_retries(
     dead = f"http://{servers.CLOSED_PORT}"
     settings = {"max_retries": 3, "initial_delay_s": 0.2, "max_delay_s": 0.4}
     storage = open_storage(object_root, endpoint=dead, **settings)
-    backoff = backoff_seconds(_objectstore.ObjectStoreOptions(**settings))  # 1.0 s
+    backoff = backoff_seconds(_object.ObjectStoreOptions(**settings))  # 1.0 s
     jitter = settings["max_retries"] * settings["initial_delay_s"]  # TensorStore adds < one
     for call in (lambda: storage.write("k", b"x"), lambda: storage.read("k")):
         start = time.monotonic()
@@ -232,7 +231,7 @@ def test_unreachable_endpoint_fails_after_the_configured_retries(
 
 
 def test_default_retries_are_bounded() -> None:
-    options = _objectstore.ObjectStoreOptions()
+    options = _object.ObjectStoreOptions()
     # 0.5 + 1 + 2 + 4 + 8 s: a dead endpoint fails a call after 15.5 s plus
     # TensorStore's jitter (16.1-16.8 s measured), not minutes; the schedule
     # itself is checked against a dead endpoint above with shorter settings.
@@ -306,7 +305,7 @@ def test_stalling_endpoint_fails_after_timeout_s(
 
 def test_server_enforces_conditions(object_root: str) -> None:
     storage = open_storage(object_root)
-    assert isinstance(storage, _objectstore.ObjectStorage)
+    assert isinstance(storage, _object.ObjectStorage)
     assert storage.conditional_writes_enforced
     assert storage.list("") == []  # the probe cleaned up after itself
 
@@ -334,7 +333,7 @@ def test_fallback_on_a_server_that_ignores_conditions(
     root = f"gs://{unpatched_gcs.bucket}/{uuid.uuid4().hex}"
     hosts = [open_storage(root, endpoint=unpatched_gcs.endpoint) for _ in range(3)]
     for host in hosts:
-        assert isinstance(host, _objectstore.ObjectStorage)
+        assert isinstance(host, _object.ObjectStorage)
         assert not host.conditional_writes_enforced
     assert "ignores create-only conditions" in caplog.text
     storage = hosts[0]
@@ -359,7 +358,7 @@ def test_fallback_on_a_server_that_ignores_conditions(
 
 def test_no_value_generation_means_absent() -> None:
     store = ts.KvStore.open({"driver": "memory"}).result()
-    absent = _objectstore._no_value_generation()
+    absent = _object._no_value_generation()
     assert store.write("k", b"1", if_equal=absent).result().generation
     assert not store.write("k", b"2", if_equal=absent).result().generation
     assert store["k"] == b"1"

@@ -32,7 +32,7 @@ from jaxckpt import policy
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import ATTEMPTS, parse_data_key
 from jaxckpt._promote import read_requests
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 CHILD = str(Path(__file__).with_name("tier_child.py"))
 TIMEOUT_S = 120.0

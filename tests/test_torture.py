@@ -31,7 +31,7 @@ import jaxckpt
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import ATTEMPTS, COMMITS, PENDING, StepLocation, new_attempt
 from jaxckpt._records import json_record
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

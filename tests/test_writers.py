@@ -27,7 +27,7 @@ from jaxckpt import _restore, cli
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._gc import scan
 from jaxckpt._layout import marker_key, parse_marker_key
-from jaxckpt._storage import Storage, open_storage
+from jaxckpt.storage import Storage, open_storage
 
 CHILD = Path(__file__).with_name("writer_child.py")
 _spec = importlib.util.spec_from_file_location("jaxckpt_writer_child", CHILD)
@@ -280,7 +280,7 @@ def test_an_attempt_refilled_while_collected_keeps_its_pending_record(
     root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fenced writer still writing into its attempt: the next collection finishes it."""
-    from jaxckpt._storage import LocalStorage
+    from jaxckpt.storage import LocalStorage
 
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"w": jnp.arange(8.0)})

@@ -9,8 +9,8 @@ from typing import Any
 
 from jaxckpt import policy
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._storage import LocalStorage, open_storage
 from jaxckpt.errors import NotACheckpointRootError
+from jaxckpt.storage import LocalStorage, open_storage
 
 
 def open_root(uri: str, *, create: bool = False) -> CommitProtocol:

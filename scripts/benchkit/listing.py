@@ -54,7 +54,7 @@ def fill(root: str, steps: int) -> None:
     import jaxckpt
     from jaxckpt._commit import CommitProtocol
     from jaxckpt._layout import latest_hint_key
-    from jaxckpt._storage import open_storage
+    from jaxckpt.storage import open_storage
 
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"w": np.arange(1024.0)})

@@ -136,7 +136,7 @@ def _empty_bucket_root(root: str) -> None:
     grew them by gigabytes over a run.
     """
     if root.startswith(("gs://", "s3://")):
-        from jaxckpt._storage import open_storage
+        from jaxckpt.storage import open_storage
 
         open_storage(root).delete_prefix("")
 

@@ -68,7 +68,7 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 from benchkit import servers
 from benchkit.stores import endpoints_env, start_both
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 _REQUEST = re.compile(rb'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|DELETE|HEAD|PATCH) ')
 

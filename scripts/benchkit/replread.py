@@ -84,7 +84,7 @@ def measure(root: str, scale: str) -> tuple[int, list[dict[str, Any]]]:
     """Saves one step to ``root`` and restores it four ways; the step's bytes and the rows."""
     run_group(root, "save", 2, 2, "--mesh=2x2", "--steps=1", scale)
     from jaxckpt._commit import CommitProtocol
-    from jaxckpt._storage import open_storage
+    from jaxckpt.storage import open_storage
 
     stored = CommitProtocol(open_storage(root)).require_marker(1).nbytes
     rows: list[dict[str, Any]] = []

@@ -21,7 +21,10 @@ that range through TensorStore, with its retries.
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import http.client
+import json
 import logging
 import os
 import re
@@ -45,6 +48,8 @@ _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 
 Authorize = Callable[[str, dict[str, str]], None]
 """Adds the authorization headers of a GET of a URL to ``headers``."""
+Stamps = Callable[[http.client.HTTPResponse, bytes], "float | None"]
+"""The ``Last-Modified`` time (seconds since the epoch, the store's clock) in a response."""
 
 
 class DirectReadError(Exception):
@@ -58,7 +63,10 @@ class DirectReader:
       base_url: ``scheme://host[:port]`` of the service.
       object_path: the request path (with query) of an object name.
       authorize: signs a request (adds headers), or None for anonymous requests.
-      timeout_s: the socket timeout of each connect, send and receive.
+      timeout_s: the longest a request may go without progress (the socket
+        timeout of each connect, send and receive); None waits forever.
+      stat_path: the request path (with query) of an object's timestamps, and
+        how to find the modification time in that response (for :meth:`age`).
     """
 
     def __init__(
@@ -67,6 +75,7 @@ class DirectReader:
         object_path: Callable[[str], str],
         authorize: Authorize | None,
         timeout_s: float | None,
+        stat_path: tuple[Callable[[str], str], Stamps] | None = None,
     ) -> None:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -79,6 +88,7 @@ class DirectReader:
         self._object_path = object_path
         self._authorize = authorize
         self._timeout = timeout_s
+        self._stat = stat_path
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
         self._pid = os.getpid()
@@ -115,28 +125,72 @@ class DirectReader:
             self.reads += 1
         return got
 
-    def _get(self, path: str, offset: int, out: memoryview) -> int | None:
-        """One GET; sent again on a fresh connection if an idle one turns out closed."""
-        headers = {"Range": f"bytes={offset}-{offset + len(out) - 1}"}
+    def age(self, name: str) -> float | None:
+        """Seconds since object ``name`` was written: its modification time against the
+        ``Date`` of the same response, both the store's clock. None if it does not
+        exist or the store does not say.
+
+        Raises:
+          DirectReadError: the request failed.
+        """
+        if self._stat is None:
+            return None
+        path, stamps = self._stat
+        conn, idle = self._take()
+        reuse = False
+        try:
+            try:
+                response = self._send(conn, path(name), {})
+            except _STALE:
+                if not idle:
+                    raise
+                conn.close()
+                conn = self._connect()
+                response = self._send(conn, path(name), {})
+            body = response.read(1 << 16)
+            reuse = response.isclosed()
+            if response.status == 404:
+                return None
+            if response.status not in (200, 206):
+                raise DirectReadError(f"HTTP {response.status} {response.reason}")
+            written = stamps(response, body)
+            now = response.getheader("Date")
+            if written is None or not now:
+                return None
+            return email.utils.parsedate_to_datetime(now).timestamp() - written
+        except (OSError, http.client.HTTPException, ValueError, TypeError) as e:
+            raise DirectReadError(f"{type(e).__name__}: {e}") from e
+        finally:
+            self._give(conn, reuse)
+
+    def _send(
+        self, conn: http.client.HTTPConnection, path: str, headers: dict[str, str]
+    ) -> http.client.HTTPResponse:
+        """Sends one signed GET and returns its response (``_STALE`` if an idle
+        connection turned out closed)."""
         if self._authorize is not None:
             try:
                 self._authorize(self.base_url + path, headers)
             except Exception as e:  # the clouds' credential errors share no base class
                 raise DirectReadError(f"cannot authorize: {type(e).__name__}: {e}") from e
+        conn.request("GET", path, headers=headers)
+        return conn.getresponse()
+
+    def _get(self, path: str, offset: int, out: memoryview) -> int | None:
+        """One GET; sent again on a fresh connection if an idle one turns out closed."""
+        headers = {"Range": f"bytes={offset}-{offset + len(out) - 1}"}
         conn, idle = self._take()
         reuse = False
         try:
             try:
-                conn.request("GET", path, headers=headers)
-                response = conn.getresponse()
+                response = self._send(conn, path, headers)
             except _STALE:
                 if not idle:
                     raise
                 # The server closed the kept-alive connection while it was idle.
                 conn.close()
                 conn = self._connect()
-                conn.request("GET", path, headers=headers)
-                response = conn.getresponse()
+                response = self._send(conn, path, {"Range": headers["Range"]})
             got, reuse = self._body(response, offset, out)
             return got
         finally:
@@ -275,7 +329,12 @@ def s3_reader(
     def object_path(name: str) -> str:
         return prefix + urllib.parse.quote(name, safe="/~")
 
-    return DirectReader(base, object_path, authorize, timeout_s)
+    def stamps(response: http.client.HTTPResponse, body: bytes) -> float | None:
+        modified = response.getheader("Last-Modified")
+        return email.utils.parsedate_to_datetime(modified).timestamp() if modified else None
+
+    stat = (object_path, stamps)
+    return DirectReader(base, object_path, authorize, timeout_s, stat)
 
 
 def gcs_reader(bucket: str, endpoint: str | None, timeout_s: float | None) -> DirectReader | None:
@@ -294,11 +353,19 @@ def gcs_reader(bucket: str, endpoint: str | None, timeout_s: float | None) -> Di
         return None
     quoted_bucket = urllib.parse.quote(bucket, safe="")
 
-    def object_path(name: str) -> str:
-        return f"/storage/v1/b/{quoted_bucket}/o/{urllib.parse.quote(name, safe='')}?alt=media"
+    def metadata_path(name: str) -> str:
+        return f"/storage/v1/b/{quoted_bucket}/o/{urllib.parse.quote(name, safe='')}"
 
+    def object_path(name: str) -> str:
+        return metadata_path(name) + "?alt=media"
+
+    def stamps(response: http.client.HTTPResponse, body: bytes) -> float | None:
+        updated = json.loads(body).get("updated")
+        return datetime.datetime.fromisoformat(updated).timestamp() if updated else None
+
+    stat = (metadata_path, stamps)
     if base.startswith("http://"):
-        return DirectReader(base, object_path, None, timeout_s)
+        return DirectReader(base, object_path, None, timeout_s, stat)
     try:
         import google.auth
         import google.auth.exceptions
@@ -325,4 +392,4 @@ def gcs_reader(bucket: str, endpoint: str | None, timeout_s: float | None) -> Di
                 credentials.refresh(google.auth.transport.requests.Request())
             credentials.apply(headers)
 
-    return DirectReader(base, object_path, authorize, timeout_s)
+    return DirectReader(base, object_path, authorize, timeout_s, stat)

@@ -29,10 +29,10 @@ opening a ``gs://`` root changes nothing in the environment.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import functools
 import logging
+import math
 import os
 import re
 import threading
@@ -42,17 +42,28 @@ from typing import Any, TypeVar
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._httpread import DirectReader, gcs_reader, s3_reader
-from jaxckpt._ranged import RangedReader, ShortObjectError
-from jaxckpt._storage import PreconditionFailed
 from jaxckpt.errors import StorageError
+from jaxckpt.storage._base import PreconditionFailed
+from jaxckpt.storage._http import DirectReader, DirectReadError, gcs_reader, s3_reader
+from jaxckpt.storage._options import DIRECT_PART_BYTES, ObjectStoreOptions
+from jaxckpt.storage._ranged import RangedReader, ShortObjectError
+from jaxckpt.storage._uri import RootURI, parse_root
 
-__all__ = ["ObjectStorage", "ObjectStoreOptions", "open_object_storage"]
+__all__ = ["ObjectStorage", "open_object_storage"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _GCS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
+# libcurl's stall detection in TensorStore's HTTP transport (process-wide, read
+# when the transport is created): a request that moves less than one byte per
+# second for this many seconds fails (and is retried), as does a connect.
+_CURL_STALL_ENV = (
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
+    "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS",
+)
+_CURL_SPEED_ENV = "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"
+_CURL_MARKER_ENV = "JAXCKPT_CURL_LIMITS_PID"
 _PROBE_PREFIX = ".jaxckpt-probe/"
 _CREATE_ATTEMPTS = 3
 _MAX_DETAIL = 400
@@ -70,114 +81,6 @@ _STATUS_ERRNO = {
     "ABORTED": errno.EIO,
     "RESOURCE_EXHAUSTED": errno.EDQUOT,
 }
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ObjectStoreOptions:
-    """Options of a ``gs://`` or ``s3://`` root.
-
-    Attributes:
-      endpoint: base URL of the service, e.g. ``http://127.0.0.1:9000``. None
-        uses ``AWS_ENDPOINT_URL_S3`` then ``AWS_ENDPOINT_URL`` (S3) or
-        ``STORAGE_EMULATOR_HOST`` (GCS), else the public service.
-      region: S3 region; None uses ``AWS_REGION``, ``AWS_DEFAULT_REGION``, then
-        ``us-east-1``. Not valid for GCS.
-      max_retries: attempts per request on transient errors (TensorStore's
-        ``*_request_retries.max_retries``).
-      initial_delay_s: first backoff delay between attempts.
-      max_delay_s: largest backoff delay; with the defaults a dead endpoint
-        fails after about 16 s.
-      request_concurrency: concurrent HTTP requests per TensorStore context.
-      timeout_s: deadline of one metadata operation (read, write, list, delete
-        of a prefix), covering stalled connections that retries do not; None
-        waits forever.
-      read_part_bytes: the largest ranged GET of a restore; a larger chunk
-        object is fetched by several requests at once. None: a fifth of the
-        budget, at most 16 MiB (so two or more requests are in flight).
-      read_ahead_bytes: the restore's memory budget on this store, beyond the
-        restored arrays themselves: the responses in flight at once, plus
-        three parts for the Python copy of the one being placed into its
-        array and for what malloc keeps of freed parts (at least one part in
-        flight). Lower it on hosts with little RAM; raise it on high-latency
-        links (throughput ≈ two fifths of read_ahead_bytes / round-trip
-        time). None: a tenth of each restore's bytes, from 16 MiB to 1 GiB
-        (:func:`restore_budget`).
-        ``CheckpointOptions.restore_memory_bytes`` sets it for a manager.
-        Applies to reads through TensorStore (below).
-      direct_reads: a restore reads chunk objects over jaxckpt's own HTTP
-        connections, straight into the restored arrays (``jaxckpt._httpread``):
-        no response copies, so no budget is needed, and parts of
-        ``read_part_bytes`` (default 64 MiB) are in flight on every reader
-        thread. S3 requests are signed by botocore (``pip install
-        jaxckpt[s3]``), GCS requests carry google-auth credentials
-        (``jaxckpt[gcs]``). Without those libraries, with an HTTP proxy in
-        the environment, with False here, or after three failed direct
-        reads in a row, chunks are read through TensorStore under
-        ``read_ahead_bytes``; a direct read that fails is read again there.
-    """
-
-    endpoint: str | None = None
-    region: str | None = None
-    max_retries: int = 5
-    initial_delay_s: float = 0.5
-    max_delay_s: float = 8.0
-    request_concurrency: int = 32
-    timeout_s: float | None = 300.0
-    read_part_bytes: int | None = None
-    read_ahead_bytes: int | None = None
-    direct_reads: bool = True
-
-    def __post_init__(self) -> None:
-        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
-            raise ValueError(f"endpoint must start with http:// or https://, got {self.endpoint!r}")
-        if self.region is not None and not self.region:
-            raise ValueError("region must be a non-empty string or None")
-        for name in ("max_retries", "request_concurrency", "read_part_bytes", "read_ahead_bytes"):
-            value = getattr(self, name)
-            if value is None and name in ("read_part_bytes", "read_ahead_bytes"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.direct_reads, bool):
-            raise ValueError(f"direct_reads must be True or False, got {self.direct_reads!r}")
-        if not 0.001 <= self.initial_delay_s <= self.max_delay_s:
-            raise ValueError(
-                "need 0.001 <= initial_delay_s <= max_delay_s, got "
-                f"{self.initial_delay_s!r} and {self.max_delay_s!r}"
-            )
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")
-
-    def budget(self, restore_bytes: int) -> tuple[int, int]:
-        """``(part_bytes, ahead_bytes)`` of a restore of ``restore_bytes``."""
-        ahead = self.read_ahead_bytes
-        if ahead is None:
-            ahead = restore_budget(restore_bytes)
-        part = self.read_part_bytes
-        return (max(1, min(MAX_READ_PART_BYTES, ahead // 5)) if part is None else part), ahead
-
-
-DIRECT_PART_BYTES = 64 << 20
-"""The default part of a direct ranged GET (no copy, so only the wire bounds it)."""
-MAX_READ_PART_BYTES = 16 << 20
-"""The default part of a ranged GET is at most this (a fifth of the budget below it)."""
-MIN_RESTORE_BUDGET = 16 << 20
-MAX_RESTORE_BUDGET = 1 << 30
-
-
-def restore_budget(restore_bytes: int) -> int:
-    """The default memory budget of a restore: a tenth of its bytes, 16 MiB to 1 GiB.
-
-    Two fifths of it are in flight, so a restore peaks at about 1.08x the
-    state (from 160 MiB of state up: the issue-14 benchmark), and a large
-    restore keeps many requests in flight on a high-latency link.
-
-    >>> restore_budget(256 << 20) >> 20
-    25
-    >>> restore_budget(0) >> 20, restore_budget(1 << 40) >> 20
-    (16, 1024)
-    """
-    return min(MAX_RESTORE_BUDGET, max(MIN_RESTORE_BUDGET, restore_bytes // 10))
 
 
 @functools.cache
@@ -218,26 +121,62 @@ def _resolve_gcs_endpoint(explicit: str | None) -> str | None:
     return endpoint
 
 
+def _bound_stalls(timeout_s: float | None) -> None:
+    """Makes TensorStore's HTTP requests fail after ``timeout_s`` without progress.
+
+    TensorStore has no per-request deadline in its context; its libcurl
+    transport takes stall limits from the environment when it is created
+    (the process's first HTTP request), so the first root a process opens
+    sets them. Limits the user set are kept. Limits that came from a parent
+    process (marked with its pid in ``JAXCKPT_CURL_LIMITS_PID``) are not the
+    user's: a child sets its own.
+    """
+    if timeout_s is None:
+        return
+    marker = os.environ.get(_CURL_MARKER_ENV)
+    if marker == str(os.getpid()):
+        return  # set by this process already: its transport has them
+    users = marker is None and any(
+        name in os.environ for name in (*_CURL_STALL_ENV, _CURL_SPEED_ENV)
+    )
+    if users:
+        return
+    seconds = str(max(1, math.ceil(timeout_s)))
+    os.environ.update(dict.fromkeys(_CURL_STALL_ENV, seconds))
+    os.environ[_CURL_SPEED_ENV] = "1"
+    os.environ[_CURL_MARKER_ENV] = str(os.getpid())
+
+
+def _aws_credentials() -> dict[str, Any]:
+    """TensorStore's S3 credential source (a context resource): the environment's keys
+    when it has them.
+
+    The AWS SDK's default chain finds environment keys first anyway, but it
+    opens ``~/.aws/config`` and ``~/.aws/credentials`` beforehand and logs an
+    error line for each missing file, on every command.
+    """
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return {"aws_credentials": {"type": "environment"}}
+    return {}
+
+
 class ObjectStorage:
     """A checkpoint root in a GCS or S3 bucket, accessed through TensorStore.
 
-    Use :func:`jaxckpt._storage.open_storage` (or :func:`open_object_storage`)
+    Use :func:`jaxckpt.storage.open_storage` (or :func:`open_object_storage`)
     rather than constructing this directly.
     """
 
-    def __init__(self, uri: str, options: ObjectStoreOptions) -> None:
-        scheme, sep, rest = uri.partition("://")
-        bucket, _, prefix = rest.partition("/")
-        if not sep or scheme not in ("gs", "s3") or not bucket:
-            raise StorageError(
-                errno.EINVAL, f"invalid object-store root {uri!r}: use gs://BUCKET/PREFIX or s3://…"
-            )
-        if scheme == "gs" and options.region is not None:
-            raise ValueError("region applies to s3:// roots only")
+    def __init__(self, root: RootURI, options: ObjectStoreOptions) -> None:
+        scheme = root.scheme
+        if scheme not in ("gs", "s3"):
+            raise StorageError(errno.EINVAL, f"not an object-store root: {root.uri!r}")
+        options.check_scheme(scheme)
         self._scheme = scheme
-        self._bucket = bucket
-        self._prefix = prefix.strip("/")
+        self._bucket = root.bucket
+        self._prefix = root.prefix
         self._options = options
+        _bound_stalls(options.timeout_s)
         self._driver = "gcs" if scheme == "gs" else "s3"
         self._extra: dict[str, Any] = {}
         if scheme == "s3":
@@ -350,7 +289,7 @@ class ObjectStorage:
         """The object's bytes; with its expected ``size``, in an aligned, writable buffer.
 
         With ``size`` the object is read by ranged GETs under the
-        ``read_ahead_bytes`` budget (:mod:`jaxckpt._ranged`); the buffer can
+        ``read_ahead_bytes`` budget (:mod:`jaxckpt.storage._ranged`); the buffer can
         become a jax array without a copy. An object shorter than ``size`` is
         read whole, so the caller's size check names the difference.
         """
@@ -521,6 +460,24 @@ class ObjectStorage:
             )
         return enforced
 
+    def age(self, key: str) -> float | None:
+        """Seconds since ``key`` was written, from one response of the store: the
+        object's modification time against the response's ``Date``.
+
+        None when the key is missing, or without a direct reader (botocore or
+        google-auth not installed, a proxy in the environment, or
+        ``direct_reads=False``).
+        """
+        direct = self._ranged.direct
+        if direct is None:
+            return None
+        name = self._name(key)
+        try:
+            return direct.age(name)
+        except DirectReadError as e:
+            where = f"{self._scheme}://{self._bucket}/{name}"
+            raise StorageError(errno.EIO, f"cannot stat {where}: {e}") from e
+
     def delete(self, key: str) -> None:
         name = self._name(key)
         self._wait(self._kv.write(name, None), "delete", name)
@@ -563,28 +520,35 @@ class ObjectStorage:
             "initial_delay": _duration(o.initial_delay_s),
             "max_delay": _duration(o.max_delay_s),
         }
-        return {
+        spec: dict[str, Any] = {
             f"{self._driver}_request_retries": retries,
             f"{self._driver}_request_concurrency": {"limit": o.request_concurrency},
         }
+        if self._scheme == "s3":
+            spec.update(_aws_credentials())
+        return spec
 
 
-def open_object_storage(uri: str, **kwargs: Any) -> ObjectStorage:
+def open_object_storage(
+    uri: str, options: ObjectStoreOptions | None = None, **kwargs: Any
+) -> ObjectStorage:
     """Opens a ``gs://bucket/prefix`` or ``s3://bucket/prefix`` root.
 
     Opening sends no request; the first operation does.
 
     Args:
-      uri: the root; the prefix may be empty.
-      **kwargs: the fields of :class:`ObjectStoreOptions`.
+      uri: the root; the prefix may be empty (checked by
+        :func:`~jaxckpt.storage._uri.parse_root`).
+      options: the root's options; None: the defaults.
+      **kwargs: fields of :class:`ObjectStoreOptions`, replacing those of ``options``.
 
     Returns:
-      An :class:`ObjectStorage` implementing :class:`jaxckpt._storage.Storage`.
+      An :class:`ObjectStorage` implementing :class:`jaxckpt.storage.Storage`.
 
     Raises:
       TypeError: an unknown option.
       ValueError: an invalid option value.
-      StorageError: a malformed URI or bucket name.
+      StorageError: a malformed URI or bucket name (``EINVAL``).
 
     >>> storage = open_object_storage("s3://my-bucket/run1", region="eu-west-1")
     >>> storage.uri
@@ -592,4 +556,5 @@ def open_object_storage(uri: str, **kwargs: Any) -> ObjectStorage:
     >>> storage.kvstore_spec("step_1/")["path"]
     'run1/step_1/'
     """
-    return ObjectStorage(uri, ObjectStoreOptions(**kwargs))
+    base = options or ObjectStoreOptions()
+    return ObjectStorage(parse_root(uri), base.replace(**kwargs) if kwargs else base)

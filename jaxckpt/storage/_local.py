@@ -1,93 +1,24 @@
-"""Storage roots: one small interface, one implementation per kind of store.
-
-The commit protocol and the CLI only ever talk to :class:`Storage`: read,
-write (optionally create-only), delete and list keys under a root. Bulk array
-data does not go through this interface; it is written by TensorStore, which
-gets its kvstore spec from :meth:`Storage.kvstore_spec`. Nothing here relies on
-rename, so the same protocol works on POSIX file systems and object stores.
-
-Keys are ``/``-separated paths relative to the root.
-"""
+"""Roots on a POSIX file system (local disk, NFS, Lustre)."""
 
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
 from jaxckpt.errors import StorageError
+from jaxckpt.storage._base import PreconditionFailed
+from jaxckpt.storage._buffers import aligned_empty, pread_into
 
 _RMTREE_ATTEMPTS = 8  # a zombie writer may create files while its attempt is removed
 _RMTREE_RACES = 10_000  # walks restarted because another remover took an entry first
-
-
-class PreconditionFailed(Exception):
-    """A create-only write found the key already present."""
-
-
-@runtime_checkable
-class Storage(Protocol):
-    """The operations the commit protocol needs from a checkpoint root."""
-
-    @property
-    def uri(self) -> str:
-        """The root's URI, for messages and for TensorStore."""
-        ...
-
-    def read(self, key: str) -> bytes | None:
-        """Returns the object's bytes, or None when it does not exist."""
-        ...
-
-    def read_buffer(self, key: str, size: int | None = None) -> bytes | np.ndarray | None:
-        """Like :meth:`read`, for large objects: a buffer the caller may keep.
-
-        Local roots return a 64-byte-aligned numpy buffer filled by ``readinto``
-        (no extra copy, and aligned so XLA's CPU client can alias it). Object
-        stores do the same when ``size``, the expected size, is given: ranged
-        GETs in parallel under a memory budget.
-        """
-        ...
-
-    def read_range(self, key: str, offset: int, size: int) -> bytes | np.ndarray | None:
-        """Bytes ``[offset, offset + size)`` of an object (one ranged request), or None
-        when it does not exist; fewer bytes when the object ends earlier."""
-        ...
-
-    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
-        """Writes ``data`` durably; with ``exclusive``, only if ``key`` is absent.
-
-        Raises:
-          PreconditionFailed: ``exclusive`` and the key already exists.
-          StorageError: the store failed.
-        """
-        ...
-
-    def delete(self, key: str) -> None:
-        """Deletes one key; a missing key is not an error."""
-        ...
-
-    def delete_prefix(self, prefix: str) -> None:
-        """Deletes every key under ``prefix`` (which ends with ``/``)."""
-        ...
-
-    def list(self, prefix: str) -> list[str]:
-        """Keys under ``prefix``, recursively, relative to the root, sorted."""
-        ...
-
-    def kvstore_spec(self, prefix: str) -> dict[str, Any]:
-        """A TensorStore kvstore spec for the keys under ``prefix``."""
-        ...
-
-    def context_spec(self) -> dict[str, Any]:
-        """TensorStore context resources (retries, concurrency) for this store."""
-        ...
+_CLOCK_PROBE = ".jaxckpt-clock-"  # created and removed at once by age()
 
 
 def _join(root: str, key: str) -> str:
@@ -134,7 +65,7 @@ class LocalStorage:
             with open(_join(self._root, key), "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 buffer = aligned_empty(size)
-                done = _pread_into(f.fileno(), buffer, 0)
+                done = pread_into(f.fileno(), buffer, 0)
                 if done < size:
                     raise OSError(errno.EIO, f"file shrank while reading ({done} of {size})")
                 return buffer
@@ -147,7 +78,7 @@ class LocalStorage:
         try:
             with open(_join(self._root, key), "rb", buffering=0) as f:
                 buffer = aligned_empty(size)
-                done = _pread_into(f.fileno(), buffer, offset)
+                done = pread_into(f.fileno(), buffer, offset)
                 return buffer[:done]  # short if the object ends early: the caller's size check
         except FileNotFoundError:
             return None
@@ -247,6 +178,35 @@ class LocalStorage:
             except OSError:
                 continue
 
+    def age(self, key: str) -> float | None:
+        """Seconds since ``key``'s mtime, against the mtime of a file created now.
+
+        Both times come from the clock of whoever stamps the files (this
+        kernel, or the NFS server), not from this process's ``time.time()``.
+        On a root this process cannot write, the probe falls back to
+        ``time.time()``.
+        """
+        try:
+            written = os.stat(_join(self._root, key)).st_mtime
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise self._error("stat", key, e) from e
+        return self._now() - written
+
+    def _now(self) -> float:
+        """The file system's current time: the mtime of a new, empty file."""
+        probe = os.path.join(self._root, f"{_CLOCK_PROBE}{uuid.uuid4().hex}")
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                return os.fstat(fd).st_mtime
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        except OSError:
+            return time.time()
+
     def kvstore_spec(self, prefix: str) -> dict[str, Any]:
         return {"driver": "file", "path": _join(self._root, prefix.rstrip("/")) + "/"}
 
@@ -255,42 +215,6 @@ class LocalStorage:
             "file_io_concurrency": {"limit": self._io_concurrency},
             "file_io_sync": True,
         }
-
-
-def _pread_into(fd: int, buffer: np.ndarray, offset: int) -> int:
-    """Fills ``buffer`` from byte ``offset`` of ``fd``; the bytes read (fewer at end of file)."""
-    view = buffer.data
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if not n:
-            break
-        done += n
-    return done
-
-
-MAPPED_BYTES = 1 << 20
-"""Buffers at least this large are anonymous memory maps of their own."""
-
-
-def aligned_empty(size: int, alignment: int = 64) -> np.ndarray:
-    """An uninitialised uint8 numpy buffer whose data starts on ``alignment`` bytes.
-
-    A buffer of :data:`MAPPED_BYTES` or more is a private anonymous memory map
-    of its own (page-aligned, so ``jax.device_put`` can alias it): its pages
-    go back to the kernel as soon as the array is dropped, and restored arrays
-    never share heap pages with transient response buffers, which malloc then
-    reuses for the next response. (2 MiB pages, ``MADV_HUGEPAGE``, made the
-    benchmark's restores bimodal on its VM, 0.22-0.65 s against a steady
-    0.28-0.32 s: a huge page's first touch can be slow on a host that backs
-    guest memory lazily.)
-    """
-    if size >= MAPPED_BYTES and alignment <= mmap.PAGESIZE:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        return np.frombuffer(mmap.mmap(-1, size, flags=flags), np.uint8)
-    raw = np.empty(size + alignment, np.uint8)
-    offset = -raw.ctypes.data % alignment
-    return raw[offset : offset + size]
 
 
 def _write_file(path: str, data: bytes) -> None:
@@ -324,33 +248,3 @@ def _makedirs_durable(path: str) -> None:
     except FileExistsError:
         return
     _fsync_dir(parent)
-
-
-def open_storage(root: str | os.PathLike[str], **kwargs: Any) -> Storage:
-    """Returns the :class:`Storage` for a root URI or path.
-
-    Args:
-      root: a local path, ``file://`` URI, ``gs://bucket/prefix`` or
-        ``s3://bucket/prefix``.
-      **kwargs: backend options: ``io_concurrency`` for local roots; ``endpoint``,
-        ``region``, ``max_retries``, ... for object stores (see ``_objectstore.py``).
-
-    Raises:
-      StorageError: the URI scheme is not supported.
-    """
-    text = os.fspath(root)
-    if text.startswith("file://"):
-        return LocalStorage(text[len("file://") :], **kwargs)
-    if "://" in text:
-        scheme = text.split("://", 1)[0]
-        if scheme in ("gs", "s3"):
-            from jaxckpt import _objectstore
-
-            return _objectstore.open_object_storage(text, **kwargs)
-        raise StorageError(
-            errno.EINVAL,
-            f"unsupported checkpoint root {text!r}: use a path, file://, gs:// or s3://",
-        )
-    if not text:
-        raise StorageError(errno.EINVAL, "checkpoint root is empty")
-    return LocalStorage(text, **kwargs)

@@ -20,7 +20,7 @@ and returning them to the kernel instead (``mallopt``) cost a page fault per
 4 KiB on every part, which made restores 1.5-2x slower. One placer thread
 reuses one arena's few blocks for every part.
 
-With a :class:`~jaxckpt._httpread.DirectReader` (the default on S3 and GCS),
+With a :class:`~jaxckpt.storage._http.DirectReader` (the default on S3 and GCS),
 parts are instead read by its own HTTP connections straight into the buffer
 (no response copy, so no budget: parts of ``direct_part_bytes``, the first on
 the calling thread, the others on the process's GET threads). A part that
@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,9 +40,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._httpread import DirectReader, DirectReadError
-from jaxckpt._storage import aligned_empty
+from jaxckpt import _pools as pools
 from jaxckpt.errors import StorageError
+from jaxckpt.storage._buffers import aligned_empty
+from jaxckpt.storage._http import DirectReader, DirectReadError
 
 _log = logging.getLogger(__name__)
 
@@ -81,29 +81,15 @@ def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
 GET_THREADS = 16
 """Threads per process for the second and later parts of direct reads."""
 
-_pools_lock = threading.Lock()
-_pools: dict[tuple[int, str], ThreadPoolExecutor] = {}
-
-
-def _process_pool(name: str, workers: int) -> ThreadPoolExecutor:
-    """The process's pool ``name`` (a forked child starts its own)."""
-    key = (os.getpid(), name)
-    with _pools_lock:
-        if key not in _pools:
-            for other in [k for k in _pools if k[0] != key[0]]:
-                del _pools[other]  # a forked parent's: its threads are not in this process
-            _pools[key] = ThreadPoolExecutor(workers, thread_name_prefix=f"jaxckpt-{name}")
-        return _pools[key]
-
 
 def _placer() -> ThreadPoolExecutor:
     """The process's one placer thread."""
-    return _process_pool("place", 1)
+    return pools.pool("place", 1)
 
 
 def _getters() -> ThreadPoolExecutor:
     """The process's threads for direct-read parts."""
-    return _process_pool("get", GET_THREADS)
+    return pools.pool("get", GET_THREADS)
 
 
 PLACEMENT_PARTS = 3

@@ -1,0 +1,102 @@
+"""Checkpoint roots: one interface (:class:`Storage`), one backend per kind of store.
+
+The factory :func:`open_storage` is the only place a backend is chosen, and the
+only importer of the backends; the object-store backend (TensorStore, HTTP
+clients) is imported only when a ``gs://`` or ``s3://`` root is opened, so
+listing a local root stays light. Every root goes through
+:func:`~jaxckpt.storage._uri.parse_root` first, before anything is sent or
+written.
+
+Modules, bottom up: ``_base`` (the interface, :class:`PreconditionFailed`),
+``_buffers`` (aligned buffers, ``pread``), ``_uri`` (root names), ``_options``
+(:class:`ObjectStoreOptions`), ``_local`` (POSIX roots), ``_http`` (direct
+ranged GETs), ``_ranged`` (reads under a memory budget), ``_object`` (gs/s3
+roots). Nothing here imports jaxckpt beyond this package, ``jaxckpt.errors``
+and ``jaxckpt._pools``.
+
+>>> import tempfile
+>>> storage = open_storage(tempfile.mkdtemp())
+>>> storage.write("a/b.json", b"{}")
+>>> storage.list("a/")
+['a/b.json']
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from jaxckpt.storage._base import PreconditionFailed as PreconditionFailed
+from jaxckpt.storage._base import Storage as Storage
+from jaxckpt.storage._buffers import aligned_empty as aligned_empty
+from jaxckpt.storage._local import LocalStorage as LocalStorage
+from jaxckpt.storage._options import ObjectStoreOptions as ObjectStoreOptions
+from jaxckpt.storage._uri import OBJECT_SCHEMES
+from jaxckpt.storage._uri import RootURI as RootURI
+from jaxckpt.storage._uri import parse_root as parse_root
+
+_OBJECT_PREFIXES = tuple(f"{scheme}://" for scheme in OBJECT_SCHEMES)
+
+if TYPE_CHECKING:
+    from jaxckpt.storage._object import ObjectStorage as ObjectStorage
+
+
+def open_storage(
+    root: str | os.PathLike[str],
+    options: ObjectStoreOptions | Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Storage:
+    """Returns the :class:`Storage` for a root URI or path; sends no request.
+
+    Args:
+      root: a local path (``~`` expanded), ``file://`` URI,
+        ``gs://bucket/prefix`` or ``s3://bucket/prefix``.
+      options: :class:`ObjectStoreOptions` (or the same as a mapping) of an
+        object-store root; ignored for local roots, so one options object can
+        serve a local tier and its durable root.
+      **kwargs: backend options: ``io_concurrency`` for local roots; fields of
+        :class:`ObjectStoreOptions` (replacing those of ``options``) for
+        object stores.
+
+    Raises:
+      StorageError: the root is not a valid root (``EINVAL``, naming it).
+      TypeError / ValueError: an unknown option, or an invalid value.
+    """
+
+    def checked() -> ObjectStoreOptions:
+        base = ObjectStoreOptions.from_mapping(options)
+        return base.replace(**kwargs) if kwargs else base
+
+    # An object store's options are checked first (they are the likelier mistake), then the root.
+    text = os.fspath(root)
+    early = checked() if text.startswith(_OBJECT_PREFIXES) else None
+    if early is not None:
+        early.check_scheme(text.partition("://")[0])
+    parsed = parse_root(root)
+    if parsed.scheme == "file":
+        return LocalStorage(parsed.path, **kwargs)
+    from jaxckpt.storage._object import ObjectStorage
+
+    return ObjectStorage(parsed, early or checked())
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ObjectStorage":  # the class, without importing TensorStore before it is needed
+        from jaxckpt.storage._object import ObjectStorage
+
+        return ObjectStorage
+    raise AttributeError(f"module 'jaxckpt.storage' has no attribute {name!r}")
+
+
+__all__ = [
+    "LocalStorage",
+    "ObjectStorage",
+    "ObjectStoreOptions",
+    "PreconditionFailed",
+    "RootURI",
+    "Storage",
+    "aligned_empty",
+    "open_storage",
+    "parse_root",
+]

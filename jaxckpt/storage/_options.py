@@ -1,0 +1,153 @@
+"""The options of an object-store root (``gs://``, ``s3://``), and a restore's memory budget.
+
+Imports nothing heavy (no TensorStore), so the options are public API that
+``import jaxckpt`` and ``jaxckpt ls`` can offer without opening a store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ObjectStoreOptions:
+    """Options of a ``gs://`` or ``s3://`` root.
+
+    Attributes:
+      endpoint: base URL of the service, e.g. ``http://127.0.0.1:9000``. None
+        uses ``AWS_ENDPOINT_URL_S3`` then ``AWS_ENDPOINT_URL`` (S3) or
+        ``STORAGE_EMULATOR_HOST`` (GCS), else the public service.
+      region: S3 region; None uses ``AWS_REGION``, ``AWS_DEFAULT_REGION``, then
+        ``us-east-1``. Not valid for GCS.
+      max_retries: attempts per request on transient errors (TensorStore's
+        ``*_request_retries.max_retries``).
+      initial_delay_s: first backoff delay between attempts.
+      max_delay_s: largest backoff delay; with the defaults a dead endpoint
+        fails after about 16 s.
+      request_concurrency: concurrent HTTP requests per TensorStore context.
+      timeout_s: the longest one request may go without progress, and the
+        deadline of one metadata operation (read, write, list, delete of a
+        prefix): a connect or a transfer that moves nothing for this long
+        fails and is retried (TensorStore's libcurl stall limits, set
+        process-wide when the first root is opened, and the socket timeout
+        of direct reads), so a store that stalls in
+        the middle of a save fails it after about ``(max_retries + 1) *
+        timeout_s`` plus the backoff, not after ``save_timeout_s``. None
+        waits forever.
+      read_part_bytes: the largest ranged GET of a restore; a larger chunk
+        object is fetched by several requests at once. None: a fifth of the
+        budget, at most 16 MiB (so two or more requests are in flight).
+      read_ahead_bytes: the restore's memory budget on this store, beyond the
+        restored arrays themselves: the responses in flight at once, plus
+        three parts for the Python copy of the one being placed into its
+        array and for what malloc keeps of freed parts (at least one part in
+        flight). Lower it on hosts with little RAM; raise it on high-latency
+        links (throughput ≈ two fifths of read_ahead_bytes / round-trip
+        time). None: a tenth of each restore's bytes, from 16 MiB to 1 GiB
+        (:func:`restore_budget`).
+        ``CheckpointOptions.restore_memory_bytes`` sets it for a manager.
+        Applies to reads through TensorStore (below).
+      direct_reads: a restore reads chunk objects over jaxckpt's own HTTP
+        connections, straight into the restored arrays (``jaxckpt.storage._http``):
+        no response copies, so no budget is needed, and parts of
+        ``read_part_bytes`` (default 64 MiB) are in flight on every reader
+        thread. S3 requests are signed by botocore (``pip install
+        jaxckpt[s3]``), GCS requests carry google-auth credentials
+        (``jaxckpt[gcs]``). Without those libraries, with an HTTP proxy in
+        the environment, with False here, or after three failed direct
+        reads in a row, chunks are read through TensorStore under
+        ``read_ahead_bytes``; a direct read that fails is read again there.
+    """
+
+    endpoint: str | None = None
+    region: str | None = None
+    max_retries: int = 5
+    initial_delay_s: float = 0.5
+    max_delay_s: float = 8.0
+    request_concurrency: int = 32
+    timeout_s: float | None = 300.0
+    read_part_bytes: int | None = None
+    read_ahead_bytes: int | None = None
+    direct_reads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint must start with http:// or https://, got {self.endpoint!r}")
+        if self.region is not None and not self.region:
+            raise ValueError("region must be a non-empty string or None")
+        for name in ("max_retries", "request_concurrency", "read_part_bytes", "read_ahead_bytes"):
+            value = getattr(self, name)
+            if value is None and name in ("read_part_bytes", "read_ahead_bytes"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.direct_reads, bool):
+            raise ValueError(f"direct_reads must be True or False, got {self.direct_reads!r}")
+        if not 0.001 <= self.initial_delay_s <= self.max_delay_s:
+            raise ValueError(
+                "need 0.001 <= initial_delay_s <= max_delay_s, got "
+                f"{self.initial_delay_s!r} and {self.max_delay_s!r}"
+            )
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")
+
+    @classmethod
+    def from_mapping(
+        cls, options: Mapping[str, Any] | ObjectStoreOptions | None
+    ) -> ObjectStoreOptions:
+        """Options from today's untyped ``storage_options`` mapping (or the options).
+
+        >>> ObjectStoreOptions.from_mapping({"max_retries": 2}).max_retries
+        2
+
+        Raises:
+          TypeError: a key that is not a field.
+          ValueError: an invalid value.
+        """
+        if options is None:
+            return cls()
+        if isinstance(options, ObjectStoreOptions):
+            return options
+        return cls(**dict(options))
+
+    def check_scheme(self, scheme: str) -> None:
+        """Raises ValueError if an option does not apply to ``scheme`` ("gs" or "s3")."""
+        if scheme == "gs" and self.region is not None:
+            raise ValueError("region applies to s3:// roots only")
+
+    def replace(self, **changes: Any) -> ObjectStoreOptions:
+        """A copy with ``changes`` applied (and checked)."""
+        return dataclasses.replace(self, **changes)
+
+    def budget(self, restore_bytes: int) -> tuple[int, int]:
+        """``(part_bytes, ahead_bytes)`` of a restore of ``restore_bytes``."""
+        ahead = self.read_ahead_bytes
+        if ahead is None:
+            ahead = restore_budget(restore_bytes)
+        part = self.read_part_bytes
+        return (max(1, min(MAX_READ_PART_BYTES, ahead // 5)) if part is None else part), ahead
+
+
+DIRECT_PART_BYTES = 64 << 20
+"""The default part of a direct ranged GET (no copy, so only the wire bounds it)."""
+MAX_READ_PART_BYTES = 16 << 20
+"""The default part of a ranged GET is at most this (a fifth of the budget below it)."""
+MIN_RESTORE_BUDGET = 16 << 20
+MAX_RESTORE_BUDGET = 1 << 30
+
+
+def restore_budget(restore_bytes: int) -> int:
+    """The default memory budget of a restore: a tenth of its bytes, 16 MiB to 1 GiB.
+
+    Two fifths of it are in flight, so a restore peaks at about 1.08x the
+    state (from 160 MiB of state up: the issue-14 benchmark), and a large
+    restore keeps many requests in flight on a high-latency link.
+
+    >>> restore_budget(256 << 20) >> 20
+    25
+    >>> restore_budget(0) >> 20, restore_budget(1 << 40) >> 20
+    (16, 1024)
+    """
+    return min(MAX_RESTORE_BUDGET, max(MIN_RESTORE_BUDGET, restore_bytes // 10))

@@ -1,0 +1,116 @@
+"""The storage package's imports, from the source (``ast``): one way down, no circle.
+
+Every import counts, at module level or inside a function (a lazy import is
+still a dependency), and ``if TYPE_CHECKING:`` imports too.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "jaxckpt"
+STORAGE = "jaxckpt.storage"
+ALLOWED_OUTSIDE = {"jaxckpt.errors", "jaxckpt._pools"}
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, known: set[str], package: Path = PACKAGE) -> set[str]:
+    """The jaxckpt modules ``path`` imports (``from a import b`` names ``a.b`` if a module)."""
+    name = module_name(path, package)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if m in known}
+
+
+def graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    paths = sorted(package.rglob("*.py"))
+    known = {module_name(p, package) for p in paths}
+    return {
+        module_name(p, package): imports_of(p, known, package) - {module_name(p, package)}
+        for p in paths
+    }
+
+
+def storage_modules(g: dict[str, set[str]]) -> list[str]:
+    return [m for m in g if m == STORAGE or m.startswith(STORAGE + ".")]
+
+
+def test_the_storage_package_has_its_modules() -> None:
+    g = graph()
+    assert {f"{STORAGE}.{m}" for m in ("_base", "_buffers", "_local", "_object")} <= set(g)
+    for old in ("_storage", "_objectstore", "_ranged", "_httpread"):
+        assert f"jaxckpt.{old}" not in g, f"jaxckpt/{old}.py should live in jaxckpt/storage/"
+
+
+def test_storage_imports_only_storage_errors_and_pools() -> None:
+    g = graph()
+    for module in storage_modules(g):
+        outside = {
+            m for m in g[module] if not m.startswith(STORAGE) and m not in ALLOWED_OUTSIDE
+        } - {"jaxckpt"}  # "from jaxckpt import _pools" names the package itself too
+        assert not outside, f"{module} imports {sorted(outside)}"
+
+
+def test_pools_import_nothing_of_jaxckpt() -> None:
+    assert graph()["jaxckpt._pools"] == set()
+
+
+def test_the_storage_package_has_no_import_circle() -> None:
+    g = graph()
+    inside = storage_modules(g)
+    # The package's __init__ imports its modules; the modules must not need it back.
+    sub = {m: {d for d in g[m] if d in inside} for m in inside}
+    list(graphlib.TopologicalSorter(sub).static_order())  # raises CycleError on a circle
+    for module in inside:
+        assert STORAGE not in sub[module] or module == STORAGE, (
+            f"{module} imports the package {STORAGE} (the factory): import its module instead"
+        )
+
+
+def test_only_the_factory_imports_the_backends() -> None:
+    g = graph()
+    backends = {f"{STORAGE}._local", f"{STORAGE}._object"}
+    for module, deps in g.items():
+        if module != STORAGE:
+            assert not deps & backends, f"{module} imports {sorted(deps & backends)}"
+
+
+def test_the_graph_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
+    """Function-level and relative imports count: the checks cannot be dodged by either."""
+    package = tmp_path / "jaxckpt"
+    (package / "storage").mkdir(parents=True)
+    for name in ("__init__", "_manager", "_tiers", "errors", "storage/__init__"):
+        (package / f"{name}.py").write_text("")
+    (package / "storage" / "_x.py").write_text(
+        "from .. import errors\n"
+        "def f():\n    from jaxckpt import _manager\n    import jaxckpt._tiers\n"
+    )
+    deps = graph(package)["jaxckpt.storage._x"]
+    assert deps == {"jaxckpt", "jaxckpt._manager", "jaxckpt._tiers", "jaxckpt.errors"}
+
+
+def test_listing_a_local_root_does_not_import_the_object_store() -> None:
+    code = (
+        "import sys, jaxckpt.cli._ls, jaxckpt.storage;"
+        "print(sorted(m for m in ('tensorstore', 'jaxckpt.storage._object') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
