@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _storage, _tsio, policy
+from jaxckpt import _tsio, policy
+from jaxckpt import storage as _storage
 
 HOLD_S = 20.0
 PROMPT_S = 5.0  # "about a second", with room for a loaded machine

@@ -60,6 +60,29 @@ def test_the_storage_package_has_its_modules() -> None:
         assert f"jaxckpt.{old}" not in g, f"jaxckpt/{old}.py should live in jaxckpt/storage/"
 
 
+REMOVED = {"_storage", "_objectstore", "_ranged", "_httpread"}
+
+
+def test_nothing_imports_the_removed_storage_modules() -> None:
+    """Not even tests or scripts: an old module of that name elsewhere on the path (an
+    editable install of another checkout) would be imported silently instead."""
+    found = []
+    for path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / d for d in ("tests", "scripts"))]:
+        for file in [path] if path.suffix == ".py" else sorted(path.rglob("*.py")):
+            for node in ast.walk(ast.parse(file.read_text(), str(file))):
+                if isinstance(node, ast.ImportFrom) and node.module == "jaxckpt":
+                    names = {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom | ast.Import):
+                    modules = [node.module] if isinstance(node, ast.ImportFrom) else []
+                    modules += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                    names = {m.split(".")[1] for m in modules if m and m.startswith("jaxckpt.")}
+                else:
+                    continue
+                if names & REMOVED:
+                    found.append(f"{file.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert found == [], f"imports of modules now in jaxckpt/storage/: {found}"
+
+
 def test_storage_imports_only_storage_errors_and_pools() -> None:
     g = graph()
     for module in storage_modules(g):

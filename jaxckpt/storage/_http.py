@@ -157,7 +157,8 @@ class DirectReader:
             now = response.getheader("Date")
             if written is None or not now:
                 return None
-            return email.utils.parsedate_to_datetime(now).timestamp() - written
+            # Date has whole seconds (truncated), the modification time may not: never below 0.
+            return max(0.0, email.utils.parsedate_to_datetime(now).timestamp() - written)
         except (OSError, http.client.HTTPException, ValueError, TypeError) as e:
             raise DirectReadError(f"{type(e).__name__}: {e}") from e
         finally:

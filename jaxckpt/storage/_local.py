@@ -192,7 +192,7 @@ class LocalStorage:
             return None
         except OSError as e:
             raise self._error("stat", key, e) from e
-        return self._now() - written
+        return max(0.0, self._now() - written)
 
     def _now(self) -> float:
         """The file system's current time: the mtime of a new, empty file."""
