@@ -78,7 +78,7 @@ class Listing:
     """
 
     epochs: Epochs
-    refs: tuple[MarkerRef, ...]
+    refs: tuple[MarkerRef, ...]  # every marker, or (``step_listing``) those of one step
 
     def visible(self) -> dict[int, MarkerRef]:
         """Steps whose marker is visible by the epoch rule."""
@@ -181,6 +181,26 @@ class CommitProtocol:
             epochs = pool.submit(self.epochs.load)
             refs = pool.submit(self.marker_refs)
             return Listing(epochs.result(), tuple(refs.result()))
+
+    def step_listing(self, step: int) -> Listing:
+        """The fence and ``step``'s own markers, for the checks of one save of ``step``.
+
+        Constant in the number of committed steps: by the visibility rule a
+        marker of an epoch older than this writer's is visible only if its
+        step is in this writer's ``known`` set, so a step outside it can only
+        be committed by this epoch or a newer one. Their marker keys are read
+        (one GET each, with the ``writers/`` listing); a step this writer
+        knew (or a writer without a readable epoch record) lists ``commits/``.
+        """
+        epochs, own = self.epochs.load(), None
+        if self.epoch is not None:
+            own = epochs.records.get(self.epoch)
+        if own is None or own.known is None or step in own.known:
+            return Listing(epochs, tuple(self.marker_refs()))
+        keys = [marker_key(step, e) for e in sorted(epochs.records) if e >= own.epoch]
+        found = self.map(self.storage.read, keys)
+        refs = (parse_marker_key(k) for k, data in zip(keys, found, strict=True) if data)
+        return Listing(epochs, tuple(r for r in refs if r is not None))
 
     def visible_refs(
         self, epochs: Epochs | None = None, refs: Sequence[MarkerRef] | None = None
@@ -337,7 +357,7 @@ class CommitProtocol:
           StepAlreadyExistsError: the step is committed (or has a damaged marker).
           WriterFencedError: a newer writer took over.
         """
-        listing = self.listing() if listing is None else listing
+        listing = self.step_listing(loc.step) if listing is None else listing
         ref = listing.visible().get(loc.step)
         if ref is not None:
             damaged = "" if self.read_ref(ref) is not None else " (with a damaged marker)"
@@ -413,15 +433,14 @@ class CommitProtocol:
         covered = range(num_processes) if processes is None else processes
         names = [TREE_FILE, *(manifest_name(p) for p in covered), *extra]
         # Every read the commit needs, in flight at once: the records, the
-        # attempt's chunk listing, the fence and visibility listing, the hint.
+        # attempt's chunk listing, the fence and this step's markers, the hint.
         with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in names]
             chunk_keys = pool.submit(self.storage.list, loc.arrays_prefix)
-            epochs = pool.submit(self.epochs.load)
-            refs = pool.submit(self.marker_refs)
+            step_listing = pool.submit(self.step_listing, step)
             hint = pool.submit(self._hint, loc.epoch)
             records = [future.result() for future in reads]
-            listing = Listing(epochs.result(), tuple(refs.result()))
+            listing = step_listing.result()
             present = set(chunk_keys.result())
             hinted = hint.result()
         for name, data in zip(names, records, strict=True):

@@ -147,7 +147,7 @@ class SaveSession:
         request: Callable[[int], PromotionRequest | None],
     ) -> None:
         """Starts the save of ``step`` (see ``CheckpointManager.save``)."""
-        listing = self._protocol.listing()  # begin_save's checks reuse it
+        listing = self._protocol.step_listing(step)  # begin_save's checks reuse it
         if self._protocol.read_marker(step, listing) is not None:
             raise StepAlreadyExistsError(f"step {step} already exists under {self._root}")
         leaves, values = describe_state(state, chunk_bytes=self._options.chunk_bytes)

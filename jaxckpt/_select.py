@@ -20,6 +20,7 @@ One method, :meth:`Selection.restore`, for a plain and a tiered manager alike:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -88,11 +89,14 @@ class Selection:
             ``CheckpointManager.restore`` (the same class on every host).
         """
         tiers, agreement = self.tiers, self._agreement
-        held, candidates = _candidates(tiers, agreement, step, primary=self._primary)
+        candidates = _Candidates(tiers, agreement, step, primary=self._primary)
         collective = len(tiers) == 1  # every host reads the same copy
-        for i, s in enumerate(candidates):
+        s = candidates.first
+        while True:
             restored, error = None, None
-            nearest = [(t, refs) for t, refs in zip(tiers, held, strict=True) if s in refs]
+            nearest = [
+                (t, refs) for t, refs in zip(tiers, candidates.held, strict=True) if s in refs
+            ]
             nearest = nearest or [(t, {}) for t in tiers]  # a step asked for: the errors say why
             for n, (tier, refs) in enumerate(nearest):
                 marker: CommitMarker | None = None
@@ -127,16 +131,12 @@ class Selection:
             if failure is None:
                 return s, restored
             corrupt = isinstance(failure, CorruptCheckpointError)
-            if i == len(candidates) - 1 or (corrupt and not self._fallback):
+            older = None if corrupt and not self._fallback else candidates.after(s)
+            if older is None:
                 raise failure
             if corrupt:  # a missing step (deleted since the listing) is skipped silently
-                log.warning(
-                    "step %d is corrupt (%s); falling back to step %d",
-                    s,
-                    failure,
-                    candidates[i + 1],
-                )
-        raise AssertionError("unreachable")
+                log.warning("step %d is corrupt (%s); falling back to step %d", s, failure, older)
+            s = older
 
     def steps(self, tier: str | None = None) -> list[int]:
         """Committed steps of the named tier (None: all), ascending, the primary's view
@@ -169,27 +169,78 @@ class Selection:
         return next((t for t in self.tiers if t.holds(step)), self.tiers[0])
 
 
+class _Candidates:
+    """The steps a restore tries, newest first, and where each host may read them.
+
+    Without a step, first only the newest: each tier's newest valid marker
+    (usually one GET per tier, see ``CommitProtocol.latest``), so restoring the
+    newest of many steps lists nothing; the tiers' listings are taken only
+    when that step fails (or no tier's newest marker is valid).
+    """
+
+    def __init__(
+        self, tiers: Sequence[Tier], agreement: Agreement, step: int | None, *, primary: bool
+    ) -> None:
+        self._args = (tiers, agreement, step)
+        self._primary = primary
+        self._listed = False
+        self.held: list[dict[int, MarkerRef | None]] = []
+        self._steps: list[int] = []
+        steps: list[int] = []
+        if step is None:
+            with contextlib.suppress(StepNotFoundError):  # no valid newest marker: list
+                self.held, steps = _candidates(*self._args, primary=primary, listed=_newest)
+        if not steps:
+            self._list()
+            steps = self._steps
+        self._steps = steps
+        self.first = steps[0]
+
+    def _list(self) -> None:
+        self.held, self._steps = _candidates(*self._args, primary=self._primary)
+        self._listed = True
+
+    def after(self, step: int) -> int | None:
+        """The next older candidate after ``step`` (listing the tiers the first time)."""
+        if not self._listed:
+            self._list()
+        return next((s for s in self._steps if s < step), None)
+
+
+def _newest(tier: Tier) -> dict[int, MarkerRef]:
+    """The tier's newest valid marker as a listing of one step (usually one marker GET)."""
+    marker = tier.latest()
+    if marker is None:
+        return {}
+    return {marker.step: MarkerRef(step=marker.step, epoch=marker.epoch, key=marker.key)}
+
+
 def _candidates(
-    tiers: Sequence[Tier], agreement: Agreement, step: int | None, *, primary: bool
+    tiers: Sequence[Tier],
+    agreement: Agreement,
+    step: int | None,
+    *,
+    primary: bool,
+    listed: Callable[[Tier], dict[int, MarkerRef]] = Tier.refs,
 ) -> tuple[list[dict[int, MarkerRef | None]], list[int]]:
     """Per tier, the steps this host may read there (with their marker keys where
     this host listed them); and the candidates, newest first.
 
-    From listings only. An own tier holds, for this host, what its own root
-    lists; a candidate from it must be on every host's. A shared tier holds
-    what the primary lists.
+    From ``listed`` (listings only, by default; :func:`_newest`: each tier's newest
+    marker). An own tier holds, for this host, what its own root lists; a candidate
+    from it must be on every host's. A shared tier holds what the primary lists.
     """
     held: list[dict[int, MarkerRef | None]] = []
     everywhere: set[int] = set()
     for tier in tiers:
         if tier.own:
-            mine: dict[int, MarkerRef | None] = dict(tier.refs())
+            mine: dict[int, MarkerRef | None] = dict(listed(tier))
             held.append(mine)
             everywhere |= tier.everywhere(agreement, mine)
         else:
-            listed: dict[int, MarkerRef | None] = dict(tier.refs()) if primary else {}
-            shared = agreement.agree(f"restore-{tier.name}", sorted(listed))
-            held.append({s: listed.get(s) for s in shared})
+            seen: dict[int, MarkerRef | None] = dict(listed(tier)) if primary else {}
+            shared = agreement.agree(f"restore-{tier.name}", sorted(seen))
+            held.append({s: seen.get(s) for s in shared})
             everywhere |= set(shared)
     where = " or ".join(t.uri for t in tiers)
     if step is None:
