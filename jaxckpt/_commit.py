@@ -134,9 +134,22 @@ class CommitProtocol:
             upgraded = {k: v for k, v in record.items() if k not in ("format", "version")}
             self.storage.write(ROOT_RECORD, json_record(**upgraded, upgraded=time.time()))
 
-    def take_epoch(self) -> EpochRecord:
-        """Makes this protocol the root's writer with a new epoch; fences older writers."""
-        record = self.epochs.take(self.visible_refs)
+    def take_epoch(self, commit_keys: Sequence[str] | None = None) -> EpochRecord:
+        """Makes this protocol the root's writer with a new epoch; fences older writers.
+
+        Args:
+          commit_keys: a listing of ``commits/`` just taken, for the first try (the
+            epoch records every visible step, so one listing is needed; a retry
+            after another writer took the epoch first lists again).
+        """
+        listed = None if commit_keys is None else marker_refs_of(commit_keys)
+
+        def visible(epochs: Epochs) -> dict[int, MarkerRef]:
+            nonlocal listed
+            refs, listed = listed, None
+            return self.visible_refs(epochs, refs)
+
+        record = self.epochs.take(visible)
         self.epoch = record.epoch
         log.info(
             "took writer epoch %d of %s (newest step at takeover: %s)",
@@ -172,8 +185,7 @@ class CommitProtocol:
 
     def marker_refs(self) -> list[MarkerRef]:
         """Every marker object under ``commits/`` (valid or not, visible or not)."""
-        refs = (parse_marker_key(k) for k in self.storage.list(COMMITS))
-        return sorted(r for r in refs if r is not None)
+        return marker_refs_of(self.storage.list(COMMITS))
 
     def listing(self) -> Listing:
         """Lists ``writers/`` and ``commits/`` at once (two requests, one round trip)."""
@@ -580,6 +592,11 @@ class CommitProtocol:
             return [fn(i) for i in items]
         with pools.borrow("map", min(self._list_workers, len(items))) as pool:
             return list(pool.map(fn, items))
+
+
+def marker_refs_of(keys: Iterable[str]) -> list[MarkerRef]:
+    """The markers among ``commits/`` keys (hints and temp files dropped), sorted."""
+    return sorted(r for r in map(parse_marker_key, keys) if r is not None)
 
 
 def brief(steps: list[int], limit: int = 20) -> str:

@@ -34,7 +34,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from jaxckpt._commit import CommitProtocol
+from jaxckpt._commit import CommitProtocol, marker_refs_of
 from jaxckpt._fence import Epochs
 from jaxckpt._layout import (
     ATTEMPTS,
@@ -102,18 +102,20 @@ class RootScan:
     named: set[StepLocation] = field(default_factory=set)
 
 
-def scan(protocol: CommitProtocol, *, full: bool) -> RootScan:
+def scan(protocol: CommitProtocol, *, full: bool, commit_keys: list[str] | None = None) -> RootScan:
     """Classifies what is under the root.
 
     Without ``full`` it reads only ``pending/``, ``commits/`` and ``writers/``
     listings and the markers of steps with a pending record or a hidden
     marker (cheap enough for every writable open); ``full`` also reads every
     visible marker (to find damaged ones) and lists all data (orphans).
+    ``commit_keys``: a listing of ``commits/`` just taken (None: one is taken).
     """
     storage = protocol.storage
     data_keys = storage.list(ATTEMPTS) + storage.list(LEGACY_STEPS) if full else []
     pending_keys = storage.list(PENDING)
-    refs = protocol.marker_refs()
+    commit_keys = storage.list(COMMITS) if commit_keys is None else commit_keys
+    refs = marker_refs_of(commit_keys)
     epochs = protocol.epochs.load()
     visible = protocol.visible_refs(epochs, refs)
     pending = {loc: key for key in pending_keys if (loc := parse_pending_key(key))}
@@ -153,7 +155,6 @@ def scan(protocol: CommitProtocol, *, full: bool) -> RootScan:
         if loc not in seen:
             kind = "damaged" if loc.step in damaged else "orphaned"
             attempts.append(Attempt(location=loc, kind=kind))
-    commit_keys = storage.list(COMMITS)
     keys = pending_keys + commit_keys + storage.list(WRITERS)
     temp = [k for k in keys if is_temp_key(k) and _stale_temp(storage, k)]
     # Hints of fenced epochs: only the newest epoch's hint is ever read.

@@ -26,7 +26,7 @@ import tensorstore as ts
 from jaxckpt import _gc, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import MarkerRef
+from jaxckpt._layout import COMMITS, MarkerRef
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._records import CommitMarker
 from jaxckpt._restore import StepReader
@@ -139,19 +139,25 @@ class Tier:
         epoch = None
         if self.own or primary:
             self.ensure(create=True)
-            epoch = self.protocol.take_epoch().epoch
+            keys = self.storage.list(COMMITS)  # the one listing of commits/ an open takes
+            epoch = self.protocol.take_epoch(keys).epoch
             if gc_grace_s is not None:
-                self.collect(gc_grace_s)
+                self.collect(gc_grace_s, keys)
         if not self.own:
             epoch = agreement.agree(f"{self.name}-epoch", epoch)
         assert epoch is not None
         self.protocol.epoch = epoch
         return epoch
 
-    def collect(self, grace_s: float) -> None:
-        """Removes fenced and stale attempts; a failure leaves them for the next writer."""
+    def collect(self, grace_s: float, commit_keys: list[str] | None = None) -> None:
+        """Removes fenced and stale attempts; a failure leaves them for the next writer.
+
+        Args:
+          commit_keys: a listing of ``commits/`` just taken (None: list it).
+        """
         try:
-            _gc.collect(self.protocol, _gc.scan(self.protocol, full=False), grace_s=grace_s)
+            found = _gc.scan(self.protocol, full=False, commit_keys=commit_keys)
+            _gc.collect(self.protocol, found, grace_s=grace_s)
         except CheckpointError as e:
             log.warning("garbage collection on open of %s failed (retried later): %s", self.uri, e)
 

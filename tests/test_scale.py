@@ -115,3 +115,30 @@ def test_a_zombie_marker_of_an_unknown_step_does_not_block_a_save(scale_root: st
     new.close()
     with contextlib.suppress(jaxckpt.CheckpointError):
         old.close()
+
+
+def test_a_writable_open_lists_commits_once(
+    scale_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The epoch records every visible step, so one listing of commits/ is needed: only one."""
+    fill(scale_root, 30)
+    from jaxckpt import _tier
+
+    counts: Counter[str] = Counter()
+    opened = _tier.open_storage
+
+    def counted(root: str, **kwargs: object) -> Storage:
+        storage = opened(root, **kwargs)  # type: ignore[arg-type]
+        original = storage.list
+
+        def counting(prefix: str) -> list[str]:
+            counts[prefix] += 1
+            return original(prefix)
+
+        storage.list = counting  # type: ignore[method-assign]
+        return storage
+
+    monkeypatch.setattr(_tier, "open_storage", counted)
+    with jaxckpt.CheckpointManager(scale_root) as mgr:
+        assert mgr.epoch == 3
+        assert counts[COMMITS] == 1, counts
