@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxckpt.errors import CheckpointError as CheckpointError
 from jaxckpt.errors import CorruptCheckpointError as CorruptCheckpointError
+from jaxckpt.errors import LocalRootInUseError as LocalRootInUseError
 from jaxckpt.errors import NotACheckpointRootError as NotACheckpointRootError
 from jaxckpt.errors import PromotionError as PromotionError
 from jaxckpt.errors import PromotionTimeoutError as PromotionTimeoutError
@@ -93,6 +94,7 @@ __all__ = [
     "LeafInfo",
     "LeafMismatch",
     "LeafView",
+    "LocalRootInUseError",
     "NotACheckpointRootError",
     "ObjectStoreOptions",
     "Problem",

@@ -17,6 +17,8 @@ attempt under its own prefix, so two writers never share a key::
     commits/latest.e<epoch>                    the newest step <epoch> is committing (a hint)
     promote/<step:012d>.json                   local tier only: a request to promote the step
                                                to the durable root (see _promote)
+    tier.json                                  local tier only: the durable root it serves
+                                               (see _owner)
 
 Format version 1 (roots written before writer fencing) is still read::
 
@@ -46,6 +48,7 @@ WRITERS = "writers/"
 ATTEMPTS = "attempts/"
 LEGACY_STEPS = "steps/"
 PROMOTE = "promote/"
+TIER_RECORD = "tier.json"  # local tier only: the durable root it serves (see _owner)
 
 _ATTEMPT = re.compile(r"e(\d+)-(\d+)-([0-9a-f]+)")
 _MARKER_V2 = re.compile(r"(\d{12}|w\d{19})\.e(\d+)\.json")

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import tensorstore as ts
 
-from jaxckpt import _gc, policy
+from jaxckpt import _gc, _owner, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import COMMITS, MarkerRef
@@ -31,7 +31,7 @@ from jaxckpt._options import CheckpointOptions
 from jaxckpt._records import CommitMarker
 from jaxckpt._restore import StepReader
 from jaxckpt._tsio import ArrayWriter
-from jaxckpt.errors import CheckpointError
+from jaxckpt.errors import CheckpointError, LocalRootInUseError
 from jaxckpt.storage import Storage, open_storage
 
 log = logging.getLogger("jaxckpt")
@@ -129,16 +129,29 @@ class Tier:
         """Checks (with ``create``: writes) the root record."""
         self.protocol.ensure_root(create=create)
 
-    def take_epoch(self, agreement: Agreement, *, primary: bool, gc_grace_s: float | None) -> int:
+    def take_epoch(
+        self,
+        agreement: Agreement,
+        *,
+        primary: bool,
+        gc_grace_s: float | None,
+        serves: str | None = None,
+    ) -> int:
         """Becomes this root's writer: an own tier on every host, a shared one by the
         primary, whose epoch every host then writes in (collective on a shared tier).
 
         Args:
           gc_grace_s: collect the root's garbage after taking the epoch; None: do not.
+          serves: an own tier: the durable root's URI, recorded (or checked) first.
+
+        Raises:
+          LocalRootInUseError: ``serves`` is not the durable root this root serves.
         """
         epoch = None
         if self.own or primary:
             self.ensure(create=True)
+            if serves is not None:
+                _owner.claim(self.storage, serves)
             keys = self.storage.list(COMMITS)  # the one listing of commits/ an open takes
             epoch = self.protocol.take_epoch(keys).epoch
             if gc_grace_s is not None:
@@ -211,6 +224,8 @@ def open_tiers(root: str | os.PathLike[str], options: CheckpointOptions) -> tupl
 def take_epochs(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointOptions) -> None:
     """Opens ``tiers`` as the manager's ``options`` say (collective): read-only, each
     root must exist; else each is written and its epoch taken, nearest first."""
+    serves = tiers[-1].uri  # what every own tier must serve (see _owner)
+    require_served(agreement, tiers, serves)
     if options.read_only:
         for tier in tiers:
             tier.ensure(create=False)
@@ -219,7 +234,23 @@ def take_epochs(tiers: Sequence[Tier], agreement: Agreement, options: Checkpoint
     primary = jax.process_index() == options.primary_host
     grace = options.gc_grace_s if options.gc_on_open else None
     for tier in tiers:
-        tier.take_epoch(agreement, primary=primary, gc_grace_s=grace)
+        own = serves if tier.own else None
+        tier.take_epoch(agreement, primary=primary, gc_grace_s=grace, serves=own)
+
+
+def require_served(agreement: Agreement, tiers: Iterable[Tier], durable: str) -> None:
+    """Refuses an own tier that serves another durable root than ``durable`` (collective:
+    every host raises if any host's local root is another job's; reads one record each).
+
+    Raises:
+      LocalRootInUseError: a local root records another durable root.
+    """
+    reasons = [r for t in tiers if t.own and (r := _owner.refusal(t.storage, durable))]
+    reason = reasons[0] if reasons else None
+    if jax.process_count() > 1:
+        reason = next((r for r in agreement.gather("local-served", reason) if r), None)
+    if reason is not None:
+        raise LocalRootInUseError(reason)
 
 
 def require_own_roots(agreement: Agreement, tiers: Iterable[Tier]) -> None:

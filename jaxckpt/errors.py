@@ -132,3 +132,14 @@ class PromotionTimeoutError(PromotionError, TimeoutError):
     Promotion goes on in the background (or in the ``jaxckpt promote`` sidecar):
     wait longer, check the promoter's log and metrics, or run ``jaxckpt promote``.
     """
+
+
+class LocalRootInUseError(CheckpointError):
+    """A local root serves another durable root than the one this job was given.
+
+    A local tier records the durable root it serves (``tier.json``) when a
+    tiered writer first creates or adopts it, and refuses any other: two jobs
+    given one ``local_root`` would otherwise resume from, and promote, each
+    other's steps. Give each job a local root of its own (e.g. one per run
+    name), or, if the old job is gone for good, delete its local root.
+    """

@@ -21,7 +21,7 @@ import pytest
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import COMMITS, latest_hint_key
-from jaxckpt._storage import Storage, open_storage
+from jaxckpt.storage import Storage, open_storage
 
 
 def fill(root: str, steps: int) -> None:

@@ -70,13 +70,20 @@ def register(sub: Any) -> None:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from jaxckpt import policy
+    from jaxckpt._owner import refusal
     from jaxckpt._promote import PROMOTED, Promoter, PromotionResult, archive_once
     from jaxckpt.cli._metrics import PromoterMetrics
+    from jaxckpt.storage import open_storage
 
     if args.metrics_port is not None and not args.watch:
         err("--metrics-port needs --watch")
         return 2
     local = open_root(args.local_root)
+    durable_storage = open_storage(args.root)
+    refused = refusal(local.storage, durable_storage.uri)  # before the durable root is written
+    if refused is not None:
+        err(refused)
+        return 2
     durable = open_root(args.root, create=True)
     if local.storage.uri == durable.storage.uri:
         err(f"the local tier and the durable root are the same root: {durable.storage.uri}")
