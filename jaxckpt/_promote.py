@@ -46,6 +46,7 @@ from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
     StepAlreadyExistsError,
+    StepNotFoundError,
     WriterFencedError,
 )
 
@@ -264,7 +265,15 @@ class Promoter:
         for request in self.pending():
             if stop is not None and stop.is_set():
                 break
-            result = self.promote(request)
+            try:
+                result = self.promote(request)
+            except CheckpointError as e:  # this step only: the pass goes on with the rest
+                log.error(
+                    "promotion of step %d failed (retried on the next pass): %s", request.step, e
+                )
+                result = PromotionResult(
+                    step=request.step, outcome=FAILED, request=request, error=str(e)
+                )
             results.append(result)
             if self._on_result is not None:
                 self._on_result(result)
@@ -303,12 +312,16 @@ class Promoter:
                 self._warned_fenced.add(step)
                 log.error("promotion of step %d stopped: %s", step, e)
             return PromotionResult(step=step, outcome=FENCED, request=request, error=str(e))
-        except CorruptCheckpointError as e:
+        except (CheckpointError, OSError) as e:
+            if not self._still_local(marker):  # deleted meanwhile (local retention): benign
+                log.info("promotion of step %d skipped: deleted from %s", step, self.local.where())
+                withdraw(self.local, step)
+                return PromotionResult(step=step, outcome=GONE, request=request)
+            if not isinstance(e, CorruptCheckpointError):
+                log.error("promotion of step %d failed (retried on the next pass): %s", step, e)
+                return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
             log.error("promotion of step %d failed; its local copy is damaged: %s", step, e)
             withdraw(self.local, step)
-            return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
-        except (CheckpointError, OSError) as e:
-            log.error("promotion of step %d failed (retried on the next pass): %s", step, e)
             return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
         durable_marker = writer.read_marker(step)
         withdraw(self.local, step)
@@ -326,6 +339,13 @@ class Promoter:
             durable_time=durable_marker.time if durable_marker is not None else time.time(),
             request=request,
         )
+
+    def _still_local(self, marker: CommitMarker) -> bool:
+        """Whether ``marker`` is still the local step's commit (True if that cannot be told)."""
+        try:
+            return self.local.still_committed(marker)
+        except CheckpointError:
+            return True
 
     def _not_committed(self, request: PromotionRequest) -> PromotionResult:
         """A request without a local marker: its save is under way (the request is
@@ -401,7 +421,11 @@ class Promoter:
         deleted = []
         for step in decision.delete:
             log.info("durable retention: deleting step %d under %s", step, writer.where())
-            writer.delete(step)
+            try:
+                writer.delete(step)
+            except StepNotFoundError:  # another pruner deleted it meanwhile: benign
+                log.info("durable retention: step %d was already deleted", step)
+                continue
             deleted.append(step)
         return deleted
 
