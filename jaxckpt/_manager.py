@@ -33,7 +33,7 @@ from jaxckpt._telemetry import SaveStats
 from jaxckpt._tier import Tier, open_tiers, take_epochs
 from jaxckpt._tree import PathMap
 from jaxckpt._verify import VerifyReport, verify_step
-from jaxckpt.errors import CheckpointError
+from jaxckpt.errors import CheckpointError, SaveFailedError
 
 log = logging.getLogger("jaxckpt")
 
@@ -158,8 +158,11 @@ class CheckpointManager:
           SaveFailedError: the background save failed (the step is not committed).
           SaveTimeoutError: it did not commit within ``save_timeout_s``.
           WriterFencedError: another process took over the root; nothing more commits.
+          SaveFailedError: also, with a local tier, when steps committed locally can
+            no longer be promoted (their local copies went before promotion).
         """
         self._session.wait()
+        self._promotion.check_lost()
 
     def save_stats(self) -> list[SaveStats]:
         """Telemetry of the recent committed saves, oldest first.
@@ -318,15 +321,23 @@ class CheckpointManager:
         """
         if self._session.closed:
             return
+        lost: SaveFailedError | None = None
         try:
             self.wait()  # after an interrupted wait() too: commits or raises
         finally:
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
-            self._retention.close()
-            if self._watcher is not None:
-                self._watcher.close()
-            self._agreement.close()
+            try:
+                self._promotion.check_lost()  # a step lost while promotion finished
+            except SaveFailedError as e:
+                lost = e
+            finally:
+                self._retention.close()
+                if self._watcher is not None:
+                    self._watcher.close()
+                self._agreement.close()
+        if lost is not None:
+            raise lost
 
     def __enter__(self) -> CheckpointManager:
         return self

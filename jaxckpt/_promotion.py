@@ -38,9 +38,15 @@ from jaxckpt._promote import (
     request_promotion,
     withdraw,
 )
+from jaxckpt._records import CommitMarker
 from jaxckpt._telemetry import SaveRecorder
 from jaxckpt._tier import Tier
-from jaxckpt.errors import CheckpointError, PromotionError, PromotionTimeoutError
+from jaxckpt.errors import (
+    CheckpointError,
+    PromotionError,
+    PromotionTimeoutError,
+    SaveFailedError,
+)
 
 log = logging.getLogger("jaxckpt")
 
@@ -71,6 +77,9 @@ class NoPromotion:
 
     def wait_durable(self, step: int | None, timeout_s: float) -> int | None:
         raise CheckpointError(f"the manager of {self._root} has no local tier (local_root)")
+
+    def check_lost(self) -> None:
+        return None
 
     def close(self, timeout_s: float) -> None:
         return None
@@ -122,6 +131,8 @@ class Promotion:
         self._last_requested: int | None = None
         self._last_request_time: float | None = None
         self._errors: dict[int, tuple[str, str]] = {}  # step -> (outcome, message)
+        self._asked: set[int] = set()  # requested with a save under way
+        self._awaiting: set[int] = set()  # requested, committed locally, not known durable
         self._durable_times: dict[int, float] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -186,6 +197,7 @@ class Promotion:
             self._last_requested = step
             self._last_request_time = time.monotonic()
             self._errors.pop(step, None)
+            self._asked.add(step)
         return PromotionRequest(
             step=step,
             epoch=self.durable.epoch,
@@ -212,9 +224,46 @@ class Promotion:
         )
         return bool(self._policy.should_save(ctx))
 
-    def committed(self, marker: object = None) -> None:
+    def committed(self, marker: CommitMarker | None = None) -> None:
         """A local commit happened: the background promoter looks for requests now."""
+        if marker is not None:
+            with self._lock:
+                if marker.step in self._asked:
+                    self._asked.discard(marker.step)
+                    self._awaiting.add(marker.step)
         self._wake.set()
+
+    def check_lost(self) -> None:
+        """Raises once for the steps this manager asked to promote that can no longer
+        become durable: their request is gone (its local copy vanished, was damaged,
+        or the local root was removed under the job) and they are not durable.
+
+        A few small reads, only while steps await promotion: a listing of the
+        local ``promote/`` and, per step whose request went, its durable marker keys.
+
+        Raises:
+          SaveFailedError: such steps (named), on every host of the job.
+        """
+        with self._lock:
+            awaiting = sorted(self._awaiting)
+        lost: list[int] = []
+        if awaiting:
+            requested = read_requests(self.local)
+            for step in awaiting:
+                if step in requested:
+                    continue
+                if step not in self.durable.step_listing(step).visible():
+                    lost.append(step)
+                with self._lock:
+                    self._awaiting.discard(step)
+        if self._processes > 1:
+            lost = sorted({s for host in self._agreement.gather("lost", lost) for s in host})
+        if lost:
+            raise SaveFailedError(
+                f"steps {lost} were committed under {self.local.where()} but can no longer "
+                f"be promoted to {self.uri}: their local copies were removed or damaged "
+                "before promotion (see the log); they are not durable"
+            )
 
     def pending_steps(self) -> set[int]:
         """Requested steps not durable yet (local retention must keep them)."""
@@ -223,6 +272,9 @@ class Promotion:
 
     def withdraw(self, step: int) -> None:
         """Never promotes ``step`` (it is being deleted)."""
+        with self._lock:
+            self._asked.discard(step)
+            self._awaiting.discard(step)
         withdraw(self.local, step)
 
     def _result(self, result: PromotionResult) -> None:

@@ -97,6 +97,7 @@ class SaveSession:
         *,
         listeners: Sequence[CommitListener] = (),
     ) -> None:
+        self._tier = tier
         self._protocol: CommitProtocol = tier.protocol
         self._arrays: ArrayWriter = tier.arrays
         self.recorder = SaveRecorder()
@@ -147,6 +148,7 @@ class SaveSession:
         request: Callable[[int], PromotionRequest | None],
     ) -> None:
         """Starts the save of ``step`` (see ``CheckpointManager.save``)."""
+        self._tier.revive(self._root)  # an own tier removed under this job is recreated
         listing = self._protocol.step_listing(step)  # begin_save's checks reuse it
         if self._protocol.read_marker(step, listing) is not None:
             raise StepAlreadyExistsError(f"step {step} already exists under {self._root}")

@@ -26,12 +26,13 @@ import tensorstore as ts
 from jaxckpt import _gc, _owner, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import COMMITS, MarkerRef
+from jaxckpt._fence import EpochReader
+from jaxckpt._layout import COMMITS, ROOT_RECORD, MarkerRef
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._records import CommitMarker
 from jaxckpt._restore import StepReader
 from jaxckpt._tsio import ArrayWriter
-from jaxckpt.errors import CheckpointError, LocalRootInUseError
+from jaxckpt.errors import CheckpointError, LocalRootInUseError, NotACheckpointRootError
 from jaxckpt.storage import Storage, open_storage
 
 log = logging.getLogger("jaxckpt")
@@ -162,6 +163,30 @@ class Tier:
         self.protocol.epoch = epoch
         return epoch
 
+    def revive(self, serves: str | None) -> bool:
+        """Recreates an own tier wiped under its running writer; True if it was.
+
+        A local root removed while the job trains (its root record gone) is
+        written again: the root record, the durable root it serves and a new
+        writer epoch (the old epoch record went with it). One read when intact.
+
+        Raises:
+          LocalRootInUseError: another job recreated it for its own durable root.
+        """
+        if not self.own or self.storage.read(ROOT_RECORD) is not None:
+            return False
+        log.warning(
+            "local root %s was removed under this job (no %s): recreating it",
+            self.uri,
+            ROOT_RECORD,
+        )
+        self.ensure(create=True)
+        if serves is not None:
+            _owner.claim(self.storage, serves)
+        self.protocol.epochs = EpochReader(self.storage)  # the cached records went too
+        self.protocol.take_epoch()
+        return True
+
     def collect(self, grace_s: float, commit_keys: list[str] | None = None) -> None:
         """Removes fenced and stale attempts; a failure leaves them for the next writer.
 
@@ -228,7 +253,16 @@ def take_epochs(tiers: Sequence[Tier], agreement: Agreement, options: Checkpoint
     require_served(agreement, tiers, serves)
     if options.read_only:
         for tier in tiers:
-            tier.ensure(create=False)
+            try:
+                tier.ensure(create=False)
+            except NotACheckpointRootError:
+                if not tier.own:
+                    raise
+                log.warning(  # the durable root is the job's checkpoint; this is a cache
+                    "local root %s has no steps (not created yet, or removed): reading %s only",
+                    tier.uri,
+                    serves,
+                )
         return
     require_own_roots(agreement, tiers)
     primary = jax.process_index() == options.primary_host

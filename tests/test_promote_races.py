@@ -19,7 +19,7 @@ import jaxckpt
 from jaxckpt import _copy, _promote, policy
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._promote import GONE, PROMOTED, Promoter, read_requests
-from jaxckpt._storage import open_storage
+from jaxckpt.storage import open_storage
 
 
 def requested(local: Path, root: str, steps: list[int]) -> tuple[CommitProtocol, CommitProtocol]:

@@ -9,7 +9,8 @@ from typing import Any
 from jaxckpt._commit import retention_decision
 from jaxckpt._gc import scan
 from jaxckpt.cli._common import add_retention_flags, command, open_root, retention
-from jaxckpt.cli._output import ago, human_bytes, json_out, local_time, print_table
+from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, print_table
+from jaxckpt.errors import NotACheckpointRootError
 
 DEFAULT_LIMIT = 50
 
@@ -39,7 +40,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     committed = dict(sorted(found.committed.items()))
     tiers: dict[int, list[str]] | None = None
     if args.local_root is not None:  # steps of either tier; the local copy is nearest
-        local = open_root(args.local_root).committed()
+        try:
+            local = open_root(args.local_root).committed()
+        except NotACheckpointRootError as e:  # a cache not created yet, or removed
+            err(f"{e}: listing the durable root only")
+            local = {}
         tiers = {s: [] for s in sorted({*committed, *local})}
         for s in local:
             tiers[s].append("local")
