@@ -142,3 +142,25 @@ def test_a_writable_open_lists_commits_once(
     with jaxckpt.CheckpointManager(scale_root) as mgr:
         assert mgr.epoch == 3
         assert counts[COMMITS] == 1, counts
+
+
+def test_steps_past_twelve_digits_take_the_same_paths(scale_root: str) -> None:
+    """Marker names of steps from 10**12 ('w' + 19 digits) go through the layout's helpers."""
+    big = 10**12 + 5
+    with jaxckpt.CheckpointManager(scale_root) as mgr:
+        mgr.save(7, {"w": np.arange(4.0)})
+        mgr.save(big, {"w": np.arange(4.0) + 1})
+        mgr.wait()
+        with pytest.raises(jaxckpt.StepAlreadyExistsError):
+            mgr.save(big, {"w": np.arange(4.0)}, force=True)
+    with jaxckpt.CheckpointManager(scale_root) as mgr:
+        storage = mgr._tiers[0].storage
+        with listings(storage) as counts:
+            np.testing.assert_array_equal(mgr.restore()["w"], np.arange(4.0) + 1)
+            assert mgr.restored_step == big and mgr.latest_step() == big
+            mgr.save(big + 1, {"w": np.arange(4.0)}, force=True)
+            mgr.wait()
+        assert counts[COMMITS] == 0, counts
+        with pytest.raises(jaxckpt.StepAlreadyExistsError):
+            mgr.save(big, {"w": np.arange(4.0)}, force=True)  # known at the takeover
+        assert mgr.steps() == [7, big, big + 1]
