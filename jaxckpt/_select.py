@@ -2,14 +2,15 @@
 
 One method, :meth:`Selection.restore`, for a plain and a tiered manager alike:
 
-1. *Candidates*, newest first, from listings only (no marker is read): an own
-   tier contributes the steps every host holds there, a shared tier the
-   primary's listing; with a ``step``, only that one.
+1. *Candidates*, newest first: without a ``step``, first only the newest,
+   from each tier's newest marker (``CommitProtocol.latest``: usually one GET,
+   no listing); only if it fails, the tiers' listings (no marker is read):
+   an own tier contributes the steps every host holds there, a shared tier
+   the primary's listing; with a ``step``, only that one.
 2. For each candidate, each host reads from the *nearest* tier that holds it
    (its marker, then its data); a copy that is missing or corrupt falls back
-   to the next tier, with one warning. Markers are read newest first and the
-   loop stops at the first step that restores, so restoring the newest of
-   many steps reads one marker.
+   to the next tier, with one warning. The loop stops at the first step that
+   restores, so restoring the newest of many steps lists nothing.
 3. With one tier every host reads the same copy: the primary's marker is
    *agreed* (every host restores the same attempt, or raises the primary's
    error) and leaves several hosts need are read once and exchanged.
