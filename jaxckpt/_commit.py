@@ -36,6 +36,7 @@ from jaxckpt._layout import (
     latest_hint_key,
     manifest_name,
     marker_key,
+    marker_refs_of,
     parse_marker_key,
 )
 from jaxckpt._phases import reached
@@ -136,20 +137,9 @@ class CommitProtocol:
 
     def take_epoch(self, commit_keys: Sequence[str] | None = None) -> EpochRecord:
         """Makes this protocol the root's writer with a new epoch; fences older writers.
-
-        Args:
-          commit_keys: a listing of ``commits/`` just taken, for the first try (the
-            epoch records every visible step, so one listing is needed; a retry
-            after another writer took the epoch first lists again).
-        """
-        listed = None if commit_keys is None else marker_refs_of(commit_keys)
-
-        def visible(epochs: Epochs) -> dict[int, MarkerRef]:
-            nonlocal listed
-            refs, listed = listed, None
-            return self.visible_refs(epochs, refs)
-
-        record = self.epochs.take(visible)
+        ``commit_keys``: a listing of ``commits/`` just taken, for the first try only."""
+        first = [None if commit_keys is None else marker_refs_of(commit_keys)]
+        record = self.epochs.take(lambda e: self.visible_refs(e, first.pop() if first else None))
         self.epoch = record.epoch
         log.info(
             "took writer epoch %d of %s (newest step at takeover: %s)",
@@ -187,32 +177,17 @@ class CommitProtocol:
         """Every marker object under ``commits/`` (valid or not, visible or not)."""
         return marker_refs_of(self.storage.list(COMMITS))
 
-    def listing(self) -> Listing:
-        """Lists ``writers/`` and ``commits/`` at once (two requests, one round trip)."""
-        with pools.borrow("list", 2) as pool:
-            epochs = pool.submit(self.epochs.load)
-            refs = pool.submit(self.marker_refs)
-            return Listing(epochs.result(), tuple(refs.result()))
-
     def step_listing(self, step: int) -> Listing:
-        """The fence and ``step``'s own markers, for the checks of one save of ``step``.
-
-        Constant in the number of committed steps: by the visibility rule a
-        marker of an epoch older than this writer's is visible only if its
-        step is in this writer's ``known`` set, so a step outside it can only
-        be committed by this epoch or a newer one. Their marker keys are read
-        (one GET each, with the ``writers/`` listing); a step this writer
-        knew (or a writer without a readable epoch record) lists ``commits/``.
-        """
-        epochs, own = self.epochs.load(), None
-        if self.epoch is not None:
-            own = epochs.records.get(self.epoch)
+        """The fence and ``step``'s own markers (for one save's checks), constant in the number
+        of steps: an older epoch's marker is visible only if this writer's ``known`` has its
+        step, so else only this and newer epochs' keys are read (a known step lists all)."""
+        epochs = self.epochs.load()
+        own = None if self.epoch is None else epochs.records.get(self.epoch)
         if own is None or own.known is None or step in own.known:
             return Listing(epochs, tuple(self.marker_refs()))
         keys = [marker_key(step, e) for e in sorted(epochs.records) if e >= own.epoch]
-        found = self.map(self.storage.read, keys)
-        refs = (parse_marker_key(k) for k, data in zip(keys, found, strict=True) if data)
-        return Listing(epochs, tuple(r for r in refs if r is not None))
+        found = zip(keys, self.map(self.storage.read, keys), strict=True)
+        return Listing(epochs, tuple(marker_refs_of(k for k, data in found if data)))
 
     def visible_refs(
         self, epochs: Epochs | None = None, refs: Sequence[MarkerRef] | None = None
@@ -592,11 +567,6 @@ class CommitProtocol:
             return [fn(i) for i in items]
         with pools.borrow("map", min(self._list_workers, len(items))) as pool:
             return list(pool.map(fn, items))
-
-
-def marker_refs_of(keys: Iterable[str]) -> list[MarkerRef]:
-    """The markers among ``commits/`` keys (hints and temp files dropped), sorted."""
-    return sorted(r for r in map(parse_marker_key, keys) if r is not None)
 
 
 def brief(steps: list[int], limit: int = 20) -> str:

@@ -34,7 +34,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from jaxckpt._commit import CommitProtocol, marker_refs_of
+from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import Epochs
 from jaxckpt._layout import (
     ATTEMPTS,
@@ -49,6 +49,7 @@ from jaxckpt._layout import (
     is_stale_temp_key,
     is_temp_key,
     latest_hint_key,
+    marker_refs_of,
     parse_attempt,
     parse_data_key,
     parse_pending_key,

@@ -38,6 +38,7 @@ import math
 import re
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 ROOT_RECORD = "jaxckpt.json"
@@ -227,6 +228,11 @@ def parse_marker_key(key: str) -> MarkerRef | None:
         return MarkerRef(step=int(m.group(1).lstrip("w")), epoch=int(m.group(2)), key=key)
     m = _V1_JSON.fullmatch(name)
     return MarkerRef(step=int(m.group(1)), epoch=0, key=key) if m else None
+
+
+def marker_refs_of(keys: Iterable[str]) -> list[MarkerRef]:
+    """The markers among ``commits/`` keys (hints and temp files dropped), sorted."""
+    return sorted(r for r in map(parse_marker_key, keys) if r is not None)
 
 
 def parse_pending_key(key: str) -> StepLocation | None:

@@ -33,7 +33,7 @@ from jaxckpt._telemetry import SaveStats
 from jaxckpt._tier import Tier, open_tiers, take_epochs
 from jaxckpt._tree import PathMap
 from jaxckpt._verify import VerifyReport, verify_step
-from jaxckpt.errors import CheckpointError, SaveFailedError
+from jaxckpt.errors import CheckpointError
 
 log = logging.getLogger("jaxckpt")
 
@@ -147,19 +147,16 @@ class CheckpointManager:
         return True
 
     def preempted(self, step: int = 0) -> bool:
-        """True once SIGTERM/SIGINT (or JAX's preemption notice) has arrived (only
-        watched when the save policy includes ``policy.OnPreemption()``)."""
+        """True once SIGTERM/SIGINT or JAX's preemption notice came (``policy.OnPreemption``)."""
         return self._watcher is not None and self._watcher.preempted(step)
 
     def wait(self) -> None:
         """Blocks until the in-flight save is committed.
 
         Raises:
-          SaveFailedError: the background save failed (the step is not committed).
+          SaveFailedError: the save failed, or a local step can no longer be promoted.
           SaveTimeoutError: it did not commit within ``save_timeout_s``.
           WriterFencedError: another process took over the root; nothing more commits.
-          SaveFailedError: also, with a local tier, when steps committed locally can
-            no longer be promoted (their local copies went before promotion).
         """
         self._session.wait()
         self._promotion.check_lost()
@@ -321,23 +318,15 @@ class CheckpointManager:
         """
         if self._session.closed:
             return
-        lost: SaveFailedError | None = None
         try:
             self.wait()  # after an interrupted wait() too: commits or raises
         finally:
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
-            try:
-                self._promotion.check_lost()  # a step lost while promotion finished
-            except SaveFailedError as e:
-                lost = e
-            finally:
-                self._retention.close()
-                if self._watcher is not None:
-                    self._watcher.close()
-                self._agreement.close()
-        if lost is not None:
-            raise lost
+            self._retention.close()
+            if self._watcher is not None:
+                self._watcher.close()
+            self._agreement.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -369,6 +369,10 @@ class Promotion:
                     self.local.storage.uri,
                     self.uri,
                 )
+            try:
+                self.check_lost()  # a step lost while promotion finished: said, not raised
+            except SaveFailedError as e:
+                log.error("%s", e)
         finally:
             self._stop.set()
             self._wake.set()
