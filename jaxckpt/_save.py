@@ -21,13 +21,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 import jax
 
-from jaxckpt import _handler, policy
+from jaxckpt import _handler, _pools, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol, Listing
 from jaxckpt._layout import StepLocation, held_manifest_name, new_attempt
@@ -354,7 +353,7 @@ class SaveSession:
         ordered = watched()
         if ordered:
             self._write_records(inflight)
-        with ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-records") as pool:
+        with _pools.borrow("records", 1) as pool:
             records_written = None if ordered else pool.submit(self._write_records, inflight)
             packs: dict[str, int] = {}
             if self._packer is None:
