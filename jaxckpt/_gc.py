@@ -103,7 +103,13 @@ class RootScan:
     named: set[StepLocation] = field(default_factory=set)
 
 
-def scan(protocol: CommitProtocol, *, full: bool, commit_keys: list[str] | None = None) -> RootScan:
+def scan(
+    protocol: CommitProtocol,
+    *,
+    full: bool,
+    commit_keys: list[str] | None = None,
+    temp_grace_s: float = TEMP_GRACE_S,
+) -> RootScan:
     """Classifies what is under the root.
 
     Without ``full`` it reads only ``pending/``, ``commits/`` and ``writers/``
@@ -157,7 +163,7 @@ def scan(protocol: CommitProtocol, *, full: bool, commit_keys: list[str] | None 
             kind = "damaged" if loc.step in damaged else "orphaned"
             attempts.append(Attempt(location=loc, kind=kind))
     keys = pending_keys + commit_keys + storage.list(WRITERS)
-    temp = [k for k in keys if is_temp_key(k) and _stale_temp(storage, k)]
+    temp = [k for k in keys if is_temp_key(k) and _stale_temp(storage, k, temp_grace_s)]
     # Hints of fenced epochs: only the newest epoch's hint is ever read.
     newest_hint = latest_hint_key(epochs.newest)
     temp += [k for k in commit_keys if is_latest_hint(k) and k != newest_hint]
@@ -174,14 +180,14 @@ def scan(protocol: CommitProtocol, *, full: bool, commit_keys: list[str] | None 
     )
 
 
-def _stale_temp(storage: Storage, key: str) -> bool:
+def _stale_temp(storage: Storage, key: str, grace_s: float) -> bool:
     """A temp file old enough, by the storage's clock, to be a crashed write's."""
     if is_stale_temp_key(key, -math.inf):
         return True  # no time in its name: no live writer made it (they stamp theirs)
     age = _written_ago(storage, key)
     if age is None:
-        return is_stale_temp_key(key, time.time())  # not a concurrent writer's
-    return age >= TEMP_GRACE_S
+        return is_stale_temp_key(key, time.time(), grace_s)  # not a concurrent writer's
+    return age >= grace_s
 
 
 def _written_ago(storage: Storage, key: str) -> float | None:

@@ -279,12 +279,12 @@ def is_temp_key(key: str) -> bool:
     return key.rsplit("/", 1)[-1].startswith(".")
 
 
-def is_stale_temp_key(key: str, now: float) -> bool:
+def is_stale_temp_key(key: str, now: float, grace_s: float = TEMP_GRACE_S) -> bool:
     """A temp file old enough to be a crashed write's (never one a live write still needs)."""
     if not is_temp_key(key):
         return False
     m = _TEMP_STAMP.search(key.rsplit("/", 1)[-1])
-    return m is None or now - int(m.group(1)) >= TEMP_GRACE_S
+    return m is None or now - int(m.group(1)) >= grace_s
 
 
 def promote_key(step: int) -> str:

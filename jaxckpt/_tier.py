@@ -206,7 +206,8 @@ class Tier:
           WriterFencedError: a newer writer took over the root.
         """
         self.protocol.check_fence("collect garbage")
-        found = _gc.scan(self.protocol, full=True)
+        temp_grace = min(grace_s, _gc.TEMP_GRACE_S)  # a shorter grace covers temp files too
+        found = _gc.scan(self.protocol, full=True, temp_grace_s=temp_grace)
         removed = _gc.collect(self.protocol, found, grace_s=grace_s, force=force)
         return sorted({loc.step for loc in removed})
 

@@ -250,3 +250,17 @@ def test_a_hidden_step_whose_writer_died_before_dropping_its_record_goes_whole(
     assert root.storage.read(hidden.key) is None
     assert not root.has(zombie) and not root.has_pending(zombie)
     assert scan(root.protocol, full=True).attempts == []
+
+
+def test_a_young_temp_file_is_kept_unless_the_grace_is_shorter(root: Root) -> None:
+    """A create-only write's temp file (a kill inside the write) younger than TEMP_GRACE_S may be
+    a live writer's; a grace shorter than that (``gc --grace 0``: nobody writes) covers it too."""
+    young = f"commits/.000000000058.e1.json.{int(time.time())}-{'a' * 32}.tmp"
+    old = f"commits/.000000000059.e1.json.{int(time.time()) - 700}-{'b' * 32}.tmp"
+    for key in (young, old):
+        root.storage.write(key, b"partial")
+    root.backdate(old, time.time() - 700)
+    assert scan(root.protocol, full=True).temp_keys == [old]
+    assert sorted(scan(root.protocol, full=True, temp_grace_s=0.0).temp_keys) == [young, old]
+    collect(root.protocol, scan(root.protocol, full=True, temp_grace_s=0.0), grace_s=0.0)
+    assert [k for k in root.storage.list("commits/") if k.endswith(".tmp")] == []

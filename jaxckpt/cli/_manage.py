@@ -69,11 +69,12 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from jaxckpt._gc import collect, is_live, scan
+    from jaxckpt._gc import TEMP_GRACE_S, collect, is_live, scan
 
     protocol = open_root(args.root)
     now = time.time()
-    found = scan(protocol, full=True)
+    # A grace shorter than a temp file's (--grace 0: no writer is alive) covers them too.
+    found = scan(protocol, full=True, temp_grace_s=min(args.grace, TEMP_GRACE_S))
     remove = "would remove" if args.dry_run else "remove"
     old = []
     for p in found.attempts:
