@@ -1,0 +1,320 @@
+"""A loopback TCP proxy that makes a loopback object store look far away.
+
+Loopback servers answer at once and serve any one connection as fast as the
+CPU allows, which hides how many requests a design keeps in flight. A
+:class:`Shaper` sits between a client and one loopback upstream (moto, the GCS
+emulator) and, per TCP connection,
+
+* delays each direction by ``latency_s`` (so a request's round trip is at
+  least ``2 * latency_s``), and the first bytes a client sends by one more
+  round trip, the TCP handshake a far-away server costs (moto closes every
+  connection after its response, so every request pays it, as it would
+  over a fresh connection to a real store);
+* caps the connection's rate in each direction at ``conn_bytes_per_s``
+  (a token bucket per connection and direction);
+* caps all connections and both directions together at
+  ``total_bytes_per_s`` (one shared token bucket: a host's NIC).
+
+It counts connections, HTTP requests (parsed from the client's byte stream:
+request line, headers, a ``Content-Length`` or chunked body) and bytes, so a
+benchmark can report requests per step without reading server logs.
+
+It forwards to a loopback address only (checked when it is constructed) and
+listens on 127.0.0.1. Stdlib only; it runs in threads of the calling
+process: per connection, a reader and a writer thread for each direction.
+
+>>> Profile(name="20ms", latency_s=0.01, conn_bytes_per_s=25e6, total_bytes_per_s=200e6).rtt_s
+0.02
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import ipaddress
+import queue
+import socket
+import threading
+import time
+import urllib.parse
+from typing import Any
+
+CHUNK_BYTES = 64 << 10
+QUEUE_CHUNKS = 64  # per direction: 4 MiB in flight inside the proxy, > any delay x rate here
+_EOF = b""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Profile:
+    """How far away the shaped store is. ``None`` rates are uncapped."""
+
+    name: str
+    latency_s: float = 0.0
+    conn_bytes_per_s: float | None = None
+    total_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0:
+            raise ValueError(f"profile {self.name}: latency_s must be >= 0, got {self.latency_s}")
+        for rate in (self.conn_bytes_per_s, self.total_bytes_per_s):
+            if rate is not None and rate <= 0:
+                raise ValueError(f"profile {self.name}: rates must be > 0, got {rate}")
+
+    @property
+    def rtt_s(self) -> float:
+        return 2 * self.latency_s
+
+
+BARE = Profile(name="bare")
+
+
+class TokenBucket:
+    """A thread-safe token bucket of ``rate`` bytes/s; ``take`` blocks until its bytes are due.
+
+    A taker may overdraw (the bucket goes into debt) and then sleeps until the
+    debt is paid, so over any interval the bytes taken stay below
+    ``rate * interval + burst`` however many threads take at once.
+    """
+
+    def __init__(self, rate: float | None, burst: int = CHUNK_BYTES) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._stamp = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        if self._rate is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
+            self._stamp = now
+            self._tokens -= n
+            wait = -self._tokens / self._rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            time.sleep(wait)
+
+
+class RequestCounter:
+    """Counts HTTP/1.x requests in a client's byte stream, fed chunk by chunk."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self._head = b""
+        self._body_left = 0
+        self._chunked = False
+        self._tail = b""  # the last bytes of a chunked body, to find its terminator
+
+    def feed(self, data: bytes) -> int:
+        """Consumes ``data``; returns how many requests started in it."""
+        started = 0
+        while data:
+            if self._body_left:
+                n = min(self._body_left, len(data))
+                self._body_left -= n
+                data = data[n:]
+                continue
+            if self._chunked:
+                joined = self._tail + data
+                if joined.startswith(b"0\r\n\r\n") and not self._tail:
+                    end = 5  # an empty chunked body
+                else:
+                    found = joined.find(b"\r\n0\r\n\r\n")
+                    end = -1 if found < 0 else found + 7
+                if end < 0:
+                    self._tail = joined[-6:]
+                    return started
+                self._chunked, self._tail = False, b""
+                data = joined[end:]
+                continue
+            self._head += data
+            data = b""
+            end = self._head.find(b"\r\n\r\n")
+            if end < 0:
+                return started
+            head, data = self._head[:end], self._head[end + 4 :]
+            self._head = b""
+            started += 1
+            self.requests += 1
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                name = name.strip().lower()
+                if name == b"content-length":
+                    self._body_left = int(value.strip() or 0)
+                elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                    self._chunked = True
+        return started
+
+
+def _loopback_address(url: str) -> tuple[str, int]:
+    """``(host, port)`` of ``http://HOST:PORT`` if HOST is a loopback address; else ValueError."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.port is None:
+        raise ValueError(f"upstream {url!r}: expected http://127.0.0.1:PORT")
+    host = "127.0.0.1" if parts.hostname == "localhost" else parts.hostname
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"upstream {url!r}: the shaper forwards to loopback addresses only")
+    return host, parts.port
+
+
+class Shaper:
+    """A shaping TCP proxy on 127.0.0.1 in front of one loopback upstream.
+
+    Args:
+      upstream: ``http://127.0.0.1:PORT`` of the server; anything that is not
+        a loopback address raises ``ValueError`` here, before any socket opens.
+      profile: latency and caps.
+
+    Use as a context manager; :attr:`endpoint` is the URL clients use.
+    """
+
+    def __init__(self, upstream: str, profile: Profile = BARE) -> None:
+        self._upstream = _loopback_address(upstream)
+        self.profile = profile
+        self._total = TokenBucket(profile.total_bytes_per_s)
+        self._lock = threading.Lock()
+        self._counts = {"connections": 0, "requests": 0, "bytes_up": 0, "bytes_down": 0}
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._accepter = threading.Thread(target=self._accept, name="shaper-accept", daemon=True)
+
+    def __enter__(self) -> Shaper:
+        self._accepter.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
+        self._listener.close()
+        self._accepter.join(timeout=5)
+
+    def counts(self, reset: bool = False) -> dict[str, int]:
+        """Connections, requests and bytes (each way) since the start or the last reset."""
+        with self._lock:
+            out = dict(self._counts)
+            if reset:
+                self._counts = dict.fromkeys(self._counts, 0)
+        return out
+
+    def _add(self, key: str, n: int) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            accepted = time.monotonic()
+            try:
+                server = socket.create_connection(self._upstream, timeout=30)
+            except OSError:
+                client.close()
+                continue
+            for s in (client, server):
+                s.settimeout(None)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._add("connections", 1)
+            _Connection(self, client, server, accepted).start()
+
+
+class _Connection:
+    """One proxied TCP connection: two shaped directions; the sockets close when both end."""
+
+    def __init__(
+        self, shaper: Shaper, client: socket.socket, server: socket.socket, accepted: float
+    ) -> None:
+        self._shaper = shaper
+        self._sockets = (client, server)
+        self._accepted = accepted
+        self._left = 2
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._requests = RequestCounter()
+
+    def start(self) -> None:
+        client, server = self._sockets
+        self._direction(client, server, "bytes_up", handshake=True)
+        self._direction(server, client, "bytes_down", handshake=False)
+
+    def _direction(
+        self, source: socket.socket, sink: socket.socket, key: str, *, handshake: bool
+    ) -> None:
+        chunks: queue.Queue[tuple[float, bytes]] = queue.Queue(maxsize=QUEUE_CHUNKS)
+        bucket = TokenBucket(self._shaper.profile.conn_bytes_per_s)
+        threading.Thread(
+            target=self._read, args=(source, chunks, key == "bytes_up"), daemon=True
+        ).start()
+        threading.Thread(
+            target=self._write, args=(sink, chunks, bucket, key, handshake), daemon=True
+        ).start()
+
+    def _read(self, source: socket.socket, chunks: queue.Queue[Any], count: bool) -> None:
+        while True:
+            try:
+                data = source.recv(CHUNK_BYTES)
+            except OSError:
+                data = _EOF
+            if data and count:
+                self._shaper._add("requests", self._requests.feed(data))
+            item = (time.monotonic(), data)
+            while True:
+                try:
+                    chunks.put(item, timeout=0.5)
+                    break
+                except queue.Full:
+                    if self._done.is_set():  # the writer has gone: nobody drains the queue
+                        return
+            if not data:
+                return
+
+    def _write(
+        self,
+        sink: socket.socket,
+        chunks: queue.Queue[Any],
+        bucket: TokenBucket,
+        key: str,
+        handshake: bool,
+    ) -> None:
+        latency = self._shaper.profile.latency_s
+        # the client's first bytes wait for the handshake's round trip as well
+        earliest = self._accepted + 2 * latency if handshake else 0.0
+        try:
+            while True:
+                arrived, data = chunks.get()
+                due = max(arrived, earliest) + latency
+                delay = due - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                if not data:
+                    sink.shutdown(socket.SHUT_WR)
+                    return
+                bucket.take(len(data))
+                self._shaper._total.take(len(data))
+                sink.sendall(data)
+                self._shaper._add(key, len(data))
+        except OSError:
+            pass
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._done.set()
+            for s in self._sockets:
+                s.close()
