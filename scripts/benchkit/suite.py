@@ -5,7 +5,7 @@ each through ``bench.py <part>`` in a fresh interpreter, so that one part's
 environment (cloud variables, ``XLA_FLAGS`` device count, loopback servers)
 cannot leak into the next. Every result lands under ``--out`` with the name
 the part writes on its own: ``bench.md``/``bench.png``/``bench.json`` (core),
-``bench_tiers.json``, ``bench_packed.json``, ``replread.json``,
+``bench_tiers.json``, ``bench_packed.json``, ``bench_cloud.json``, ``replread.json``,
 ``listing.json``; ``bench_all.json`` records each part's command, exit status
 and wall time. A failing part does not stop the others; the exit status is 1
 if any failed.
@@ -58,6 +58,21 @@ PARTS = {
             tiny=("--tiny", "--rounds", "1"),
         ),
         Part(name="replread", out_flag="--json", result="replread.json", tiny=("--scale", "1")),
+        Part(
+            name="cloud",
+            out_flag="--json",
+            result="bench_cloud.json",
+            tiny=(
+                "--scale",
+                "0.02",
+                "--big-mib",
+                "0.25",
+                "--width",
+                "16",
+                "--profiles",
+                "bare,20ms",
+            ),
+        ),
         Part(
             name="listing",
             out_flag="--json",
