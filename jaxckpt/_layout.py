@@ -92,7 +92,11 @@ def is_manifest_name(name: str) -> bool:
 
 
 MAX_PACKS = 4
-"""The packed layout: the most pack objects one process writes for one step."""
+"""The packed layout: the most pack objects one process writes for one step, unless
+``CheckpointOptions.max_object_bytes`` needs more (readers take every pack's name from
+the manifest, so the count is not part of the format)."""
+PACK_UPLOADS = 4
+"""The packed layout: pack objects one process uploads at once (one more fills meanwhile)."""
 MIN_PACK_BYTES = 64 << 20
 """The packed layout: packs smaller than this are not split further."""
 PACK_ALIGNMENT = 64
@@ -101,15 +105,25 @@ between chunks), so a chunk read inside an aligned buffer is aligned too (XLA's 
 then aliases it instead of copying)."""
 
 
-def pack_count(nbytes: float, *, min_pack_bytes: int = MIN_PACK_BYTES) -> int:
+def pack_count(
+    nbytes: float, *, min_pack_bytes: int = MIN_PACK_BYTES, max_object_bytes: int | None = None
+) -> int:
     """How many pack objects a process writes for ``nbytes`` of stored chunks.
+
+    ``MAX_PACKS`` or fewer, unless packs would then exceed ``max_object_bytes``:
+    then as many as that cap needs.
 
     >>> pack_count(0), pack_count(1), pack_count(100 << 20), pack_count(10 << 30)
     (0, 1, 2, 4)
+    >>> pack_count(10 << 30, max_object_bytes=1 << 30)
+    10
     """
     if nbytes <= 0:
         return 0
-    return int(min(MAX_PACKS, max(1, math.ceil(nbytes / min_pack_bytes))))
+    count = min(MAX_PACKS, max(1, math.ceil(nbytes / min_pack_bytes)))
+    if max_object_bytes is not None:
+        count = max(count, math.ceil(nbytes / max_object_bytes))
+    return int(count)
 
 
 def pack_name(process: int, index: int) -> str:

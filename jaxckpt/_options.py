@@ -69,6 +69,13 @@ class CheckpointOptions:
         kernel derives a thread's best-effort I/O level from its nice value).
         TensorStore's I/O threads, which copy the bytes into the page cache,
         are shared with the rest of the process and keep their priority.
+      max_object_bytes: the largest pack object the packed layout writes
+        (S3 takes at most 5 GB in one PUT, and TensorStore's s3 driver
+        refuses larger values); a process writes at least
+        ``ceil(bytes / max_object_bytes)`` packs. A save holds up to five
+        packs in host memory at once (four uploading, one filling). A single
+        chunk larger than this (see ``chunk_bytes``) is written alone in its
+        pack.
     """
 
     save_policy: SavePolicy | None = None
@@ -90,6 +97,7 @@ class CheckpointOptions:
     promotion: str = "background"
     restore_memory_bytes: int | None = None
     writer_nice: int = 0
+    max_object_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -98,6 +106,8 @@ class CheckpointOptions:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
         if self.gc_grace_s < 0:
             raise ValueError(f"gc_grace_s must be non-negative, got {self.gc_grace_s}")
+        if self.max_object_bytes < 1:
+            raise ValueError(f"max_object_bytes must be positive, got {self.max_object_bytes}")
         if self.layout not in ("plain", "packed"):
             raise ValueError(f"layout must be 'plain' or 'packed', got {self.layout!r}")
         if self.promotion not in ("background", "external"):

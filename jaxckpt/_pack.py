@@ -1,9 +1,11 @@
-"""The packed layout: each process writes its chunks into at most four pack objects.
+"""The packed layout: each process writes its chunks into a few bounded pack objects.
 
 The plain layout stores every zarr chunk as its own object, so a step costs
 (leaves × shards) write requests; at cluster scale that is hundreds of
 thousands of requests per checkpoint. In the packed layout a process
-concatenates the chunks it owns into ``MAX_PACKS`` objects or fewer
+concatenates the chunks it owns into ``MAX_PACKS`` objects or fewer, or as many
+as keep each under ``max_object_bytes`` (a chunk larger than that, which
+``chunk_bytes`` well below it prevents, is written alone in its pack)
 (``attempts/<step>/<attempt>/packs/<process>.<k>.bin``), whatever the number
 of leaves. The chunk bytes are exactly the plain layout's (``raw little-endian
 || crc32c(raw)``), each starting at a multiple of ``PACK_ALIGNMENT``, and the
@@ -12,16 +14,18 @@ reads only the chunks its target sharding needs (adjacent ones in one ranged
 read), each checked against its CRC32C like a plain chunk.
 
 Memory: a pack is built in host memory before its single write (object stores
-take an object in one request). Packs are sized ``ceil(bytes / MAX_PACKS)``
-(at least ``min_pack_bytes``), and at most two exist at once (one being
-written while the next is filled), so a save holds at most half its state a
-second time, and far less for states under ``MAX_PACKS × min_pack_bytes``.
+take an object in one request). Packs are sized ``ceil(bytes / count)`` (at
+least ``min_pack_bytes``, at most ``max_object_bytes``), and up to
+``PACK_UPLOADS`` are written at once while the next one fills, so a save's
+extra memory is at most ``(PACK_UPLOADS + 1) × max_object_bytes``, and never
+more than the state once.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from typing import cast
@@ -34,6 +38,7 @@ from jaxckpt import _pools as pools
 from jaxckpt._layout import (
     MIN_PACK_BYTES,
     PACK_ALIGNMENT,
+    PACK_UPLOADS,
     StepLocation,
     pack_count,
     pack_name,
@@ -65,14 +70,21 @@ def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, 
 class PackWriter:
     """Writes the host arrays of one step as this process's pack objects."""
 
-    def __init__(self, storage: Storage, *, min_pack_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        min_pack_bytes: int | None = None,
+        max_object_bytes: int | None = None,
+    ) -> None:
         self._storage = storage
         self._min_pack_bytes = MIN_PACK_BYTES if min_pack_bytes is None else min_pack_bytes
+        self._max_object_bytes = max_object_bytes
 
     def write(
         self, loc: StepLocation, arrays: Sequence[HostArray]
     ) -> tuple[dict[str, tuple[ChunkRecord, ...]], dict[str, int]]:
-        """Writes every chunk into at most ``MAX_PACKS`` objects.
+        """Writes every chunk into pack objects, ``PACK_UPLOADS`` of them in flight at once.
 
         Returns:
           The chunk records per array (each naming its pack and offset) and the
@@ -85,39 +97,45 @@ class PackWriter:
             for region, data in host.pieces
             for chunk in chunks_of(region, host.leaf.chunk_shape)
         )
-        count = pack_count(total, min_pack_bytes=self._min_pack_bytes)
+        cap = self._max_object_bytes
+        count = pack_count(total, min_pack_bytes=self._min_pack_bytes, max_object_bytes=cap)
         target = math.ceil(total / count) if count else 0
         records: dict[str, list[ChunkRecord]] = {h.leaf.name or "": [] for h in arrays}
         packs: dict[str, int] = {}
         buffer = bytearray()
         index = 0
-        writing: Future[None] | None = None
+        writing: deque[Future[None]] = deque()
         started = False
 
-        def wait() -> None:
+        def wait(below: int) -> None:
+            """Waits for the oldest uploads until fewer than ``below`` are in flight."""
             nonlocal started
-            if writing is None:
-                return
-            writing.result()
-            if not started:  # this process's first pack is durable
-                started = True
-                reached("data_started", loc.step)
+            while len(writing) >= max(below, 1):
+                writing.popleft().result()
+                if not started:  # this process's first pack is durable
+                    started = True
+                    reached("data_started", loc.step)
 
-        with pools.borrow("pack", 1) as pool:
+        with pools.borrow("pack", PACK_UPLOADS) as pool:
 
             def flush() -> None:
-                nonlocal buffer, index, writing
-                wait()  # at most one pack being written while the next one fills
+                nonlocal buffer, index
+                wait(PACK_UPLOADS)  # at most PACK_UPLOADS being written while the next fills
                 name = pack_name(process, index)
                 packs[name] = len(buffer)
                 # The buffer itself (no copy); it is never touched again.
-                writing = pool.submit(self._storage.write, loc.key(name), cast(bytes, buffer))
+                writing.append(pool.submit(self._storage.write, loc.key(name), cast(bytes, buffer)))
                 buffer = bytearray()
                 index += 1
 
             for leaf, key, raw in _chunk_views(arrays):
+                pad = -len(buffer) % PACK_ALIGNMENT
+                size = raw.nbytes + TRAILER_BYTES
+                if buffer and cap is not None and len(buffer) + pad + size > cap:
+                    flush()  # the chunk would take this pack over the cap
+                    pad = 0
                 name = pack_name(process, index)
-                buffer += bytes(-len(buffer) % PACK_ALIGNMENT)  # chunks start aligned
+                buffer += bytes(pad)  # chunks start aligned
                 crc = int(_crc32c.crc32c(raw.data))
                 records[leaf.name or ""].append(
                     ChunkRecord(
@@ -134,6 +152,6 @@ class PackWriter:
                     flush()
             if buffer:
                 flush()
-            wait()
+            wait(0)
         reached("data_written", loc.step)
         return {name: tuple(rs) for name, rs in records.items()}, packs

@@ -105,7 +105,11 @@ class SaveSession:
         self._root = where
         self._primary = jax.process_index() == options.primary_host
         self._listeners = tuple(listeners)
-        self._packer = PackWriter(tier.storage) if options.layout == "packed" else None
+        self._packer = (
+            PackWriter(tier.storage, max_object_bytes=options.max_object_bytes)
+            if options.layout == "packed"
+            else None
+        )
         self._per_host = tier.own
         self._lock = threading.Lock()
         self._inflight: Inflight | None = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -84,6 +86,62 @@ def test_pack_count_is_bounded_and_packs_are_filled_in_order(
         assert o2 == 0 if p2 != p1 else o2 == o1 + 320
     assert {p: max(o + s for q, o, s in chunks if q == p) for p, _, _ in chunks} == sizes
     assert_tree_bitexact(jaxckpt.CheckpointManager(root).restore(target=state), state)
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_no_pack_exceeds_max_object_bytes_and_packs_upload_at_once(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    from jaxckpt import _pack
+
+    if kind == "s3":
+        server: servers.Server = request.getfixturevalue("s3_server")
+        root = f"s3://{server.bucket}/maxobj-{tmp_path.name}"
+    else:
+        root = str(tmp_path / "root")
+    rng = np.random.default_rng(5)
+    # 200 leaves of 4 KiB + 8 of 64 KiB: 1.3 MiB, 8 packs at a 192 KiB cap (not 4)
+    state = {
+        f"s{i:03d}": jnp.asarray(rng.standard_normal(1024, dtype=np.float32)) for i in range(200)
+    }
+    state |= {f"b{i}": jnp.asarray(rng.standard_normal(16384, dtype=np.float32)) for i in range(8)}
+    cap = 192 << 10
+    storage_type = type(open_storage(root))
+    original_write = storage_type.write
+    in_flight = peak = 0
+    lock = threading.Lock()
+
+    def write(self: object, key: str, data: bytes, **kwargs: object) -> None:
+        nonlocal in_flight, peak
+        with lock:
+            in_flight += 1
+            peak = max(peak, in_flight)
+        try:
+            if "/packs/" in key:
+                time.sleep(0.05)  # long enough for the next packs to start meanwhile
+            original_write(self, key, data, **kwargs)  # type: ignore[arg-type]
+        finally:
+            with lock:
+                in_flight -= 1
+
+    monkeypatch.setattr(_pack, "MIN_PACK_BYTES", 1)
+    monkeypatch.setattr(storage_type, "write", write)
+    with jaxckpt.CheckpointManager(root, layout="packed", max_object_bytes=cap) as mgr:
+        mgr.save(1, state)
+    monkeypatch.undo()
+    storage = open_storage(root)
+    protocol = CommitProtocol(storage)
+    (part,) = protocol.read_manifest(protocol.require_marker(1))
+    assert len(part.packs) >= 7 and max(part.packs.values()) <= cap, dict(part.packs)
+    objects = data_objects(root, 1)
+    assert len(objects) == len(part.packs)
+    assert peak > 1  # several packs were uploading at once
+    assert_tree_bitexact(jaxckpt.CheckpointManager(root).restore(target=state), state)
+
+
+def test_max_object_bytes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_object_bytes"):
+        jaxckpt.CheckpointOptions(max_object_bytes=0)
 
 
 def test_corrupt_chunk_is_named_and_restore_falls_back(storage_root: str) -> None:
