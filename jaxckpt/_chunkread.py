@@ -8,7 +8,9 @@ faster than TensorStore's zarr decode path, and names the damaged chunk
 directly (after reading it twice more, see ``_reread``: a byte flipped in
 transit is not damage). A packed step's chunks are ranged reads of their pack objects
 (:meth:`Storage.read_range`): adjacent chunks that the read needs are fetched
-together (one request per run of up to ``MAX_SPAN_BYTES``), each still checked
+together (one request per run of adjacent chunks: about the restore's packed bytes
+over ``workers``, so that many requests are in flight, between ``MIN_SPAN_BYTES`` and
+``MAX_SPAN_BYTES``), each still checked
 against its own record. Arrays with any other codec chain (e.g. ``jaxckpt cp --compress
 zstd`` archives) are read through TensorStore instead.
 """
@@ -28,7 +30,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import _pools as pools
-from jaxckpt._layout import PACK_ALIGNMENT, StepLocation
+from jaxckpt._layout import PACK_ALIGNMENT, PACK_UPLOADS, StepLocation
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
 from jaxckpt._reread import reread_chunk
 from jaxckpt._tree import SavedLeaf
@@ -76,14 +78,14 @@ def read_regions(
     chunks: Mapping[str, Sequence[ChunkRecord]],
     *,
     window_bytes: int = 512 << 20,
-    workers: int = 8,
+    workers: int = PACK_UPLOADS,
 ) -> list[np.ndarray]:
     """Reads every requested region, checking each chunk against its manifest record.
 
     Chunk objects are read by a small thread pool through
     :meth:`Storage.read_buffer` (locally: ``readinto`` an aligned buffer, which
     releases the GIL and becomes the array without another copy), at most
-    ``window_bytes`` ahead.
+    ``window_bytes`` ahead; ``workers`` requests are in flight at once.
 
     Raises:
       CorruptCheckpointError: a chunk is missing, unlisted, or fails size/CRC32C
@@ -94,7 +96,7 @@ def read_regions(
     records = {name: {c.key: c for c in cs} for name, cs in chunks.items()}
     inflight: deque[_Pending] = deque()
     inflight_bytes = 0
-    spans = _spans(loc, requests, records)
+    spans = _spans(loc, requests, records, workers)
     plan = getattr(storage, "plan_restore", None)  # object stores size their read budget
     if plan is not None:
         plan(sum(math.prod(_extent(r.region)) * r.leaf.numpy_dtype.itemsize for r in requests))
@@ -135,6 +137,8 @@ def read_regions(
 
 MAX_SPAN_BYTES = 32 << 20
 """Adjacent chunks of one pack object are fetched by one ranged read of at most this."""
+MIN_SPAN_BYTES = 1 << 20
+"""... and spans are not made shorter than this to put more reads in flight."""
 
 
 class _Span:
@@ -174,27 +178,35 @@ def _spans(
     loc: StepLocation,
     requests: Sequence[RegionRequest],
     records: Mapping[str, Mapping[str, ChunkRecord]],
+    workers: int,
 ) -> dict[tuple[int, Region], _Slice]:
-    """Packed chunks, in read order, grouped into ranged reads of adjacent byte ranges."""
+    """Packed chunks, in read order, grouped into ranged reads of adjacent byte ranges,
+    each at most the packed bytes over ``workers`` (within the span bounds)."""
+    needed = [
+        (i, cell, record)
+        for i, request in enumerate(requests)
+        for cell in _cells(request.region, request.leaf.chunk_shape)
+        if (record := records.get(request.leaf.name or "", {}).get(
+            chunk_key(cell, request.leaf.chunk_shape)
+        )) is not None and record.pack is not None
+    ]  # fmt: skip
+    total = sum(record.size for _, _, record in needed)
+    limit = min(MAX_SPAN_BYTES, max(MIN_SPAN_BYTES, -(-total // max(1, workers))))
     out: dict[tuple[int, Region], _Slice] = {}
     span: _Span | None = None
-    for i, request in enumerate(requests):
-        leaf = request.leaf
-        for cell in _cells(request.region, leaf.chunk_shape):
-            record = records.get(leaf.name or "", {}).get(chunk_key(cell, leaf.chunk_shape))
-            if record is None or record.pack is None:
-                continue
-            key = loc.key(record.pack)
-            end = record.offset + record.size
-            if (  # adjacent: at most the alignment padding in between
-                span is None
-                or span.key != key
-                or not 0 <= record.offset - (span.offset + span.size) < PACK_ALIGNMENT
-                or end - span.offset > MAX_SPAN_BYTES
-            ):
-                span = _Span(key, record.offset)
-            span.size = end - span.offset
-            out[(i, cell)] = _Slice(span, record.offset, record.size)
+    for i, cell, record in needed:
+        assert record.pack is not None
+        key = loc.key(record.pack)
+        end = record.offset + record.size
+        if (  # adjacent: at most the alignment padding in between
+            span is None
+            or span.key != key
+            or not 0 <= record.offset - (span.offset + span.size) < PACK_ALIGNMENT
+            or end - span.offset > limit
+        ):
+            span = _Span(key, record.offset)
+        span.size = end - span.offset
+        out[(i, cell)] = _Slice(span, record.offset, record.size)
     return out
 
 

@@ -19,12 +19,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
 from typing import TypeVar
 
 from jaxckpt import _pools as pools
-from jaxckpt import policy
-from jaxckpt._fence import EpochReader, EpochRecord, Epochs
+from jaxckpt._fence import EpochReader, EpochRecord, Epochs, Listing
 from jaxckpt._layout import (
     COMMITS,
     PENDING,
@@ -67,29 +66,6 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 
-@dataclass(frozen=True)
-class Listing:
-    """One look at ``writers/`` and ``commits/``, shared by the checks of one phase.
-
-    A save's phases each need the fence (the newest epoch) and the visible
-    steps; one listing of each prefix, taken concurrently, answers both. A
-    listing may be a moment old when it is used: the fence check is advisory,
-    the visibility rule (:mod:`jaxckpt._fence`) is what makes a zombie's
-    commit invisible whatever the timing.
-    """
-
-    epochs: Epochs
-    refs: tuple[MarkerRef, ...]  # every marker, or (``step_listing``) those of one step
-
-    def visible(self) -> dict[int, MarkerRef]:
-        """Steps whose marker is visible by the epoch rule."""
-        result: dict[int, MarkerRef] = {}
-        for ref in self.refs:
-            if self.epochs.visible(ref):
-                result[ref.step] = max(ref, result.get(ref.step, ref))
-        return result
-
-
 class CommitProtocol:
     """Reads and writes the protocol's records on one :class:`Storage` root.
 
@@ -104,6 +80,9 @@ class CommitProtocol:
         self.epochs = EpochReader(storage)
         self.epoch: int | None = None
         self._list_workers = list_workers
+        # The hint this writer last read or wrote, per epoch: a commit that knows its
+        # step is newer raises the hint while it checks the attempt (no extra round trip).
+        self._hinted: dict[int, int] = {}
 
     def where(self, key: str = "") -> str:
         """The full URI of ``key``, for messages."""
@@ -181,13 +160,19 @@ class CommitProtocol:
         """The fence and ``step``'s own markers (for one save's checks), constant in the number
         of steps: an older epoch's marker is visible only if this writer's ``known`` has its
         step, so else only this and newer epochs' keys are read (a known step lists all)."""
-        epochs = self.epochs.load()
-        own = None if self.epoch is None else epochs.records.get(self.epoch)
-        if own is None or own.known is None or step in own.known:
-            return Listing(epochs, tuple(self.marker_refs()))
-        keys = [marker_key(step, e) for e in sorted(epochs.records) if e >= own.epoch]
-        found = zip(keys, self.map(self.storage.read, keys), strict=True)
-        return Listing(epochs, tuple(marker_refs_of(k for k, data in found if data)))
+        guess: Future[bytes | None] | None = None
+        with pools.borrow("listing", 1) as pool:
+            if self.epoch is not None:  # usually the only key to read: read it meanwhile
+                guess = pool.submit(self.storage.read, marker_key(step, self.epoch))
+            epochs = self.epochs.load()
+            own = None if self.epoch is None else epochs.records.get(self.epoch)
+            if own is None or own.known is None or step in own.known:
+                return Listing(epochs, tuple(self.marker_refs()))
+            keys = [marker_key(step, e) for e in sorted(epochs.records) if e >= own.epoch]
+            found = {marker_key(step, self.epoch): guess.result()} if guess is not None else {}
+            rest = [k for k in keys if k not in found]
+            found.update(zip(rest, self.map(self.storage.read, rest), strict=True))
+        return Listing(epochs, tuple(marker_refs_of(k for k in keys if found[k])))
 
     def visible_refs(
         self, epochs: Epochs | None = None, refs: Sequence[MarkerRef] | None = None
@@ -278,7 +263,18 @@ class CommitProtocol:
     def _hint(self, epoch: int) -> int | None:
         raw = self.storage.read(latest_hint_key(epoch))
         text = raw.decode(errors="replace").strip() if raw else ""
-        return int(text) if text.isdigit() else None
+        hinted = int(text) if text.isdigit() else None
+        if hinted is not None and epoch == self.epoch:
+            self._hinted[epoch] = max(hinted, self._hinted.get(epoch, hinted))
+        return hinted
+
+    def _raise_hint(self, epoch: int, step: int) -> int:
+        """Writes ``step`` as the epoch's hint (only a writer that took the epoch caches it:
+        nobody else writes that epoch's hint)."""
+        self.storage.write(latest_hint_key(epoch), str(step).encode())
+        if epoch == self.epoch:
+            self._hinted[epoch] = step
+        return step
 
     def marker_or_latest(self, step: int | None) -> CommitMarker:
         """The marker of ``step``, or of the newest committed step when ``step`` is None.
@@ -388,10 +384,19 @@ class CommitProtocol:
         )
 
     def read_manifest(self, marker: CommitMarker) -> list[ManifestPart]:
+        return self.read_step(marker, tree=False)[1]
+
+    def read_step(
+        self, marker: CommitMarker, *, tree: bool = True
+    ) -> tuple[bytes | None, list[ManifestPart]]:
+        """The step's tree record (if ``tree``) and manifest parts, read at once and checked."""
         names = sorted(n for n in marker.files if is_manifest_name(n))
-        return [
-            ManifestPart.from_bytes(self.read_step_file(marker, n), self.where(n)) for n in names
+        data = self.map(lambda n: self.read_step_file(marker, n), [TREE_FILE] * tree + names)
+        parts = [
+            ManifestPart.from_bytes(d, self.where(n))
+            for n, d in zip(names, data[int(tree) :], strict=True)
         ]
+        return (data[0] if tree else None), parts
 
     def commit(
         self,
@@ -419,16 +424,23 @@ class CommitProtocol:
         parts = []
         covered = range(num_processes) if processes is None else processes
         names = [TREE_FILE, *(manifest_name(p) for p in covered), *extra]
-        # Every read the commit needs, in flight at once: the records, the
-        # attempt's chunk listing, the fence and this step's markers, the hint.
+        # Every request the commit needs before its marker, in flight at once: the
+        # records, the attempt's chunk and pack listings, the fence and this step's
+        # markers, and the hint (raised now if this writer knows it is lower, else read).
+        raise_hint = loc.epoch == self.epoch and self._hinted.get(loc.epoch, step) < step
         with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in names]
             chunk_keys = pool.submit(self.storage.list, loc.arrays_prefix)
+            pack_keys = pool.submit(self.storage.list, loc.packs_prefix)
             step_listing = pool.submit(self.step_listing, step)
-            hint = pool.submit(self._hint, loc.epoch)
+            hint = (
+                pool.submit(self._raise_hint, loc.epoch, step)
+                if raise_hint
+                else pool.submit(self._hint, loc.epoch)
+            )
             records = [future.result() for future in reads]
             listing = step_listing.result()
-            present = set(chunk_keys.result())
+            present = set(chunk_keys.result()) | set(pack_keys.result())
             hinted = hint.result()
         for name, data in zip(names, records, strict=True):
             if data is None:
@@ -456,7 +468,7 @@ class CommitProtocol:
                 f"step {step} was committed by another writer under {self.storage.uri}"
             )
         if hinted is None or hinted < step:  # raised before the marker, never lowered
-            self.storage.write(latest_hint_key(loc.epoch), str(step).encode())
+            self._raise_hint(loc.epoch, step)
         reached("before_marker", step)
         try:
             self.storage.write(marker_key(step, loc.epoch), marker.to_bytes(), exclusive=True)
@@ -476,12 +488,11 @@ class CommitProtocol:
     def _check_chunks_present(
         self, loc: StepLocation, parts: Sequence[ManifestPart], present: set[str]
     ) -> None:
-        """Every chunk the manifest parts list exists (``present``: a listing of ``arrays/``).
+        """Every chunk the manifest parts list exists (``present``: listings of ``arrays/`` and
+        ``packs/``).
 
         A packed chunk's pack object must exist and its part must record it.
         """
-        if any(part.layout == "packed" for part in parts):
-            present |= set(self.storage.list(loc.packs_prefix))
         for part in parts:
             for name, chunks in part.arrays.items():
                 for chunk in chunks:
@@ -578,17 +589,3 @@ def brief(steps: list[int], limit: int = 20) -> str:
     head = ", ".join(map(str, steps[: limit // 2]))
     tail = ", ".join(map(str, steps[-limit // 2 :]))
     return f"{head}, ... {tail} ({len(steps)} steps)"
-
-
-def retention_decision(
-    committed: dict[int, CommitMarker],
-    retention: policy.RetentionPolicy | None,
-    *,
-    protected: Iterable[int] = (),
-) -> policy.RetentionDecision:
-    """What ``retention`` keeps and deletes among committed steps (metrics, pins from markers)."""
-    infos = [
-        policy.StepInfo(step=s, metrics=dict(m.metrics) or None, pinned=m.keep)
-        for s, m in committed.items()
-    ]
-    return policy.decide_retention(retention, infos, protected=set(protected))

@@ -164,3 +164,26 @@ class EpochReader:
             f"could not take a writer epoch under {self._storage.uri}: "
             f"{_TAKE_ATTEMPTS} concurrent writers took it first"
         )
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One look at ``writers/`` and ``commits/``, shared by the checks of one phase.
+
+    A save's phases each need the fence (the newest epoch) and the visible
+    steps; one listing of each prefix, taken concurrently, answers both. A
+    listing may be a moment old when it is used: the fence check is advisory,
+    the visibility rule (:mod:`jaxckpt._fence`) is what makes a zombie's
+    commit invisible whatever the timing.
+    """
+
+    epochs: Epochs
+    refs: tuple[MarkerRef, ...]  # every marker, or (``step_listing``) those of one step
+
+    def visible(self) -> dict[int, MarkerRef]:
+        """Steps whose marker is visible by the epoch rule."""
+        result: dict[int, MarkerRef] = {}
+        for ref in self.refs:
+            if self.epochs.visible(ref):
+                result[ref.step] = max(ref, result.get(ref.step, ref))
+        return result

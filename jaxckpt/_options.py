@@ -7,12 +7,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jaxckpt._records import TRAILER_BYTES
 from jaxckpt.storage import ObjectStoreOptions, parse_root
 
 if TYPE_CHECKING:
     from jaxckpt.policy import RetentionPolicy, SavePolicy
 
 
+MIN_OBJECT_BYTES = 1 << 10
+"""The smallest ``max_object_bytes`` (a chunk holds at least one element and its checksum)."""
 MIN_RESTORE_MEMORY = 1 << 20
 """The smallest ``restore_memory_bytes`` (its parts are a fifth of it: 204 KiB)."""
 
@@ -44,8 +47,8 @@ class CheckpointOptions:
       primary_host: the process that writes records and commits.
       layout: the data format of new steps: ``"plain"`` (one zarr chunk object
         per chunk, readable by any zarr v3 reader) or ``"packed"`` (each
-        process writes at most four pack objects per step, whatever the number
-        of leaves; for object stores at cluster scale). Reads follow what each
+        process writes about ``objects_in_flight`` pack objects per step, more
+        only as ``max_object_bytes`` needs, whatever the number of leaves). Reads follow what each
         step recorded, so a root may hold both.
       local_root: a fast local tier (e.g. a path on local NVMe): saves commit
         there, and the steps ``promote_policy`` chooses are promoted to the
@@ -69,13 +72,18 @@ class CheckpointOptions:
         kernel derives a thread's best-effort I/O level from its nice value).
         TensorStore's I/O threads, which copy the bytes into the page cache,
         are shared with the rest of the process and keep their priority.
-      max_object_bytes: the largest pack object the packed layout writes
-        (S3 takes at most 5 GB in one PUT, and TensorStore's s3 driver
-        refuses larger values); a process writes at least
-        ``ceil(bytes / max_object_bytes)`` packs. A save holds up to five
-        packs in host memory at once (four uploading, one filling). A single
-        chunk larger than this (see ``chunk_bytes``) is written alone in its
-        pack.
+      max_object_bytes: the largest object a save writes (S3 takes at most
+        5 GB in one PUT, and TensorStore's s3 driver refuses larger values):
+        chunks are at most this (less their 4-byte checksum) whatever
+        ``chunk_bytes`` says, and a packed save writes at least
+        ``ceil(bytes / max_object_bytes)`` packs. A leaf whose shard cannot be
+        split into chunks that small (a long axis of prime length) is refused
+        by ``save`` with its tree path. A packed save holds at most
+        ``objects_in_flight + 1`` packs in host memory beyond the snapshot.
+      objects_in_flight: pack objects a packed save uploads at once per process
+        (one more fills meanwhile), and pack spans a restore reads at once:
+        enough requests to fill the bandwidth-delay product of a far-away store
+        (16 × 85 MB/s fills a 10 Gb/s link). At least 1.
     """
 
     save_policy: SavePolicy | None = None
@@ -97,7 +105,8 @@ class CheckpointOptions:
     promotion: str = "background"
     restore_memory_bytes: int | None = None
     writer_nice: int = 0
-    max_object_bytes: int = 256 << 20
+    max_object_bytes: int = 64 << 20
+    objects_in_flight: int = 16
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -106,8 +115,13 @@ class CheckpointOptions:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
         if self.gc_grace_s < 0:
             raise ValueError(f"gc_grace_s must be non-negative, got {self.gc_grace_s}")
-        if self.max_object_bytes < 1:
-            raise ValueError(f"max_object_bytes must be positive, got {self.max_object_bytes}")
+        if self.max_object_bytes < MIN_OBJECT_BYTES:
+            raise ValueError(
+                f"max_object_bytes must be at least {MIN_OBJECT_BYTES} bytes, "
+                f"got {self.max_object_bytes}"
+            )
+        if self.objects_in_flight < 1:
+            raise ValueError(f"objects_in_flight must be positive, got {self.objects_in_flight}")
         if self.layout not in ("plain", "packed"):
             raise ValueError(f"layout must be 'plain' or 'packed', got {self.layout!r}")
         if self.promotion not in ("background", "external"):
@@ -147,6 +161,11 @@ class CheckpointOptions:
             raise ValueError(f"writer_nice must be an integer 0-19, got {self.writer_nice!r}")
         if self.save_timeout_s <= 0:
             raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")
+
+    @property
+    def stored_chunk_bytes(self) -> int:
+        """The largest chunk a save plans: ``chunk_bytes``, and within ``max_object_bytes``."""
+        return min(self.chunk_bytes, self.max_object_bytes - TRAILER_BYTES)
 
     def storage_kwargs(self, root: str) -> dict[str, Any]:
         """The backend options to open ``root`` with (``restore_memory_bytes`` applied)."""

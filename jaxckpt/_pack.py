@@ -3,22 +3,26 @@
 The plain layout stores every zarr chunk as its own object, so a step costs
 (leaves × shards) write requests; at cluster scale that is hundreds of
 thousands of requests per checkpoint. In the packed layout a process
-concatenates the chunks it owns into ``MAX_PACKS`` objects or fewer, or as many
-as keep each under ``max_object_bytes`` (a chunk larger than that, which
-``chunk_bytes`` well below it prevents, is written alone in its pack)
-(``attempts/<step>/<attempt>/packs/<process>.<k>.bin``), whatever the number
-of leaves. The chunk bytes are exactly the plain layout's (``raw little-endian
-|| crc32c(raw)``), each starting at a multiple of ``PACK_ALIGNMENT``, and the
-manifest part records each chunk's pack object and byte offset, so a restore
-reads only the chunks its target sharding needs (adjacent ones in one ranged
-read), each checked against its CRC32C like a plain chunk.
+concatenates the chunks it owns into pack objects
+(``attempts/<step>/<attempt>/packs/<process>.<k>.bin``): enough of them that
+``objects_in_flight`` (16) upload at once, none under ``MIN_PACK_BYTES``
+(4 MiB), and as many more as keep each within ``max_object_bytes`` (64 MiB),
+whatever the number of leaves (:func:`jaxckpt._layout.pack_count`). A
+process's objects per step are at most ``objects_in_flight + bytes /
+max_object_bytes``. The chunk bytes are exactly the plain layout's (``raw
+little-endian || crc32c(raw)``), each starting at a multiple of
+``PACK_ALIGNMENT``, and the manifest part records each chunk's pack object and
+byte offset, so a restore reads only the chunks its target sharding needs
+(adjacent ones in one ranged read), each checked against its CRC32C like a
+plain chunk.
 
-Memory: a pack is built in host memory before its single write (object stores
-take an object in one request). Packs are sized ``ceil(bytes / count)`` (at
-least ``min_pack_bytes``, at most ``max_object_bytes``), and up to
-``PACK_UPLOADS`` are written at once while the next one fills, so a save's
-extra memory is at most ``(PACK_UPLOADS + 1) × max_object_bytes``, and never
-more than the state once.
+Memory: a filling pack is a list of views of the host snapshot (no copy);
+object stores take an object in one request, so a full pack is joined into
+one ``bytes`` and handed to :meth:`Storage.start_write`, which keeps its own
+copy (TensorStore's request) and drops the joined one. So a save's extra
+host memory beyond the snapshot is at most ``(objects_in_flight + 1) ×
+max_object_bytes`` (the uploads in flight and the one being joined), and
+never more than the state once and a pack.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from typing import cast
 
 import crc32c as _crc32c
 import jax
@@ -68,7 +71,14 @@ def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, 
 
 
 class PackWriter:
-    """Writes the host arrays of one step as this process's pack objects."""
+    """Writes the host arrays of one step as this process's pack objects.
+
+    Args:
+      storage: the tier's storage.
+      min_pack_bytes: packs are not split below this (``MIN_PACK_BYTES``).
+      max_object_bytes: no pack is larger (unless a single chunk is).
+      uploads: packs uploading at once (``PACK_UPLOADS``).
+    """
 
     def __init__(
         self,
@@ -76,15 +86,17 @@ class PackWriter:
         *,
         min_pack_bytes: int | None = None,
         max_object_bytes: int | None = None,
+        uploads: int = PACK_UPLOADS,
     ) -> None:
         self._storage = storage
         self._min_pack_bytes = MIN_PACK_BYTES if min_pack_bytes is None else min_pack_bytes
         self._max_object_bytes = max_object_bytes
+        self._uploads = max(1, uploads)
 
     def write(
         self, loc: StepLocation, arrays: Sequence[HostArray]
     ) -> tuple[dict[str, tuple[ChunkRecord, ...]], dict[str, int]]:
-        """Writes every chunk into pack objects, ``PACK_UPLOADS`` of them in flight at once.
+        """Writes every chunk into pack objects, ``uploads`` of them in flight at once.
 
         Returns:
           The chunk records per array (each naming its pack and offset) and the
@@ -98,11 +110,18 @@ class PackWriter:
             for chunk in chunks_of(region, host.leaf.chunk_shape)
         )
         cap = self._max_object_bytes
-        count = pack_count(total, min_pack_bytes=self._min_pack_bytes, max_object_bytes=cap)
+        count = pack_count(
+            total,
+            min_pack_bytes=self._min_pack_bytes,
+            max_object_bytes=cap,
+            max_packs=self._uploads,
+        )
         target = math.ceil(total / count) if count else 0
         records: dict[str, list[ChunkRecord]] = {h.leaf.name or "": [] for h in arrays}
         packs: dict[str, int] = {}
-        buffer = bytearray()
+        # The filling pack: views of the host arrays (no copy) and the bytes between them.
+        pieces: list[bytes | memoryview] = []
+        filled = 0
         index = 0
         writing: deque[Future[None]] = deque()
         started = False
@@ -116,42 +135,48 @@ class PackWriter:
                     started = True
                     reached("data_started", loc.step)
 
-        with pools.borrow("pack", PACK_UPLOADS) as pool:
+        with pools.borrow("pack", self._uploads) as pool:
 
             def flush() -> None:
-                nonlocal buffer, index
-                wait(PACK_UPLOADS)  # at most PACK_UPLOADS being written while the next fills
+                nonlocal pieces, filled, index
+                wait(self._uploads)  # at most `uploads` being written while the next fills
                 name = pack_name(process, index)
-                packs[name] = len(buffer)
-                # The buffer itself (no copy); it is never touched again.
-                writing.append(pool.submit(self._storage.write, loc.key(name), cast(bytes, buffer)))
-                buffer = bytearray()
+                packs[name] = filled
+                box = [b"".join(pieces)]  # the one copy; the upload takes the only reference
+                pieces, filled = [], 0
+                writing.append(pool.submit(_upload, self._storage, loc.key(name), box))
                 index += 1
 
             for leaf, key, raw in _chunk_views(arrays):
-                pad = -len(buffer) % PACK_ALIGNMENT
+                pad = -filled % PACK_ALIGNMENT
                 size = raw.nbytes + TRAILER_BYTES
-                if buffer and cap is not None and len(buffer) + pad + size > cap:
+                if filled and cap is not None and filled + pad + size > cap:
                     flush()  # the chunk would take this pack over the cap
                     pad = 0
-                name = pack_name(process, index)
-                buffer += bytes(pad)  # chunks start aligned
+                if pad:
+                    pieces.append(bytes(pad))  # chunks start aligned
+                    filled += pad
                 crc = int(_crc32c.crc32c(raw.data))
                 records[leaf.name or ""].append(
                     ChunkRecord(
                         key=key,
-                        size=raw.nbytes + TRAILER_BYTES,
+                        size=size,
                         crc32c=crc,
-                        pack=name,
-                        offset=len(buffer),
+                        pack=pack_name(process, index),
+                        offset=filled,
                     )
                 )
-                buffer += raw.data
-                buffer += crc.to_bytes(TRAILER_BYTES, "little")
-                if len(buffer) >= target and index < count - 1:
+                pieces += (raw.data, crc.to_bytes(TRAILER_BYTES, "little"))
+                filled += size
+                if filled >= target and index < count - 1:
                     flush()
-            if buffer:
+            if pieces:
                 flush()
             wait(0)
         reached("data_written", loc.step)
         return {name: tuple(rs) for name, rs in records.items()}, packs
+
+
+def _upload(storage: Storage, key: str, box: list[bytes]) -> None:
+    """Writes the pack in ``box`` and lets go of it once the storage holds its copy."""
+    storage.start_write(key, box.pop())()

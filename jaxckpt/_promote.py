@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from jaxckpt import policy
-from jaxckpt._commit import CommitProtocol, retention_decision
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._decision import retention_decision
 from jaxckpt._layout import (
     PENDING,
     PROMOTE,

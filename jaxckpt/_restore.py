@@ -15,7 +15,7 @@ import tensorstore as ts
 from jaxckpt._agree import Agreement
 from jaxckpt._chunkread import RegionRequest, plain_leaves, read_regions
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import TREE_FILE
+from jaxckpt._layout import PACK_UPLOADS
 from jaxckpt._records import ChunkRecord, CommitMarker
 from jaxckpt._replicated import Exchange, plan
 from jaxckpt._tree import (
@@ -50,10 +50,11 @@ class LoadedStep:
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
     """Reads and checks the tree record and every manifest part of a step."""
-    tree = json.loads(protocol.read_step_file(marker, TREE_FILE))
+    raw_tree, parts = protocol.read_step(marker)
+    assert raw_tree is not None
+    tree = json.loads(raw_tree)
     chunks: dict[str, list[ChunkRecord]] = {}
     layouts = set()
-    parts = protocol.read_manifest(marker)
     for part in parts:
         layouts.add(part.layout)
         for name, records in part.arrays.items():
@@ -72,10 +73,18 @@ def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
 class StepReader:
     """Restores leaves of committed steps, checking every chunk it reads."""
 
-    def __init__(self, protocol: CommitProtocol, arrays: ArrayWriter, context: ts.Context) -> None:
+    def __init__(
+        self,
+        protocol: CommitProtocol,
+        arrays: ArrayWriter,
+        context: ts.Context,
+        *,
+        reads_in_flight: int = PACK_UPLOADS,
+    ) -> None:
         self._protocol = protocol
         self._arrays = arrays
         self._context = context
+        self._reads_in_flight = reads_in_flight
 
     def restore(
         self,
@@ -230,6 +239,7 @@ class StepReader:
             [requests[i] for i in fast],
             loaded.chunks,
             window_bytes=window_bytes,
+            workers=self._reads_in_flight,
         )
         out: dict[int, np.ndarray] = dict(zip(fast, fast_data, strict=True))
         for i, future in slow.items():

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from jaxckpt import policy
-from jaxckpt._commit import retention_decision
+from jaxckpt._decision import retention_decision
 from jaxckpt._records import CommitMarker
 from jaxckpt._tier import Tier
 from jaxckpt.errors import WriterFencedError

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,13 +29,14 @@ import jax
 
 from jaxckpt import _handler, _pools, policy
 from jaxckpt._agree import Agreement
-from jaxckpt._commit import CommitProtocol, Listing
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._fence import Listing
 from jaxckpt._layout import StepLocation, held_manifest_name, new_attempt
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._pack import PackWriter
 from jaxckpt._phases import reached, watched
 from jaxckpt._promote import PromotionRequest, request_promotion, withdraw
-from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart, json_record
+from jaxckpt._records import TRAILER_BYTES, ChunkRecord, CommitMarker, ManifestPart, json_record
 from jaxckpt._telemetry import SaveRecorder
 from jaxckpt._tier import Tier
 from jaxckpt._tree import SavedLeaf, describe_state
@@ -45,6 +47,7 @@ from jaxckpt.errors import (
     SaveFailedError,
     SaveTimeoutError,
     StepAlreadyExistsError,
+    UnsupportedLeafError,
     WriterFencedError,
 )
 
@@ -106,7 +109,11 @@ class SaveSession:
         self._primary = jax.process_index() == options.primary_host
         self._listeners = tuple(listeners)
         self._packer = (
-            PackWriter(tier.storage, max_object_bytes=options.max_object_bytes)
+            PackWriter(
+                tier.storage,
+                max_object_bytes=options.max_object_bytes,
+                uploads=options.objects_in_flight,
+            )
             if options.layout == "packed"
             else None
         )
@@ -155,7 +162,8 @@ class SaveSession:
         listing = self._protocol.step_listing(step)  # begin_save's checks reuse it
         if self._protocol.read_marker(step, listing) is not None:
             raise StepAlreadyExistsError(f"step {step} already exists under {self._root}")
-        leaves, values = describe_state(state, chunk_bytes=self._options.chunk_bytes)
+        leaves, values = describe_state(state, chunk_bytes=self._options.stored_chunk_bytes)
+        _check_object_bound(leaves, self._options.max_object_bytes, step)
         tree = _tree_record(step, leaves, metadata)
         checkpointer = self._ensure_checkpointer()
         attempt = new_attempt(self._protocol.write_epoch())
@@ -482,3 +490,19 @@ def _split_held(
         if mine := tuple(c for c in chunks if c.key in keys):
             held[name] = mine
     return own, held
+
+
+def _check_object_bound(leaves: Sequence[SavedLeaf], max_object_bytes: int, step: int) -> None:
+    """Refuses a leaf with a chunk (and its checksum) over ``max_object_bytes``: its shard
+    has no divisor that splits it that small (e.g. a long axis of prime length)."""
+    for leaf in leaves:
+        if leaf.dtype is None:
+            continue
+        size = math.prod(leaf.chunk_shape) * leaf.numpy_dtype.itemsize + TRAILER_BYTES
+        if size > max_object_bytes:
+            raise UnsupportedLeafError(
+                f"step {step}: {leaf.path_text}: its shards (chunks {leaf.chunk_shape}) cannot be "
+                f"split into objects of at most max_object_bytes={max_object_bytes:,} bytes "
+                f"(the smallest chunk is {size:,}); raise max_object_bytes or shard the leaf "
+                "along an axis whose length has small divisors"
+            )

@@ -60,7 +60,9 @@ class Tier:
         self.arrays = ArrayWriter(
             storage, self.context, max_inflight_bytes=options.max_inflight_bytes
         )
-        self.reader = StepReader(self.protocol, self.arrays, self.context)
+        self.reader = StepReader(
+            self.protocol, self.arrays, self.context, reads_in_flight=options.objects_in_flight
+        )
         self.retention: policy.RetentionPolicy | None = (
             options.local_retention if self.own else options.retention
         )

@@ -293,7 +293,8 @@ def check_phase(
     data = data_objects(storage, step)
     if phase == "data_started":
         assert processes == 1, "data_started is checked on one process only"
-        assert len(data) == 1, where
+        # The first data object is durable; others of the uploads in flight may be too.
+        assert data and data <= expected_data_objects(storage, step), where
     else:
         assert data == expected_data_objects(storage, step), where
     parts = manifest_parts(storage, step)

@@ -177,7 +177,8 @@ def test_temp_files_are_stale_only_after_the_grace_period() -> None:
         (L.MIN_PACK_BYTES, 1),
         (L.MIN_PACK_BYTES + 1, 2),
         (3 * L.MIN_PACK_BYTES, 3),
-        (3 * L.MIN_PACK_BYTES + 1, L.MAX_PACKS),
+        (3 * L.MIN_PACK_BYTES + 1, 4),
+        ((L.MAX_PACKS - 1) * L.MIN_PACK_BYTES + 1, L.MAX_PACKS),
         (1000 * L.MIN_PACK_BYTES, L.MAX_PACKS),
     ],
 )

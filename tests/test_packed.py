@@ -12,6 +12,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -62,15 +63,17 @@ def test_pack_count_is_bounded_and_packs_are_filled_in_order(
         4,
         MAX_PACKS,
     ]
+    # The cap adds packs beyond MAX_PACKS: bytes over the cap, rounded up.
+    assert pack_count(10**9, min_pack_bytes=100, max_object_bytes=10**6) == 1000
     from jaxckpt import _pack
 
     root = str(tmp_path / "root")
     state = many_leaves(40, 1)  # 40 x 260 stored bytes
     monkeypatch.setattr(_pack, "MIN_PACK_BYTES", 1000)  # 10,400 bytes: split in 4
-    with jaxckpt.CheckpointManager(root, layout="packed") as mgr:
+    with jaxckpt.CheckpointManager(root, layout="packed", objects_in_flight=4) as mgr:
         mgr.save(1, state)
     prefix = step_key(root, 1)
-    assert data_objects(root, 1) == [f"{prefix}packs/0.{k}.bin" for k in range(MAX_PACKS)]
+    assert data_objects(root, 1) == [f"{prefix}packs/0.{k}.bin" for k in range(4)]
     sizes = {
         k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1]: Path(root, k).stat().st_size
         for k in data_objects(root, 1)
@@ -107,11 +110,11 @@ def test_no_pack_exceeds_max_object_bytes_and_packs_upload_at_once(
     state |= {f"b{i}": jnp.asarray(rng.standard_normal(16384, dtype=np.float32)) for i in range(8)}
     cap = 192 << 10
     storage_type = type(open_storage(root))
-    original_write = storage_type.write
+    original_start = storage_type.start_write
     in_flight = peak = 0
     lock = threading.Lock()
 
-    def write(self: object, key: str, data: bytes, **kwargs: object) -> None:
+    def start_write(self: object, key: str, data: bytes) -> Callable[[], None]:
         nonlocal in_flight, peak
         with lock:
             in_flight += 1
@@ -119,13 +122,15 @@ def test_no_pack_exceeds_max_object_bytes_and_packs_upload_at_once(
         try:
             if "/packs/" in key:
                 time.sleep(0.05)  # long enough for the next packs to start meanwhile
-            original_write(self, key, data, **kwargs)  # type: ignore[arg-type]
+            wait = original_start(self, key, data)  # type: ignore[arg-type]
+            wait()
+            return wait
         finally:
             with lock:
                 in_flight -= 1
 
     monkeypatch.setattr(_pack, "MIN_PACK_BYTES", 1)
-    monkeypatch.setattr(storage_type, "write", write)
+    monkeypatch.setattr(storage_type, "start_write", start_write)
     with jaxckpt.CheckpointManager(root, layout="packed", max_object_bytes=cap) as mgr:
         mgr.save(1, state)
     monkeypatch.undo()

@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from jaxckpt._commit import retention_decision
+from jaxckpt._decision import retention_decision
 from jaxckpt._gc import scan
 from jaxckpt.cli._common import add_retention_flags, command, open_root, retention
 from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, print_table

@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from jaxckpt._commit import retention_decision
+from jaxckpt._decision import retention_decision
 from jaxckpt.cli._common import (
     add_retention_flags,
     command,

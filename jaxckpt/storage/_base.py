@@ -14,6 +14,7 @@ protocol catches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -57,6 +58,16 @@ class Storage(Protocol):
         Raises:
           PreconditionFailed: ``exclusive`` and the key already exists.
           StorageError: the store failed.
+        """
+        ...
+
+    def start_write(self, key: str, data: bytes) -> Callable[[], None]:
+        """Starts a plain :meth:`write` of ``data`` and returns the wait for it to be durable.
+
+        The storage keeps what it needs of ``data`` (an object store copies it
+        into its request), so the caller can drop ``data`` before waiting: a
+        pack upload then holds its bytes once, not twice. The wait raises
+        :class:`StorageError` like :meth:`write`.
         """
         ...
 

@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -114,6 +114,10 @@ class LocalStorage:
             raise
         except OSError as e:
             raise self._error("write", key, e) from e
+
+    def start_write(self, key: str, data: bytes) -> Callable[[], None]:
+        self.write(key, data)  # straight from the caller's buffer: no copy to hold
+        return _written
 
     def delete(self, key: str) -> None:
         path = _join(self._root, key)
@@ -248,3 +252,7 @@ def _makedirs_durable(path: str) -> None:
     except FileExistsError:
         return
     _fsync_dir(parent)
+
+
+def _written() -> None:
+    """The wait of a write that is already durable."""

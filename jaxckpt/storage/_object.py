@@ -37,6 +37,7 @@ import os
 import re
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -383,12 +384,22 @@ class ObjectStorage:
     def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         name = self._name(key)
         if not exclusive:
-            self._wait(self._kv.write(name, bytes(data)), "write", name)
+            self._wait(self._kv.write(name, bytes(data)), "write", name)  # bytes: no copy
             return
         if self._conditions_enforced(name):
             self._create(name, bytes(data))
         else:
             self._create_fallback(name, bytes(data))
+
+    def start_write(self, key: str, data: bytes) -> Callable[[], None]:
+        name = self._name(key)
+        future = self._kv.write(name, bytes(data))  # TensorStore holds its own copy from here
+        del data
+
+        def wait() -> None:
+            self._wait(future, "write", name)
+
+        return wait
 
     def _create(self, name: str, data: bytes) -> None:
         for _ in range(_CREATE_ATTEMPTS):

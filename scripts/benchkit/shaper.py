@@ -9,7 +9,8 @@ emulator) and, per TCP connection,
   least ``2 * latency_s``), and the first bytes a client sends by one more
   round trip, the TCP handshake a far-away server costs (moto closes every
   connection after its response, so every request pays it, as it would
-  over a fresh connection to a real store);
+  over a fresh connection to a real store; ``Profile.handshake=False``
+  models kept-alive connections instead);
 * caps the connection's rate in each direction at ``conn_bytes_per_s``
   (a token bucket per connection and direction);
 * caps all connections and both directions together at
@@ -37,6 +38,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 CHUNK_BYTES = 64 << 10
@@ -52,6 +54,10 @@ class Profile:
     latency_s: float = 0.0
     conn_bytes_per_s: float | None = None
     total_bytes_per_s: float | None = None
+    handshake: bool = True
+    """Charge every new connection a round trip before its first bytes. False models a
+    client whose connections are kept alive (moto closes each one after its response,
+    so every request opens one; a real store keeps them open for the next request)."""
 
     def __post_init__(self) -> None:
         if self.latency_s < 0:
@@ -99,8 +105,9 @@ class TokenBucket:
 class RequestCounter:
     """Counts HTTP/1.x requests in a client's byte stream, fed chunk by chunk."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_request: Callable[[bytes], None] | None = None) -> None:
         self.requests = 0
+        self._on_request = on_request
         self._head = b""
         self._body_left = 0
         self._chunked = False
@@ -137,6 +144,8 @@ class RequestCounter:
             self._head = b""
             started += 1
             self.requests += 1
+            if self._on_request is not None:
+                self._on_request(head.split(b"\r\n", 1)[0])
             for line in head.split(b"\r\n")[1:]:
                 name, _, value = line.partition(b":")
                 name = name.strip().lower()
@@ -179,6 +188,8 @@ class Shaper:
         self._total = TokenBucket(profile.total_bytes_per_s)
         self._lock = threading.Lock()
         self._counts = {"connections": 0, "requests": 0, "bytes_up": 0, "bytes_down": 0}
+        self.trace: list[tuple[float, str]] | None = None
+        """Set to a list to record ``(monotonic time, request line)`` of every request."""
         self._listener = socket.create_server(("127.0.0.1", 0), backlog=256)
         self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._closed = threading.Event()
@@ -206,6 +217,11 @@ class Shaper:
             if reset:
                 self._counts = dict.fromkeys(self._counts, 0)
         return out
+
+    def _trace_request(self, line: bytes) -> None:
+        trace = self.trace
+        if trace is not None:
+            trace.append((time.monotonic(), line.decode("latin-1")))
 
     def _add(self, key: str, n: int) -> None:
         with self._lock:
@@ -242,7 +258,7 @@ class _Connection:
         self._left = 2
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self._requests = RequestCounter()
+        self._requests = RequestCounter(shaper._trace_request)
 
     def start(self) -> None:
         client, server = self._sockets
@@ -290,7 +306,8 @@ class _Connection:
     ) -> None:
         latency = self._shaper.profile.latency_s
         # the client's first bytes wait for the handshake's round trip as well
-        earliest = self._accepted + 2 * latency if handshake else 0.0
+        charged = handshake and self._shaper.profile.handshake
+        earliest = self._accepted + 2 * latency if charged else 0.0
         try:
             while True:
                 arrived, data = chunks.get()
