@@ -16,13 +16,12 @@ byte offset, so a restore reads only the chunks its target sharding needs
 (adjacent ones in one ranged read), each checked against its CRC32C like a
 plain chunk.
 
-Memory: a filling pack is a list of views of the host snapshot (no copy);
-object stores take an object in one request, so a full pack is joined into
-one ``bytes`` and handed to :meth:`Storage.start_write`, which keeps its own
-copy (TensorStore's request) and drops the joined one. So a save's extra
-host memory beyond the snapshot is at most ``(objects_in_flight + 1) ×
-max_object_bytes`` (the uploads in flight and the one being joined), and
-never more than the state once and a pack.
+Memory: a pack is a list of views of the host snapshot (no copy), handed to
+:meth:`Storage.start_write`: a local root writes them with ``writev``; an
+object store takes an object in one request, so it joins them into the
+request body when the upload starts. So a save's extra host memory beyond
+the snapshot is at most ``objects_in_flight × max_object_bytes`` (the
+uploads in flight; none on a local root), and never more than the state.
 """
 
 from __future__ import annotations
@@ -93,6 +92,9 @@ class PackWriter:
         self._max_object_bytes = max_object_bytes
         self._uploads = max(1, uploads)
 
+    def _upload(self, key: str, pieces: list[bytes | memoryview]) -> None:
+        self._storage.start_write(key, pieces)()
+
     def write(
         self, loc: StepLocation, arrays: Sequence[HostArray]
     ) -> tuple[dict[str, tuple[ChunkRecord, ...]], dict[str, int]]:
@@ -142,9 +144,9 @@ class PackWriter:
                 wait(self._uploads)  # at most `uploads` being written while the next fills
                 name = pack_name(process, index)
                 packs[name] = filled
-                box = [b"".join(pieces)]  # the one copy; the upload takes the only reference
+                # Views of the snapshot: an object store joins them when it uploads.
+                writing.append(pool.submit(self._upload, loc.key(name), pieces))
                 pieces, filled = [], 0
-                writing.append(pool.submit(_upload, self._storage, loc.key(name), box))
                 index += 1
 
             for leaf, key, raw in _chunk_views(arrays):
@@ -175,8 +177,3 @@ class PackWriter:
             wait(0)
         reached("data_written", loc.step)
         return {name: tuple(rs) for name, rs in records.items()}, packs
-
-
-def _upload(storage: Storage, key: str, box: list[bytes]) -> None:
-    """Writes the pack in ``box`` and lets go of it once the storage holds its copy."""
-    storage.start_write(key, box.pop())()

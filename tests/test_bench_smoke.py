@@ -152,3 +152,19 @@ def test_bench_all_writes_each_part_result_under_out(tmp_path: Path) -> None:
     assert run["part"] == "listing" and run["rc"] == 0
     assert run["argv"][:3] == ["listing", "--json", str(out / "listing.json")]
     assert set(json.loads((out / "listing.json").read_text())) == {"local", "s3"}
+
+
+def test_tiny_bench_savemem_writes_a_row_per_store_and_layout(tmp_path: Path) -> None:
+    out = tmp_path / "savemem.json"
+    argv = ["--gib", "0.02", "--leaf-mib", "1", "--stores", "local,s3", "--json", str(out)]
+    proc = bench("savemem", *argv, timeout_s=240)
+    rows = json.loads(out.read_text())
+    assert [(r["store"], r["layout"]) for r in rows] == [
+        (store, layout) for store in ("local", "s3") for layout in ("packed", "plain")
+    ]
+    for r in rows:
+        assert r["leaves"] == 21 and r["state_bytes"] == 20 * (1 << 20) + 4, r
+        assert r["save_s"] > 0 and r["extra_bytes"] >= 0, r
+        assert r["extra_ratio"] == r["extra_bytes"] / r["state_bytes"], r
+        assert r["packed_bound_bytes"] == 16 * (64 << 20), r  # 16 in flight x 64 MiB
+    assert "| store | layout | state |" in proc.stdout and "target: packed extra" in proc.stdout

@@ -114,7 +114,7 @@ def test_no_pack_exceeds_max_object_bytes_and_packs_upload_at_once(
     in_flight = peak = 0
     lock = threading.Lock()
 
-    def start_write(self: object, key: str, data: bytes) -> Callable[[], None]:
+    def start_write(self: object, key: str, pieces: list[bytes]) -> Callable[[], None]:
         nonlocal in_flight, peak
         with lock:
             in_flight += 1
@@ -122,7 +122,7 @@ def test_no_pack_exceeds_max_object_bytes_and_packs_upload_at_once(
         try:
             if "/packs/" in key:
                 time.sleep(0.05)  # long enough for the next packs to start meanwhile
-            wait = original_start(self, key, data)  # type: ignore[arg-type]
+            wait = original_start(self, key, pieces)  # type: ignore[arg-type]
             wait()
             return wait
         finally:
@@ -222,16 +222,17 @@ def test_commit_refuses_when_a_pack_is_missing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = str(tmp_path / "root")
-    original = LocalStorage.write
+    original = LocalStorage.start_write
 
-    def lose_packs(self: LocalStorage, key: str, data: bytes, *, exclusive: bool = False) -> None:
-        if "/packs/" not in key:  # a store that acknowledged the pack but lost it
-            original(self, key, data, exclusive=exclusive)
+    def lose_packs(self: LocalStorage, key: str, pieces: list[bytes]) -> Callable[[], None]:
+        if "/packs/" in key:  # a store that acknowledged the pack but lost it
+            return lambda: None
+        return original(self, key, pieces)
 
     with jaxckpt.CheckpointManager(root, layout="packed") as mgr:
         mgr.save(1, {"w": jnp.arange(8.0)})
         mgr.wait()
-        monkeypatch.setattr(LocalStorage, "write", lose_packs)
+        monkeypatch.setattr(LocalStorage, "start_write", lose_packs)
         mgr.save(2, {"w": jnp.arange(8.0)})
         with pytest.raises(
             jaxckpt.SaveFailedError, match=r"chunk c/0 of w .*packs/0.0.bin.* missing"

@@ -39,6 +39,27 @@ def test_write_read_round_trip(storage: Storage, size: int) -> None:
     assert storage.read("step_1/manifest.json") == data
 
 
+@pytest.mark.parametrize("count", [0, 3, 2500], ids=["none", "few", "over-IOV_MAX"])
+def test_start_write_stores_the_pieces_in_order(storage: Storage, count: int) -> None:
+    rng = np.random.default_rng(count)
+    arrays = [rng.integers(0, 256, int(rng.integers(0, 300)), dtype=np.uint8) for _ in range(count)]
+    pieces: list[bytes | memoryview] = [
+        a.data if i % 2 else a.tobytes() for i, a in enumerate(arrays)
+    ]  # views of numpy buffers and bytes, some empty
+    wait = storage.start_write("packs/0.0.bin", pieces)
+    wait()
+    assert storage.read("packs/0.0.bin") == b"".join(a.tobytes() for a in arrays)
+
+
+def test_start_write_of_a_missing_bucket_raises_from_the_wait_or_the_start(
+    object_root: str,
+) -> None:
+    scheme, rest = object_root.split("://", 1)
+    missing = open_storage(f"{scheme}://no-such-bucket-{uuid.uuid4().hex[:8]}/{rest}")
+    with pytest.raises(StorageError, match="no-such-bucket"):
+        missing.start_write("packs/0.0.bin", [b"x"])()
+
+
 def test_read_missing_returns_none(storage: Storage) -> None:
     assert storage.read("nope") is None
     assert storage.read("no/such/dir/key") is None

@@ -14,7 +14,7 @@ protocol catches.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -61,13 +61,13 @@ class Storage(Protocol):
         """
         ...
 
-    def start_write(self, key: str, data: bytes) -> Callable[[], None]:
-        """Starts a plain :meth:`write` of ``data`` and returns the wait for it to be durable.
+    def start_write(self, key: str, pieces: Sequence[bytes | memoryview]) -> Callable[[], None]:
+        """Starts a plain :meth:`write` of the concatenated ``pieces`` and returns the wait
+        for it to be durable (it raises :class:`StorageError` like :meth:`write`).
 
-        The storage keeps what it needs of ``data`` (an object store copies it
-        into its request), so the caller can drop ``data`` before waiting: a
-        pack upload then holds its bytes once, not twice. The wait raises
-        :class:`StorageError` like :meth:`write`.
+        A local root writes the pieces as they are (``writev``, no copy); an
+        object store joins them into its one request body and keeps only that,
+        so a pack upload holds its bytes once while in flight.
         """
         ...
 

@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -115,8 +115,15 @@ class LocalStorage:
         except OSError as e:
             raise self._error("write", key, e) from e
 
-    def start_write(self, key: str, data: bytes) -> Callable[[], None]:
-        self.write(key, data)  # straight from the caller's buffer: no copy to hold
+    def start_write(self, key: str, pieces: Sequence[bytes | memoryview]) -> Callable[[], None]:
+        path = _join(self._root, key)
+        directory = os.path.dirname(path)
+        try:
+            _makedirs_durable(directory)
+            _write_file(path, pieces)  # straight from the caller's buffers: no copy
+            _fsync_dir(directory)
+        except OSError as e:
+            raise self._error("write", key, e) from e
         return _written
 
     def delete(self, key: str) -> None:
@@ -221,15 +228,27 @@ class LocalStorage:
         }
 
 
-def _write_file(path: str, data: bytes) -> None:
+def _write_file(path: str, data: bytes | Sequence[bytes | memoryview]) -> None:
+    """Writes ``data`` (or its pieces, in order, by ``writev``) to ``path`` and fsyncs it."""
+    pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        i = 0
+        while i < len(views):
+            written = os.writev(fd, views[i : i + _IOV_MAX])
+            while i < len(views) and written >= len(views[i]):  # skip what went out whole
+                written -= len(views[i])
+                i += 1
+            if written:
+                views[i] = views[i][written:]
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_IOV_MAX = 1024
+"""The most buffers one ``writev`` takes (Linux's IOV_MAX)."""
 
 
 def _fsync_dir(path: str) -> None:

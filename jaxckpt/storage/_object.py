@@ -37,7 +37,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -391,10 +391,11 @@ class ObjectStorage:
         else:
             self._create_fallback(name, bytes(data))
 
-    def start_write(self, key: str, data: bytes) -> Callable[[], None]:
+    def start_write(self, key: str, pieces: Sequence[bytes | memoryview]) -> Callable[[], None]:
         name = self._name(key)
-        future = self._kv.write(name, bytes(data))  # TensorStore holds its own copy from here
-        del data
+        body = b"".join(pieces)  # the request's one copy: TensorStore holds it from here
+        future = self._kv.write(name, body)
+        del body
 
         def wait() -> None:
             self._wait(future, "write", name)

@@ -6,7 +6,7 @@ environment (cloud variables, ``XLA_FLAGS`` device count, loopback servers)
 cannot leak into the next. Every result lands under ``--out`` with the name
 the part writes on its own: ``bench.md``/``bench.png``/``bench.json`` (core),
 ``bench_tiers.json``, ``bench_packed.json``, ``bench_cloud.json``, ``replread.json``,
-``listing.json``; ``bench_all.json`` records each part's command, exit status
+``savemem.json``, ``listing.json``; ``bench_all.json`` records each part's command, exit status
 and wall time. A failing part does not stop the others; the exit status is 1
 if any failed.
 """
@@ -72,6 +72,12 @@ PARTS = {
                 "--profiles",
                 "bare,20ms",
             ),
+        ),
+        Part(
+            name="savemem",
+            out_flag="--json",
+            result="savemem.json",
+            tiny=("--gib", "0.05", "--leaf-mib", "4"),
         ),
         Part(
             name="listing",
