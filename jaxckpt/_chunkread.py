@@ -37,6 +37,7 @@ from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import Region, chunk_key, zarr_metadata
 from jaxckpt.errors import CorruptCheckpointError
 from jaxckpt.storage import Storage, aligned_empty
+from jaxckpt.storage._options import MAX_SPAN_BYTES, MIN_SPAN_BYTES
 
 
 @dataclass(frozen=True)
@@ -133,12 +134,6 @@ def read_regions(
         out if out is not None else np.empty(_extent(r.region), r.leaf.numpy_dtype)
         for out, r in zip(outputs, requests, strict=True)
     ]
-
-
-MAX_SPAN_BYTES = 32 << 20
-"""Adjacent chunks of one pack object are fetched by one ranged read of at most this."""
-MIN_SPAN_BYTES = 1 << 20
-"""... and spans are not made shorter than this to put more reads in flight."""
 
 
 class _Span:

@@ -149,6 +149,96 @@ def plan(
 # -- objects and requests per checkpoint, per layout ---------------------------
 
 LAYOUT_NAMES = ("plain", "packed")
+RECORDS_PER_STEP = 6
+"""The step's records besides the manifest parts: pending, tree, two zarr group records, the
+latest hint and the marker (written by the primary process)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessShare:
+    """What one process of a sharded state holds and writes per step (see :func:`process_share`)."""
+
+    processes: int
+    nbytes: float
+    """Stored bytes of the process (its shards)."""
+    chunks: float
+    """Chunk objects of the plain layout the process writes."""
+    chunk_bytes: float
+    """The size of one chunk (shards split evenly into chunks of at most the options'
+    ``stored_chunk_bytes``)."""
+    packs: int
+    """Pack objects of the packed layout the process writes."""
+    objects_in_flight: int
+    """Packs one packed save uploads, and reads one restore issues, at once."""
+
+
+def process_share(
+    *,
+    checkpoint_bytes: float,
+    leaves: int,
+    devices: int,
+    devices_per_process: int = 8,
+    chunk_bytes: int | None = None,
+    max_object_bytes: int | None = None,
+    objects_in_flight: int | None = None,
+) -> ProcessShare:
+    """One process's bytes, chunks and packs when every leaf is sharded over all ``devices``.
+
+    ``chunk_bytes``, ``max_object_bytes`` and ``objects_in_flight`` default to
+    :class:`jaxckpt.CheckpointOptions`'s, whose ``stored_chunk_bytes`` bounds the
+    chunks; packs are counted by the packed layout's own
+    :func:`jaxckpt._layout.pack_count`.
+
+    >>> s = process_share(checkpoint_bytes=16 * (16 << 20), leaves=16, devices=8)
+    >>> s.processes, s.chunks, s.chunk_bytes == 2 << 20, s.packs, s.objects_in_flight
+    (1, 128.0, True, 16, 16)
+
+    Raises:
+      ValueError: a count below 1, or options :class:`jaxckpt.CheckpointOptions` refuses.
+    """
+    for name, count in [
+        ("leaves", leaves),
+        ("devices", devices),
+        ("devices_per_process", devices_per_process),
+    ]:
+        _count(name, count)
+    _positive("checkpoint_bytes", checkpoint_bytes)
+    from jaxckpt._layout import pack_count
+    from jaxckpt._options import CheckpointOptions
+
+    given = {
+        "chunk_bytes": chunk_bytes,
+        "max_object_bytes": max_object_bytes,
+        "objects_in_flight": objects_in_flight,
+    }
+    options = CheckpointOptions(**{k: v for k, v in given.items() if v is not None})
+    processes = math.ceil(devices / devices_per_process)
+    shard_bytes = checkpoint_bytes / leaves / devices
+    chunks_per_shard = max(1, math.ceil(shard_bytes / options.stored_chunk_bytes))
+    nbytes = checkpoint_bytes / processes
+    packs = pack_count(
+        nbytes, max_object_bytes=options.max_object_bytes, max_packs=options.objects_in_flight
+    )
+    return ProcessShare(
+        processes=processes,
+        nbytes=nbytes,
+        chunks=leaves * devices * chunks_per_shard / processes,
+        chunk_bytes=shard_bytes / chunks_per_shard,
+        packs=packs,
+        objects_in_flight=options.objects_in_flight,
+    )
+
+
+def _option(name: str) -> int:
+    """The default of a :class:`jaxckpt.CheckpointOptions` field."""
+    from jaxckpt._options import CheckpointOptions
+
+    return int(getattr(CheckpointOptions(), name))
+
+
+def _count(name: str, count: object) -> None:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {count!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +259,9 @@ def object_plan(
     leaves: int,
     devices: int,
     devices_per_process: int = 8,
-    chunk_bytes: int = 64 << 20,
+    chunk_bytes: int | None = None,
+    max_object_bytes: int | None = None,
+    objects_in_flight: int | None = None,
     write_usd_per_1000: float = 0.005,
     read_usd_per_1000: float = 0.0004,
     write_requests_per_s: float = 1000.0,
@@ -177,14 +269,15 @@ def object_plan(
 ) -> dict[str, LayoutCost]:
     """Objects, requests and request cost of one checkpoint, per layout.
 
-    Model (every leaf is sharded over all ``devices``, as FSDP does; a shard is
-    split into chunks of at most ``chunk_bytes``; a host runs
-    ``devices_per_process`` devices):
+    Model (:func:`process_share`: every leaf is sharded over all ``devices``,
+    as FSDP does; a shard is split into chunks of at most ``chunk_bytes``; a
+    host runs ``devices_per_process`` devices):
 
     * plain: one object per chunk, ``leaves × devices × chunks per shard``, plus
       one ``zarr.json`` per leaf;
-    * packed: at most 4 pack objects per process
-      (:func:`jaxckpt._layout.pack_count` of the process's bytes);
+    * packed: :func:`jaxckpt._layout.pack_count` pack objects per process
+      (``objects_in_flight`` of them, fewer for a small state, more as
+      ``max_object_bytes`` needs);
     * both: the step's records — pending record, tree record, two zarr group
       records, one manifest part per process, the latest hint and the marker.
 
@@ -199,37 +292,30 @@ def object_plan(
 
     >>> p = object_plan(checkpoint_bytes=840e9, leaves=2200, devices=256)
     >>> p["plain"].objects_per_checkpoint, p["packed"].objects_per_checkpoint
-    (565438, 166)
+    (565438, 12582)
     """
-    for name, count in [
-        ("leaves", leaves),
-        ("devices", devices),
-        ("devices_per_process", devices_per_process),
-        ("chunk_bytes", chunk_bytes),
-        ("checkpoints", checkpoints),
-    ]:
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {count!r}")
-    for name, value in [
-        ("checkpoint_bytes", checkpoint_bytes),
-        ("write_requests_per_s", write_requests_per_s),
-    ]:
-        _positive(name, value)
+    _count("checkpoints", checkpoints)
+    _positive("write_requests_per_s", write_requests_per_s)
     for name, value in [
         ("write_usd_per_1000", write_usd_per_1000),
         ("read_usd_per_1000", read_usd_per_1000),
     ]:
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be >= 0, got {value!r}")
-    from jaxckpt._layout import pack_count
-
-    processes = math.ceil(devices / devices_per_process)
-    shard_bytes = checkpoint_bytes / leaves / devices
-    chunks_per_shard = max(1, math.ceil(shard_bytes / chunk_bytes))
-    records = 6 + processes  # pending, tree, 2 group records, manifests, hint, marker
+    share = process_share(
+        checkpoint_bytes=checkpoint_bytes,
+        leaves=leaves,
+        devices=devices,
+        devices_per_process=devices_per_process,
+        chunk_bytes=chunk_bytes,
+        max_object_bytes=max_object_bytes,
+        objects_in_flight=objects_in_flight,
+    )
+    processes = share.processes
+    records = RECORDS_PER_STEP + processes  # + a manifest part per process
     data = {
-        "plain": leaves * devices * chunks_per_shard + leaves,  # chunks + zarr.json per leaf
-        "packed": processes * pack_count(checkpoint_bytes / processes),
+        "plain": round(share.chunks * processes) + leaves,  # chunks + zarr.json per leaf
+        "packed": processes * share.packs,
     }
     out = {}
     for layout in LAYOUT_NAMES:

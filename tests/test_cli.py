@@ -244,6 +244,7 @@ def test_listing_commands_do_not_import_jax(saved_root, tmp_path):
         "assert cli.main(['prune', root, '--keep-last=1', '--dry-run']) == 0; "
         "assert cli.main(['gc', root, '--dry-run']) == 0; "
         f"assert cli.main({ARTICLE!r}) == 0; "
+        f"assert cli.main({[*ARTICLE, '--devices=64', '--leaves=100']!r}) == 0; "
         "assert 'jax' not in sys.modules, 'jax was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
@@ -492,9 +493,9 @@ def test_plan_human_output_and_bad_values(capsys):
 def test_plan_objects_and_request_cost_per_layout(capsys):
     argv = [*ARTICLE, "--params=70B", "--bytes-per-param=12", "--devices=256", "--leaves=2200"]
     result = run_json(capsys, *argv)
-    assert result["objects_per_checkpoint"] == {"plain": 565438, "packed": 166}
+    assert result["objects_per_checkpoint"] == {"plain": 565438, "packed": 12582}
     assert result["request_cost_usd"]["plain"] == pytest.approx(2.83, abs=0.01)
-    assert result["request_cost_usd"]["packed"] < 0.001
+    assert result["request_cost_usd"]["packed"] < 0.07
     assert set(result["request_seconds"]) == {"plain", "packed"}
     rc, out, _ = run(capsys, *argv)
     assert rc == 0 and "per checkpoint, by layout:" in out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from jaxckpt._plan import PlanResult, object_plan, plan
@@ -128,7 +130,9 @@ def test_object_plan_of_the_issue_example() -> None:
     plain, packed = p["plain"], p["packed"]
     records = 6 + 32  # pending, tree, 2 group records, hint, marker; a manifest per host
     assert plain.objects_per_checkpoint == 2200 * 256 + 2200 + records  # ~563,000 chunks
-    assert packed.objects_per_checkpoint == 32 * 4 + records
+    # 26.25 GB per host in packs of at most 64 MiB (CheckpointOptions.max_object_bytes).
+    assert packed.objects_per_checkpoint == 32 * math.ceil(840e9 / 32 / (64 << 20)) + records
+    assert packed.objects_per_checkpoint == 32 * 392 + records
     # Writes + deletes + LIST pages at $0.005 / 1,000, the read-backs at $0.0004 / 1,000.
     writes = plain.objects_per_checkpoint + 1 + (-(-(2200 * 256 + 2200) // 1000) + 2)
     assert plain.requests_per_checkpoint == writes + 1 + 33
@@ -136,15 +140,20 @@ def test_object_plan_of_the_issue_example() -> None:
     assert plain.request_cost_usd == pytest.approx(2.83, abs=0.01)
     assert plain.run_request_cost_usd == pytest.approx(1000 * plain.request_cost_usd)
     assert plain.request_seconds == pytest.approx(writes / 1000)  # > 9 minutes at 1,000/s
-    assert packed.request_cost_usd < 0.001 and packed.request_seconds < 0.2
+    assert packed.request_cost_usd < 0.07 and packed.request_seconds < 12.7  # 1/45 of plain
 
 
 def test_object_plan_splits_large_shards_and_packs_small_states() -> None:
     big = object_plan(checkpoint_bytes=10 * 8 * (200 << 20), leaves=10, devices=8)
     assert big["plain"].objects_per_checkpoint == 10 * 8 * 4 + 10 + 7  # 200 MiB shards: 4 chunks
-    assert big["packed"].objects_per_checkpoint == 4 + 7  # one host, 16 GiB: 4 packs
+    # one host, 16,000 MiB in packs of at most 64 MiB (the default cap): 250 packs
+    assert big["packed"].objects_per_checkpoint == 250 + 7
+    capped = object_plan(
+        checkpoint_bytes=10 * 8 * (200 << 20), leaves=10, devices=8, max_object_bytes=8 << 30
+    )
+    assert capped["packed"].objects_per_checkpoint == 16 + 7  # objects_in_flight packs
     small = object_plan(checkpoint_bytes=6.4e6, leaves=200, devices=8)
-    assert small["packed"].objects_per_checkpoint == 1 + 7  # one pack
+    assert small["packed"].objects_per_checkpoint == 2 + 7  # 6.4 MB: two packs of >= 4 MiB
     assert small["plain"].objects_per_checkpoint == 200 * 8 + 200 + 7
 
 

@@ -1,8 +1,14 @@
-"""``jaxckpt plan``: what a checkpoint interval costs, and Daly's optimal one."""
+"""``jaxckpt plan``: what a checkpoint interval costs, and Daly's optimal one.
+
+With ``--devices`` and ``--leaves``, also each layout's objects and request cost per
+checkpoint (:func:`jaxckpt._plan.object_plan`) and the time floor of one save and one
+restore on a far-away store (:mod:`jaxckpt._floors`, which states the model).
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import Any
 
 from jaxckpt.cli._common import command
@@ -52,6 +58,29 @@ def register(sub: Any) -> None:
         default=1000.0,
         help="the bucket's write request rate (default 1000, a new GCS bucket)",
     )
+    p.add_argument(
+        "--max-object-bytes",
+        type=int,
+        help="the largest object a save writes (default CheckpointOptions.max_object_bytes)",
+    )
+    p.add_argument(
+        "--objects-in-flight",
+        type=int,
+        help="packs uploading and reads in flight (default CheckpointOptions.objects_in_flight)",
+    )
+    # The time floors of one save and one restore (with --devices/--leaves); see jaxckpt._floors.
+    p.add_argument(
+        "--conn-mbps", type=float, default=85.0, help="MB/s per connection (default 85, AWS)"
+    )
+    p.add_argument("--rtt-ms", type=float, default=20.0, help="round trip, ms (default 20)")
+    p.add_argument(
+        "--host-gbps", type=float, default=1.25, help="host NIC, GB/s (default 1.25: 10 Gb/s)"
+    )
+    p.add_argument(
+        "--connections",
+        type=int,
+        help="requests in flight per process (default ObjectStoreOptions.request_concurrency, 32)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -72,6 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             async_blocking_seconds=args.async_blocking_seconds,
         )
         layouts = _layouts(args, result.checkpoint_gb * 1e9, result.checkpoints)
+        timed = _floors(args, result.checkpoint_gb * 1e9) if layouts else None
     except ValueError as e:
         err(str(e))
         return 2
@@ -79,11 +109,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out: dict[str, Any] = dict(result.to_dict())
         for key in _LAYOUT_KEYS if layouts else ():
             out[key] = {name: getattr(cost, key) for name, cost in layouts.items()}
+        if timed is not None:
+            link, floors = timed
+            for key in _FLOOR_KEYS:
+                out[key] = {name: getattr(f, key) for name, f in floors.items()}
+            out["link"] = _link_dict(link)
         json_out(out)
     else:
         print(result.format_text())
         if layouts:
             print(_layout_table(layouts))
+        if timed is not None:
+            print(_floor_table(*timed))
     return 0
 
 
@@ -94,6 +131,50 @@ _LAYOUT_KEYS = (
     "request_seconds",
     "run_request_cost_usd",
 )
+
+
+_FLOOR_KEYS = (
+    "objects_per_process",
+    "save_requests_per_process",
+    "restore_requests_per_process",
+    "save_in_flight",
+    "restore_in_flight",
+    "save_floor_s",
+    "restore_floor_s",
+    "save_bound",
+    "restore_bound",
+)
+
+
+def _link_dict(link: Any) -> dict[str, float]:
+    return {
+        "conn_mbps": link.conn_bytes_per_s / 1e6,
+        "rtt_ms": link.rtt_s * 1e3,
+        "host_gbps": link.host_bytes_per_s / 1e9,
+        "connections": link.connections,
+    }
+
+
+def _floors(args: argparse.Namespace, checkpoint_bytes: float) -> tuple[Any, dict[str, Any]]:
+    from jaxckpt._floors import Link, floors
+    from jaxckpt._plan import process_share
+
+    share = process_share(
+        checkpoint_bytes=checkpoint_bytes,
+        leaves=args.leaves,
+        devices=args.devices,
+        devices_per_process=args.devices_per_process,
+        max_object_bytes=args.max_object_bytes,
+        objects_in_flight=args.objects_in_flight,
+    )
+    extra = {} if args.connections is None else {"connections": args.connections}
+    link = Link(
+        conn_bytes_per_s=args.conn_mbps * 1e6,
+        rtt_s=args.rtt_ms / 1e3,
+        host_bytes_per_s=args.host_gbps * 1e9,
+        **extra,
+    )
+    return link, floors(share, leaves=args.leaves, link=link)
 
 
 def _layouts(args: argparse.Namespace, checkpoint_bytes: float, checkpoints: int) -> dict[str, Any]:
@@ -108,6 +189,8 @@ def _layouts(args: argparse.Namespace, checkpoint_bytes: float, checkpoints: int
         leaves=args.leaves,
         devices=args.devices,
         devices_per_process=args.devices_per_process,
+        max_object_bytes=args.max_object_bytes,
+        objects_in_flight=args.objects_in_flight,
         write_usd_per_1000=args.write_usd_per_1000,
         write_requests_per_s=args.write_requests_per_s,
         checkpoints=max(1, checkpoints),
@@ -127,13 +210,41 @@ def _layout_table(layouts: dict[str, Any]) -> str:
                 f"${c.run_request_cost_usd:,.0f}",
             )
         )
+    return _table("per checkpoint, by layout:", rows)
+
+
+def _floor_table(link: Any, floors: dict[str, Any]) -> str:
+    d = _link_dict(link)
+    title = (
+        "time floor of one save and one restore per process, by layout\n"
+        f"({d['conn_mbps']:g} MB/s per connection, {d['rtt_ms']:g} ms round trip, "
+        f"{d['host_gbps']:g} GB/s host, at most {d['connections']} requests in flight):"
+    )
+    rows = [("layout", "objects", "save", "bound by", "restore", "bound by")]
+    for name, f in floors.items():
+        rows.append(
+            (
+                name,
+                f"{f.objects_per_process:,}",
+                f"{f.save_floor_s:,.2f} s",
+                f"{f.save_bound} ({f.save_in_flight} in flight)",
+                f"{f.restore_floor_s:,.2f} s",
+                f"{f.restore_bound} ({f.restore_in_flight} in flight)",
+            )
+        )
+    return _table(title, rows, left={0, 3, 5})
+
+
+def _table(
+    title: str, rows: Sequence[tuple[str, ...]], left: frozenset[int] | set[int] = frozenset({0})
+) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["", "per checkpoint, by layout:"]
+    lines = ["", title]
     for r in rows:
         lines.append(
             "  ".join(
-                v.ljust(w) if i == 0 else v.rjust(w)
+                v.ljust(w) if i in left else v.rjust(w)
                 for i, (v, w) in enumerate(zip(r, widths, strict=True))
-            )
+            ).rstrip()
         )
     return "\n".join(lines)

@@ -130,6 +130,11 @@ class ObjectStoreOptions:
         return (max(1, min(MAX_READ_PART_BYTES, ahead // 5)) if part is None else part), ahead
 
 
+MAX_SPAN_BYTES = 32 << 20
+"""A restore fetches adjacent chunks of one pack object by one ranged read of at most this
+(``jaxckpt._chunkread``; here so that ``jaxckpt plan`` can read it without jax)."""
+MIN_SPAN_BYTES = 1 << 20
+"""... and does not make spans shorter than this to put more reads in flight."""
 DIRECT_PART_BYTES = 64 << 20
 """The default part of a direct ranged GET (no copy, so only the wire bounds it)."""
 MAX_READ_PART_BYTES = 16 << 20
