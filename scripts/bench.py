@@ -45,6 +45,7 @@ The other benchmarks are subcommands of this one entry point, each a module
     python scripts/bench.py packed    # plain vs packed vs OCDBT (bench_packed.json)
     python scripts/bench.py cloud     # raw vs plain vs packed behind a shaping proxy
     python scripts/bench.py replread  # multi-host restore bytes (replread.json)
+    python scripts/bench.py readclient  # direct reads vs obstore; TensorStore vs obstore PUTs
     python scripts/bench.py listing   # open, latest_step(), restore(), save at 10-10,000 steps
     python scripts/bench.py all [--out results/] [--tiny] [--parts core,tiers,...]
 

@@ -6,9 +6,9 @@ environment (cloud variables, ``XLA_FLAGS`` device count, loopback servers)
 cannot leak into the next. Every result lands under ``--out`` with the name
 the part writes on its own: ``bench.md``/``bench.png``/``bench.json`` (core),
 ``bench_tiers.json``, ``bench_packed.json``, ``bench_cloud.json``, ``replread.json``,
-``savemem.json``, ``listing.json``; ``bench_all.json`` records each part's command, exit status
-and wall time. A failing part does not stop the others; the exit status is 1
-if any failed.
+``savemem.json``, ``bench_readclient.json``, ``listing.json``; ``bench_all.json`` records
+each part's command, exit status and wall time. A failing part does not stop the others;
+the exit status is 1 if any failed.
 """
 
 from __future__ import annotations
@@ -78,6 +78,12 @@ PARTS = {
             out_flag="--json",
             result="savemem.json",
             tiny=("--gib", "0.05", "--leaf-mib", "4"),
+        ),
+        Part(
+            name="readclient",
+            out_flag="--json",
+            result="bench_readclient.json",
+            tiny=("--reads", "8x64KiB,40x4KiB", "--writes", "1x1MiB,4x64KiB", "--rounds", "1"),
         ),
         Part(
             name="listing",
