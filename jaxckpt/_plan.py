@@ -206,12 +206,14 @@ def process_share(
     from jaxckpt._layout import pack_count
     from jaxckpt._options import CheckpointOptions
 
-    given = {
-        "chunk_bytes": chunk_bytes,
-        "max_object_bytes": max_object_bytes,
-        "objects_in_flight": objects_in_flight,
-    }
-    options = CheckpointOptions(**{k: v for k, v in given.items() if v is not None})
+    default = CheckpointOptions()
+    options = CheckpointOptions(
+        chunk_bytes=default.chunk_bytes if chunk_bytes is None else chunk_bytes,
+        max_object_bytes=default.max_object_bytes if max_object_bytes is None else max_object_bytes,
+        objects_in_flight=(
+            default.objects_in_flight if objects_in_flight is None else objects_in_flight
+        ),
+    )
     processes = math.ceil(devices / devices_per_process)
     shard_bytes = checkpoint_bytes / leaves / devices
     chunks_per_shard = max(1, math.ceil(shard_bytes / options.stored_chunk_bytes))
