@@ -29,9 +29,9 @@ object, and for the big one also a multipart upload of ``--part-mib`` parts,
 12 in flight).
 
 Profiles as ``bench.py cloud``'s: ``bare`` (the proxy alone) and ``20ms`` (10
-ms each way, 25 MB/s per connection, 200 MB/s in all; moto closes every
-connection after its response, so each request also pays the handshake's
-round trip, for every client alike).
+ms each way, 25 MB/s per connection, 200 MB/s in all, no handshake charged:
+moto closes every connection after its response, which a kept-alive
+connection to a real store would not pay for).
 
 Each contender's rounds are interleaved (``jaxckpt, obstore, obstore-ranges,
 jaxckpt, ...``) so that the shared machine's drifts hit all alike; medians
