@@ -52,9 +52,9 @@ open's listing.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from jaxckpt._plan import LAYOUT_NAMES, RECORDS_PER_STEP, ProcessShare, _positive
+from jaxckpt._plan import LAYOUT_NAMES, RECORDS_PER_STEP, ProcessShare, _count, _positive
 
 __all__ = ["LayoutFloor", "Link", "floors"]
 
@@ -79,15 +79,12 @@ class Link:
     conn_bytes_per_s: float = 85e6
     rtt_s: float = 0.020
     host_bytes_per_s: float = 1.25e9
-    connections: int = field(default_factory=lambda: _request_concurrency())
+    connections: int = field(default_factory=_request_concurrency)
 
     def __post_init__(self) -> None:
         for name in ("conn_bytes_per_s", "rtt_s", "host_bytes_per_s"):
             _positive(name, getattr(self, name))
-        if isinstance(self.connections, bool) or not isinstance(self.connections, int):
-            raise ValueError(f"connections must be an integer >= 1, got {self.connections!r}")
-        if self.connections < 1:
-            raise ValueError(f"connections must be an integer >= 1, got {self.connections!r}")
+        _count("connections", self.connections)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,9 +126,6 @@ class LayoutFloor:
     save_bound: str
     """The largest part of the save's floor."""
     restore_bound: str
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def _in_flight(requests: int, *limits: int) -> int:
