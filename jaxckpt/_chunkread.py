@@ -37,7 +37,7 @@ from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import Region, chunk_key, zarr_metadata
 from jaxckpt.errors import CorruptCheckpointError
 from jaxckpt.storage import Storage, aligned_empty
-from jaxckpt.storage._options import MAX_SPAN_BYTES, MIN_SPAN_BYTES
+from jaxckpt.storage._options import span_limit
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def _spans(
         )) is not None and record.pack is not None
     ]  # fmt: skip
     total = sum(record.size for _, _, record in needed)
-    limit = min(MAX_SPAN_BYTES, max(MIN_SPAN_BYTES, -(-total // max(1, workers))))
+    limit = span_limit(total, workers)
     out: dict[tuple[int, Region], _Slice] = {}
     span: _Span | None = None
     for i, cell, record in needed:

@@ -137,11 +137,11 @@ def _spans(share: ProcessShare) -> int:
     bytes over ``objects_in_flight`` (within ``MIN_SPAN_BYTES`` and ``MAX_SPAN_BYTES``)."""
     from jaxckpt._layout import PACK_ALIGNMENT
     from jaxckpt._records import TRAILER_BYTES
-    from jaxckpt.storage._options import MAX_SPAN_BYTES, MIN_SPAN_BYTES
+    from jaxckpt.storage._options import span_limit
 
     record = share.chunk_bytes + TRAILER_BYTES
     total = math.ceil(share.chunks) * record
-    limit = min(MAX_SPAN_BYTES, max(MIN_SPAN_BYTES, math.ceil(total / share.objects_in_flight)))
+    limit = span_limit(total, share.objects_in_flight)
     stride = math.ceil(record / PACK_ALIGNMENT) * PACK_ALIGNMENT  # chunks start aligned
     per_span = 1 if record >= limit else 1 + int((limit - record) // stride)
     packs = max(1, share.packs)

@@ -99,7 +99,7 @@ class CheckpointOptions:
     gc_grace_s: float = 3600.0
     storage_options: ObjectStoreOptions | Mapping[str, Any] = field(default_factory=dict)
     primary_host: int = 0
-    layout: str = "plain"
+    layout: str = "packed"
     local_root: str | None = None
     promote_policy: SavePolicy | None = None
     local_retention: RetentionPolicy | None = None

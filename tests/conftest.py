@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from benchkit import servers
 
+import jaxckpt
+
 servers.isolate_cloud_env(os.environ, tempfile.gettempdir())
 
 
@@ -94,3 +96,16 @@ def storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def object_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty ``s3://`` or ``gs://`` root."""
     return _root(request, request.param, tmp_path)
+
+
+@pytest.fixture
+def plain_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Managers made without ``layout=`` in this process write the plain layout.
+
+    For tests about what the plain layout stores (one chunk object per chunk: the
+    objects they corrupt, delete, count or open with zarr-python), written when plain
+    was the default. Child processes take ``--layout`` (plain unless told).
+    """
+    defaults = jaxckpt.CheckpointOptions.__init__.__kwdefaults__
+    assert defaults is not None and defaults["layout"] == "packed"
+    monkeypatch.setitem(defaults, "layout", "plain")

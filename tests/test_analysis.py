@@ -29,7 +29,7 @@ def _state(step: int) -> dict:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("analysis") / "root")
-    with jaxckpt.CheckpointManager(root, chunk_bytes=256) as mgr:
+    with jaxckpt.CheckpointManager(root, chunk_bytes=256, layout="plain") as mgr:
         for step in (1, 2, 5, 10, 20, 50, 100, 200):
             mgr.save(step, _state(step))
     return root
@@ -106,6 +106,7 @@ def test_diff_added_removed_and_other_roots(capsys, root, tmp_path):
     }
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_diff_uses_checksums_not_data(capsys, root, tmp_path):
     import shutil
 
@@ -123,6 +124,7 @@ def test_diff_uses_checksums_not_data(capsys, root, tmp_path):
     assert rc == 1 and "step 50: ['params']['w']: chunk c/0/0" in err and "checksum" in err
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_diff_unknown_when_layouts_differ_settled_by_values(capsys, root, tmp_path):
     other = str(tmp_path / "rechunked")
     with jaxckpt.CheckpointManager(other) as mgr:  # default chunk_bytes: one chunk per leaf

@@ -96,6 +96,7 @@ def test_missing_step_and_tree_mismatch(storage_root, layout):
         mgr.restore(1, target={"a": jnp.zeros((2, 3)), "b": jnp.zeros(1)})
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_corrupted_object_is_detected_and_restore_falls_back(storage_root):
     with jaxckpt.CheckpointManager(storage_root, chunk_bytes=512) as mgr:
         mgr.save(1, {"w": jnp.arange(1024.0)})

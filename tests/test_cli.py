@@ -60,7 +60,7 @@ def _state(step: int) -> dict:
 @pytest.fixture(scope="module")
 def saved_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("cli") / "root")
-    with jaxckpt.CheckpointManager(root) as mgr:
+    with jaxckpt.CheckpointManager(root, layout="plain") as mgr:  # its chunk objects are read
         for step in STEPS:
             mgr.save(
                 step, _state(step), metrics={"loss": 1.0 / step}, keep=step == 2, metadata={"a": 1}
@@ -290,6 +290,7 @@ def test_verify_all_steps(capsys, saved_root):
     assert report["steps"][0]["bytes_checked"] > 0 and report["steps"][0]["problems"] == []
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_verify_names_the_damaged_chunk(capsys, root):
     chunk = Path(step_dir(root, 10, "arrays", "params.w", "c", "0", "0"))
     data = bytearray(chunk.read_bytes())
@@ -403,6 +404,7 @@ def test_cp_copies_and_commits_every_step(capsys, saved_root, tmp_path):
     assert rc == 0 and "step 20: already committed" in out
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_cp_one_step_with_zstd_restores_like_any_other(capsys, saved_root, tmp_path, monkeypatch):
     from jaxckpt import _restore
 
@@ -436,6 +438,7 @@ def test_cp_refuses_the_same_root(capsys, saved_root):
     assert rc == 2 and "same root" in err
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_cp_does_not_copy_a_damaged_step(capsys, root, tmp_path):
     chunk = Path(step_dir(root, 5, "arrays", "emb", "c", "0", "0"))
     chunk.write_bytes(b"\0" + chunk.read_bytes()[1:])
@@ -446,6 +449,7 @@ def test_cp_does_not_copy_a_damaged_step(capsys, root, tmp_path):
     assert data_steps(open_storage(dst)) == set() and open_storage(dst).list("pending/") == []
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_cp_to_every_backend_and_back(capsys, saved_root, storage_root, tmp_path):
     rc, _, err = run(capsys, "cp", f"{saved_root}:20", storage_root, "--compress", "zstd")
     assert rc == 0, err

@@ -46,10 +46,10 @@ def test_floors_of_sixteen_big_leaves_on_one_host() -> None:
     assert packed.save_floor_s == pytest.approx(6 * RTT + RTT + nbytes / HOST)
     assert packed.save_floor_s == pytest.approx(0.3547, abs=1e-4)
     assert packed.save_bound == "host bandwidth"
-    # packed restore: spans of about 256 MiB / 16 (16 MiB + 32 B) hold 7 aligned chunks of
-    # 2 MiB + 4 B, so each pack's 8 chunks take 2 spans: 32 GETs, 16 at once, 2 waves.
-    assert (packed.restore_requests_per_process, packed.restore_in_flight) == (32, 16)
-    assert packed.restore_floor_s == pytest.approx(3 * RTT + 2 * RTT + nbytes / HOST)
+    # packed restore: spans of up to 9/8 of 256 MiB / 16 (18 MiB) hold a pack's 8 aligned
+    # chunks of 2 MiB + 4 B: 16 GETs, 16 at once, 1 wave.
+    assert (packed.restore_requests_per_process, packed.restore_in_flight) == (16, 16)
+    assert packed.restore_floor_s == pytest.approx(3 * RTT + RTT + nbytes / HOST)
 
 
 def test_floors_of_a_thousand_small_leaves_are_round_trips_in_plain() -> None:
@@ -64,12 +64,12 @@ def test_floors_of_a_thousand_small_leaves_are_round_trips_in_plain() -> None:
     # 8,000 GETs, 16 at once: 500 waves.
     assert plain.restore_floor_s == pytest.approx(3 * RTT + 500 * RTT + nbytes / HOST)
     assert plain.save_bound == plain.restore_bound == "request round trips"
-    # 4 packs on 4 connections; restore spans of 1 MiB (MIN_SPAN_BYTES) hold 496 chunks of
-    # 2,052 B at a stride of 2,112: 5 per pack of 2,000 chunks, 20 GETs, 16 at once.
+    # 4 packs on 4 connections; restore spans of 9/8 of 16,416,000 B / 16 (1,154,250 B)
+    # hold 546 chunks of 2,052 B at a stride of 2,112: 4 per pack of 2,000 chunks, 16 GETs.
     assert packed.save_in_flight == 4
     assert packed.save_floor_s == pytest.approx(6 * RTT + RTT + nbytes / (4 * CONN))
-    assert packed.restore_requests_per_process == 20
-    assert packed.restore_floor_s == pytest.approx(3 * RTT + 2 * RTT + nbytes / HOST)
+    assert packed.restore_requests_per_process == 16
+    assert packed.restore_floor_s == pytest.approx(3 * RTT + RTT + nbytes / HOST)
     assert plain.restore_floor_s / packed.restore_floor_s > 80
 
 

@@ -25,6 +25,7 @@ from jaxckpt.storage._http import DirectReader, DirectReadError
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens on loopback
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_a_restore_reads_every_chunk_over_its_own_connections(object_root: str) -> None:
     state = {f"w{i}": jnp.arange(16_384 + i, dtype=jnp.float32) for i in range(4)}
     with jaxckpt.CheckpointManager(object_root) as mgr:

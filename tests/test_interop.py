@@ -46,7 +46,8 @@ def _state(step: int) -> dict:
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("interop") / "root")
-    with jaxckpt.CheckpointManager(root, chunk_bytes=256) as mgr:  # many chunks per leaf
+    # many chunks per leaf, each a zarr chunk object (the plain layout)
+    with jaxckpt.CheckpointManager(root, chunk_bytes=256, layout="plain") as mgr:
         for step in (1, 2):
             mgr.save(step, _state(step))
     return root
@@ -263,6 +264,7 @@ def test_import_an_orbax_checkpoint(capsys, tmp_path):
 # ----------------------------------------------------------------------------- zarr
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_zarr_python_opens_the_step_and_every_leaf(ckpt):
     import zarr
 
@@ -317,6 +319,7 @@ def test_open_step_reads_slices_on_every_backend(storage_root):
         jaxckpt.open_step(storage_root, 4)
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_open_step_names_a_damaged_chunk(tmp_path):
     root = str(tmp_path / "root")
     with jaxckpt.CheckpointManager(root, chunk_bytes=64) as mgr:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _tsio, policy
+from jaxckpt import _pack, _tsio, policy
 from jaxckpt import storage as _storage
 
 HOLD_S = 20.0
@@ -40,15 +40,19 @@ def _held(method: Any, release: threading.Event) -> Any:
     return held
 
 
+@pytest.mark.parametrize("layout", ["plain", "packed"])
 def test_ctrl_c_interrupts_wait_with_on_preemption_in_the_save_policy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
     release = threading.Event()
     mgr = jaxckpt.CheckpointManager(
-        str(tmp_path / "root"), save_policy=policy.EveryNSteps(1) | policy.OnPreemption()
+        str(tmp_path / "root"),
+        save_policy=policy.EveryNSteps(1) | policy.OnPreemption(),
+        layout=layout,
     )
+    writer: Any = _tsio.ArrayWriter if layout == "plain" else _pack.PackWriter
     try:
-        monkeypatch.setattr(_tsio.ArrayWriter, "write", _held(_tsio.ArrayWriter.write, release))
+        monkeypatch.setattr(writer, "write", _held(writer.write, release))
         assert mgr.save(1, {"w": np.arange(4.0)})
         start = time.monotonic()
         timer = _interrupt_soon()
@@ -63,16 +67,17 @@ def test_ctrl_c_interrupts_wait_with_on_preemption_in_the_save_policy(
     assert jaxckpt.CheckpointManager(str(tmp_path / "root"), read_only=True).steps() == [1]
 
 
+@pytest.mark.parametrize(("layout", "method"), [("plain", "read_buffer"), ("packed", "read_range")])
 def test_ctrl_c_interrupts_a_restore_whose_chunk_reads_stall(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, method: str
 ) -> None:
     root = str(tmp_path / "root")
-    with jaxckpt.CheckpointManager(root, chunk_bytes=4096) as mgr:
+    with jaxckpt.CheckpointManager(root, chunk_bytes=4096, layout=layout) as mgr:
         mgr.save(1, {"w": np.arange(4096.0)})
     release = threading.Event()
     reader = jaxckpt.CheckpointManager(root, read_only=True)
-    read = _storage.LocalStorage.read_buffer
-    monkeypatch.setattr(_storage.LocalStorage, "read_buffer", _held(read, release))
+    read = getattr(_storage.LocalStorage, method)
+    monkeypatch.setattr(_storage.LocalStorage, method, _held(read, release))
     try:
         start = time.monotonic()
         timer = _interrupt_soon()
@@ -82,5 +87,5 @@ def test_ctrl_c_interrupts_a_restore_whose_chunk_reads_stall(
         timer.join()
     finally:
         release.set()
-    monkeypatch.setattr(_storage.LocalStorage, "read_buffer", read)
+    monkeypatch.setattr(_storage.LocalStorage, method, read)
     np.testing.assert_array_equal(reader.restore()["w"], np.arange(4096.0))

@@ -278,6 +278,7 @@ def _flip_byte(path: str, offset: int = 5) -> None:
         f.write(bytes([b[0] ^ 0x40]))
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_corrupt_chunk_is_detected_named_and_falls_back(root, caplog):
     with jaxckpt.CheckpointManager(root, chunk_bytes=1024) as mgr:
         mgr.save(1, {"w": jnp.arange(4096.0)})
@@ -298,6 +299,7 @@ def test_corrupt_chunk_is_detected_named_and_falls_back(root, caplog):
     assert mgr.verify(1).ok
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_missing_chunk_is_corruption_not_zeros(root):
     with jaxckpt.CheckpointManager(root, chunk_bytes=1024) as mgr:
         mgr.save(1, {"w": jnp.arange(1024.0)})
@@ -377,6 +379,7 @@ def test_newer_format_version_is_refused(root):
         jaxckpt.CheckpointManager(root, read_only=True).restore(1)
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_background_failure_surfaces_on_wait_and_step_is_not_listed(root, monkeypatch):
     from jaxckpt import _tsio
 
@@ -397,6 +400,7 @@ def test_background_failure_surfaces_on_wait_and_step_is_not_listed(root, monkey
     assert jaxckpt.CheckpointManager(root).steps() == [1, 3]
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_background_failure_surfaces_on_close(root, monkeypatch):
     from jaxckpt import _tsio
 
@@ -410,6 +414,7 @@ def test_background_failure_surfaces_on_close(root, monkeypatch):
     assert jaxckpt.CheckpointManager(root).steps() == []
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_background_failure_surfaces_on_next_save(root, monkeypatch):
     from jaxckpt import _tsio
 
@@ -447,6 +452,7 @@ def test_bad_step_numbers_are_rejected(root):
                 mgr.save(bad, {"x": 1})
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_checkpoint_opens_with_zarr_python_alone(root):
     import zarr
 
@@ -536,6 +542,7 @@ def test_public_api_names():
             assert issubclass(obj, jaxckpt.CheckpointError) and obj.__doc__
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_declined_save_surfaces_a_finished_background_failure(root, monkeypatch):
     from jaxckpt import _tsio
 
@@ -588,6 +595,7 @@ def _writer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("jaxckpt-write")]
 
 
+@pytest.mark.usefixtures("plain_by_default")
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
 def test_writer_nice_lowers_the_save_thread_only(root):
     main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -77,6 +77,7 @@ def test_threads_sharing_a_budget_smaller_than_their_objects_all_finish(
     assert results == blobs
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_restore_through_small_parts_is_bit_exact_and_catches_damage(
     object_root: str, parts
 ) -> None:
@@ -92,6 +93,7 @@ def test_restore_through_small_parts_is_bit_exact_and_catches_damage(
         mgr.restore(1)
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_restore_reports_a_truncated_chunk_by_its_size(object_root: str, parts) -> None:
     with jaxckpt.CheckpointManager(object_root, storage_options=parts) as mgr:
         mgr.save(1, {"w": jnp.arange(4096, dtype=jnp.float32)})
@@ -117,6 +119,7 @@ def test_read_options_are_validated(options: dict[str, object]) -> None:
         open_storage("s3://bucket/p", **options)
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_saved_array_metadata_is_what_tensorstore_create_writes(tmp_path) -> None:
     """Saves write zarr.json themselves (assume_metadata): the bytes TensorStore would."""
     import json
@@ -140,6 +143,7 @@ def test_saved_array_metadata_is_what_tensorstore_create_writes(tmp_path) -> Non
         np.testing.assert_array_equal(read, np.asarray(value))
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_a_save_sends_one_request_per_array_record_and_chunk(s3_server: servers.Server) -> None:
     """The round trips removed by issue 14 stay removed: no GET/HEAD of array metadata."""
     import re
@@ -266,6 +270,7 @@ def test_default_restore_budget_is_a_tenth_of_the_restore(object_root: str) -> N
     assert fixed._ranged.ahead_bytes == 3000  # type: ignore[attr-defined]
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_a_saved_step_is_restored_without_reading_its_zarr_json(
     object_root: str, monkeypatch
 ) -> None:

@@ -352,3 +352,15 @@ def test_object_store_spans_arrive_aligned_in_parts_and_a_short_pack_is_named(
     mgr = jaxckpt.CheckpointManager(object_root, fallback_on_corrupt=False)
     with pytest.raises(CorruptCheckpointError, match=r"chunk c/3 .*size 10 != recorded 260"):
         mgr.restore(1)
+
+
+def test_packed_is_the_default_layout(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    assert jaxckpt.CheckpointOptions().layout == "packed"
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(1000.0), "b": jnp.ones(3)})
+    prefix = step_key(root, 1)
+    assert data_objects(root, 1) == [f"{prefix}packs/0.0.bin"]  # one pack, no chunk objects
+    assert_tree_bitexact(
+        jaxckpt.CheckpointManager(root).restore(), {"w": jnp.arange(1000.0), "b": jnp.ones(3)}
+    )

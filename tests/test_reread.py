@@ -73,7 +73,8 @@ def _flipping(
 
 
 def _saved(root: str, **options) -> None:
-    opts = jaxckpt.CheckpointOptions(**options) if options else None
+    """Steps 1 and 2; plain unless ``layout`` says (the flips target chunk objects)."""
+    opts = jaxckpt.CheckpointOptions(**{"layout": "plain", **options})
     with jaxckpt.CheckpointManager(root, options=opts) as mgr:
         mgr.save(1, _state(1))
         mgr.save(2, _state(2))

@@ -51,6 +51,7 @@ def _damage_all_but(root: str, step: int, keep: tuple[str, ...]) -> list[str]:
     return damaged
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_partial_restore_reads_only_the_target_paths(root, monkeypatch):
     damaged = _damage_all_but(root, 3, ("['params']['decoder']",))
     assert len(damaged) == 3  # encoder kernel, opt mu, opt nu

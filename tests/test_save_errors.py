@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from absl import logging as absl_logging
 
 import jaxckpt
@@ -28,6 +29,7 @@ _spec.loader.exec_module(faultproxy)
 CHILD = """
 import sys
 import numpy as np
+import pytest
 import jaxckpt
 options = {"max_retries": 1, "initial_delay_s": 0.01, "max_delay_s": 0.02}
 mgr = jaxckpt.CheckpointManager(sys.argv[1], storage_options=options)
@@ -40,6 +42,7 @@ mgr.close()
 """
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_a_failed_background_save_logs_one_line_and_no_traceback(s3_server, tmp_path):
     proxy = faultproxy.FaultProxy(s3_server.endpoint)
     proxy.inject("error", method="PUT", path_contains=ATTEMPTS, times=10_000)

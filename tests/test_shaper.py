@@ -172,3 +172,30 @@ def test_jaxckpt_round_trips_through_the_shaper(
     for name, value in state.items():
         got = np.asarray(out[name])
         assert got.dtype == np.asarray(value).dtype and got.tobytes() == np.asarray(value).tobytes()
+
+
+def test_shaper_process_proxies_and_counts_from_its_own_process(
+    s3_server: servers.Server,
+) -> None:
+    import tensorstore as ts
+    from benchkit.shaper import ShaperProcess
+
+    latency = 0.02
+    with ShaperProcess(s3_server.endpoint, Profile(name="p", latency_s=latency)) as sh:
+        kv = ts.KvStore.open(
+            {
+                "driver": "s3",
+                "bucket": s3_server.bucket,
+                "endpoint": sh.endpoint,
+                "aws_region": "us-east-1",
+            }
+        ).result()
+        start = time.monotonic()
+        kv.write(f"proc-{time.monotonic_ns()}", b"x" * 1000).result()
+        took = time.monotonic() - start
+        counts = sh.counts(reset=True)
+        assert counts["requests"] >= 1 and counts["bytes_up"] >= 1000, counts
+        assert took >= 2 * latency  # the proxy's own process delayed it
+        assert sh.counts()["requests"] == 0  # reset
+        child = sh._process
+    assert not child.is_alive()

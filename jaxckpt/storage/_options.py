@@ -7,6 +7,7 @@ Imports nothing heavy (no TensorStore), so the options are public API that
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -135,6 +136,20 @@ MAX_SPAN_BYTES = 32 << 20
 (``jaxckpt._chunkread``; here so that ``jaxckpt plan`` can read it without jax)."""
 MIN_SPAN_BYTES = 1 << 20
 """... and does not make spans shorter than this to put more reads in flight."""
+
+
+def span_limit(packed_bytes: float, reads_in_flight: int) -> int:
+    """The longest ranged read of a packed restore of ``packed_bytes`` with
+    ``reads_in_flight`` at once: an eighth over the even share (so a pack's alignment
+    padding leaves no one-chunk tail), within ``MIN_SPAN_BYTES`` and ``MAX_SPAN_BYTES``.
+
+    >>> span_limit(64 << 20, 16) >> 10, span_limit(0, 16) >> 20, span_limit(1 << 40, 16) >> 20
+    (4608, 1, 32)
+    """
+    share = math.ceil(packed_bytes / max(1, reads_in_flight)) * 9 // 8
+    return int(min(MAX_SPAN_BYTES, max(MIN_SPAN_BYTES, share)))
+
+
 DIRECT_PART_BYTES = 64 << 20
 """The default part of a direct ranged GET (no copy, so only the wire bounds it)."""
 MAX_READ_PART_BYTES = 16 << 20

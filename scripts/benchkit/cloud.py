@@ -2,7 +2,8 @@
 
 A loopback store answers at once and serves any connection as fast as the CPU
 allows; a far-away one does not. Here moto (S3) sits behind
-:class:`benchkit.shaper.Shaper`, which delays each direction of every TCP
+:class:`benchkit.shaper.Shaper` (in a process of its own, so its threads do not
+hold the measured process's GIL), which delays each direction of every TCP
 connection, caps each connection's rate and caps all of them together, and
 three contenders save and restore the same state side by side in one run:
 
@@ -66,7 +67,7 @@ import numpy as np
 
 from benchkit import servers
 from benchkit.contenders import RawKvSaver
-from benchkit.shaper import Profile, Shaper
+from benchkit.shaper import Profile, ShaperProcess
 from benchkit.stores import endpoints_env
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -174,7 +175,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def run_one(
-    contender: str, base: str, shaper: Shaper, state: dict[str, Any], rounds: int
+    contender: str, base: str, shaper: ShaperProcess, state: dict[str, Any], rounds: int
 ) -> dict[str, Any]:
     """``rounds`` save + restore rounds of one contender; medians, last round's counts."""
     from jaxckpt.storage import open_storage
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 base = f"{'s3' if store == 's3' else 'gs'}://{server.bucket}/{uuid.uuid4().hex[:6]}"
                 for profile in profiles:
-                    with Shaper(server.endpoint, profile) as shaper:
+                    with ShaperProcess(server.endpoint, profile) as shaper:
                         _point_at(store, shaper.endpoint)
                         for name, state in states.items():
                             raw: dict[str, Any] = {}

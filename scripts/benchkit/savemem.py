@@ -12,7 +12,8 @@ snapshot: packs being joined and uploaded, TensorStore's write buffers, the
 records. Its bound in the packed layout is ``objects_in_flight ×
 max_object_bytes`` (the uploads in flight, each joined into its request). Every
 store is measured for both layouts side by side in one run; the S3 root is
-moto on loopback (it holds the objects in its own process, not the child's).
+a fresh moto on loopback per row (it holds the objects in its own process,
+not the child's).
 
 Usage: ``python scripts/bench.py savemem [--gib 6] [--stores local,s3] [--json out.json]``
 """
@@ -125,26 +126,25 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         for store in stores:
-            server = servers.start_moto(scratch) if store == "s3" else None
-            try:
-                if server is not None:
-                    env.update(endpoints_env(server.endpoint, server.endpoint))
-                for layout in args.layouts.split(","):
+            for layout in args.layouts.split(","):
+                # A fresh moto per row: it keeps every object in its memory.
+                server = servers.start_moto(scratch) if store == "s3" else None
+                try:
                     name = f"{layout}-{uuid.uuid4().hex[:6]}"
-                    root = (
-                        f"s3://{server.bucket}/{name}"
-                        if server is not None
-                        else str(scratch / name)
-                    )
+                    if server is not None:
+                        env.update(endpoints_env(server.endpoint, server.endpoint))
+                        root = f"s3://{server.bucket}/{name}"
+                    else:
+                        root = str(scratch / name)
                     spec = {"root": root, "layout": layout, "gib": args.gib,
                             "leaf_mib": args.leaf_mib}  # fmt: skip
                     rows.append({"store": store, "layout": layout, **_run_child(spec, env)})
                     print(json.dumps(rows[-1]), flush=True)
-                    if server is None:
+                finally:
+                    if server is not None:
+                        server.stop()
+                    else:
                         shutil.rmtree(root, ignore_errors=True)
-            finally:
-                if server is not None:
-                    server.stop()  # its objects go with it
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(markdown(rows))

@@ -335,3 +335,69 @@ class _Connection:
             self._done.set()
             for s in self._sockets:
                 s.close()
+
+
+class ShaperProcess:
+    """A :class:`Shaper` in a process of its own, so its threads never hold the GIL of the
+    process being measured (they would slow a Python client but not TensorStore's C++ I/O).
+
+    The same interface: ``endpoint``, ``profile``, :meth:`counts`, a context manager.
+    """
+
+    def __init__(self, upstream: str, profile: Profile = BARE) -> None:
+        import multiprocessing
+
+        self.profile = profile
+        ctx = multiprocessing.get_context("spawn")  # never fork a process running jax threads
+        self._pipe, child = ctx.Pipe()
+        self._process = ctx.Process(
+            target=_serve_shaper, args=(child, upstream, profile), daemon=True
+        )
+        self._process.start()
+        if not self._pipe.poll(30):
+            self._process.kill()
+            raise RuntimeError("the shaping proxy's process did not start within 30 s")
+        reply = self._pipe.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        self.endpoint: str = reply
+
+    def __enter__(self) -> ShaperProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def counts(self, reset: bool = False) -> dict[str, int]:
+        """As :meth:`Shaper.counts`."""
+        self._pipe.send(("counts", reset))
+        if not self._pipe.poll(30):
+            raise RuntimeError("the shaping proxy's process did not answer within 30 s")
+        return dict(self._pipe.recv())
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            with contextlib.suppress(OSError):
+                self._pipe.send(("close", False))
+            self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+
+
+def _serve_shaper(pipe: Any, upstream: str, profile: Profile) -> None:
+    try:
+        shaper = Shaper(upstream, profile)
+    except BaseException as e:  # the parent raises it
+        pipe.send(e)
+        return
+    with shaper:
+        pipe.send(shaper.endpoint)
+        while True:
+            try:
+                command, reset = pipe.recv()
+            except EOFError:
+                return
+            if command == "close":
+                return
+            pipe.send(shaper.counts(reset=reset))
