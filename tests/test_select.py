@@ -43,6 +43,7 @@ def test_restoring_the_newest_of_50_steps_reads_at_most_3_markers(s3_server):
     mgr.close()
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_the_caller_learns_which_step_restore_restored(tmp_path, caplog):
     root = str(tmp_path / "root")
     with jaxckpt.CheckpointManager(root, chunk_bytes=1024) as mgr:

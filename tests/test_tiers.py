@@ -110,6 +110,7 @@ def test_a_packed_local_tier_promotes_by_copying_its_packs(object_root, tmp_path
         assert durable.verify(1).ok
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_restore_falls_back_to_durable_for_a_corrupt_or_wiped_local_tier(
     storage_root, tmp_path, caplog
 ):
