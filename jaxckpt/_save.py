@@ -293,10 +293,11 @@ class SaveSession:
             raise self.fenced
 
     def close(self) -> None:
-        """Closes the checkpointer (and the handler's writer thread)."""
+        """Closes the checkpointer (and the handler's writer thread) and the tier's peers."""
         self.closed = True
         if self._checkpointer is not None:
             self._checkpointer.close()
+        self._tier.peers.close()
 
     # -- the session --------------------------------------------------------------
 
@@ -398,6 +399,7 @@ class SaveSession:
         reached("manifest_written", step)
         inflight.nbytes = part.nbytes
         if self._per_host:
+            self._tier.peers.replicate(loc, metrics=inflight.metrics, keep=inflight.keep)
             self._commit_local(inflight, extra)
 
     def _commit_local(self, inflight: Inflight, extra: Sequence[str]) -> None:
