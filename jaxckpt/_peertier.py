@@ -58,6 +58,7 @@ from jaxckpt._options import CheckpointOptions
 from jaxckpt._peer import PeerClient, PeerServer, connect, new_secret
 from jaxckpt._phases import reached
 from jaxckpt._placement import Placement, node_id, place
+from jaxckpt._promote import PromotionRequest, request_promotion
 from jaxckpt._records import FileDigest, crc32c, dumps, json_record, load_json_record
 from jaxckpt._tier import Tier, take_epochs
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError, PeerError
@@ -80,6 +81,8 @@ class ReplicaIndex:
     files: dict[str, FileDigest]
     metrics: dict[str, float] = field(default_factory=dict)
     keep: bool = False
+    promote: str | None = None
+    """The promotion request the owner wrote with the step (its JSON), if it was chosen."""
 
     def _body(self) -> dict[str, Any]:
         return {
@@ -90,6 +93,7 @@ class ReplicaIndex:
             "files": {n: [d.size, d.crc32c] for n, d in sorted(self.files.items())},
             "metrics": self.metrics,
             "keep": self.keep,
+            "promote": self.promote,
         }
 
     def to_bytes(self) -> bytes:
@@ -116,6 +120,7 @@ class ReplicaIndex:
             files=files,
             metrics=body["metrics"],
             keep=body["keep"],
+            promote=body.get("promote"),
         )
 
 
@@ -206,9 +211,16 @@ class Peers:
 
     # -- replication -------------------------------------------------------------
 
-    def replicate(self, loc: StepLocation, *, metrics: dict[str, float] | None, keep: bool) -> None:
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
         """Sends this process's part of ``loc`` to every holder; returns once each has
-        acknowledged every file and the index.
+        acknowledged every file and the index (which carries the promotion ``request``).
 
         Raises:
           PeerError: a holder could not be reached, refused, or timed out (named).
@@ -217,7 +229,10 @@ class Peers:
         reached("replicating", loc.step)
         start = time.monotonic()
         with _pools.borrow("peers", len(holders)) as pool:
-            futures = [pool.submit(self._push, h, loc, dict(metrics or {}), keep) for h in holders]
+            promote = None if request is None else request.decode()
+            futures = [
+                pool.submit(self._push, h, loc, dict(metrics or {}), keep, promote) for h in holders
+            ]
             sent = [f.result() for f in futures]
         self.sent_bytes += sum(sent)
         self.last_replication_s = time.monotonic() - start
@@ -229,7 +244,14 @@ class Peers:
             self.last_replication_s,
         )
 
-    def _push(self, holder: int, loc: StepLocation, metrics: dict[str, float], keep: bool) -> int:
+    def _push(
+        self,
+        holder: int,
+        loc: StepLocation,
+        metrics: dict[str, float],
+        keep: bool,
+        promote: str | None,
+    ) -> int:
         storage, step = self._local.storage, loc.step
         assert loc.attempt is not None
         base = f"{replica_prefix(step, self.me)}{loc.attempt}/"
@@ -253,6 +275,7 @@ class Peers:
                     files=files,
                     metrics=metrics,
                     keep=keep,
+                    promote=promote,
                 )
                 peer.put(replica_index_key(step, self.me, loc.attempt), index.to_bytes())
         except PeerError as e:
@@ -300,6 +323,7 @@ class Peers:
                 with self._connect(holder) as peer:
                     index = self._copy_in(peer, step, attempt, loc)
                 extra = [n for n in index.files if is_held_manifest_name(n)]
+                self._request_again(index)
                 protocol.commit(
                     loc,
                     num_processes=index.num_processes,
@@ -333,6 +357,17 @@ class Peers:
             self.me,
         )
         return False
+
+    def _request_again(self, index: ReplicaIndex) -> None:
+        """A step chosen for promotion and not durable yet is requested again (before its
+        local marker, as a save does), taken over by this job's durable epoch: this
+        process's promoter uploads the part it fetched, once."""
+        epoch = self._durable.protocol.epoch
+        if index.promote is None or epoch is None or self._durable.holds(index.step):
+            return
+        where = f"replica index of step {index.step}"
+        request = PromotionRequest.from_bytes(index.promote.encode(), where)
+        request_promotion(self._local.protocol, request.restamped(epoch, time.time()))
 
     def _copy_in(
         self, peer: PeerClient, step: int, attempt: str, loc: StepLocation
@@ -370,7 +405,7 @@ class Peers:
         marker = self._local.marker(step)
         for holder in missing:
             try:
-                self._push(holder, marker.location, dict(marker.metrics), marker.keep)
+                self._push(holder, marker.location, dict(marker.metrics), marker.keep, None)
                 log.info(
                     "step %d: replica of process %d sent again to %s",
                     step,

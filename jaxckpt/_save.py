@@ -399,7 +399,9 @@ class SaveSession:
         reached("manifest_written", step)
         inflight.nbytes = part.nbytes
         if self._per_host:
-            self._tier.peers.replicate(loc, metrics=inflight.metrics, keep=inflight.keep)
+            request = None if inflight.request is None else inflight.request.to_bytes()
+            replicas = self._tier.peers
+            replicas.replicate(loc, metrics=inflight.metrics, keep=inflight.keep, request=request)
             self._commit_local(inflight, extra)
 
     def _commit_local(self, inflight: Inflight, extra: Sequence[str]) -> None:

@@ -52,7 +52,14 @@ TIER_NAMES = ("local", "durable")
 class Replicas(Protocol):
     """A local tier's copies on other nodes (``local_replicas``; see ``_peertier``)."""
 
-    def replicate(self, loc: StepLocation, *, metrics: dict[str, float] | None, keep: bool) -> None:
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
         """Sends this process's part of ``loc`` to its holders (before its local marker)."""
 
     def heal(self, step: int | None) -> None:
@@ -65,7 +72,14 @@ class Replicas(Protocol):
 class NoReplicas:
     """The replicas of a tier that has none (``local_replicas=1``, a durable tier)."""
 
-    def replicate(self, loc: StepLocation, *, metrics: dict[str, float] | None, keep: bool) -> None:
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
         return None
 
     def heal(self, step: int | None) -> None:

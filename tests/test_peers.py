@@ -15,7 +15,8 @@ a. node 0's local tier wiped: process 0 fetches its part of step 3 from
    wrong secret is turned away;
 d. node 1's local tier wiped and its only replica (on node 2) corrupted on
    disk: the damage is detected, never committed, and step 2 (local where it
-   is, durable on node 1) is restored bit-exactly;
+   is, durable on node 1) is restored bit-exactly; with ``local_replicas=3``
+   the other replica (node 3) is used instead;
 b. three of four local tiers wiped: the newest durable step (2);
 c. a holder SIGKILLed while its peer replicates to it: that save fails on the
    survivors within the bound, and the older step still restores.
@@ -42,11 +43,11 @@ LEAVES = ("x", "y", "z", "rep", "count")
 NODES = {i: {"JAXCKPT_NODE_ID": f"node{i}"} for i in range(PROCS)}
 
 
-def args(local: Path, *more: str) -> tuple[str, ...]:
+def args(local: Path, *more: str, copies: int = 2) -> tuple[str, ...]:
     return (
         f"--local-root={local}",
         f"--leaves={','.join(LEAVES)}",
-        "--local-replicas=2",
+        f"--local-replicas={copies}",
         "--peer-timeout=5",
         *more,
     )
@@ -58,8 +59,9 @@ def replicas(local: Path, i: int) -> set[tuple[int, int]]:
     return {(h[0], h[1]) for h in map(parse_replica_index_key, keys) if h is not None}
 
 
-def restore(tmp_path: Path, root: str, local: Path, *more: str) -> list[mh.Proc]:
-    procs = mh.restore(tmp_path, root, extra=args(local, *more), env_for=NODES, **GROUP)
+def restore(tmp_path: Path, root: str, local: Path, *more: str, copies: int = 2) -> list[mh.Proc]:
+    extra = args(local, *more, copies=copies)
+    procs = mh.restore(tmp_path, root, extra=extra, env_for=NODES, **GROUP)
     for p in procs:
         assert p.said("CHECKED") == ["CHECKED 5"], p.report()  # 5 arrays, 1 shard each
     return procs
@@ -100,13 +102,7 @@ def test_lose_nodes_restore_from_peers_then_from_the_durable_root(tmp_path: Path
 
     # (d) node 1 lost and its only replica of step 3 (on node 2) corrupted on disk.
     shutil.rmtree(f"{local}1")
-    storage = open_storage(f"{local}2")
-    chunk = next(
-        k for k in storage.list(f"{REPLICAS}000000000003/1/") if "/arrays/x/" in k and "/c" in k
-    )
-    data = bytearray(storage.read(chunk) or b"")
-    data[0] ^= 0xFF
-    storage.write(chunk, bytes(data))
+    corrupt_replica(local, holder=2, step=3, source=1)
     procs = restore(tmp_path, root, local)
     assert mh.restored_steps(procs) == [2] * PROCS
     assert procs[1].said("REPLICA UNUSABLE") == ["REPLICA UNUSABLE"], procs[1].report()
@@ -120,6 +116,47 @@ def test_lose_nodes_restore_from_peers_then_from_the_durable_root(tmp_path: Path
     procs = restore(tmp_path, root, local)
     assert mh.restored_steps(procs) == [2] * PROCS
     assert [p.said("TIER") for p in procs[:3]] == [["TIER durable"]] * 3
+
+
+def corrupt_replica(local: Path, *, holder: int, step: int, source: int) -> None:
+    """Flips a byte of a chunk of ``source``'s replica of ``step`` on ``holder``'s disk."""
+    storage = open_storage(f"{local}{holder}")
+    prefix = f"{REPLICAS}{step:012d}/{source}/"
+    chunk = next(k for k in storage.list(prefix) if "/arrays/x/c" in k)
+    data = bytearray(storage.read(chunk) or b"")
+    data[0] ^= 0xFF
+    storage.write(chunk, bytes(data))
+
+
+def test_a_corrupt_replica_is_detected_and_the_other_copy_used(tmp_path: Path) -> None:
+    """local_replicas=3: process 1's part lives on nodes 1, 2 and 3. Step 1 is chosen for
+    promotion but not promoted yet (external promotion, no sidecar) when node 1 is lost
+    and the copy on node 2 (tried first) is damaged: the one on node 3 is used, and the
+    promotion request comes back with it, so the restarted job (background promotion)
+    promotes every part of step 1 once."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    extra = args(local, "--promotion=external", copies=3)
+    procs = mh.run_group(
+        tmp_path, root, mode="save", steps=(1,), extra=extra, env_for=NODES, **GROUP
+    )
+    assert all(p.said("COMMITTED") == ["COMMITTED 1"] for p in procs)
+    assert mh.committed_steps(root) == []
+    assert replicas(local, 2) == {(1, 1), (1, 0)} and replicas(local, 3) == {(1, 2), (1, 1)}
+    shutil.rmtree(f"{local}1")
+    corrupt_replica(local, holder=2, step=1, source=1)
+    procs = restore(tmp_path, root, local, copies=3)
+    assert mh.restored_steps(procs) == [1] * PROCS
+    assert procs[1].said("REPLICA UNUSABLE") == ["REPLICA UNUSABLE"], procs[1].report()
+    assert procs[1].said("HEALED") == ["HEALED"], procs[1].report()
+    assert "from process 3 (node node3" in procs[1].stderr()
+    assert [p.said("TIER") for p in procs] == [["TIER local"]] * PROCS
+    assert CommitProtocol(open_storage(f"{local}1")).visible_refs().keys() == {1}
+    assert (1, 0) in replicas(local, 1) and (1, 3) in replicas(local, 1)  # sent again
+    assert mh.committed_steps(root) == [1]  # promoted by the restarted job, node 1 included
+    files = CommitProtocol(open_storage(root)).require_marker(1).files
+    assert sorted(f for f in files if f.startswith("manifest/")) == [
+        f"manifest/{i}.json" for i in range(PROCS)
+    ]
 
 
 def test_a_holder_killed_mid_replication_fails_that_save_within_the_bound(
