@@ -349,6 +349,12 @@ def parse_replica_index_key(key: str) -> tuple[int, int, str] | None:
     return int(step), int(parts[1]), attempt
 
 
+def replica_holdings(keys: Iterable[str]) -> list[tuple[int, int, str]]:
+    """The complete replicas (with an index) among ``replicas/`` keys: (step, process,
+    attempt), sorted."""
+    return sorted(h for h in map(parse_replica_index_key, keys) if h is not None)
+
+
 def parse_replica_step(key: str) -> int | None:
     """The step a ``replicas/`` key belongs to, or None."""
     name = key[len(REPLICAS) :].split("/", 1)[0] if key.startswith(REPLICAS) else ""

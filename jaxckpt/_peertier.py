@@ -50,7 +50,7 @@ from jaxckpt._layout import (
     is_held_manifest_name,
     is_temp_key,
     new_attempt,
-    parse_replica_index_key,
+    replica_holdings,
     replica_index_key,
     replica_prefix,
 )
@@ -289,8 +289,7 @@ class Peers:
 
     def held(self) -> list[Held]:
         """The complete replicas this process holds (listed; their indexes are read on use)."""
-        keys = self._local.storage.list(REPLICAS)
-        return sorted(h for h in map(parse_replica_index_key, keys) if h is not None)
+        return replica_holdings(self._local.storage.list(REPLICAS))
 
     def heal(self, step: int | None) -> None:
         """Brings the newest step complete in the union of the local tiers (or ``step``)

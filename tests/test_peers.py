@@ -24,8 +24,10 @@ c. a holder SIGKILLed while its peer replicates to it: that save fails on the
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import harness
 import pytest
@@ -67,7 +69,21 @@ def restore(tmp_path: Path, root: str, local: Path, *more: str, copies: int = 2)
     return procs
 
 
-def test_lose_nodes_restore_from_peers_then_from_the_durable_root(tmp_path: Path) -> None:
+def ls_copies(root: str, local: Path, capsys: pytest.CaptureFixture[str]) -> dict[int, Any]:
+    """``jaxckpt ls --json`` over every node's local root: each step's copies per part."""
+    from jaxckpt import cli
+
+    locals_ = [a for i in range(PROCS) for a in ("--local-root", f"{local}{i}")]
+    assert cli.main(["ls", root, *locals_]) == 0
+    assert "COPIES (PROCESS:N)" in capsys.readouterr().out
+    assert cli.main(["ls", root, *locals_, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["committed"]
+    return {c["step"]: (c["tiers"], c["copies"]) for c in listed}
+
+
+def test_lose_nodes_restore_from_peers_then_from_the_durable_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root, local = str(tmp_path / "durable"), tmp_path / "local"
     procs = mh.run_group(
         tmp_path,
@@ -84,9 +100,12 @@ def test_lose_nodes_restore_from_peers_then_from_the_durable_root(tmp_path: Path
     for i in range(PROCS):  # each part on its own node and the next; retention took step 1
         assert CommitProtocol(open_storage(f"{local}{i}")).visible_refs().keys() == {2, 3}
         assert replicas(local, i) == {(2, (i - 1) % PROCS), (3, (i - 1) % PROCS)}
+    two = {str(p): 2 for p in range(PROCS)}
+    assert ls_copies(root, local, capsys) == {2: (["local", "durable"], two), 3: (["local"], two)}
 
     # (a) node 0 lost: its part of step 3 comes back from node 1, bit-exact.
     shutil.rmtree(f"{local}0")
+    assert ls_copies(root, local, capsys)[3] == (["local"], {"0": 1, "1": 2, "2": 2, "3": 1})
     procs = restore(tmp_path, root, local, "--probe-wrong-secret")
     assert mh.restored_steps(procs) == [3] * PROCS
     assert procs[0].said("HEALED") == ["HEALED"], procs[0].report()
