@@ -37,7 +37,6 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -59,7 +58,7 @@ from jaxckpt._peer import PeerClient, PeerServer, connect, new_secret
 from jaxckpt._phases import reached
 from jaxckpt._placement import Placement, node_id, place
 from jaxckpt._promote import PromotionRequest, request_promotion
-from jaxckpt._records import FileDigest, crc32c, dumps, json_record, load_json_record
+from jaxckpt._records import FileDigest, ReplicaIndex
 from jaxckpt._tier import Tier, take_epochs
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError, PeerError
 
@@ -67,61 +66,6 @@ log = logging.getLogger("jaxckpt")
 
 PEER_HOST_ENV = "JAXCKPT_PEER_HOST"
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ReplicaIndex:
-    """What a replica of one process's part holds: every file's size and CRC32C and what
-    its owner's local marker carries; written last, so a replica with one is complete."""
-
-    step: int
-    process: int
-    attempt: str
-    num_processes: int
-    files: dict[str, FileDigest]
-    metrics: dict[str, float] = field(default_factory=dict)
-    keep: bool = False
-    promote: str | None = None
-    """The promotion request the owner wrote with the step (its JSON), if it was chosen."""
-
-    def _body(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "process": self.process,
-            "attempt": self.attempt,
-            "num_processes": self.num_processes,
-            "files": {n: [d.size, d.crc32c] for n, d in sorted(self.files.items())},
-            "metrics": self.metrics,
-            "keep": self.keep,
-            "promote": self.promote,
-        }
-
-    def to_bytes(self) -> bytes:
-        body = self._body()
-        return json_record(replica=body, crc32c=crc32c(dumps(body)))
-
-    @classmethod
-    def from_bytes(cls, data: bytes, what: str) -> ReplicaIndex:
-        """Parses and checks an index.
-
-        Raises:
-          CorruptCheckpointError: not an index, or it fails its own CRC32C.
-        """
-        obj = load_json_record(data, what)
-        body = obj.get("replica")
-        if not isinstance(body, dict) or crc32c(dumps(body)) != obj.get("crc32c"):
-            raise CorruptCheckpointError(f"{what} is damaged (it fails its checksum)")
-        files = {n: FileDigest(size=s, crc32c=c) for n, (s, c) in body["files"].items()}
-        return cls(
-            step=body["step"],
-            process=body["process"],
-            attempt=body["attempt"],
-            num_processes=body["num_processes"],
-            files=files,
-            metrics=body["metrics"],
-            keep=body["keep"],
-            promote=body.get("promote"),
-        )
 
 
 Held = tuple[int, int, str]

@@ -9,8 +9,8 @@ import pytest
 from jaxckpt import CorruptCheckpointError
 from jaxckpt._layout import replica_index_key, replica_prefix
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._peertier import ReplicaIndex, heal_target
-from jaxckpt._records import FileDigest
+from jaxckpt._peertier import heal_target
+from jaxckpt._records import FileDigest, ReplicaIndex
 from jaxckpt._tier import open_tier
 
 A = "e1-1700000000-abcdef"
@@ -88,3 +88,30 @@ def test_retention_deletes_a_steps_replicas_and_gc_the_stale_ones(tmp_path):
     # a local tier without replicas never touches replicas/
     plain = open_tier(local, CheckpointOptions(local_root=local), "local")
     assert plain.collect_replicas() == []
+
+
+def test_promoter_metrics_report_replica_bytes_and_replication_lag(tmp_path):
+    import jaxckpt
+    from jaxckpt._commit import CommitProtocol
+    from jaxckpt.cli._metrics import PromoterMetrics
+    from jaxckpt.storage import open_storage
+
+    local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+    with jaxckpt.CheckpointManager(durable, local_root=local, promotion="external") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": np.arange(4.0)})
+    storage = open_storage(local)
+    for step, size in ((1, 100), (2, 50)):  # process 1's parts of steps 1 and 2 arrived
+        index = ReplicaIndex(
+            step=step,
+            process=1,
+            attempt=A,
+            num_processes=2,
+            files={"tree.json": FileDigest(size=size, crc32c=0)},
+        )
+        storage.write(replica_index_key(step, 1, A), index.to_bytes())
+    metrics = PromoterMetrics(CommitProtocol(storage), CommitProtocol(open_storage(durable)))
+    metrics.refresh()
+    value = metrics.registry.get_sample_value
+    assert value("jaxckpt_replica_bytes") == 150
+    assert value("jaxckpt_replication_lag_steps") == 1  # local step 3, newest replica 2
