@@ -141,14 +141,15 @@ def corrupt_replica(local: Path, *, holder: int, step: int, source: int) -> None
     """Flips a byte of a chunk of ``source``'s replica of ``step`` on ``holder``'s disk."""
     storage = open_storage(f"{local}{holder}")
     prefix = f"{REPLICAS}{step:012d}/{source}/"
-    chunk = next(k for k in storage.list(prefix) if "/arrays/x/c" in k)
+    chunk = next(k for k in storage.list(prefix) if "/arrays/x/c" in k or "/packs/" in k)
     data = bytearray(storage.read(chunk) or b"")
     data[0] ^= 0xFF
     storage.write(chunk, bytes(data))
 
 
 def test_a_corrupt_replica_is_detected_and_the_other_copy_used(tmp_path: Path) -> None:
-    """local_replicas=3: process 1's part lives on nodes 1, 2 and 3. Step 1 is chosen for
+    """local_replicas=3, packed layout: process 1's part (its pack objects and manifest
+    part) lives on nodes 1, 2 and 3. Step 1 is chosen for
     promotion but not promoted yet (external promotion, no sidecar) when node 1 is lost
     and the copy on node 2 (tried first) is damaged: the one on node 3 is used, and the
     promotion request comes back with it, so the restarted job (background promotion)
@@ -156,11 +157,20 @@ def test_a_corrupt_replica_is_detected_and_the_other_copy_used(tmp_path: Path) -
     root, local = str(tmp_path / "durable"), tmp_path / "local"
     extra = args(local, "--promotion=external", copies=3)
     procs = mh.run_group(
-        tmp_path, root, mode="save", steps=(1,), extra=extra, env_for=NODES, **GROUP
+        tmp_path,
+        root,
+        mode="save",
+        steps=(1,),
+        extra=extra,
+        env_for=NODES,
+        layout="packed",
+        **GROUP,
     )
     assert all(p.said("COMMITTED") == ["COMMITTED 1"] for p in procs)
     assert mh.committed_steps(root) == []
     assert replicas(local, 2) == {(1, 1), (1, 0)} and replicas(local, 3) == {(1, 2), (1, 1)}
+    held = open_storage(f"{local}3").list(f"{REPLICAS}000000000001/1/")
+    assert any("/packs/1." in k for k in held) and any(k.endswith("manifest/1.json") for k in held)
     shutil.rmtree(f"{local}1")
     corrupt_replica(local, holder=2, step=1, source=1)
     procs = restore(tmp_path, root, local, copies=3)
