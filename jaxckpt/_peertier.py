@@ -322,6 +322,11 @@ class Peers:
         index = ReplicaIndex.from_bytes(raw, f"{peer.peer}: {key}")
         if (index.step, index.process, index.attempt) != (step, self.me, attempt):
             raise CorruptCheckpointError(f"{peer.peer}: {key} names another part")
+        if index.num_processes != jax.process_count():  # another topology: the durable root
+            raise CorruptCheckpointError(
+                f"step {step} was saved by {index.num_processes} processes, not "
+                f"{jax.process_count()}; its replicas do not fit this job"
+            )
         self._local.protocol.begin_save(loc)
         base = f"{replica_prefix(step, self.me)}{attempt}/"
         for name, digest in sorted(index.files.items()):
