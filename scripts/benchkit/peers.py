@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     return 0
 
 
