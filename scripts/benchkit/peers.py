@@ -12,10 +12,11 @@ optionally behind the shaping proxy of ``bench.py cloud`` (``--profile 20ms``):
   processes each time: from the peers (``local_replicas=2``: node 0 fetches its
   part from node 1, the others read their own local tiers) vs from the durable
   root (every local root wiped: what a lost node costs without replicas, for
-  the newest durable step); the slowest process's ``restore()``.
+  the newest durable step); the slowest process's ``restore()``, median of
+  ``--repeats`` alternated runs from copies of the local roots the save left.
 
 Usage: ``python scripts/bench.py peers [--mb 64] [--saves 3] [--profile bare]
-[--json results/bench_peers.json]``. Servers and listeners bind 127.0.0.1.
+[--repeats 3] [--json results/bench_peers.json]``. Servers and listeners bind 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mb", type=float, default=64.0, help="state size, all processes together")
     p.add_argument("--saves", type=int, default=3)
     p.add_argument("--profile", default="bare", help="bare, 20ms or 50ms (see bench.py cloud)")
+    p.add_argument("--repeats", type=int, default=3, help="restores of each kind (median)")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -90,26 +92,42 @@ def run(args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
                     }
                 )
                 if copies == 2:
-                    shutil.rmtree(f"{local}0")  # node 0 lost
-                    got = _group({**job, "mode": "restore"}, scratch)
-                    rows.append(_restore_row("restore after losing node 0: from peers", got))
-                    for i in range(PROCS):
-                        shutil.rmtree(f"{local}{i}", ignore_errors=True)
-                    got = _group({**job, "mode": "restore"}, scratch)
-                    rows.append(_restore_row("restore after losing node 0: durable root", got))
+                    rows += _restores(job, local, scratch, args.repeats)
                     rows[-1]["profile"] = rows[-2]["profile"] = profile.name
     finally:
         server.stop()
     return rows
 
 
-def _restore_row(name: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "row": name,
-        "restore_s": max(r["restore_s"] for r in results),
-        "step": results[0]["step"],
-        "healed": sum(r["healed"] for r in results),
-    }
+def _restores(
+    job: dict[str, Any], local: Path, scratch: Path, repeats: int
+) -> list[dict[str, Any]]:
+    """Restores after losing node 0, from the peers and from the durable root, alternated
+    ``repeats`` times from copies of the local roots as the save left them."""
+    saved = scratch / "saved-locals"
+    for i in range(PROCS):
+        shutil.copytree(f"{local}{i}", saved / str(i))
+    times: dict[str, list[float]] = {"peers": [], "durable": []}
+    last: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(repeats):
+        for source in times:
+            for i in range(PROCS):
+                shutil.rmtree(f"{local}{i}", ignore_errors=True)
+                if source == "peers" and i != 0:  # node 0 lost; the others intact
+                    shutil.copytree(saved / str(i), f"{local}{i}")
+            last[source] = got = _group({**job, "mode": "restore"}, scratch)
+            times[source].append(max(r["restore_s"] for r in got))  # the slowest process
+    names = {"peers": "from peers", "durable": "durable root (no local copy)"}
+    return [
+        {
+            "row": f"restore after losing node 0: {names[source]}",
+            "restore_s": statistics.median(times[source]),
+            "restore_runs_s": times[source],
+            "step": last[source][0]["step"],
+            "healed": sum(r["healed"] for r in last[source]),
+        }
+        for source in times
+    ]
 
 
 def _group(job: dict[str, Any], scratch: Path) -> list[dict[str, Any]]:

@@ -89,7 +89,7 @@ PARTS = {
             name="peers",
             out_flag="--json",
             result="bench_peers.json",
-            tiny=("--mb", "2", "--saves", "1"),
+            tiny=("--mb", "2", "--saves", "1", "--repeats", "1"),
         ),
         Part(
             name="listing",
