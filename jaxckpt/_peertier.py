@@ -136,10 +136,6 @@ class Peers:
         except BaseException:
             self._server.close()
             raise
-        self.sent_bytes = 0
-        """Bytes this process sent to its holders (every replica, every step)."""
-        self.last_replication_s: float | None = None
-        """Seconds the newest replication took (its lag behind the own part's durability)."""
 
     def close(self) -> None:
         """Closes the listener (the manager's ``close``)."""
@@ -178,14 +174,12 @@ class Peers:
                 pool.submit(self._push, h, loc, dict(metrics or {}), keep, promote) for h in holders
             ]
             sent = [f.result() for f in futures]
-        self.sent_bytes += sum(sent)
-        self.last_replication_s = time.monotonic() - start
         log.info(
             "step %d: replicated this process's part (%d bytes) to %s in %.2fs",
             loc.step,
             sent[0] if sent else 0,
             ", ".join(f"process {h}" for h in holders),
-            self.last_replication_s,
+            time.monotonic() - start,
         )
 
     def _push(
