@@ -18,6 +18,9 @@ from jaxckpt.errors import CheckpointError as CheckpointError
 from jaxckpt.errors import CorruptCheckpointError as CorruptCheckpointError
 from jaxckpt.errors import LocalRootInUseError as LocalRootInUseError
 from jaxckpt.errors import NotACheckpointRootError as NotACheckpointRootError
+from jaxckpt.errors import PeerAuthError as PeerAuthError
+from jaxckpt.errors import PeerError as PeerError
+from jaxckpt.errors import PlacementError as PlacementError
 from jaxckpt.errors import PromotionError as PromotionError
 from jaxckpt.errors import PromotionTimeoutError as PromotionTimeoutError
 from jaxckpt.errors import SaveFailedError as SaveFailedError
@@ -98,6 +101,9 @@ __all__ = [
     "LocalRootInUseError",
     "NotACheckpointRootError",
     "ObjectStoreOptions",
+    "PeerAuthError",
+    "PeerError",
+    "PlacementError",
     "Problem",
     "PromotionError",
     "PromotionTimeoutError",

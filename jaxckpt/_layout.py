@@ -19,6 +19,11 @@ attempt under its own prefix, so two writers never share a key::
                                                to the durable root (see _promote)
     tier.json                                  local tier only: the durable root it serves
                                                (see _owner)
+    replicas/<step>/<p>/<attempt>/...          local tier with local_replicas > 1: a replica
+                                               of process <p>'s part (the files of its
+                                               attempts/<step>/<attempt>/; see _peertier)
+    replicas/<step>/<p>/<attempt>.json         its index (every file's size and CRC32C),
+                                               written last: the replica is complete
 
 Format version 1 (roots written before writer fencing) is still read::
 
@@ -49,6 +54,7 @@ WRITERS = "writers/"
 ATTEMPTS = "attempts/"
 LEGACY_STEPS = "steps/"
 PROMOTE = "promote/"
+REPLICAS = "replicas/"  # local tier only: other processes' parts (see _peertier)
 TIER_RECORD = "tier.json"  # local tier only: the durable root it serves (see _owner)
 
 _ATTEMPT = re.compile(r"e(\d+)-(\d+)-([0-9a-f]+)")
@@ -319,3 +325,38 @@ def parse_promote_key(key: str) -> int | None:
     name = key[len(PROMOTE) :] if key.startswith(PROMOTE) else ""
     m = _V1_JSON.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+def replica_prefix(step: int, process: int | None = None) -> str:
+    """The prefix of ``step``'s replicas on a local tier (of one source ``process``'s)."""
+    base = f"{REPLICAS}{marker_step_name(step)}/"
+    return base if process is None else f"{base}{process}/"
+
+
+def replica_index_key(step: int, process: int, attempt: str) -> str:
+    """The index of the replica of ``process``'s part of ``step`` (attempt ``attempt``)."""
+    return f"{replica_prefix(step, process)}{attempt}.json"
+
+
+def parse_replica_index_key(key: str) -> tuple[int, int, str] | None:
+    """``(step, process, attempt)`` of a replica index key, or None."""
+    parts = key[len(REPLICAS) :].split("/") if key.startswith(REPLICAS) else []
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].endswith(".json"):
+        return None
+    step, attempt = parts[0].lstrip("w"), parts[2][: -len(".json")]
+    if not step.isdigit() or parse_attempt(attempt) is None:
+        return None
+    return int(step), int(parts[1]), attempt
+
+
+def replica_holdings(keys: Iterable[str]) -> list[tuple[int, int, str]]:
+    """The complete replicas (with an index) among ``replicas/`` keys: (step, process,
+    attempt), sorted."""
+    return sorted(h for h in map(parse_replica_index_key, keys) if h is not None)
+
+
+def parse_replica_step(key: str) -> int | None:
+    """The step a ``replicas/`` key belongs to, or None."""
+    name = key[len(REPLICAS) :].split("/", 1)[0] if key.startswith(REPLICAS) else ""
+    digits = name.lstrip("w")
+    return int(digits) if digits.isdigit() else None

@@ -25,12 +25,13 @@ from jaxckpt._agree import Agreement
 from jaxckpt._layout import check_step as _check_step
 from jaxckpt._metadata import StepMetadata, step_metadata
 from jaxckpt._options import CheckpointOptions
+from jaxckpt._peertier import join_tiers
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt._promotion import open_promotion
 from jaxckpt._retention import Retention
 from jaxckpt._save import SaveSession
 from jaxckpt._telemetry import SaveStats
-from jaxckpt._tier import Tier, open_tiers, take_epochs
+from jaxckpt._tier import Tier, open_tiers
 from jaxckpt._tree import PathMap
 from jaxckpt._verify import VerifyReport, verify_step
 from jaxckpt.errors import CheckpointError
@@ -74,7 +75,7 @@ class CheckpointManager:
         self._watcher = PreemptionWatcher.for_policy(opts.save_policy)
         self.restored_step: int | None = None
         """The step the last ``restore()`` returned (None before any; see ``restore``)."""
-        take_epochs(self._tiers, self._agreement, opts)
+        join_tiers(self._tiers, self._agreement, opts)  # epochs; the local tier's peers
         self._protocol, self._storage = self._tiers[0].protocol, self._tiers[0].storage
         self._promotion = open_promotion(self._tiers, self._agreement, opts, self.preempted)
         self._session = session = SaveSession(self._tiers[0], opts, self._agreement, self.root)

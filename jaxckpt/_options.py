@@ -85,6 +85,18 @@ class CheckpointOptions:
         (one more fills meanwhile), and pack spans a restore reads at once:
         enough requests to fill the bandwidth-delay product of a far-away store
         (16 × 85 MB/s fills a 10 Gb/s link). At least 1.
+      local_replicas: with ``local_root``: how many nodes hold each process's
+        local part (1: its own only). With ``k > 1`` the background part of a
+        save sends the part to ``k - 1`` other nodes' local tiers (a ring over
+        the nodes, see ``_placement``; a node is the host name or
+        ``JAXCKPT_NODE_ID``) before the local commit, and a restore after a
+        lost node fetches the missing parts from them.
+      peer_timeout_s: the bound of every peer transfer's socket operation: a
+        dead or stalled peer fails the save (or a restore's fetch) after this.
+      peer_host: the address the peer listener binds and publishes to the
+        other processes (``local_replicas > 1``); None: ``JAXCKPT_PEER_HOST``,
+        else loopback when the JAX coordinator is on loopback, else the
+        address of this host's name.
     """
 
     save_policy: SavePolicy | None = None
@@ -108,6 +120,9 @@ class CheckpointOptions:
     writer_nice: int = 0
     max_object_bytes: int = 64 << 20
     objects_in_flight: int = 16
+    local_replicas: int = 1
+    peer_timeout_s: float = 60.0
+    peer_host: str | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -160,6 +175,15 @@ class CheckpointOptions:
                 )
         if isinstance(self.writer_nice, bool) or self.writer_nice not in range(20):
             raise ValueError(f"writer_nice must be an integer 0-19, got {self.writer_nice!r}")
+        if isinstance(self.local_replicas, bool) or not isinstance(self.local_replicas, int):
+            raise ValueError(f"local_replicas must be an int, got {self.local_replicas!r}")
+        if self.local_replicas < 1 or (self.local_replicas > 1 and self.local_root is None):
+            raise ValueError(
+                f"local_replicas={self.local_replicas}: must be at least 1, and above 1 "
+                "only with a local_root"
+            )
+        if self.peer_timeout_s <= 0:
+            raise ValueError(f"peer_timeout_s must be positive, got {self.peer_timeout_s}")
         if self.save_timeout_s <= 0:
             raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")
 

@@ -35,6 +35,9 @@ TIER_PHASES = (
     # a save to a local tier: the promotion request written, the local marker not yet
     # (between manifest_written and before_marker)
     "promotion_requested",
+    # local_replicas > 1: this process's part is durable on its own local root and
+    # being sent to its replica holders (between manifest_written and the local marker)
+    "replicating",
 )
 
 _POLL_S = 0.02

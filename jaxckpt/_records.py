@@ -300,3 +300,59 @@ def path_text(parts: Sequence[Sequence[Any]]) -> str:
     for kind, key in parts:
         text += f".{key}" if kind == "a" else f"[{key!r}]" if kind == "d" else f"[{key}]"
     return text or "<root>"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaIndex:
+    """What a replica of one process's part holds (``replicas/<step>/<p>/<attempt>.json``
+    on a holder's local tier, see ``_peertier``): every file's size and CRC32C and what
+    its owner's local marker carries; written last, so a replica with one is complete."""
+
+    step: int
+    process: int
+    attempt: str
+    num_processes: int
+    files: dict[str, FileDigest]
+    metrics: dict[str, float] = field(default_factory=dict)
+    keep: bool = False
+    promote: str | None = None
+    """The promotion request the owner wrote with the step (its JSON), if it was chosen."""
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "process": self.process,
+            "attempt": self.attempt,
+            "num_processes": self.num_processes,
+            "files": {n: [d.size, d.crc32c] for n, d in sorted(self.files.items())},
+            "metrics": self.metrics,
+            "keep": self.keep,
+            "promote": self.promote,
+        }
+
+    def to_bytes(self) -> bytes:
+        body = self._body()
+        return json_record(replica=body, crc32c=crc32c(dumps(body)))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str) -> ReplicaIndex:
+        """Parses and checks an index.
+
+        Raises:
+          CorruptCheckpointError: not an index, or it fails its own CRC32C.
+        """
+        obj = load_json_record(data, what)
+        body = obj.get("replica")
+        if not isinstance(body, dict) or crc32c(dumps(body)) != obj.get("crc32c"):
+            raise CorruptCheckpointError(f"{what} is damaged (it fails its checksum)")
+        files = {n: FileDigest(size=s, crc32c=c) for n, (s, c) in body["files"].items()}
+        return cls(
+            step=body["step"],
+            process=body["process"],
+            attempt=body["attempt"],
+            num_processes=body["num_processes"],
+            files=files,
+            metrics=body["metrics"],
+            keep=body["keep"],
+            promote=body.get("promote"),
+        )

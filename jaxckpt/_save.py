@@ -293,10 +293,11 @@ class SaveSession:
             raise self.fenced
 
     def close(self) -> None:
-        """Closes the checkpointer (and the handler's writer thread)."""
+        """Closes the checkpointer (and the handler's writer thread) and the tier's peers."""
         self.closed = True
         if self._checkpointer is not None:
             self._checkpointer.close()
+        self._tier.peers.close()
 
     # -- the session --------------------------------------------------------------
 
@@ -398,6 +399,9 @@ class SaveSession:
         reached("manifest_written", step)
         inflight.nbytes = part.nbytes
         if self._per_host:
+            request = None if inflight.request is None else inflight.request.to_bytes()
+            replicas = self._tier.peers
+            replicas.replicate(loc, metrics=inflight.metrics, keep=inflight.keep, request=request)
             self._commit_local(inflight, extra)
 
     def _commit_local(self, inflight: Inflight, extra: Sequence[str]) -> None:

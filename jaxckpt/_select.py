@@ -7,6 +7,8 @@ One method, :meth:`Selection.restore`, for a plain and a tiered manager alike:
    no listing); only if it fails, the tiers' listings (no marker is read):
    an own tier contributes the steps every host holds there, a shared tier
    the primary's listing; with a ``step``, only that one.
+   A replicated local tier first *heals* the newest step complete in the
+   union of the local tiers onto every host's own root (``Peers.heal``).
 2. For each candidate, each host reads from the *nearest* tier that holds it
    (its marker, then its data); a copy that is missing or corrupt falls back
    to the next tier, with one warning. The loop stops at the first step that
@@ -90,6 +92,7 @@ class Selection:
             ``CheckpointManager.restore`` (the same class on every host).
         """
         tiers, agreement = self.tiers, self._agreement
+        tiers[0].peers.heal(step)  # a part lost with its node comes back from its peers
         candidates = _Candidates(tiers, agreement, step, primary=self._primary)
         collective = len(tiers) == 1  # every host reads the same copy
         s = candidates.first

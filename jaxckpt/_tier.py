@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import jax
 import tensorstore as ts
@@ -27,7 +28,15 @@ from jaxckpt import _gc, _owner, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import EpochReader
-from jaxckpt._layout import COMMITS, ROOT_RECORD, MarkerRef
+from jaxckpt._layout import (
+    COMMITS,
+    REPLICAS,
+    ROOT_RECORD,
+    MarkerRef,
+    StepLocation,
+    parse_replica_step,
+    replica_prefix,
+)
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._records import CommitMarker
 from jaxckpt._restore import StepReader
@@ -38,6 +47,46 @@ from jaxckpt.storage import Storage, open_storage
 log = logging.getLogger("jaxckpt")
 
 TIER_NAMES = ("local", "durable")
+
+
+class Replicas(Protocol):
+    """A local tier's copies on other nodes (``local_replicas``; see ``_peertier``)."""
+
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
+        """Sends this process's part of ``loc`` to its holders (before its local marker)."""
+
+    def heal(self, step: int | None) -> None:
+        """Brings back, before a restore, a step whose parts are spread over the peers."""
+
+    def close(self) -> None:
+        """Stops serving this process's replicas."""
+
+
+class NoReplicas:
+    """The replicas of a tier that has none (``local_replicas=1``, a durable tier)."""
+
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
+        return None
+
+    def heal(self, step: int | None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
 class Tier:
@@ -66,6 +115,10 @@ class Tier:
         self.retention: policy.RetentionPolicy | None = (
             options.local_retention if self.own else options.retention
         )
+        self.replicated = self.own and options.local_replicas > 1
+        """Holds other processes' replicas under ``replicas/`` (see ``_peertier``)."""
+        self.peers: Replicas = NoReplicas()
+        """Where this own tier's parts are replicated (set by ``_peertier.join_tiers``)."""
 
     def __repr__(self) -> str:
         return f"Tier({self.name!r}, {self.uri!r})"
@@ -198,6 +251,7 @@ class Tier:
         try:
             found = _gc.scan(self.protocol, full=False, commit_keys=commit_keys)
             _gc.collect(self.protocol, found, grace_s=grace_s)
+            self.collect_replicas()
         except CheckpointError as e:
             log.warning("garbage collection on open of %s failed (retried later): %s", self.uri, e)
 
@@ -211,11 +265,28 @@ class Tier:
         temp_grace = min(grace_s, _gc.TEMP_GRACE_S)  # a shorter grace covers temp files too
         found = _gc.scan(self.protocol, full=True, temp_grace_s=temp_grace)
         removed = _gc.collect(self.protocol, found, grace_s=grace_s, force=force)
-        return sorted({loc.step for loc in removed})
+        return sorted({loc.step for loc in removed} | set(self.collect_replicas()))
+
+    def collect_replicas(self) -> list[int]:
+        """Removes the replicas of steps older than this tier's newest step that it does
+        not hold itself (their save failed here, or retention deleted them before the
+        replicas came); returns their steps. A replica of a newer step may be in flight."""
+        if not self.replicated:
+            return []
+        steps = {s for k in self.storage.list(REPLICAS) if (s := parse_replica_step(k)) is not None}
+        own = set(self.visible())
+        stale = sorted(s for s in steps - own if s < max(own, default=-1))
+        for step in stale:
+            log.info("removing replicas of step %d under %s (not held here)", step, self.uri)
+            self.storage.delete_prefix(replica_prefix(step))
+        return stale
 
     def delete(self, step: int) -> None:
-        """Deletes a committed step here (marker first, fence-checked)."""
+        """Deletes a committed step here (marker first, fence-checked), with the
+        replicas of other processes' parts of it this tier holds."""
         self.protocol.delete(step)
+        if self.replicated:
+            self.storage.delete_prefix(replica_prefix(step))
 
 
 def open_tier(uri: str | os.PathLike[str], options: CheckpointOptions, name: str) -> Tier:

@@ -143,3 +143,33 @@ class LocalRootInUseError(CheckpointError):
     other's steps. Give each job a local root of its own (e.g. one per run
     name), or, if the old job is gone for good, delete its local root.
     """
+
+
+class PlacementError(CheckpointError, ValueError):
+    """``local_replicas`` asks for more copies than the job has nodes (failure domains).
+
+    Every copy of a process's local part lives on a distinct node (its host
+    name, or ``JAXCKPT_NODE_ID``). Lower ``local_replicas`` to at most the
+    number of nodes named in the message, or run on more nodes.
+    """
+
+
+class PeerError(CheckpointError, ConnectionError):
+    """A transfer between two processes of the job failed (replication or a fetch).
+
+    The message names the peer process, its address and what failed: a
+    refused authentication (the peer is not of this job), a timeout (a dead
+    or stalled peer: raise ``peer_timeout_s`` for a slow one), or bytes that
+    do not match their CRC32C. The step's local commit fails; older steps are
+    intact, and a restore reads another copy or the durable root.
+    """
+
+
+class PeerAuthError(PeerError):
+    """A peer connection failed the job's shared-secret authentication.
+
+    Something that is not a process of this job connected (or was connected
+    to); nothing was read or written. Check that every process of the job
+    uses the same coordination service and that the listener's address is not
+    reused by another job.
+    """

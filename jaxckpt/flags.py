@@ -38,6 +38,9 @@ Flags (all prefixed ``checkpoint_``):
   the first after SIGTERM); unset: every one.
 * ``--checkpoint_local_keep_last``: retention of the local tier (steps waiting for
   promotion are always kept); the ``keep`` flags above apply to the durable root.
+* ``--checkpoint_local_replicas``: ``local_replicas``, how many nodes hold each process's
+  local part (1: its own only); a restore after a lost node fetches the missing parts
+  from the others.
 * ``--checkpoint_promotion``: ``background`` (a thread of the trainer promotes) or
   ``external`` (a ``jaxckpt promote --watch`` sidecar does).
 * ``--checkpoint_restore_memory_mib``: ``restore_memory_bytes`` in MiB, the memory a
@@ -92,6 +95,7 @@ FLAG_NAMES = (
     "checkpoint_promote_every_steps",
     "checkpoint_promote_every_seconds",
     "checkpoint_local_keep_last",
+    "checkpoint_local_replicas",
     "checkpoint_promotion",
     "checkpoint_restore_memory_mib",
     "checkpoint_writer_nice",
@@ -100,6 +104,7 @@ _TIER_FLAGS = (
     "checkpoint_promote_every_steps",
     "checkpoint_promote_every_seconds",
     "checkpoint_local_keep_last",
+    "checkpoint_local_replicas",
 )
 
 
@@ -220,6 +225,14 @@ def define_flags(flag_values: absl_flags.FlagValues | None = None) -> None:
         **kw,
     )
     flags.DEFINE_integer(
+        "checkpoint_local_replicas",
+        None,
+        "With a local tier: keep each process's local part on N distinct nodes (a ring over "
+        "the host names or JAXCKPT_NODE_ID), so a lost node's newest steps survive (default 1).",
+        lower_bound=1,
+        **kw,
+    )
+    flags.DEFINE_integer(
         "checkpoint_restore_memory_mib",
         None,
         "Restores from gs:// or s3:// use at most this much memory beyond the restored arrays "
@@ -336,6 +349,7 @@ def _tier_fields(fv: absl_flags.FlagValues) -> dict[str, Any]:
         "promote_policy": promote_policy_from_flags(fv),
         "local_retention": policy.KeepLast(keep) if keep is not None else None,
         "promotion": fv.checkpoint_promotion,
+        "local_replicas": fv.checkpoint_local_replicas or 1,
     }
 
 

@@ -8,6 +8,7 @@ Usage::
         [--spec data,model] [--steps 1,2] [--save-timeout S] [--primary-host H]
         [--exchange-min-bytes N] [--exchange-part-bytes N] [--scale K]
         [--local-root PREFIX --promotion {background,external}] [--leaves x,y]
+        [--local-replicas K --peer-timeout S --promote-every N --probe-wrong-secret]
 
 The process joins a ``jax.distributed`` group of ``P`` processes with ``D``
 CPU devices each, builds a ``('data', 'model')`` mesh of shape ``AxB`` over
@@ -36,7 +37,13 @@ With ``--local-root`` the manager is tiered: process ``i`` saves to its own
 local root ``PREFIX<i>`` and ``ROOT`` is the durable root; ``save`` then waits
 until the last step is durable (background promotion) and prints ``DURABLE
 s``, and ``restore`` prints ``TIER local|durable``: where this process read
-its regions from. ``--leaves`` limits the state to some leaves (all by
+its regions from. With ``--local-replicas`` each process's local part is replicated to
+``K - 1`` other processes' local tiers (their nodes come from ``JAXCKPT_NODE_ID``);
+``restore`` also prints ``HEALED`` when this process fetched its part from a peer and
+``REPLICA UNUSABLE`` when a peer's copy failed its checks; ``--probe-wrong-secret``
+then makes process 0 connect to process 1's listener with a wrong secret and print
+``PROBE REFUSED`` when it is turned away. ``--promote-every`` sets ``promote_policy``
+to ``EveryNSteps(N)``. ``--leaves`` limits the state to some leaves (all by
 default), e.g. ``x,y`` with ``--mesh 4x1``: every process holds distinct
 shards, so a local tier holds every region its process reads.
 
@@ -138,6 +145,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--shared-local-root", action="store_true", help="every process gets --local-root as is"
     )
     p.add_argument("--leaves", default=None, help="comma-separated leaves to save (default all)")
+    p.add_argument("--local-replicas", type=int, default=1, help="CheckpointOptions.local_replicas")
+    p.add_argument("--peer-timeout", type=float, default=60.0, help="...peer_timeout_s")
+    p.add_argument("--promote-every", type=int, default=None, help="promote_policy EveryNSteps")
+    p.add_argument("--probe-wrong-secret", action="store_true")
+    p.add_argument("--local-keep", type=int, default=None, help="local_retention KeepLast(N)")
     return p.parse_args(argv)
 
 
@@ -159,6 +171,10 @@ class _TierHandler(logging.Handler):
         text = record.getMessage()
         if text.startswith("restored step "):
             _say(f"TIER {text.split(' from the ')[1].split()[0]}")
+        elif "fetched this process's part" in text:
+            _say("HEALED")
+        elif "is unusable" in text:
+            _say("REPLICA UNUSABLE")
 
 
 def _spec(text: str) -> tuple[str | None, ...]:
@@ -203,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.local_root is not None:
         own = "" if args.shared_local_root else str(args.process_id)
         tiered = {"local_root": f"{args.local_root}{own}", "promotion": args.promotion}
+        if args.local_replicas > 1:
+            tiered.update(local_replicas=args.local_replicas, peer_timeout_s=args.peer_timeout)
+        if args.local_keep is not None:
+            tiered["local_retention"] = jaxckpt.policy.KeepLast(args.local_keep)
+        if args.promote_every is not None:
+            tiered["promote_policy"] = jaxckpt.policy.EveryNSteps(args.promote_every)
         logging.getLogger("jaxckpt").addHandler(_TierHandler())
         logging.getLogger("jaxckpt").setLevel(logging.INFO)
     manager = jaxckpt.CheckpointManager(
@@ -222,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"DURABLE {manager.wait_durable(timeout_s=args.save_timeout)}")
     elif args.mode == "restore":
         _restore(manager, mesh, _spec(args.spec))
+        if args.probe_wrong_secret and jax.process_index() == 0:
+            _probe_wrong_secret(manager)
     elif args.mode == "restore_and_die":
         if pause_at is not None:
             os.environ[PAUSE_ENV] = pause_at
@@ -261,6 +285,19 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"AGREEMENT KEYS LEFT {len(left)}")
     _say("DONE")
     return 0
+
+
+def _probe_wrong_secret(manager: Any) -> None:
+    """Connects to process 1's peer listener with a wrong secret; it must turn us away."""
+    import jaxckpt
+    from jaxckpt._peer import connect, new_secret
+
+    address = manager._tiers[0].peers.addresses[1]
+    try:
+        with connect(address, new_secret(), timeout_s=10.0) as peer:
+            peer.put("replicas/000000000009/0/injected", b"x")
+    except jaxckpt.PeerAuthError:
+        _say("PROBE REFUSED")
 
 
 class _DisagreeingPolicy:

@@ -194,6 +194,26 @@ def test_tier_flags_build_a_tiered_manager(tmp_path):
         assert jaxckpt.flags.promote_policy_from_flags() == policy.EveryNSeconds(60.0)
 
 
+def test_local_replicas_flag(tmp_path):
+    with flagsaver.as_parsed(
+        checkpoint_root=str(tmp_path / "durable"),
+        checkpoint_local_root=str(tmp_path / "local"),
+        checkpoint_local_replicas="2",
+    ):
+        assert jaxckpt.flags.options_from_flags().local_replicas == 2
+        with pytest.raises(jaxckpt.PlacementError, match="local_replicas=2 needs 2 distinct"):
+            jaxckpt.flags.manager_from_flags()  # one process, one node
+    with flagsaver.as_parsed(
+        checkpoint_root=str(tmp_path / "durable"), checkpoint_local_root=str(tmp_path / "local")
+    ):
+        assert jaxckpt.flags.options_from_flags().local_replicas == 1
+    with (
+        flagsaver.flagsaver(checkpoint_local_root=None, checkpoint_local_replicas=2),
+        pytest.raises(ValueError, match="--checkpoint_local_replicas need --checkpoint_local_root"),
+    ):
+        jaxckpt.flags.options_from_flags()
+
+
 @flagsaver.flagsaver(checkpoint_local_root=None, checkpoint_local_keep_last=2)
 def test_tier_flags_without_a_local_root_name_the_flags():
     with pytest.raises(

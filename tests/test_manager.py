@@ -532,7 +532,8 @@ def test_public_api_names():
         "VerifyReport", "WriterFencedError", "check_resume", "nnx_step_fn", "policy",
         "LeafView", "StepView", "open_step", "diff_steps", "export_safetensors",
         "import_orbax", "import_safetensors", "PromotionError", "PromotionTimeoutError",
-        "ObjectStoreOptions", "LocalRootInUseError",
+        "ObjectStoreOptions", "LocalRootInUseError", "PeerError", "PeerAuthError",
+        "PlacementError",
     }  # fmt: skip
     for name in jaxckpt.__all__:
         assert getattr(jaxckpt, name) is not None

@@ -6,8 +6,11 @@ import argparse
 import time
 from typing import Any
 
+from jaxckpt._commit import CommitProtocol
 from jaxckpt._decision import retention_decision
 from jaxckpt._gc import scan
+from jaxckpt._layout import REPLICAS, is_held_manifest_name, is_manifest_name, replica_holdings
+from jaxckpt._records import CommitMarker
 from jaxckpt.cli._common import add_retention_flags, command, open_root, retention
 from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, print_table
 from jaxckpt.errors import NotACheckpointRootError
@@ -30,7 +33,10 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--local-root",
         metavar="LOCAL_ROOT",
-        help="a tiered job's local tier: show which tiers hold each step",
+        action="append",
+        help="a tiered job's local tier: show which tiers hold each step; with replicas "
+        "(local_replicas), how many copies of each process's part it holds (repeat it for "
+        "every node's local root to see the job's coverage)",
     )
 
 
@@ -39,12 +45,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     found = scan(protocol, full=True)
     committed = dict(sorted(found.committed.items()))
     tiers: dict[int, list[str]] | None = None
+    copies: dict[int, dict[int, int]] = {}  # step -> process -> copies of its part
+    replicated = False  # some local root holds replicas (local_replicas > 1)
     if args.local_root is not None:  # steps of either tier; the local copy is nearest
-        try:
-            local = open_root(args.local_root).committed()
-        except NotACheckpointRootError as e:  # a cache not created yet, or removed
-            err(f"{e}: listing the durable root only")
-            local = {}
+        local: dict[int, CommitMarker] = {}
+        for root in args.local_root:
+            try:
+                own = open_root(root)
+                held = own.committed()
+            except NotACheckpointRootError as e:  # a cache not created yet, or removed
+                err(f"{e}: listing the durable root only" if len(args.local_root) == 1 else str(e))
+                continue
+            replicated |= _count_copies(own, held, copies)
+            local = {**held, **local}
         tiers = {s: [] for s in sorted({*committed, *local})}
         for s in local:
             tiers[s].append("local")
@@ -69,6 +82,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "metrics": dict(committed[s].metrics),
                         "kept_by": list(decision.keep.get(s, ())),
                         **({"tiers": tiers[s]} if tiers is not None else {}),
+                        **({"copies": _copies_json(copies, s)} if replicated else {}),
                     }
                     for s in shown
                 ],
@@ -104,6 +118,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = [["STEP", "STATE", "SIZE", "COMMITTED", "KEPT BY"]]
     if tiers is not None:
         rows[0].insert(2, "TIERS")
+    if replicated:
+        rows[0].insert(3, "COPIES (PROCESS:N)")
     for s in shown:
         m = committed[s]
         reasons = decision.keep.get(s, ())
@@ -115,6 +131,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append([str(s), "committed", human_bytes(m.nbytes), when, kept])
         if tiers is not None:
             rows[-1].insert(2, "+".join(tiers[s]))
+        if replicated:
+            rows[-1].insert(3, " ".join(f"{p}:{n}" for p, n in _copies_json(copies, s).items()))
     now = time.time()
     for p in partial:
         age = p.age(now)
@@ -127,8 +145,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows.append([str(m.step), "fenced", "-", "-", f"committed by fenced epoch {m.epoch}"])
     rows[1:] = sorted(rows[1:], key=lambda r: int(r[0]))
     if tiers is not None:  # partial, damaged and fenced attempts are the durable root's
-        rows[1:] = [r if len(r) == len(rows[0]) else [*r[:2], "durable", *r[2:]] for r in rows[1:]]
-    print_table(rows, right=(0, 3) if tiers is not None else (0, 2))
+        pad = ["durable", "-"] if replicated else ["durable"]
+        rows[1:] = [r if len(r) == len(rows[0]) else [*r[:2], *pad, *r[2:]] for r in rows[1:]]
+    print_table(rows, right=(0, 3 + replicated) if tiers is not None else (0, 2))
     hidden = len(committed) - len(shown)
     if hidden:
         print(f"({hidden} older committed steps not shown; --limit 0 shows all)")
@@ -138,3 +157,25 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("(a DAMAGED step's marker fails its checksum: it is corruption, not garbage; its")
         print(" data is kept; `jaxckpt gc --force` removes it)")
     return 0
+
+
+def _count_copies(
+    local: CommitProtocol, held: dict[int, CommitMarker], copies: dict[int, dict[int, int]]
+) -> bool:
+    """Adds the parts one local root holds, its own and its replicas, to ``copies``;
+    True if it holds replicas."""
+    for step, marker in held.items():
+        counts = copies.setdefault(step, dict.fromkeys(range(marker.num_processes), 0))
+        for name in marker.files:
+            if is_manifest_name(name) and not is_held_manifest_name(name):
+                process = int(name.split("/")[1].split(".")[0])
+                counts[process] = counts.get(process, 0) + 1
+    replicas = replica_holdings(local.storage.list(REPLICAS))
+    for step, process, _ in replicas:
+        counts = copies.setdefault(step, {})
+        counts[process] = counts.get(process, 0) + 1
+    return bool(replicas)
+
+
+def _copies_json(copies: dict[int, dict[int, int]], step: int) -> dict[str, int]:
+    return {str(p): n for p, n in sorted(copies.get(step, {}).items())}

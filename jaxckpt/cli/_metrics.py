@@ -7,7 +7,9 @@ import time
 from typing import Any
 
 from jaxckpt._commit import CommitProtocol
+from jaxckpt._layout import REPLICAS, replica_holdings, replica_index_key
 from jaxckpt._promote import FAILED, PROMOTED, PromotionResult, read_requests
+from jaxckpt._records import ReplicaIndex
 from jaxckpt.errors import CheckpointError
 
 log = logging.getLogger("jaxckpt")
@@ -20,7 +22,10 @@ class PromoterMetrics:
     ``jaxckpt_promotion_lag_seconds`` (age of the oldest requested step not yet
     durable; 0 when none waits), ``jaxckpt_promotion_lag_steps`` (newest local
     step minus newest durable step), ``jaxckpt_promoted_steps_total``,
-    ``jaxckpt_promoted_bytes_total``, ``jaxckpt_promotion_failures_total``.
+    ``jaxckpt_promoted_bytes_total``, ``jaxckpt_promotion_failures_total``; with
+    replicas (``local_replicas``): ``jaxckpt_replica_bytes`` (bytes of the other
+    processes' parts this local tier holds) and ``jaxckpt_replication_lag_steps``
+    (this tier's newest step minus the newest step it holds a replica of).
     """
 
     def __init__(self, local: CommitProtocol, durable: CommitProtocol) -> None:
@@ -56,6 +61,16 @@ class PromoterMetrics:
         self.failures = prom.Counter(
             "jaxckpt_promotion_failures", "Promotions that failed or were fenced", registry=r
         )
+        self.replica_bytes = prom.Gauge(
+            "jaxckpt_replica_bytes",
+            "Bytes of other processes' parts (replicas) held on the local tier",
+            registry=r,
+        )
+        self.replication_lag = prom.Gauge(
+            "jaxckpt_replication_lag_steps",
+            "Newest local step minus the newest step the local tier holds a replica of",
+            registry=r,
+        )
         self._prom: Any = prom
 
     def serve(self, port: int, addr: str) -> None:
@@ -86,3 +101,23 @@ class PromoterMetrics:
         self.lag_steps.set(max(0, newest_local - newest_durable) if newest_local >= 0 else 0)
         waiting = [r.requested for s, r in requests.items() if s not in durable_refs]
         self.lag_seconds.set(time.time() - min(waiting) if waiting else 0.0)
+        self._refresh_replicas(newest_local)
+
+    def _refresh_replicas(self, newest_local: int) -> None:
+        storage = self._local.storage
+        try:
+            held = replica_holdings(storage.list(REPLICAS))
+            nbytes = 0
+            for step, process, attempt in held:
+                key = replica_index_key(step, process, attempt)
+                data = storage.read(key)
+                if data is not None:
+                    index = ReplicaIndex.from_bytes(data, self._local.where(key))
+                    nbytes += sum(d.size for d in index.files.values())
+        except CheckpointError as e:
+            log.warning("metrics refresh of the replicas failed: %s", e)
+            return
+        self.replica_bytes.set(nbytes)
+        newest = max((s for s, _, _ in held), default=None)
+        lag = 0 if newest is None or newest_local < 0 else max(0, newest_local - newest)
+        self.replication_lag.set(lag)

@@ -6,9 +6,9 @@ environment (cloud variables, ``XLA_FLAGS`` device count, loopback servers)
 cannot leak into the next. Every result lands under ``--out`` with the name
 the part writes on its own: ``bench.md``/``bench.png``/``bench.json`` (core),
 ``bench_tiers.json``, ``bench_packed.json``, ``bench_cloud.json``, ``replread.json``,
-``savemem.json``, ``bench_readclient.json``, ``listing.json``; ``bench_all.json`` records
-each part's command, exit status and wall time. A failing part does not stop the others;
-the exit status is 1 if any failed.
+``savemem.json``, ``bench_readclient.json``, ``bench_peers.json``, ``listing.json``;
+``bench_all.json`` records each part's command, exit status and wall time. A failing
+part does not stop the others; the exit status is 1 if any failed.
 """
 
 from __future__ import annotations
@@ -84,6 +84,12 @@ PARTS = {
             out_flag="--json",
             result="bench_readclient.json",
             tiny=("--reads", "8x64KiB,40x4KiB", "--writes", "1x1MiB,4x64KiB", "--rounds", "1"),
+        ),
+        Part(
+            name="peers",
+            out_flag="--json",
+            result="bench_peers.json",
+            tiny=("--mb", "2", "--saves", "1", "--repeats", "1"),
         ),
         Part(
             name="listing",

@@ -1,0 +1,140 @@
+"""The peer transport (jaxckpt._peer) over real loopback sockets."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import pytest
+
+from jaxckpt import PeerAuthError, PeerError
+from jaxckpt._peer import PeerServer, connect, new_secret, recv_frame, send_frame
+from jaxckpt.storage import open_storage
+
+
+@pytest.fixture
+def served(tmp_path):
+    storage = open_storage(str(tmp_path / "root"))
+    secret = new_secret()
+    server = PeerServer(storage, secret, timeout_s=5.0)
+    yield storage, secret, server
+    server.close()
+
+
+def test_put_get_list_delete_round_trip(served):
+    storage, secret, server = served
+    data = bytes(range(256)) * 4096  # 1 MiB
+    with connect(server.address, secret, timeout_s=5.0) as peer:
+        peer.put("replicas/000000000001/0/a/b.bin", data)
+        peer.put("replicas/000000000001/0/a.json", b"{}")
+        assert peer.get("replicas/000000000001/0/a/b.bin") == data
+        assert peer.get("replicas/000000000001/0/missing") is None
+        assert sorted(peer.list("replicas/000000000001/")) == [
+            "replicas/000000000001/0/a.json",
+            "replicas/000000000001/0/a/b.bin",
+        ]
+        peer.delete_prefix("replicas/000000000001/")
+        assert peer.list("replicas/") == []
+    assert storage.list("replicas/") == []
+
+
+def test_keys_outside_the_served_prefix_are_refused(served):
+    storage, secret, server = served
+    storage.write("jaxckpt.json", b"own")
+    with connect(server.address, secret, timeout_s=5.0) as peer:
+        for key in ("jaxckpt.json", "replicas/../jaxckpt.json", "replicas//x", "attempts/1/x"):
+            with pytest.raises(PeerError, match="is not under replicas/"):
+                peer.get(key)
+            with pytest.raises(PeerError, match="is not under replicas/"):
+                peer.put(key, b"evil")
+    assert storage.read("jaxckpt.json") == b"own"
+    assert storage.list("attempts/") == []
+
+
+def test_a_wrong_secret_is_refused_both_ways_and_nothing_is_written(served, caplog):
+    storage, secret, server = served
+    with (
+        caplog.at_level(logging.WARNING, logger="jaxckpt"),
+        pytest.raises(PeerAuthError, match="refused the connection"),
+        connect(server.address, new_secret(), timeout_s=5.0) as peer,
+    ):
+        peer.put("replicas/000000000001/0/x", b"injected")  # never reached
+    assert server.refused == 1
+    assert "does not know the job's secret" in caplog.text
+    assert storage.list("replicas/") == []
+    # A listener that does not know the secret cannot pose as a peer either.
+    impostor = PeerServer(storage, new_secret(), timeout_s=5.0)
+    try:
+        with pytest.raises(PeerAuthError), connect(impostor.address, secret, timeout_s=5.0):
+            pass
+    finally:
+        impostor.close()
+
+
+def test_a_payload_that_fails_its_crc_is_refused_and_not_written(served):
+    storage, secret, server = served
+    with connect(server.address, secret, timeout_s=5.0) as peer:
+        sock = peer._sock
+        send_frame(sock, {"op": "put", "key": "replicas/000000000001/0/x"}, b"good bytes")
+        assert recv_frame(sock, 1 << 20)[0] == {"ok": True, "size": 0, "crc32c": 0}
+        # the same frame with one payload byte flipped after its CRC was computed
+        header = b'{"op":"put","key":"replicas/000000000001/0/y","size":10,"crc32c":%d}' % (
+            __import__("jaxckpt._records", fromlist=["crc32c"]).crc32c(b"good bytes")
+        )
+        sock.sendall(len(header).to_bytes(4, "big") + header + b"good bytez")
+        with pytest.raises((ConnectionError, OSError)):
+            recv_frame(sock, 1 << 20)  # the server drops the connection
+    assert storage.read("replicas/000000000001/0/x") == b"good bytes"
+    assert storage.read("replicas/000000000001/0/y") is None
+
+
+def test_a_frame_over_the_bound_is_refused(tmp_path):
+    storage = open_storage(str(tmp_path / "root"))
+    secret = new_secret()
+    server = PeerServer(storage, secret, timeout_s=5.0, max_bytes=1000)
+    try:
+        with connect(server.address, secret, timeout_s=5.0) as peer, pytest.raises(PeerError):
+            peer.put("replicas/000000000001/0/big", b"x" * 2000)
+        assert storage.list("replicas/") == []
+    finally:
+        server.close()
+
+
+def test_a_stalled_peer_times_out_within_the_bound():
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        start = time.monotonic()
+        with (
+            pytest.raises(PeerError, match=r"did not answer within 0\.5s"),
+            connect(address, new_secret(), timeout_s=0.5),
+        ):
+            pass
+        assert time.monotonic() - start < 3.0
+    finally:
+        listener.close()
+
+
+def test_a_peer_that_stalls_mid_request_times_out(served, monkeypatch):
+    storage, secret, server = served
+    monkeypatch.setattr(storage, "read", lambda key: time.sleep(3.0))  # a stuck disk
+    with connect(server.address, secret, timeout_s=0.5) as peer:
+        start = time.monotonic()
+        with pytest.raises(PeerError, match="no answer within the timeout"):
+            peer.get("replicas/000000000001/0/x")
+        assert time.monotonic() - start < 2.5
+
+
+def test_a_closed_server_is_unreachable(tmp_path):
+    storage = open_storage(str(tmp_path / "root"))
+    secret = new_secret()
+    server = PeerServer(storage, secret, timeout_s=5.0)
+    address = server.address
+    server.close()
+    server.close()  # idempotent
+    with (
+        pytest.raises(PeerError, match=r"cannot reach|failed|did not answer"),
+        connect(address, secret, timeout_s=1.0),
+    ):
+        pass

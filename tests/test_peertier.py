@@ -1,0 +1,117 @@
+"""The peer tier's pure parts: which step a restore heals, the replica index, and how
+retention and gc treat replicas on one local root (no processes, no sockets)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxckpt import CorruptCheckpointError
+from jaxckpt._layout import replica_index_key, replica_prefix
+from jaxckpt._options import CheckpointOptions
+from jaxckpt._peertier import heal_target
+from jaxckpt._records import FileDigest, ReplicaIndex
+from jaxckpt._tier import open_tier
+
+A = "e1-1700000000-abcdef"
+
+
+@pytest.mark.parametrize(
+    ("reports", "step", "durable", "target"),
+    [
+        # every process has step 2 itself: nothing to heal
+        ([([1, 2], []), ([1, 2], [])], None, None, None),
+        # process 1 lost step 2; process 0 holds its replica: heal step 2
+        ([([1, 2], [(2, 1, A)]), ([], [(2, 0, A)])], None, None, 2),
+        # ... unless the durable root has a newer step
+        ([([1, 2], [(2, 1, A)]), ([], [])], None, 3, None),
+        # ... or as new: the local one is still healed (restore prefers the nearer tier)
+        ([([1, 2], [(2, 1, A)]), ([], [])], None, 2, 2),
+        # process 1's part of step 2 is nowhere: not complete
+        ([([1, 2], []), ([1], [(2, 0, A)])], None, None, None),
+        # 3 lacks process 1's part anywhere: the newest complete step is 2
+        ([([2, 3], [(2, 1, A)]), ([], [(3, 0, A)])], None, None, 2),
+        # a step asked for explicitly
+        ([([2, 3], [(2, 1, A)]), ([], [(3, 0, A)])], 2, None, 2),
+        ([([2, 3], [(2, 1, A)]), ([], [(3, 0, A)])], 3, None, None),
+    ],
+)
+def test_heal_target(reports, step, durable, target):
+    assert heal_target(reports, step, durable) == target
+
+
+def test_replica_index_round_trips_and_detects_damage():
+    index = ReplicaIndex(
+        step=7,
+        process=2,
+        attempt=A,
+        num_processes=4,
+        files={"tree.json": FileDigest(size=3, crc32c=5)},
+        metrics={"loss": 0.5},
+        keep=True,
+        promote='{"step": 7}',
+    )
+    data = index.to_bytes()
+    assert ReplicaIndex.from_bytes(data, "x") == index
+    damaged = data.replace(b"[3,5]", b"[4,5]")
+    assert damaged != data
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
+        ReplicaIndex.from_bytes(damaged, "x")
+
+
+def _replica(storage, step, source):
+    storage.write(replica_prefix(step, source) + f"{A}/tree.json", b"{}")
+    storage.write(replica_index_key(step, source, A), b"{}")
+
+
+def test_retention_deletes_a_steps_replicas_and_gc_the_stale_ones(tmp_path):
+    import jaxckpt
+
+    local = str(tmp_path / "local")
+    with jaxckpt.CheckpointManager(tmp_path / "durable", local_root=local) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": np.arange(4.0)})
+            mgr.wait()
+    opts = CheckpointOptions(local_root=local, local_replicas=2)
+    tier = open_tier(local, opts, "local")
+    tier.take_epoch(None, primary=True, gc_grace_s=None)  # type: ignore[arg-type]
+    for step in (0, 1, 2, 3, 4):
+        _replica(tier.storage, step, source=1)
+    tier.delete(2)  # retention's deletion: the step's replicas go with it
+    assert not tier.storage.list(replica_prefix(2))
+    # gc: replicas of steps not held here and older than the newest held (0) go;
+    # a newer one (4) may be a replication in flight and stays, as do those of held steps
+    assert tier.collect_replicas() == [0]
+    assert {k.split("/")[1] for k in tier.storage.list("replicas/")} == {
+        f"{s:012d}" for s in (1, 3, 4)
+    }
+    # a local tier without replicas never touches replicas/
+    plain = open_tier(local, CheckpointOptions(local_root=local), "local")
+    assert plain.collect_replicas() == []
+
+
+def test_promoter_metrics_report_replica_bytes_and_replication_lag(tmp_path):
+    import jaxckpt
+    from jaxckpt._commit import CommitProtocol
+    from jaxckpt.cli._metrics import PromoterMetrics
+    from jaxckpt.storage import open_storage
+
+    local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+    with jaxckpt.CheckpointManager(durable, local_root=local, promotion="external") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": np.arange(4.0)})
+    storage = open_storage(local)
+    for step, size in ((1, 100), (2, 50)):  # process 1's parts of steps 1 and 2 arrived
+        index = ReplicaIndex(
+            step=step,
+            process=1,
+            attempt=A,
+            num_processes=2,
+            files={"tree.json": FileDigest(size=size, crc32c=0)},
+        )
+        storage.write(replica_index_key(step, 1, A), index.to_bytes())
+    metrics = PromoterMetrics(CommitProtocol(storage), CommitProtocol(open_storage(durable)))
+    metrics.refresh()
+    value = metrics.registry.get_sample_value
+    assert value("jaxckpt_replica_bytes") == 150
+    assert value("jaxckpt_replication_lag_steps") == 1  # local step 3, newest replica 2
