@@ -330,6 +330,7 @@ def _await_main_thread_in(function: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.usefixtures("plain_by_default")
 def test_close_after_ctrl_c_in_wait_commits_or_raises(root: str) -> None:
     from jaxckpt import _tsio
 
