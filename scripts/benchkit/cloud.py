@@ -33,9 +33,9 @@ real store would not make them pay for (the proxy charges no handshake).
 
 Each save runs in this process on an open manager (or kvstore) and is timed
 until the step is committed (jaxckpt is given the state as jax arrays on the
-CPU device, as a training loop holds it; raw writes the numpy bytes); each restore opens a fresh manager (or kvstore),
-as a restarted job does, and is timed from ``restore()`` (the newest step)
-until the arrays are
+CPU device, as a training loop holds it; raw writes the numpy bytes); each
+restore opens a fresh manager (or kvstore), as a restarted job does, and is
+timed from ``restore()`` (the newest step) until the arrays are
 back (opening is not timed, for any contender), then compared bit-exactly
 with what was saved. Requests and objects include everything a save or restore
 sent, opening included. *objects* are the keys a
