@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from benchkit import servers
+from benchkit.common import write_json_rows
 from benchkit.contenders import RawKvSaver
 from benchkit.shaper import Profile, ShaperProcess
 from benchkit.stores import endpoints_env
@@ -301,7 +302,5 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(markdown(rows))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    write_json_rows(args.json, rows)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -118,3 +119,10 @@ def _median(values: list[float]) -> float | None:
 def _ratio(a: float | None, b: float | None) -> float | None:
     """``a / b``, or None when either is missing or ``b`` is not positive."""
     return a / b if a is not None and b is not None and b > 0 else None
+
+
+def write_json_rows(path: str | None, rows: Any) -> None:
+    """Writes a part's rows as indented JSON to ``path`` (its ``--json``), if given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(rows, indent=1) + "\n")

@@ -67,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 from benchkit import servers
+from benchkit.common import write_json_rows
 from benchkit.stores import endpoints_env, start_both
 from jaxckpt.storage import open_storage
 
@@ -415,9 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(markdown(results))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    write_json_rows(args.json, results)
     return 0
 
 

@@ -70,6 +70,7 @@ from typing import Any
 
 from benchkit import servers
 from benchkit.cloud import parse_profiles
+from benchkit.common import write_json_rows
 from benchkit.shaper import Shaper
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -466,7 +467,5 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
     print(markdown(rows))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    write_json_rows(args.json, rows)
     return 0

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchkit import servers
-from benchkit.common import REPO
+from benchkit.common import REPO, write_json_rows
 from benchkit.stores import endpoints_env
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -150,7 +150,5 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows))
     over = [r for r in rows if r["layout"] == "packed" and r["extra_ratio"] > TARGET]
     print(f"target: packed extra ≤ {TARGET}× the state: {'met' if not over else 'MISSED'}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    write_json_rows(args.json, rows)
     return 0
