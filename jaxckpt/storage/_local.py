@@ -85,8 +85,11 @@ class LocalStorage:
         except OSError as e:
             raise self._error("read", key, e) from e
 
-    def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
-        """Writes and fsyncs ``key``; with ``exclusive``, atomically and create-only.
+    def write(
+        self, key: str, data: bytes | Sequence[bytes | memoryview], *, exclusive: bool = False
+    ) -> None:
+        """Writes and fsyncs ``key`` (``data``, or its pieces in order, written by ``writev``
+        without joining them); with ``exclusive``, atomically and create-only.
 
         A create-only write goes to a hidden temporary file in the same
         directory first and is then hard-linked to ``key`` (``link`` fails if
@@ -116,14 +119,7 @@ class LocalStorage:
             raise self._error("write", key, e) from e
 
     def start_write(self, key: str, pieces: Sequence[bytes | memoryview]) -> Callable[[], None]:
-        path = _join(self._root, key)
-        directory = os.path.dirname(path)
-        try:
-            _makedirs_durable(directory)
-            _write_file(path, pieces)  # straight from the caller's buffers: no copy
-            _fsync_dir(directory)
-        except OSError as e:
-            raise self._error("write", key, e) from e
+        self.write(key, pieces)  # straight from the caller's buffers: no copy
         return _written
 
     def delete(self, key: str) -> None:
