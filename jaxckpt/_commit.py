@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from jaxckpt import _pools as pools
 from jaxckpt._fence import EpochReader, EpochRecord, Epochs, Listing
+from jaxckpt._hints import Hints
 from jaxckpt._layout import (
     COMMITS,
     PENDING,
@@ -32,7 +33,6 @@ from jaxckpt._layout import (
     MarkerRef,
     StepLocation,
     is_manifest_name,
-    latest_hint_key,
     manifest_name,
     marker_key,
     marker_refs_of,
@@ -47,13 +47,13 @@ from jaxckpt._records import (
     json_record,
     load_json_record,
 )
+from jaxckpt._tidy import Tidying
 from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
     NotACheckpointRootError,
     StepAlreadyExistsError,
     StepNotFoundError,
-    StorageError,
     UncommittedStepError,
     UnsupportedFormatError,
     WriterFencedError,
@@ -80,9 +80,8 @@ class CommitProtocol:
         self.epochs = EpochReader(storage)
         self.epoch: int | None = None
         self._list_workers = list_workers
-        # The hint this writer last read or wrote, per epoch: a commit that knows its
-        # step is newer raises the hint while it checks the attempt (no extra round trip).
-        self._hinted: dict[int, int] = {}
+        self.hints = Hints(storage, lambda: self.epoch)
+        self.tidying = Tidying(storage)
 
     def where(self, key: str = "") -> str:
         """The full URI of ``key``, for messages."""
@@ -120,6 +119,7 @@ class CommitProtocol:
         first = [None if commit_keys is None else marker_refs_of(commit_keys)]
         record = self.epochs.take(lambda e: self.visible_refs(e, first.pop() if first else None))
         self.epoch = record.epoch
+        self.hints.taken(record.epoch)  # the first commit raises its hint in its batch
         log.info(
             "took writer epoch %d of %s (newest step at takeover: %s)",
             record.epoch,
@@ -238,7 +238,7 @@ class CommitProtocol:
         numbers = self.epochs.numbers()
         if numbers:
             newest = self.epochs.record(numbers[-1])
-            hint = self._hint(newest.epoch)
+            hint = self.hints.read(newest.epoch)
             resumed = newest.resumed_from
             if hint is not None and (resumed is None or hint >= resumed):
                 guess: MarkerRef | None = MarkerRef(
@@ -259,22 +259,6 @@ class CommitProtocol:
             if marker is not None:
                 return marker
         return None
-
-    def _hint(self, epoch: int) -> int | None:
-        raw = self.storage.read(latest_hint_key(epoch))
-        text = raw.decode(errors="replace").strip() if raw else ""
-        hinted = int(text) if text.isdigit() else None
-        if hinted is not None and epoch == self.epoch:
-            self._hinted[epoch] = max(hinted, self._hinted.get(epoch, hinted))
-        return hinted
-
-    def _raise_hint(self, epoch: int, step: int) -> int:
-        """Writes ``step`` as the epoch's hint (only a writer that took the epoch caches it:
-        nobody else writes that epoch's hint)."""
-        self.storage.write(latest_hint_key(epoch), str(step).encode())
-        if epoch == self.epoch:
-            self._hinted[epoch] = step
-        return step
 
     def marker_or_latest(self, step: int | None) -> CommitMarker:
         """The marker of ``step``, or of the newest committed step when ``step`` is None.
@@ -330,11 +314,22 @@ class CommitProtocol:
 
     # -- writing a step -----------------------------------------------------
 
-    def begin_save(self, loc: StepLocation, listing: Listing | None = None) -> None:
+    def announce(self, loc: StepLocation) -> None:
+        """Writes the attempt's pending record (before any of its data)."""
+        record = json_record(
+            operation="save", started=time.time(), step=loc.step, attempt=loc.attempt
+        )
+        self.storage.write(loc.pending_key, record)
+
+    def begin_save(
+        self, loc: StepLocation, listing: Listing | None = None, *, announced: bool = False
+    ) -> None:
         """Announces a save attempt (its pending record). Never deletes anything.
 
         Args:
           listing: the listing this save's caller just took (None: take one).
+          announced: the caller wrote the pending record (:meth:`announce`) while
+            it took ``listing``: only the checks are left.
 
         Raises:
           StepAlreadyExistsError: the step is committed (or has a damaged marker).
@@ -348,10 +343,8 @@ class CommitProtocol:
                 f"step {loc.step} already exists under {self.storage.uri}{damaged}"
             )
         self.check_fence(f"save step {loc.step}", listing.epochs)
-        record = json_record(
-            operation="save", started=time.time(), step=loc.step, attempt=loc.attempt
-        )
-        self.storage.write(loc.pending_key, record)
+        if not announced:
+            self.announce(loc)
         reached("pending_written", loc.step)
 
     def write_manifest_part(
@@ -427,16 +420,16 @@ class CommitProtocol:
         # Every request the commit needs before its marker, in flight at once: the
         # records, the attempt's chunk and pack listings, the fence and this step's
         # markers, and the hint (raised now if this writer knows it is lower, else read).
-        raise_hint = loc.epoch == self.epoch and self._hinted.get(loc.epoch, step) < step
+        raise_hint = self.hints.known_lower(loc.epoch, step)
         with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in names]
             chunk_keys = pool.submit(self.storage.list, loc.arrays_prefix)
             pack_keys = pool.submit(self.storage.list, loc.packs_prefix)
             step_listing = pool.submit(self.step_listing, step)
             hint = (
-                pool.submit(self._raise_hint, loc.epoch, step)
+                pool.submit(self.hints.raise_to, loc.epoch, step)
                 if raise_hint
-                else pool.submit(self._hint, loc.epoch)
+                else pool.submit(self.hints.read, loc.epoch)
             )
             records = [future.result() for future in reads]
             listing = step_listing.result()
@@ -468,7 +461,7 @@ class CommitProtocol:
                 f"step {step} was committed by another writer under {self.storage.uri}"
             )
         if hinted is None or hinted < step:  # raised before the marker, never lowered
-            self._raise_hint(loc.epoch, step)
+            self.hints.raise_to(loc.epoch, step)
         reached("before_marker", step)
         try:
             self.storage.write(marker_key(step, loc.epoch), marker.to_bytes(), exclusive=True)
@@ -477,12 +470,7 @@ class CommitProtocol:
                 f"step {step} was committed by another writer under {self.storage.uri}"
             ) from e
         reached("marker_written", step)
-        try:
-            self.storage.delete(loc.pending_key)
-        except StorageError as e:
-            # The step is committed; failing now would make the caller abandon
-            # the attempt the marker names. Garbage collection drops the record.
-            log.warning("step %d is committed; its pending record stays until gc: %s", step, e)
+        self.tidying.drop(loc)  # committed: the pending record goes in the background
         return marker
 
     def _check_chunks_present(
@@ -565,6 +553,7 @@ class CommitProtocol:
 
     def retract(self, loc: StepLocation, key: str) -> None:
         """Deletes a marker and then the data it names, announced by a pending record."""
+        self.tidying.before_delete(loc)  # the save's record goes first (the same key)
         record = json_record(operation="delete", started=time.time(), step=loc.step)
         self.storage.write(loc.pending_key, record)
         self.storage.delete(key)

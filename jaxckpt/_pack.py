@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
 import crc32c as _crc32c
@@ -96,9 +96,17 @@ class PackWriter:
         self._storage.start_write(key, pieces)()
 
     def write(
-        self, loc: StepLocation, arrays: Sequence[HostArray]
+        self,
+        loc: StepLocation,
+        arrays: Sequence[HostArray],
+        *,
+        planned: Callable[[dict[str, tuple[ChunkRecord, ...]], dict[str, int]], None] | None = None,
     ) -> tuple[dict[str, tuple[ChunkRecord, ...]], dict[str, int]]:
         """Writes every chunk into pack objects, ``uploads`` of them in flight at once.
+
+        Args:
+          planned: called with the records and pack sizes (the return value) as
+            soon as the last pack is submitted, while packs are still uploading.
 
         Returns:
           The chunk records per array (each naming its pack and offset) and the
@@ -174,6 +182,9 @@ class PackWriter:
                     flush()
             if pieces:
                 flush()
+            result = {name: tuple(rs) for name, rs in records.items()}
+            if planned is not None:
+                planned(result, dict(packs))
             wait(0)
         reached("data_written", loc.step)
-        return {name: tuple(rs) for name, rs in records.items()}, packs
+        return result, packs

@@ -22,6 +22,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -73,6 +74,8 @@ class Inflight:
     """Local tier: the promotion request, written before the local marker."""
     listing: Listing | None = None
     """The root's listing taken by ``save`` (its begin phase checks against it)."""
+    announced: bool = False
+    """``save`` wrote the pending record while it took ``listing``."""
 
     @property
     def step(self) -> int:
@@ -159,9 +162,6 @@ class SaveSession:
     ) -> None:
         """Starts the save of ``step`` (see ``CheckpointManager.save``)."""
         self._tier.revive(self._root)  # an own tier removed under this job is recreated
-        listing = self._protocol.step_listing(step)  # begin_save's checks reuse it
-        if self._protocol.read_marker(step, listing) is not None:
-            raise StepAlreadyExistsError(f"step {step} already exists under {self._root}")
         leaves, values = describe_state(state, chunk_bytes=self._options.stored_chunk_bytes)
         _check_object_bound(leaves, self._options.max_object_bytes, step)
         tree = _tree_record(step, leaves, metadata)
@@ -171,14 +171,17 @@ class SaveSession:
             attempt = self._agreement.agree("attempt", attempt)
         elif jax.process_count() > 1:  # every local copy holds the primary's tree record
             tree = self._agreement.agree("tree", tree.decode()).encode()
+        loc = StepLocation(step, attempt)
+        listing, announced = self._listing_and_announce(loc)  # begin_save's checks reuse it
         self.start(
             Inflight(
-                loc=StepLocation(step, attempt),
+                loc=loc,
                 tree=tree,
                 metrics=metrics,
                 keep=keep,
                 request=request(step),
                 listing=listing,
+                announced=announced,
             )
         )
         try:
@@ -197,6 +200,40 @@ class SaveSession:
             raise SaveFailedError(f"save of step {step} under {self._root} failed: {e}") from e
         self.recorder.blocked(step)
         self._last_saved = (step, time.monotonic())
+
+    def _listing_and_announce(self, loc: StepLocation) -> tuple[Listing, bool]:
+        """The step's listing, and whether this process announced the attempt meanwhile.
+
+        The primary of a shared tier writes the attempt's pending record while
+        the listing is taken (a round trip less before the data), unless a crash
+        test watches the phases (then ``begin`` writes it after its checks, in order).
+
+        Raises:
+          StepAlreadyExistsError: the step is committed (the record is removed again).
+        """
+        announce = self._primary and not self._per_host and not watched()
+        with _pools.borrow("announce", 1) as pool:
+            announcing = pool.submit(self._protocol.announce, loc) if announce else None
+            try:
+                listing = self._protocol.step_listing(loc.step)
+                exists = self._protocol.read_marker(loc.step, listing) is not None
+            except BaseException:
+                self._retract_announcement(loc, announcing)
+                raise
+            if announcing is not None:
+                announcing.result()
+        if exists:
+            self._retract_announcement(loc, announcing)
+            raise StepAlreadyExistsError(f"step {loc.step} already exists under {self._root}")
+        return listing, announce
+
+    def _retract_announcement(self, loc: StepLocation, announcing: Future[None] | None) -> None:
+        """Removes a pending record written for an attempt that never starts."""
+        if announcing is None:
+            return
+        with contextlib.suppress(Exception):  # else collected as a stale partial attempt
+            announcing.result()
+            self._protocol.storage.delete(loc.pending_key)
 
     def _ensure_checkpointer(self) -> Any:
         if self._checkpointer is None:
@@ -297,6 +334,7 @@ class SaveSession:
         self.closed = True
         if self._checkpointer is not None:
             self._checkpointer.close()
+        self._protocol.tidying.settle(self._options.save_timeout_s)
         self._tier.peers.close()
 
     # -- the session --------------------------------------------------------------
@@ -353,40 +391,67 @@ class SaveSession:
 
     def begin(self, step: int) -> None:
         inflight = self._expect(step)
-        self._protocol.begin_save(inflight.loc, inflight.listing)
+        self._protocol.begin_save(inflight.loc, inflight.listing, announced=inflight.announced)
 
     def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None:
         inflight = self._expect(step)
         loc = inflight.loc
         if self._per_host and not self._primary:
             self._protocol.begin_save(loc)  # this host's own local root
-        # The primary's small records go out beside the chunks (a round trip
-        # less), unless a crash test watches the phases: then first, so that
-        # the tree record is durable at data_started as documented.
+        # The primary's small records go out beside the chunks, and a packed save's
+        # manifest part beside its last packs (a round trip less each), unless a crash
+        # test watches the phases: then each in order, so that every phase's
+        # post-condition holds when it is announced.
         ordered = watched()
         if ordered:
             self._write_records(inflight)
-        with _pools.borrow("records", 1) as pool:
+        with _pools.borrow("records", 2) as pool:
             records_written = None if ordered else pool.submit(self._write_records, inflight)
-            packs: dict[str, int] = {}
+            manifest: list[Future[tuple[ManifestPart, list[str]]]] = []
+
+            def planned(records: dict[str, tuple[ChunkRecord, ...]], packs: dict[str, int]) -> None:
+                manifest.append(pool.submit(self._write_manifest, loc, arrays, records, packs))
+
             if self._packer is None:
-                records, layout = self._arrays.write(loc, arrays), "plain"
+                records, packs = self._arrays.write(loc, arrays), None
             else:
-                records, packs = self._packer.write(loc, arrays)
-                layout = "packed"
+                records, packs = self._packer.write(
+                    loc, arrays, planned=None if ordered else planned
+                )
             if records_written is not None:
                 records_written.result()
+            if manifest:
+                part, extra = manifest[0].result()
+            else:
+                part, extra = self._write_manifest(loc, arrays, records, packs)
+        reached("manifest_written", step)
+        inflight.nbytes = part.nbytes
+        if self._per_host:
+            request = None if inflight.request is None else inflight.request.to_bytes()
+            replicas = self._tier.peers
+            replicas.replicate(loc, metrics=inflight.metrics, keep=inflight.keep, request=request)
+            self._commit_local(inflight, extra)
+
+    def _write_manifest(
+        self,
+        loc: StepLocation,
+        arrays: Sequence[HostArray],
+        records: dict[str, tuple[ChunkRecord, ...]],
+        packs: dict[str, int] | None,
+    ) -> tuple[ManifestPart, list[str]]:
+        """Writes this process's manifest part (``packs`` None: the plain layout) and, on a
+        local tier, its held part; returns the part and the extra files the marker lists."""
         records, held = _split_held(records, arrays)
 
         def manifest_part(records: dict[str, tuple[ChunkRecord, ...]]) -> ManifestPart:
             return ManifestPart(
-                step=step,
+                step=loc.step,
                 process=jax.process_index(),
                 num_processes=jax.process_count(),
                 arrays=records,
-                layout=layout,
-                packs=packs,
-                plain_codecs=layout == "plain",  # ArrayWriter's chain: zarr_metadata()
+                layout="plain" if packs is None else "packed",
+                packs=packs or {},
+                plain_codecs=packs is None,  # ArrayWriter's chain: zarr_metadata()
             )
 
         extra = []
@@ -396,13 +461,7 @@ class SaveSession:
             extra.append(name)
         part = manifest_part(records)
         self._protocol.write_manifest_part(loc, part)
-        reached("manifest_written", step)
-        inflight.nbytes = part.nbytes
-        if self._per_host:
-            request = None if inflight.request is None else inflight.request.to_bytes()
-            replicas = self._tier.peers
-            replicas.replicate(loc, metrics=inflight.metrics, keep=inflight.keep, request=request)
-            self._commit_local(inflight, extra)
+        return part, extra
 
     def _commit_local(self, inflight: Inflight, extra: Sequence[str]) -> None:
         """Commits this host's part on its own local root; the promotion request first."""

@@ -4,11 +4,12 @@ The small objects of the commit protocol (markers, manifests) go through the
 same TensorStore ``gcs`` / ``s3`` kvstore drivers as the array data, so one set
 of credentials, endpoints and retry settings serves both paths.
 
-Create-only writes use TensorStore's "no value" generation as the ``if_equal``
-condition, which the drivers send as ``ifGenerationMatch=0`` (GCS) or
-``If-None-Match: *`` (S3; for endpoints other than AWS, TensorStore also sends
-a HEAD request first). A write whose condition fails resolves to an empty
-generation instead of raising. Servers that ignore the condition are detected
+Create-only writes on S3 are one ``PutObject`` with ``If-None-Match: *``
+through botocore (:mod:`jaxckpt.storage._s3create`), which the store decides
+atomically; without botocore or credentials, and on GCS, they use TensorStore's
+"no value" generation as the ``if_equal`` condition (GCS: ``ifGenerationMatch=0``,
+one request; S3: a HEAD, then the PUT). A write whose condition fails resolves
+to an empty generation instead of raising. Servers that ignore the condition are detected
 on the first create-only write (see :attr:`ObjectStorage.conditional_writes_enforced`)
 and get a weaker fallback: check, write, read back and compare. The fallback
 never overwrites a key that existed before the call, but two writers racing
@@ -32,13 +33,12 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import math
 import os
 import re
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import tensorstore as ts
@@ -48,6 +48,8 @@ from jaxckpt.storage._base import PreconditionFailed
 from jaxckpt.storage._http import DirectReader, DirectReadError, gcs_reader, s3_reader
 from jaxckpt.storage._options import DIRECT_PART_BYTES, ObjectStoreOptions
 from jaxckpt.storage._ranged import RangedReader, ShortObjectError
+from jaxckpt.storage._s3create import CREATED, S3Creates, s3_creates
+from jaxckpt.storage._tsenv import aws_credentials, bound_stalls, resolve_gcs_endpoint
 from jaxckpt.storage._uri import RootURI, parse_root
 
 __all__ = ["ObjectStorage", "open_object_storage"]
@@ -55,18 +57,10 @@ __all__ = ["ObjectStorage", "open_object_storage"]
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-_GCS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
-# libcurl's stall detection in TensorStore's HTTP transport (process-wide, read
-# when the transport is created): a request that moves less than one byte per
-# second for this many seconds fails (and is retried), as does a connect.
-_CURL_STALL_ENV = (
-    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
-    "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS",
-)
-_CURL_SPEED_ENV = "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"
-_CURL_MARKER_ENV = "JAXCKPT_CURL_LIMITS_PID"
 _PROBE_PREFIX = ".jaxckpt-probe/"
 _CREATE_ATTEMPTS = 3
+_CREATE_TIMEOUT_S = 300.0
+"""botocore's connect and read timeout of a create-only PUT when ``timeout_s`` is None."""
 _MAX_DETAIL = 400
 _PAYLOAD = re.compile(r"\s*\[[A-Za-z0-9_.-]+='.*?'\]", re.DOTALL)
 
@@ -100,65 +94,13 @@ def _duration(seconds: float) -> str:
     return f"{round(seconds * 1e6)}us"
 
 
-def _resolve_gcs_endpoint(explicit: str | None) -> str | None:
-    """Points TensorStore's GCS driver at ``explicit`` or ``STORAGE_EMULATOR_HOST``."""
-    endpoint = explicit
-    if endpoint is None:
-        host = os.environ.get("STORAGE_EMULATOR_HOST")
-        if host:
-            endpoint = host if "://" in host else f"http://{host}"
-    if endpoint is None:
-        return os.environ.get(_GCS_URL_ENV) or None
-    endpoint = endpoint.rstrip("/")
-    current = os.environ.get(_GCS_URL_ENV)
-    if current != endpoint:
-        if current:
-            _log.warning(
-                "redirecting every TensorStore GCS request in this process from %s to %s",
-                current,
-                endpoint,
-            )
-        os.environ[_GCS_URL_ENV] = endpoint
-    return endpoint
-
-
-def _bound_stalls(timeout_s: float | None) -> None:
-    """Makes TensorStore's HTTP requests fail after ``timeout_s`` without progress.
-
-    TensorStore has no per-request deadline in its context; its libcurl
-    transport takes stall limits from the environment when it is created
-    (the process's first HTTP request), so the first root a process opens
-    sets them. Limits the user set are kept. Limits that came from a parent
-    process (marked with its pid in ``JAXCKPT_CURL_LIMITS_PID``) are not the
-    user's: a child sets its own.
-    """
-    if timeout_s is None:
-        return
-    marker = os.environ.get(_CURL_MARKER_ENV)
-    if marker == str(os.getpid()):
-        return  # set by this process already: its transport has them
-    users = marker is None and any(
-        name in os.environ for name in (*_CURL_STALL_ENV, _CURL_SPEED_ENV)
-    )
-    if users:
-        return
-    seconds = str(max(1, math.ceil(timeout_s)))
-    os.environ.update(dict.fromkeys(_CURL_STALL_ENV, seconds))
-    os.environ[_CURL_SPEED_ENV] = "1"
-    os.environ[_CURL_MARKER_ENV] = str(os.getpid())
-
-
-def _aws_credentials() -> dict[str, Any]:
-    """TensorStore's S3 credential source (a context resource): the environment's keys
-    when it has them.
-
-    The AWS SDK's default chain finds environment keys first anyway, but it
-    opens ``~/.aws/config`` and ``~/.aws/credentials`` beforehand and logs an
-    error line for each missing file, on every command.
-    """
-    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-        return {"aws_credentials": {"type": "environment"}}
-    return {}
+def _status_of(error: BaseException) -> int | None:
+    """The HTTP status of a botocore ``ClientError`` (None for other errors)."""
+    response = getattr(error, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
 
 
 class ObjectStorage:
@@ -177,7 +119,7 @@ class ObjectStorage:
         self._bucket = root.bucket
         self._prefix = root.prefix
         self._options = options
-        _bound_stalls(options.timeout_s)
+        bound_stalls(options.timeout_s)
         self._driver = "gcs" if scheme == "gs" else "s3"
         self._extra: dict[str, Any] = {}
         if scheme == "s3":
@@ -197,11 +139,12 @@ class ObjectStorage:
             if self._endpoint:
                 self._extra["endpoint"] = self._endpoint.rstrip("/")
         else:
-            self._endpoint = _resolve_gcs_endpoint(options.endpoint)
+            self._endpoint = resolve_gcs_endpoint(options.endpoint)
         # The condition sent with create-only writes; an instance attribute so
         # that tests can simulate a server that ignores conditions.
         self._if_absent = _no_value_generation()
         self._enforced: bool | None = None
+        self._creates: S3Creates | Literal[False] | None = False  # False: not resolved yet
         self._bucket_checked = False
         self._probe_lock = threading.Lock()
         self._open_lock = threading.Lock()
@@ -385,6 +328,7 @@ class ObjectStorage:
         name = self._name(key)
         if not exclusive:
             self._wait(self._kv.write(name, bytes(data)), "write", name)  # bytes: no copy
+            self._bucket_checked = True  # a plain PUT into a missing bucket fails
             return
         if self._conditions_enforced(name):
             self._create(name, bytes(data))
@@ -399,13 +343,53 @@ class ObjectStorage:
 
         def wait() -> None:
             self._wait(future, "write", name)
+            self._bucket_checked = True
 
         return wait
 
+    def _create_once(self, name: str, data: bytes) -> bool:
+        """One create-only write of ``name``: True if it created it, False if refused
+        (the key exists; on S3 through TensorStore, also a missing bucket)."""
+        creates = self._s3_creates()
+        if creates is not None:
+            try:
+                outcome = creates.create(name, data)
+            except Exception as e:  # botocore's errors, named after the key
+                if _status_of(e) not in (400, 501):
+                    raise self._error("write", name, e) from e
+                _log.warning(
+                    "%s refuses If-None-Match writes (%s); create-only writes go through "
+                    "TensorStore from now on",
+                    self._endpoint or "S3",
+                    e,
+                )
+                self._creates = None
+            else:
+                created = outcome == CREATED
+                self._bucket_checked = self._bucket_checked or created
+                return created
+        stamp = self._wait(self._kv.write(name, data, if_equal=self._if_absent), "write", name)
+        self._bucket_checked = self._bucket_checked or bool(stamp.generation)
+        return bool(stamp.generation)
+
+    def _s3_creates(self) -> S3Creates | None:
+        """S3's own create-only PUTs (botocore), resolved on first use; None elsewhere."""
+        if self._creates is False:
+            with self._open_lock:
+                if self._creates is False:
+                    self._creates = None
+                    if self._scheme == "s3":
+                        timeout = self._options.timeout_s or _CREATE_TIMEOUT_S
+                        region = str(self._extra["aws_region"])
+                        attempts = self._options.max_retries + 1
+                        self._creates = s3_creates(
+                            self._bucket, region, self._endpoint, timeout, attempts
+                        )
+        return self._creates or None
+
     def _create(self, name: str, data: bytes) -> None:
         for _ in range(_CREATE_ATTEMPTS):
-            stamp = self._wait(self._kv.write(name, data, if_equal=self._if_absent), "write", name)
-            if stamp.generation:
+            if self._create_once(name, data):
                 return
             # The condition failed: the key exists, or (S3) the bucket is missing.
             existing = self._wait(self._kv.read(name), "read", name)
@@ -454,16 +438,16 @@ class ObjectStorage:
     def _probe_conditions(self, for_name: str) -> bool:
         """Measures condition support; errors name ``for_name``, the caller's key."""
         name = self._name(f"{_PROBE_PREFIX}{uuid.uuid4().hex}")
-        write = self._kv.write(name, b"1", if_equal=self._if_absent)
-        if not self._wait(write, "write", for_name).generation:
-            self._check_bucket("write", for_name)
-            return True
         try:
-            write = self._kv.write(name, b"2", if_equal=self._if_absent)
-            second = self._wait(write, "write", for_name)
-        finally:
-            self._wait(self._kv.write(name, None), "write", for_name)
-        enforced = not second.generation
+            if not self._create_once(name, b"1"):
+                self._check_bucket("write", for_name)
+                return True
+            try:
+                enforced = not self._create_once(name, b"2")
+            finally:
+                self._wait(self._kv.write(name, None), "write", for_name)
+        except StorageError as e:
+            raise StorageError(e.errno, f"{e.strerror} (while writing {for_name})") from e
         if not enforced:
             _log.warning(
                 "%s ignores create-only conditions; using check-write-verify, which two "
@@ -537,7 +521,7 @@ class ObjectStorage:
             f"{self._driver}_request_concurrency": {"limit": o.request_concurrency},
         }
         if self._scheme == "s3":
-            spec.update(_aws_credentials())
+            spec.update(aws_credentials())
         return spec
 
 

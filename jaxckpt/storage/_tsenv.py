@@ -1,0 +1,86 @@
+"""TensorStore's process-wide HTTP settings: the GCS endpoint, stall limits, S3 credentials.
+
+TensorStore reads these from the environment (or its context), once per process
+or per driver, so every root a process opens shares them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+_log = logging.getLogger(__name__)
+
+_GCS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
+# libcurl's stall detection in TensorStore's HTTP transport (process-wide, read
+# when the transport is created): a request that moves less than one byte per
+# second for this many seconds fails (and is retried), as does a connect.
+_CURL_STALL_ENV = (
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
+    "TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS",
+)
+_CURL_SPEED_ENV = "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"
+_CURL_MARKER_ENV = "JAXCKPT_CURL_LIMITS_PID"
+
+
+def resolve_gcs_endpoint(explicit: str | None) -> str | None:
+    """Points TensorStore's GCS driver at ``explicit`` or ``STORAGE_EMULATOR_HOST``."""
+    endpoint = explicit
+    if endpoint is None:
+        host = os.environ.get("STORAGE_EMULATOR_HOST")
+        if host:
+            endpoint = host if "://" in host else f"http://{host}"
+    if endpoint is None:
+        return os.environ.get(_GCS_URL_ENV) or None
+    endpoint = endpoint.rstrip("/")
+    current = os.environ.get(_GCS_URL_ENV)
+    if current != endpoint:
+        if current:
+            _log.warning(
+                "redirecting every TensorStore GCS request in this process from %s to %s",
+                current,
+                endpoint,
+            )
+        os.environ[_GCS_URL_ENV] = endpoint
+    return endpoint
+
+
+def bound_stalls(timeout_s: float | None) -> None:
+    """Makes TensorStore's HTTP requests fail after ``timeout_s`` without progress.
+
+    TensorStore has no per-request deadline in its context; its libcurl
+    transport takes stall limits from the environment when it is created
+    (the process's first HTTP request), so the first root a process opens
+    sets them. Limits the user set are kept. Limits that came from a parent
+    process (marked with its pid in ``JAXCKPT_CURL_LIMITS_PID``) are not the
+    user's: a child sets its own.
+    """
+    if timeout_s is None:
+        return
+    marker = os.environ.get(_CURL_MARKER_ENV)
+    if marker == str(os.getpid()):
+        return  # set by this process already: its transport has them
+    users = marker is None and any(
+        name in os.environ for name in (*_CURL_STALL_ENV, _CURL_SPEED_ENV)
+    )
+    if users:
+        return
+    seconds = str(max(1, math.ceil(timeout_s)))
+    os.environ.update(dict.fromkeys(_CURL_STALL_ENV, seconds))
+    os.environ[_CURL_SPEED_ENV] = "1"
+    os.environ[_CURL_MARKER_ENV] = str(os.getpid())
+
+
+def aws_credentials() -> dict[str, Any]:
+    """TensorStore's S3 credential source (a context resource): the environment's keys
+    when it has them.
+
+    The AWS SDK's default chain finds environment keys first anyway, but it
+    opens ``~/.aws/config`` and ``~/.aws/credentials`` beforehand and logs an
+    error line for each missing file, on every command.
+    """
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        return {"aws_credentials": {"type": "environment"}}
+    return {}
