@@ -45,6 +45,7 @@ def test_tiny_cloud_bench_writes_a_row_per_profile_state_and_layout(tmp_path: Pa
     keys = {"save_s", "restore_s", "save_ratio", "restore_ratio", "objects", "leaves"}
     for r in rows:
         assert keys | {"save_requests", "restore_requests", "state_bytes"} <= r.keys(), r
+        assert isinstance(r["save_extra_bytes"], int) and r["save_extra_bytes"] >= 0, r
         assert r["objects"] > 0 and r["save_requests"] >= r["objects"], r
         assert r["restore_requests"] > 0 and r["save_s"] > 0 and r["restore_s"] > 0, r
         if r["layout"] == "raw":
@@ -52,3 +53,4 @@ def test_tiny_cloud_bench_writes_a_row_per_profile_state_and_layout(tmp_path: Pa
     table = proc.stdout[proc.stdout.index("| store | profile |") :]
     assert table.count("\n| s3 |") == len(expected)
     assert "| save vs raw |" in table and "| restore requests |" in table
+    assert "| save extra memory |" in table

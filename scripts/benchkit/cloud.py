@@ -42,7 +42,9 @@ sent, opening included. *objects* are the keys a
 save added under the root; *requests* are the HTTP requests the proxy saw
 during the save or the restore. Ratios are raw time over the contender's
 time, i.e. throughput vs raw, as the issue's targets read (1.0: as fast as
-raw; 0.5: twice as long). The GCS emulator is left out by default
+raw; 0.5: twice as long). *save extra memory* is the save's peak resident
+memory above the state already in memory (the kernel's high-water mark,
+reset before the save; the largest over the rounds). The GCS emulator is left out by default
 (``--stores s3,gcs`` adds it): it serves one request at a time, so it
 measures its own queue, not the layouts. The machine is shared: compare
 ratios within one run.
@@ -69,6 +71,7 @@ import numpy as np
 from benchkit import servers
 from benchkit.common import write_json_rows
 from benchkit.contenders import RawKvSaver
+from benchkit.measure import PeakRss
 from benchkit.shaper import Profile, ShaperProcess
 from benchkit.stores import endpoints_env
 
@@ -133,20 +136,22 @@ def parse_profiles(
     return out
 
 
-def _jaxckpt_contender(layout: str) -> tuple[Callable[..., float], Callable[..., Any]]:
+def _jaxckpt_contender(layout: str) -> tuple[Callable[..., tuple[float, int]], Callable[..., Any]]:
     import jaxckpt
 
-    def save(root: str, step: int, state: dict[str, Any]) -> float:
+    def save(root: str, step: int, state: dict[str, Any]) -> tuple[float, int]:
         import jax
 
         # A training state lives on the device: jax arrays, as the core bench saves (on CPU
         # their host snapshot is a view; numpy inputs would be copied first, for safety).
         on_device = jax.block_until_ready(jax.device_put(state))
         with jaxckpt.CheckpointManager(root, layout=layout, gc_on_open=False) as mgr:
-            t0 = time.perf_counter()
-            mgr.save(step, on_device)
-            mgr.wait()
-            return time.perf_counter() - t0
+            with PeakRss(sample=False) as rss:
+                t0 = time.perf_counter()
+                mgr.save(step, on_device)
+                mgr.wait()
+                seconds = time.perf_counter() - t0
+            return seconds, rss.extra
 
     def restore(root: str, step: int, state: dict[str, Any]) -> tuple[float, Any]:
         with jaxckpt.CheckpointManager(root, layout=layout, gc_on_open=False) as mgr:
@@ -159,12 +164,14 @@ def _jaxckpt_contender(layout: str) -> tuple[Callable[..., float], Callable[...,
     return save, restore
 
 
-def _raw_contender() -> tuple[Callable[..., float], Callable[..., Any]]:
-    def save(root: str, step: int, state: dict[str, Any]) -> float:
+def _raw_contender() -> tuple[Callable[..., tuple[float, int]], Callable[..., Any]]:
+    def save(root: str, step: int, state: dict[str, Any]) -> tuple[float, int]:
         saver = RawKvSaver(root)
-        t0 = time.perf_counter()
-        saver.save(step, state)
-        return time.perf_counter() - t0
+        with PeakRss(sample=False) as rss:
+            t0 = time.perf_counter()
+            saver.save(step, state)
+            seconds = time.perf_counter() - t0
+        return seconds, rss.extra
 
     def restore(root: str, step: int, state: dict[str, Any]) -> tuple[float, Any]:
         saver = RawKvSaver(root)  # a fresh kvstore and context: nothing cached
@@ -189,11 +196,13 @@ def run_one(
 
     save, restore = _raw_contender() if contender == "raw" else _jaxckpt_contender(contender)
     root = f"{base}/{contender}-{uuid.uuid4().hex[:8]}"
-    saves, restores, counts = [], [], {}
+    saves, restores, extras, counts = [], [], [], {}
     for step in range(1, rounds + 1):
         before = set(open_storage(root).list(""))
         shaper.counts(reset=True)
-        saves.append(save(root, step, state))
+        seconds, extra = save(root, step, state)
+        saves.append(seconds)
+        extras.append(extra)
         save_counts = shaper.counts(reset=True)
         objects = len(set(open_storage(root).list("")) - before)
         shaper.counts(reset=True)
@@ -211,20 +220,27 @@ def run_one(
             "save_connections": save_counts["connections"],
             "restore_connections": restore_counts["connections"],
         }
-    return {"save_s": statistics.median(saves), "restore_s": statistics.median(restores), **counts}
+    return {
+        "save_s": statistics.median(saves),
+        "restore_s": statistics.median(restores),
+        "save_extra_bytes": max(extras),
+        **counts,
+    }
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| store | profile | state | layout | save (s) | save vs raw | restore (s) "
-        "| restore vs raw | objects | save requests | restore requests |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| restore vs raw | save extra memory | objects | save requests | restore requests |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        extra = r["save_extra_bytes"]
         lines.append(
             f"| {r['store']} | {r['profile']} | {r['state']} | {r['layout']} "
             f"| {r['save_s']:.3f} | {r['save_ratio']:.2f}× | {r['restore_s']:.3f} "
-            f"| {r['restore_ratio']:.2f}× | {r['objects']:,} | {r['save_requests']:,} "
+            f"| {r['restore_ratio']:.2f}× | {extra / MiB:,.0f} MiB "
+            f"({extra / r['state_bytes']:.2f}×) | {r['objects']:,} | {r['save_requests']:,} "
             f"| {r['restore_requests']:,} |"
         )
     return "\n".join(lines)

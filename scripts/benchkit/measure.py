@@ -36,8 +36,12 @@ class PeakRss:
     """Peak resident memory above the level at entry (``.extra``, bytes).
 
     Uses the kernel's high-water mark (reset on entry) and a psutil sampling
-    thread (every 5 ms), and takes the larger of the two.
+    thread (every 5 ms; ``sample=False``: none, where a thread polling under the
+    GIL would slow what is measured), and takes the larger of the two.
     """
+
+    def __init__(self, *, sample: bool = True) -> None:
+        self._sampling = sample
 
     def __enter__(self) -> PeakRss:
         import psutil
@@ -48,7 +52,8 @@ class PeakRss:
         self._sampled = self.baseline
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        if self._sampling or not self._hwm_reset:
+            self._thread.start()
         return self
 
     def _sample(self) -> None:
@@ -57,7 +62,8 @@ class PeakRss:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         hwm = _status_bytes("VmHWM") if self._hwm_reset else 0
         self.extra = max(0, max(hwm, self._sampled) - self.baseline)
 
