@@ -39,7 +39,7 @@ the issue's ``max(bytes / host, bytes / (connections × per-connection), objects
 connections × RTT)`` with the round trips and the transfer added rather than
 overlapped: a request's bytes cannot flow before its round trip. To it a
 step adds its other sequential round trips: a save has :data:`SAVE_ROUND_TRIPS`
-in all, one of them the data writes'; a restore of the newest step
+in all (per layout), one of them the data writes'; a restore of the newest step
 :data:`RESTORE_ROUND_TRIPS`, one of them the data reads' (the latest hint, the
 marker, then the tree record and every manifest part at once). The floor is
 of the busiest process, the primary, with all processes saving at once on NICs
@@ -58,8 +58,10 @@ from jaxckpt._plan import LAYOUT_NAMES, RECORDS_PER_STEP, ProcessShare, _count, 
 
 __all__ = ["LayoutFloor", "Link", "floors"]
 
-SAVE_ROUND_TRIPS = 7
-"""Sequential round trips of a save, the data writes' own among them (BUILD.md, Data paths)."""
+SAVE_ROUND_TRIPS = {"plain": 5, "packed": 4}
+"""Sequential round trips of a save, the data writes' own among them (BUILD.md, Data paths):
+the step listing with the pending record, the data, the manifest part (packed: beside the
+last packs), the commit batch, the marker."""
 RESTORE_ROUND_TRIPS = 4
 """Sequential round trips of a restore of the newest step: the latest hint, the marker, the
 tree record with every manifest part, and the data reads."""
@@ -198,7 +200,7 @@ def floors(
             nbytes=share.nbytes,
             in_flight=k,
             carrying=carrying,
-            round_trips=SAVE_ROUND_TRIPS - 1,
+            round_trips=SAVE_ROUND_TRIPS[layout] - 1,
         )
         r = _in_flight(reads[layout], link.connections, share.objects_in_flight)
         restore = Phase(
