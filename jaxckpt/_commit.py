@@ -336,16 +336,20 @@ class CommitProtocol:
           WriterFencedError: a newer writer took over.
         """
         listing = self.step_listing(loc.step) if listing is None else listing
-        ref = listing.visible().get(loc.step)
-        if ref is not None:
-            damaged = "" if self.read_ref(ref) is not None else " (with a damaged marker)"
-            raise StepAlreadyExistsError(
-                f"step {loc.step} already exists under {self.storage.uri}{damaged}"
-            )
+        self.check_absent(loc.step, listing)
         self.check_fence(f"save step {loc.step}", listing.epochs)
         if not announced:
             self.announce(loc)
         reached("pending_written", loc.step)
+
+    def check_absent(self, step: int, listing: Listing) -> None:
+        """Raises StepAlreadyExistsError if ``listing`` shows a visible marker of ``step``."""
+        ref = listing.visible().get(step)
+        if ref is not None:
+            damaged = "" if self.read_ref(ref) is not None else " (with a damaged marker)"
+            raise StepAlreadyExistsError(
+                f"step {step} already exists under {self.storage.uri}{damaged}"
+            )
 
     def write_manifest_part(
         self, loc: StepLocation, part: ManifestPart, *, name: str | None = None

@@ -47,7 +47,6 @@ from jaxckpt.errors import (
     CheckpointError,
     SaveFailedError,
     SaveTimeoutError,
-    StepAlreadyExistsError,
     UnsupportedLeafError,
     WriterFencedError,
 )
@@ -216,15 +215,12 @@ class SaveSession:
             announcing = pool.submit(self._protocol.announce, loc) if announce else None
             try:
                 listing = self._protocol.step_listing(loc.step)
-                exists = self._protocol.read_marker(loc.step, listing) is not None
+                self._protocol.check_absent(loc.step, listing)
+                if announcing is not None:
+                    announcing.result()
             except BaseException:
                 self._retract_announcement(loc, announcing)
                 raise
-            if announcing is not None:
-                announcing.result()
-        if exists:
-            self._retract_announcement(loc, announcing)
-            raise StepAlreadyExistsError(f"step {loc.step} already exists under {self._root}")
         return listing, announce
 
     def _retract_announcement(self, loc: StepLocation, announcing: Future[None] | None) -> None:
