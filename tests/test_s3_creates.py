@@ -7,7 +7,6 @@ whose request log shows what went over the wire.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 from benchkit import servers
 from benchkit.shaper import Profile, Shaper
+from creates import race_to_create
 
 from jaxckpt.errors import StorageError
 from jaxckpt.storage import PreconditionFailed, _object, _s3create, open_storage
@@ -66,33 +66,9 @@ def test_racing_creators_on_a_far_store_have_exactly_one_winner(
         host.write("warm", b"")
     for round_ in range(4):
         key = f"race/{round_}"
-        won = _race(hosts, key)
+        won = race_to_create(hosts, key)
         assert len(won) == 1, f"round {round_}: winners {won}"
         assert first.read(key) == won[0]
-
-
-def _race(hosts: list[Any], key: str) -> list[bytes]:
-    """Every host creates ``key`` at once; the winners' payloads."""
-    barrier = threading.Barrier(len(hosts))
-    won: list[bytes] = []
-
-    def create(host: Any, payload: bytes) -> None:
-        barrier.wait(timeout=30)
-        try:
-            host.write(key, payload, exclusive=True)
-        except PreconditionFailed:
-            return
-        won.append(payload)
-
-    threads = [
-        threading.Thread(target=create, args=(h, f"host {i}".encode())) for i, h in enumerate(hosts)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-        assert not t.is_alive(), f"a create of {key} did not return within 60 s"
-    return won
 
 
 def test_a_store_that_refuses_the_condition_header_falls_back_to_tensorstore(

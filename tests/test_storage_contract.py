@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 from benchkit import servers
+from creates import race_to_create
 
 import jaxckpt
 from jaxckpt.errors import CheckpointError, StorageError
@@ -79,38 +80,13 @@ def test_exclusive_write_creates_once(storage: Storage) -> None:
     assert storage.list("") == ["step_1/COMMITTED"]  # nothing else left behind
 
 
-def _race_to_create(hosts: list[Storage], key: str) -> list[bytes]:
-    """Every host writes ``key`` create-only at once; returns the winners' payloads."""
-    barrier = threading.Barrier(len(hosts))
-    won: list[bytes] = []
-
-    def create(host: Storage, payload: bytes) -> None:
-        barrier.wait()
-        try:
-            host.write(key, payload, exclusive=True)
-        except PreconditionFailed:
-            return
-        won.append(payload)
-
-    threads = [
-        threading.Thread(target=create, args=(host, f"host {i}".encode()))
-        for i, host in enumerate(hosts)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-        assert not t.is_alive(), f"a create-only write of {key} did not return within 60 s"
-    return won
-
-
 def test_exclusive_create_race_has_one_winner(storage_root: str) -> None:
     # Three "hosts", each with its own storage object, race for the same keys.
     hosts = [open_storage(storage_root) for _ in range(3)]
     for host in hosts:  # measure outside the race
         assert getattr(host, "conditional_writes_enforced", True)
     for round_ in range(5):
-        won = _race_to_create(hosts, f"race/{round_}")
+        won = race_to_create(hosts, f"race/{round_}")
         assert len(won) == 1, f"round {round_}: winners {won}"
         assert hosts[0].read(f"race/{round_}") == won[0]
 
@@ -368,7 +344,7 @@ def test_fallback_on_a_server_that_ignores_conditions(
     double = 0
     for round_ in range(RACE_ROUNDS):
         key = f"race/{round_}"
-        won = _race_to_create(hosts, key)
+        won = race_to_create(hosts, key)
         assert won, f"round {round_}: nobody won"
         assert storage.read(key) in won, f"round {round_}: stored object is a loser's"
         double += len(won) > 1
