@@ -48,7 +48,7 @@ from jaxckpt.storage._base import PreconditionFailed
 from jaxckpt.storage._http import DirectReader, DirectReadError, gcs_reader, s3_reader
 from jaxckpt.storage._options import DIRECT_PART_BYTES, ObjectStoreOptions
 from jaxckpt.storage._ranged import RangedReader, ShortObjectError
-from jaxckpt.storage._s3create import CREATED, S3Creates, s3_creates
+from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
 from jaxckpt.storage._tsenv import aws_credentials, bound_stalls, resolve_gcs_endpoint
 from jaxckpt.storage._uri import RootURI, parse_root
 
@@ -92,15 +92,6 @@ def _no_value_generation() -> bytes:
 
 def _duration(seconds: float) -> str:
     return f"{round(seconds * 1e6)}us"
-
-
-def _status_of(error: BaseException) -> int | None:
-    """The HTTP status of a botocore ``ClientError`` (None for other errors)."""
-    response = getattr(error, "response", None)
-    if not isinstance(response, dict):
-        return None
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return status if isinstance(status, int) else None
 
 
 class ObjectStorage:
@@ -355,7 +346,7 @@ class ObjectStorage:
             try:
                 outcome = creates.create(name, data)
             except Exception as e:  # botocore's errors, named after the key
-                if _status_of(e) not in (400, 501):
+                if not refuses_condition(e):
                     raise self._error("write", name, e) from e
                 _log.warning(
                     "%s refuses If-None-Match writes (%s); create-only writes go through "

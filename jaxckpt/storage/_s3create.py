@@ -113,3 +113,15 @@ def s3_creates(
         _log.debug("botocore finds no credentials: create-only writes go through TensorStore")
         return None
     return S3Creates(bucket, region, endpoint, timeout_s, attempts)
+
+
+def refuses_condition(error: BaseException) -> bool:
+    """Whether ``error`` says the store (400, 501) or this botocore (no ``IfNoneMatch``
+    parameter) cannot send ``If-None-Match``: create-only writes then go through TensorStore."""
+    import botocore.exceptions
+
+    if isinstance(error, botocore.exceptions.ParamValidationError):
+        return True
+    response = getattr(error, "response", None)
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if response else None
+    return status in (400, 501)
