@@ -17,6 +17,7 @@ path, ``pythonpath`` in ``pyproject.toml``).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -76,6 +77,33 @@ def _tensorstore_gcs_url_restored() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)
         yield
+
+
+RAM_DIR = Path("/dev/shm")
+RAM_SPARE_BYTES = 256 << 20  # left free in RAM beyond what a test asks for
+
+
+@pytest.fixture
+def ram_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A fresh directory in RAM (tmpfs at ``/dev/shm``), else ``tmp_path``; removed after.
+
+    For tests whose subject is not the disk, where fsync on a real disk costs most of
+    their time (tmpfs makes it a no-op). A test that writes a lot asks for the room it
+    needs with ``@pytest.mark.parametrize("ram_dir", [NBYTES], indirect=True)``; without
+    that much free RAM it gets ``tmp_path``.
+    """
+    need = int(getattr(request, "param", 0))
+    ok = RAM_DIR.is_dir() and os.access(RAM_DIR, os.W_OK)
+    if ok and shutil.disk_usage(RAM_DIR).free < need + RAM_SPARE_BYTES:
+        ok = False
+    if not ok:
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(prefix="jaxckpt-test-", dir=RAM_DIR))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _root(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> str:

@@ -43,6 +43,10 @@ PROCS = 4
 GROUP = {"processes": PROCS, "devices": 1, "mesh": "4x1"}
 LEAVES = ("x", "y", "z", "rep", "count")
 NODES = {i: {"JAXCKPT_NODE_ID": f"node{i}"} for i in range(PROCS)}
+PEER_TIMEOUT_S = 5.0
+# Above PEER_TIMEOUT_S with room to spare: the process that meets a dead peer fails on
+# the peer timeout (SaveFailedError), never on its own save timeout.
+HOLDER_SAVE_TIMEOUT_S = 10.0
 
 
 def args(local: Path, *more: str, copies: int = 2) -> tuple[str, ...]:
@@ -50,7 +54,7 @@ def args(local: Path, *more: str, copies: int = 2) -> tuple[str, ...]:
         f"--local-root={local}",
         f"--leaves={','.join(LEAVES)}",
         f"--local-replicas={copies}",
-        "--peer-timeout=5",
+        f"--peer-timeout={PEER_TIMEOUT_S:g}",
         *more,
     )
 
@@ -205,7 +209,7 @@ def test_a_holder_killed_mid_replication_fails_that_save_within_the_bound(
         tmp_path,
         root,
         mode="save_and_die",
-        save_timeout_s=mh.DIE_SAVE_TIMEOUT_S,
+        save_timeout_s=HOLDER_SAVE_TIMEOUT_S,
         env_for=env_for,
         extra=args(local),
         **GROUP,
@@ -219,13 +223,13 @@ def test_a_holder_killed_mid_replication_fails_that_save_within_the_bound(
         harness.kill(procs[2].popen)
         harness.resume(resume, "replicating", 2)
         survivors = [procs[i] for i in (0, 1, 3)]
-        mh.wait_all(survivors, timeout_s=mh.DIE_SAVE_TIMEOUT_S + mh.LOAD_MARGIN_S)
+        mh.wait_all(survivors, timeout_s=HOLDER_SAVE_TIMEOUT_S + mh.LOAD_MARGIN_S)
     for p in survivors:
         assert p.said("COMMITTED") == ["COMMITTED 1"], p.report()
         (failed,) = p.said("FAILED")
         _, error, seconds = failed.split()
         assert error in ("SaveFailedError", "SaveTimeoutError"), p.report()
-        assert float(seconds) < mh.DIE_SAVE_TIMEOUT_S + mh.LOAD_MARGIN_S, failed
+        assert float(seconds) < HOLDER_SAVE_TIMEOUT_S + mh.LOAD_MARGIN_S, failed
     (failed,) = procs[1].said("FAILED")  # the one that met the dead peer: within its timeout
     assert failed.split()[1] == "SaveFailedError", procs[1].report()
     assert "replicating process 1's part to process 2 (node node2" in procs[1].stderr()

@@ -68,16 +68,28 @@ def _attempt_prefixes(storage: Storage) -> set[str]:
 
 # -- two writers of one step ---------------------------------------------------------
 
+START_MARGIN_S = 0.25  # from the go file to the shared instant: each racer polls it every 5 ms
+
+
+def _start_at(go: Path, at: float) -> None:
+    """Gives the racers waiting on ``go`` their shared start instant (written atomically)."""
+    tmp = go.with_suffix(".tmp")
+    tmp.write_text(repr(at))
+    os.replace(tmp, go)
+
 
 @pytest.mark.parametrize("rounds", [2])
 def test_two_processes_saving_one_step_commit_exactly_one_writers_data(
-    storage_root: str, rounds: int
+    storage_root: str, rounds: int, tmp_path: Path
 ) -> None:
     for r in range(rounds):
         root = f"{storage_root.rstrip('/')}/round{r}"
-        at = time.time() + 8.0  # both have imported jax by then
-        procs = {v: _spawn(root, "race", "--step", "5", "--value", str(v), "--at", str(at))
+        go = tmp_path / f"go{r}"
+        procs = {v: _spawn(root, "race", "--step", "5", "--value", str(v), "--go", str(go))
                  for v in (100 + r, 200 + r)}  # fmt: skip
+        for p in procs.values():
+            p.expect("READY")  # jax imported: the start costs the racers nothing more
+        _start_at(go, time.time() + START_MARGIN_S)
         outs = {v: _finish(p) for v, p in procs.items()}
         epochs = {
             v: int(x.split()[1]) for v, xs in outs.items() for x in xs if x.startswith("EPOCH")
@@ -201,12 +213,15 @@ def test_marker_committed_after_a_takeover_is_never_listed(root: str) -> None:
 
 
 def test_gc_and_prune_by_an_operator_leave_the_live_save_alone(
-    root: str, capsys: pytest.CaptureFixture[str]
+    root: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    resume = tmp_path / "resume"
+    resume.mkdir()
     env = harness.child_env(
         inherit_jaxckpt=True,
         pause_at="data_written",
-        pause_s=6,
+        resume_dir=resume,
+        pause_s=60,
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
     )
@@ -218,6 +233,8 @@ def test_gc_and_prune_by_an_operator_leave_the_live_save_alone(
         assert cli.main(["gc", root]) == 0  # default grace: the live attempt is kept
         assert cli.main(["prune", root, "--keep-last=1"]) == 0
         assert "keep (within grace period) step 3" in capsys.readouterr().out
+        assert proc.proc.poll() is None  # still paused: the operators ran beside the live save
+        harness.resume(resume, "data_written", 3)
         out = _finish(proc)
     assert "COMMITTED 3" in out, out
     reader = jaxckpt.CheckpointManager(root, read_only=True)

@@ -2,11 +2,13 @@
 
 Usage::
 
-    writer_child.py ROOT race --step S --value V --at UNIX_TIME
+    writer_child.py ROOT race --step S --value V --go FILE
     writer_child.py ROOT loop --start S --pause SECONDS [--keep-last K]
 
-``race`` waits until ``--at`` (a shared wall-clock instant), opens the root
-for writing and saves ``state(V)`` as step S. ``loop`` opens the root and
+``race`` imports jax, prints ``READY``, waits for ``--go`` to hold a shared
+wall-clock instant (the test writes it once every racer is ready) and for
+that instant, then opens the root for writing and saves ``state(V)`` as
+step S. ``loop`` opens the root and
 saves step S, S+1, ... (``state(step)``) until it is fenced. Both print
 ``EPOCH e`` once the root is open, then ``COMMITTED s`` per commit, and end
 with ``FENCED``, ``EXISTS`` or ``DONE``.
@@ -15,6 +17,7 @@ with ``FENCED``, ``EXISTS`` or ``DONE``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -37,19 +40,37 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
+GO_TIMEOUT_S = 120.0  # the other racer imports jax on a loaded 2-core machine
+
+
+def _await_go(go: str) -> None:
+    """Announces ``READY``, then sleeps until the instant the test writes into ``go``."""
+    import jax  # noqa: F401  (imported before the start, so it costs nothing after it)
+
+    _say("READY")
+    deadline = time.monotonic() + GO_TIMEOUT_S
+    while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no start instant in {go} within {GO_TIMEOUT_S:.0f}s")
+        time.sleep(0.005)
+    with open(go) as f:
+        at = float(f.read())
+    time.sleep(max(0.0, at - time.time()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("root")
     p.add_argument("mode", choices=["race", "loop"])
     p.add_argument("--step", type=int, default=5)
     p.add_argument("--value", type=int, default=0)
-    p.add_argument("--at", type=float, default=0.0)
+    p.add_argument("--go", default="", help="race: the file that brings the start instant")
     p.add_argument("--start", type=int, default=1)
     p.add_argument("--pause", type=float, default=0.1)
     p.add_argument("--keep-last", type=int, default=0)
     args = p.parse_args(argv)
     if args.mode == "race":
-        time.sleep(max(0.0, args.at - time.time()))
+        _await_go(args.go)
     retention = policy.KeepLast(args.keep_last) if args.keep_last else None
     mgr = jaxckpt.CheckpointManager(args.root, chunk_bytes=4096, retention=retention)
     _say(f"EPOCH {mgr.epoch}")
