@@ -4,7 +4,7 @@ Usage::
 
     python tests/crash_child.py ROOT --start N --steps K --mb M [--seed S]
         [--delete STEP] [--arm save:STEP | --arm delete:STEP] [--no-gc]
-        [--storage-options JSON]
+        [--storage-options JSON] [--layout plain|packed]
 
 It opens ``jaxckpt.CheckpointManager(ROOT)`` and saves steps ``N .. N+K-1``,
 printing ``SAVED s`` to stdout once ``save()`` returns and ``COMMITTED s``
@@ -102,7 +102,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--arm", default=None, help="save:STEP or delete:STEP")
     p.add_argument("--no-gc", action="store_true", help="open with gc_on_open=False")
     p.add_argument("--storage-options", default="{}", help="JSON object")
-    p.add_argument("--layout", default="plain", help="CheckpointOptions.layout")
+    p.add_argument(
+        "--layout", default=None, help="CheckpointOptions.layout (default: the library's)"
+    )
     args = p.parse_args(argv)
     if args.arm is not None:
         op, _, step = args.arm.partition(":")
@@ -126,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import jaxckpt
 
+    layout = {} if args.layout is None else {"layout": args.layout}
     manager = jaxckpt.CheckpointManager(
         args.root,
         chunk_bytes=CHUNK_BYTES,
         gc_on_open=not args.no_gc,
         storage_options=json.loads(args.storage_options),
-        layout=args.layout,
+        **layout,
     )
     _say("OPENED")
     stop = args.start + args.steps

@@ -14,13 +14,17 @@ Post-conditions of a save of step ``s`` by ``n`` processes, as
 phase              pending  data         parts         tree        marker
 =================  =======  ===========  ============  ==========  ======
 pending_written    save     none         none          no          none
-data_started       save     exactly 1    none          yes         none
+data_started       save     1 or more    none          yes         none
 data_written       save     all          none          yes         none
 manifest_written   save     all          own ⊆ parts   yes         none
 before_marker      save     all          every proc.   yes         none
 marker_written     save     all          every proc.   yes         valid
 delete_retracted   delete   all          every proc.   yes         none
 =================  =======  ===========  ============  ==========  ======
+
+A data object is a chunk object (``plain``) or a pack object (``packed``, where
+``all`` is the packs ``pack_count`` plans for the tree's chunk bytes). At
+``data_started`` the first one is durable and others in flight may be too.
 
 With one process ``manifest_written`` and ``before_marker`` look the same on
 storage; a two-process test (``test_multihost.py``) tells them apart: the
