@@ -178,7 +178,8 @@ def misbehaving() -> Iterator[DirectReader]:
     }
     _Handler.connections = []
     server = _QuietServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # A short poll: shutdown() waits for serve_forever to look (0.5 s by default).
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     reader = DirectReader(
         f"http://127.0.0.1:{server.server_address[1]}", lambda name: "/" + name, None, 0.5
