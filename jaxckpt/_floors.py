@@ -170,7 +170,7 @@ def floors(
     >>> share = process_share(checkpoint_bytes=16 * (16 << 20), leaves=16, devices=8)
     >>> f = floors(share, leaves=16)
     >>> round(f["packed"].save_floor_s, 3), f["packed"].save_bound
-    (0.355, 'host bandwidth')
+    (0.295, 'host bandwidth')
     """
     from jaxckpt._plan import _option
     from jaxckpt.storage._options import DIRECT_PART_BYTES

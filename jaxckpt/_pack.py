@@ -5,16 +5,18 @@ The plain layout stores every zarr chunk as its own object, so a step costs
 thousands of requests per checkpoint. In the packed layout a process
 concatenates the chunks it owns into pack objects
 (``attempts/<step>/<attempt>/packs/<process>.<k>.bin``): enough of them that
-``objects_in_flight`` (16) upload at once, none under ``MIN_PACK_BYTES``
-(4 MiB), and as many more as keep each within ``max_object_bytes`` (64 MiB),
-whatever the number of leaves (:func:`jaxckpt._layout.pack_count`). A
-process's objects per step are at most ``objects_in_flight + bytes /
-max_object_bytes``. The chunk bytes are exactly the plain layout's (``raw
-little-endian || crc32c(raw)``), each starting at a multiple of
-``PACK_ALIGNMENT``, and the manifest part records each chunk's pack object and
-byte offset, so a restore reads only the chunks its target sharding needs
-(adjacent ones in one ranged read), each checked against its CRC32C like a
-plain chunk.
+``objects_in_flight`` (16) upload at once, none under ``MIN_PACK_BYTES`` (4
+MiB), and as many more as keep each within ``max_object_bytes`` (64 MiB),
+whatever the number of leaves (:func:`jaxckpt._layout.pack_count`). A pack
+holds whole chunks and starts a new one when the next chunk would take it over
+the cap, so two consecutive packs hold more than the cap: a process's packs
+per step are at most ``objects_in_flight + 2 × ceil(bytes /
+max_object_bytes)`` (half full at worst: chunks just over half the cap). The
+chunk bytes are exactly the plain layout's (``raw little-endian ||
+crc32c(raw)``), each starting at a multiple of ``PACK_ALIGNMENT``, and the
+manifest part records each chunk's pack object and byte offset, so a restore
+reads only the chunks its target sharding needs (adjacent ones in one ranged
+read), each checked against its CRC32C like a plain chunk.
 
 Memory: a pack is a list of views of the host snapshot (no copy), handed to
 :meth:`Storage.start_write`: a local root writes them with ``writev``; an
@@ -45,7 +47,7 @@ from jaxckpt._layout import (
     pack_count,
     pack_name,
 )
-from jaxckpt._phases import reached
+from jaxckpt._phases import reached, watched
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import HostArray, chunk_key, chunks_of
@@ -156,6 +158,8 @@ class PackWriter:
                 writing.append(pool.submit(self._upload, loc.key(name), pieces))
                 pieces, filled = [], 0
                 index += 1
+                if index == 1 and watched("data_started"):
+                    wait(1)  # the first pack alone is durable at data_started, as announced
 
             for leaf, key, raw in _chunk_views(arrays):
                 pad = -filled % PACK_ALIGNMENT

@@ -22,8 +22,8 @@ Layouts: every kill point runs the library's default layout (``packed``:
 ``CheckpointOptions().layout``), the one users get, as does the save paused at
 every phase in turn on every kind of root. The other layout (``plain``, one
 object per chunk) runs the kill points in ``PLAIN_POINTS`` (the phases where
-the two layouts store different things), the paused save on a local root, and
-the random kills on every kind of root (``RANDOM_KILLS_LAYOUT``);
+the two layouts store different things) and the paused save on a local root;
+the random kills on every kind of root run the default (``RANDOM_KILLS_LAYOUT``);
 ``test_layouts_cover_every_phase`` keeps both covered.
 """
 
@@ -92,12 +92,10 @@ OTHER_LAYOUT = next(layout for layout in LAYOUTS if layout != DEFAULT_LAYOUT)
 # whose storage differs between layouts (chunk objects or packs, and the
 # manifest that names them), and a delete of such a step.
 PLAIN_POINTS = ("data_started-later", "manifest_written-later", "delete_retracted-middle")
-# The random kills' layout. Not the default: a watched packed save announces
-# data_started only once its first pack is durable while its other packs upload
-# beside it, so storage may show every pack (data_written) right after
-# pending_written was announced, which AFTER_ANNOUNCED rules out
+# The random kills' layout: the default. A watched packed save starts its other packs
+# only once the first is durable, so each kill lands after the phase it follows
 # (test_a_watched_packed_save_announces_data_started_before_its_other_packs_land).
-RANDOM_KILLS_LAYOUT = OTHER_LAYOUT
+RANDOM_KILLS_LAYOUT = DEFAULT_LAYOUT
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -373,7 +371,7 @@ def test_layouts_cover_every_phase() -> None:
         *((kind, DEFAULT_LAYOUT) for kind in (LOCAL, *OBJECT_STORES)),
         (LOCAL, OTHER_LAYOUT),
     }
-    assert RANDOM_KILLS_LAYOUT == OTHER_LAYOUT and set(RANDOM_KILLS) == {LOCAL, *OBJECT_STORES}
+    assert RANDOM_KILLS_LAYOUT == DEFAULT_LAYOUT and set(RANDOM_KILLS) == {LOCAL, *OBJECT_STORES}
 
 
 @pytest.mark.parametrize(("storage_root", "point"), _kill_points(), indirect=["storage_root"])
@@ -444,11 +442,6 @@ def test_save_passes_every_phase_in_order(
         assert_bit_exact(reader.restore(2), child.host_state(SEED, 2, mb))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jaxckpt/_pack.py starts every pack's upload before the first is durable, even "
-    "when data_started is watched; once fixed, make RANDOM_KILLS_LAYOUT the default layout",
-)
 def test_a_watched_packed_save_announces_data_started_before_its_other_packs_land(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
