@@ -10,6 +10,7 @@ writes a record under the same key, so it waits for the save's to go first.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 
@@ -29,12 +30,15 @@ class Tidying:
 
     def __init__(self, storage: Storage) -> None:
         self._storage = storage
+        self._lock = threading.Lock()  # commits add, retention's deletes take
         self._removing: dict[StepLocation, Future[None]] = {}
 
     def drop(self, loc: StepLocation) -> None:
         """Removes the committed attempt ``loc``'s pending record in the background."""
-        self._removing = {at: f for at, f in self._removing.items() if not f.done()}
-        self._removing[loc] = pools.pool("tidy", 1).submit(self._remove, loc)
+        removing = pools.pool("tidy", 1).submit(self._remove, loc)
+        with self._lock:
+            self._removing = {at: f for at, f in self._removing.items() if not f.done()}
+            self._removing[loc] = removing
 
     def _remove(self, loc: StepLocation) -> None:
         try:
@@ -44,13 +48,15 @@ class Tidying:
 
     def before_delete(self, loc: StepLocation) -> None:
         """Waits (bounded) until ``loc``'s save record is gone, if it is being removed."""
-        removing = self._removing.pop(loc, None)
+        with self._lock:
+            removing = self._removing.pop(loc, None)
         if removing is not None:
             wait_for([removing], timeout=BEFORE_DELETE_WAIT_S)
 
     def settle(self, timeout_s: float) -> None:
         """Waits, at most ``timeout_s``, until every record being removed is gone."""
-        removing, self._removing = self._removing, {}
+        with self._lock:
+            removing, self._removing = self._removing, {}
         _, late = wait_for(removing.values(), timeout=timeout_s)
         if late:
             log.warning(

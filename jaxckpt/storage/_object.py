@@ -38,7 +38,7 @@ import re
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import tensorstore as ts
@@ -135,7 +135,6 @@ class ObjectStorage:
         # that tests can simulate a server that ignores conditions.
         self._if_absent = _no_value_generation()
         self._enforced: bool | None = None
-        self._creates: S3Creates | Literal[False] | None = False  # False: not resolved yet
         self._bucket_checked = False
         self._probe_lock = threading.Lock()
         self._open_lock = threading.Lock()
@@ -341,7 +340,7 @@ class ObjectStorage:
     def _create_once(self, name: str, data: bytes) -> bool:
         """One create-only write of ``name``: True if it created it, False if refused
         (the key exists; on S3 through TensorStore, also a missing bucket)."""
-        creates = self._s3_creates()
+        creates = self._s3_creates
         if creates is not None:
             try:
                 outcome = creates.create(name, data)
@@ -354,7 +353,7 @@ class ObjectStorage:
                     self._endpoint or "S3",
                     e,
                 )
-                self._creates = None
+                self._s3_creates = None
             else:
                 created = outcome == CREATED
                 self._bucket_checked = self._bucket_checked or created
@@ -363,20 +362,15 @@ class ObjectStorage:
         self._bucket_checked = self._bucket_checked or bool(stamp.generation)
         return bool(stamp.generation)
 
+    @functools.cached_property
     def _s3_creates(self) -> S3Creates | None:
         """S3's own create-only PUTs (botocore), resolved on first use; None elsewhere."""
-        if self._creates is False:
-            with self._open_lock:
-                if self._creates is False:
-                    self._creates = None
-                    if self._scheme == "s3":
-                        timeout = self._options.timeout_s or _CREATE_TIMEOUT_S
-                        region = str(self._extra["aws_region"])
-                        attempts = self._options.max_retries + 1
-                        self._creates = s3_creates(
-                            self._bucket, region, self._endpoint, timeout, attempts
-                        )
-        return self._creates or None
+        if self._scheme != "s3":
+            return None
+        timeout = self._options.timeout_s or _CREATE_TIMEOUT_S
+        attempts = self._options.max_retries + 1
+        region = str(self._extra["aws_region"])
+        return s3_creates(self._bucket, region, self._endpoint, timeout, attempts)
 
     def _create(self, name: str, data: bytes) -> None:
         for _ in range(_CREATE_ATTEMPTS):
