@@ -31,7 +31,10 @@ plus its transfer, as on a kept-alive connection: moto closes each
 connection after its response, so clients open one per request, which a
 real store would not make them pay for (the proxy charges no handshake).
 
-Each save runs in this process on an open manager (or kvstore) and is timed
+Each of ``--rounds`` rounds saves and restores with every contender once, the
+order rotated by one each round (a slow spell of the shared machine falls on
+all alike); times are medians over the rounds. Each save runs in this process
+on an open manager (or kvstore) and is timed
 until the step is committed (jaxckpt is given the state as jax arrays on the
 CPU device, as a training loop holds it; raw writes the numpy bytes); each
 restore opens a fresh manager (or kvstore), as a restarted job does, and is
@@ -188,44 +191,67 @@ def _same(a: Any, b: Any) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def run_one(
-    contender: str, base: str, shaper: ShaperProcess, state: dict[str, Any], rounds: int
-) -> dict[str, Any]:
-    """``rounds`` save + restore rounds of one contender; medians, last round's counts."""
-    from jaxckpt.storage import open_storage
+class _Contender:
+    """One contender's root, its rounds' times and memory, and its last round's counts."""
 
-    save, restore = _raw_contender() if contender == "raw" else _jaxckpt_contender(contender)
-    root = f"{base}/{contender}-{uuid.uuid4().hex[:8]}"
-    saves, restores, extras, counts = [], [], [], {}
-    for step in range(1, rounds + 1):
-        before = set(open_storage(root).list(""))
+    def __init__(self, name: str, base: str) -> None:
+        self.name = name
+        self.save, self.restore = _raw_contender() if name == "raw" else _jaxckpt_contender(name)
+        self.root = f"{base}/{name}-{uuid.uuid4().hex[:8]}"
+        self.saves: list[float] = []
+        self.restores: list[float] = []
+        self.extras: list[int] = []
+        self.counts: dict[str, int] = {}
+
+    def round(self, step: int, shaper: ShaperProcess, state: dict[str, Any]) -> None:
+        """One save of ``step`` and one restore of it, checked bit-exactly."""
+        from jaxckpt.storage import open_storage
+
+        before = set(open_storage(self.root).list(""))
         shaper.counts(reset=True)
-        seconds, extra = save(root, step, state)
-        saves.append(seconds)
-        extras.append(extra)
+        seconds, extra = self.save(self.root, step, state)
+        self.saves.append(seconds)
+        self.extras.append(extra)
         save_counts = shaper.counts(reset=True)
-        objects = len(set(open_storage(root).list("")) - before)
+        objects = len(set(open_storage(self.root).list("")) - before)
         shaper.counts(reset=True)
-        seconds, out = restore(root, step, state)
+        seconds, out = self.restore(self.root, step, state)
         out = {k: np.asarray(out[k]) for k in state}
-        restores.append(seconds)
+        self.restores.append(seconds)
         restore_counts = shaper.counts(reset=True)
         wrong = [k for k in state if not _same(out[k], state[k])]
         if wrong:
-            raise AssertionError(f"{contender} restored {len(wrong)} leaves wrong, e.g. {wrong[0]}")
-        counts = {
+            raise AssertionError(f"{self.name} restored {len(wrong)} leaves wrong, e.g. {wrong[0]}")
+        self.counts = {
             "objects": objects,
             "save_requests": save_counts["requests"],
             "restore_requests": restore_counts["requests"],
             "save_connections": save_counts["connections"],
             "restore_connections": restore_counts["connections"],
         }
-    return {
-        "save_s": statistics.median(saves),
-        "restore_s": statistics.median(restores),
-        "save_extra_bytes": max(extras),
-        **counts,
-    }
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "save_s": statistics.median(self.saves),
+            "restore_s": statistics.median(self.restores),
+            "save_extra_bytes": max(self.extras),
+            **self.counts,
+        }
+
+
+def run_interleaved(
+    names: list[str], base: str, shaper: ShaperProcess, state: dict[str, Any], rounds: int
+) -> list[dict[str, Any]]:
+    """``rounds`` save + restore rounds of every contender, interleaved: each round runs
+    every contender once, in an order rotated by one each round, so that a slow spell of
+    the shared machine (or the servers' growing stores) falls on all of them alike.
+    Returns one row per contender, in ``names`` order: medians, last round's counts."""
+    contenders = [_Contender(name, base) for name in names]
+    for step in range(1, rounds + 1):
+        shift = (step - 1) % len(contenders)
+        for contender in contenders[shift:] + contenders[:shift]:
+            contender.round(step, shaper, state)
+    return [c.row() for c in contenders]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -299,11 +325,10 @@ def main(argv: list[str] | None = None) -> int:
                     with ShaperProcess(server.endpoint, profile) as shaper:
                         _point_at(store, shaper.endpoint)
                         for name, state in states.items():
-                            raw: dict[str, Any] = {}
-                            for layout in layouts:
-                                row = run_one(layout, f"{base}/{profile.name}/{name}", shaper,
-                                              state, args.rounds)  # fmt: skip
-                                raw = raw or row
+                            found = run_interleaved(layouts, f"{base}/{profile.name}/{name}",
+                                                    shaper, state, args.rounds)  # fmt: skip
+                            raw = found[0]
+                            for layout, row in zip(layouts, found, strict=True):
                                 rows.append({
                                     "store": store, "profile": profile.name, "state": name,
                                     "layout": layout, "leaves": len(state),
