@@ -49,8 +49,10 @@ raw; 0.5: twice as long). *save extra memory* is the save's peak resident
 memory above the state already in memory (the kernel's high-water mark,
 reset before the save; the largest over the rounds). The GCS emulator is left out by default
 (``--stores s3,gcs`` adds it): it serves one request at a time, so it
-measures its own queue, not the layouts. The machine is shared: compare
-ratios within one run.
+measures its own queue, not the layouts. Each state at each profile gets a
+fresh server (both keep every object in memory and scan the whole bucket per
+listing, so earlier rows would slow later rows' listings). The machine is
+shared: compare ratios within one run.
 
 Usage: ``python scripts/bench.py cloud [--profiles bare,20ms,50ms] [--json out.json]``
 """
@@ -318,28 +320,32 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         for store in stores:
-            server = _start(store, scratch)
-            try:
-                base = f"{'s3' if store == 's3' else 'gs'}://{server.bucket}/{uuid.uuid4().hex[:6]}"
-                for profile in profiles:
-                    with ShaperProcess(server.endpoint, profile) as shaper:
-                        _point_at(store, shaper.endpoint)
-                        for name, state in states.items():
+            for profile in profiles:
+                for name, state in states.items():
+                    # A fresh server per row set: moto and the emulator hold every object in
+                    # memory and scan the whole bucket on each listing, so an earlier row's
+                    # objects would slow later rows' listings (packed lists, raw does not).
+                    server = _start(store, scratch)
+                    try:
+                        scheme = "s3" if store == "s3" else "gs"
+                        base = f"{scheme}://{server.bucket}/{uuid.uuid4().hex[:6]}"
+                        with ShaperProcess(server.endpoint, profile) as shaper:
+                            _point_at(store, shaper.endpoint)
                             found = run_interleaved(layouts, f"{base}/{profile.name}/{name}",
                                                     shaper, state, args.rounds)  # fmt: skip
-                            raw = found[0]
-                            for layout, row in zip(layouts, found, strict=True):
-                                rows.append({
-                                    "store": store, "profile": profile.name, "state": name,
-                                    "layout": layout, "leaves": len(state),
-                                    "state_bytes": sum(v.nbytes for v in state.values()),
-                                    **row,
-                                    "save_ratio": raw["save_s"] / row["save_s"],
-                                    "restore_ratio": raw["restore_s"] / row["restore_s"],
-                                })  # fmt: skip
-                                print(json.dumps(rows[-1]), flush=True)
-            finally:
-                server.stop()
+                    finally:
+                        server.stop()
+                    raw = found[0]
+                    for layout, row in zip(layouts, found, strict=True):
+                        rows.append({
+                            "store": store, "profile": profile.name, "state": name,
+                            "layout": layout, "leaves": len(state),
+                            "state_bytes": sum(v.nbytes for v in state.values()),
+                            **row,
+                            "save_ratio": raw["save_s"] / row["save_s"],
+                            "restore_ratio": raw["restore_s"] / row["restore_s"],
+                        })  # fmt: skip
+                        print(json.dumps(rows[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(markdown(rows))
