@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -353,9 +353,12 @@ class CommitProtocol:
 
     def write_manifest_part(
         self, loc: StepLocation, part: ManifestPart, *, name: str | None = None
-    ) -> None:
-        """Writes ``part`` as its process's part (or as ``name``, e.g. a held part)."""
-        self.storage.write(loc.key(name or manifest_name(part.process)), part.to_bytes())
+    ) -> bytes:
+        """Writes ``part`` as its process's part (or as ``name``, e.g. a held part); returns
+        the bytes written (a commit of this process takes its digest from them)."""
+        data = part.to_bytes()
+        self.storage.write(loc.key(name or manifest_name(part.process)), data)
+        return data
 
     def write_tree(self, loc: StepLocation, tree: bytes) -> None:
         self.storage.write(loc.tree_key, tree)
@@ -404,12 +407,16 @@ class CommitProtocol:
         keep: bool = False,
         processes: Sequence[int] | None = None,
         extra: Sequence[str] = (),
+        written: Mapping[str, bytes] | None = None,
     ) -> CommitMarker:
         """Writes the commit marker once the attempt's records and chunks are all present.
 
         ``processes`` names the manifest parts the marker covers (default: all
         ``num_processes``); a host's own local tier holds only its own part,
-        and maybe a held part (``extra``).
+        and maybe a held part (``extra``). ``written``: the records this process
+        wrote for the attempt, by name (its tree record, its manifest part): their
+        digests are taken from these bytes and their presence from the attempt's
+        listing, so only other processes' parts are read back.
 
         Raises:
           CheckpointError: a manifest part, the tree record or a listed chunk is missing.
@@ -421,26 +428,31 @@ class CommitProtocol:
         parts = []
         covered = range(num_processes) if processes is None else processes
         names = [TREE_FILE, *(manifest_name(p) for p in covered), *extra]
-        # Every request the commit needs before its marker, in flight at once: the
-        # records, the attempt's chunk and pack listings, the fence and this step's
-        # markers, and the hint (raised now if this writer knows it is lower, else read).
+        written = written or {}
+        unread = [name for name in names if name not in written]
+        # Every request the commit needs before its marker, in flight at once: the records
+        # other processes wrote, the attempt's listing (every record, chunk and pack), the
+        # fence and this step's markers, and the hint (raised now if this writer knows it
+        # is lower, else read).
         raise_hint = self.hints.known_lower(loc.epoch, step)
         with pools.borrow("commit", self._list_workers) as pool:
-            reads = [pool.submit(self.storage.read, loc.key(name)) for name in names]
-            chunk_keys = pool.submit(self.storage.list, loc.arrays_prefix)
-            pack_keys = pool.submit(self.storage.list, loc.packs_prefix)
+            reads = [pool.submit(self.storage.read, loc.key(name)) for name in unread]
+            attempt_keys = pool.submit(self.storage.list, loc.prefix)
             step_listing = pool.submit(self.step_listing, step)
             hint = (
                 pool.submit(self.hints.raise_to, loc.epoch, step)
                 if raise_hint
                 else pool.submit(self.hints.read, loc.epoch)
             )
-            records = [future.result() for future in reads]
+            read = dict(zip(unread, [future.result() for future in reads], strict=True))
             listing = step_listing.result()
-            present = set(chunk_keys.result()) | set(pack_keys.result())
+            present = set(attempt_keys.result())
             hinted = hint.result()
-        for name, data in zip(names, records, strict=True):
-            if data is None:
+        for name in names:
+            # a record this process wrote must still be there (a collection of a fenced
+            # attempt, a long save outliving gc_grace_s); one read back proves it itself
+            data = read[name] if name in read else written[name]
+            if data is None or (name in written and loc.key(name) not in present):
                 raise CheckpointError(
                     f"cannot commit step {step}: {self.where(loc.key(name))} is missing"
                 )
@@ -480,8 +492,7 @@ class CommitProtocol:
     def _check_chunks_present(
         self, loc: StepLocation, parts: Sequence[ManifestPart], present: set[str]
     ) -> None:
-        """Every chunk the manifest parts list exists (``present``: listings of ``arrays/`` and
-        ``packs/``).
+        """Every chunk the manifest parts list exists (``present``: the attempt's listing).
 
         A packed chunk's pack object must exist and its part must record it.
         """

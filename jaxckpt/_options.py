@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 
 MIN_OBJECT_BYTES = 1 << 10
 """The smallest ``max_object_bytes`` (a chunk holds at least one element and its checksum)."""
+OBJECT_HEADROOM_BYTES = 64 << 10
+"""What the default ``max_object_bytes`` allows beyond 64 MiB of chunk data: every chunk's
+4-byte checksum and padding to 64-byte alignment, so that chunks of a power-of-two size fill
+a pack whole (up to 1,024 of them). With a cap of exactly 64 MiB a 64 MiB leaf was cut into
+two 32 MiB chunks and no pack held two of them: packs half full, twice the objects."""
 MIN_RESTORE_MEMORY = 1 << 20
 """The smallest ``restore_memory_bytes`` (its parts are a fifth of it: 204 KiB)."""
 
@@ -73,7 +78,8 @@ class CheckpointOptions:
         TensorStore's I/O threads, which copy the bytes into the page cache,
         are shared with the rest of the process and keep their priority.
       max_object_bytes: the largest object a save writes (S3 takes at most
-        5 GB in one PUT, and TensorStore's s3 driver refuses larger values):
+        5 GB in one PUT, and TensorStore's s3 driver refuses larger values;
+        default 64 MiB of chunks plus ``OBJECT_HEADROOM_BYTES`` for their checksums):
         chunks are at most this (less their 4-byte checksum) whatever
         ``chunk_bytes`` says, and a packed save writes at least
         ``ceil(bytes / max_object_bytes)`` packs. A leaf whose shard cannot be
@@ -118,7 +124,7 @@ class CheckpointOptions:
     promotion: str = "background"
     restore_memory_bytes: int | None = None
     writer_nice: int = 0
-    max_object_bytes: int = 64 << 20
+    max_object_bytes: int = (64 << 20) + OBJECT_HEADROOM_BYTES
     objects_in_flight: int = 16
     local_replicas: int = 1
     peer_timeout_s: float = 60.0

@@ -6,12 +6,14 @@ thousands of requests per checkpoint. In the packed layout a process
 concatenates the chunks it owns into pack objects
 (``attempts/<step>/<attempt>/packs/<process>.<k>.bin``): enough of them that
 ``objects_in_flight`` (16) upload at once, none under ``MIN_PACK_BYTES`` (4
-MiB), and as many more as keep each within ``max_object_bytes`` (64 MiB),
-whatever the number of leaves (:func:`jaxckpt._layout.pack_count`). A pack
-holds whole chunks and starts a new one when the next chunk would take it over
-the cap, so two consecutive packs hold more than the cap: a process's packs
-per step are at most ``objects_in_flight + 2 × ceil(bytes /
+MiB), and as many more as keep each within ``max_object_bytes`` (64 MiB + 64
+KiB), whatever the number of leaves (:func:`jaxckpt._layout.pack_count`). A
+pack holds whole chunks and starts a new one when the next chunk would take it
+over the cap, so two consecutive packs hold more than the cap: a process's
+packs per step are at most ``objects_in_flight + 2 × ceil(bytes /
 max_object_bytes)`` (half full at worst: chunks just over half the cap). The
+default cap's 64 KiB of headroom holds the checksums and alignment of up to
+1,024 chunks, so chunks of a power-of-two size fill 64 MiB packs whole. The
 chunk bytes are exactly the plain layout's (``raw little-endian ||
 crc32c(raw)``), each starting at a multiple of ``PACK_ALIGNMENT``, and the
 manifest part records each chunk's pack object and byte offset, so a restore

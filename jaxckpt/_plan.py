@@ -294,7 +294,7 @@ def object_plan(
 
     >>> p = object_plan(checkpoint_bytes=840e9, leaves=2200, devices=256)
     >>> p["plain"].objects_per_checkpoint, p["packed"].objects_per_checkpoint
-    (565438, 12582)
+    (565438, 12550)
     """
     _count("checkpoints", checkpoints)
     _positive("write_requests_per_s", write_requests_per_s)

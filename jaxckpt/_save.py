@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
 import jax
@@ -32,7 +32,7 @@ from jaxckpt import _handler, _pools, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import Listing
-from jaxckpt._layout import StepLocation, held_manifest_name, new_attempt
+from jaxckpt._layout import TREE_FILE, StepLocation, held_manifest_name, manifest_name, new_attempt
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._pack import PackWriter
 from jaxckpt._phases import reached, watched
@@ -75,6 +75,9 @@ class Inflight:
     """The root's listing taken by ``save`` (its begin phase checks against it)."""
     announced: bool = False
     """``save`` wrote the pending record while it took ``listing``."""
+    written: dict[str, bytes] = field(default_factory=dict)
+    """The records this process wrote for the attempt, by name: its commit does not read
+    them back."""
 
     @property
     def step(self) -> int:
@@ -406,7 +409,7 @@ class SaveSession:
             manifest: list[Future[tuple[ManifestPart, list[str]]]] = []
 
             def planned(records: dict[str, tuple[ChunkRecord, ...]], packs: dict[str, int]) -> None:
-                manifest.append(pool.submit(self._write_manifest, loc, arrays, records, packs))
+                manifest.append(pool.submit(self._write_manifest, inflight, arrays, records, packs))
 
             if self._packer is None:
                 records, packs = self._arrays.write(loc, arrays), None
@@ -419,7 +422,7 @@ class SaveSession:
             if manifest:
                 part, extra = manifest[0].result()
             else:
-                part, extra = self._write_manifest(loc, arrays, records, packs)
+                part, extra = self._write_manifest(inflight, arrays, records, packs)
         reached("manifest_written", step)
         inflight.nbytes = part.nbytes
         if self._per_host:
@@ -430,13 +433,14 @@ class SaveSession:
 
     def _write_manifest(
         self,
-        loc: StepLocation,
+        inflight: Inflight,
         arrays: Sequence[HostArray],
         records: dict[str, tuple[ChunkRecord, ...]],
         packs: dict[str, int] | None,
     ) -> tuple[ManifestPart, list[str]]:
         """Writes this process's manifest part (``packs`` None: the plain layout) and, on a
         local tier, its held part; returns the part and the extra files the marker lists."""
+        loc = inflight.loc
         records, held = _split_held(records, arrays)
 
         def manifest_part(records: dict[str, tuple[ChunkRecord, ...]]) -> ManifestPart:
@@ -453,10 +457,14 @@ class SaveSession:
         extra = []
         if held:  # a local tier's replicas of other hosts' shards, for this host's restores
             name = held_manifest_name(jax.process_index())
-            self._protocol.write_manifest_part(loc, manifest_part(held), name=name)
+            inflight.written[name] = self._protocol.write_manifest_part(
+                loc, manifest_part(held), name=name
+            )
             extra.append(name)
         part = manifest_part(records)
-        self._protocol.write_manifest_part(loc, part)
+        inflight.written[manifest_name(part.process)] = self._protocol.write_manifest_part(
+            loc, part
+        )
         return part, extra
 
     def _commit_local(self, inflight: Inflight, extra: Sequence[str]) -> None:
@@ -471,6 +479,7 @@ class SaveSession:
             keep=inflight.keep,
             processes=[jax.process_index()],
             extra=extra,
+            written=inflight.written,
         )
         self.recorder.committed(inflight.step, inflight.nbytes)
         self._notify(marker)
@@ -479,6 +488,7 @@ class SaveSession:
         if self._primary or self._per_host:
             self._arrays.write_group(inflight.loc)
             self._protocol.write_tree(inflight.loc, inflight.tree)
+            inflight.written[TREE_FILE] = inflight.tree
 
     def commit(self, step: int) -> None:
         inflight = self._expect(step)
@@ -491,6 +501,7 @@ class SaveSession:
             num_processes=jax.process_count(),
             metrics=inflight.metrics,
             keep=inflight.keep,
+            written=inflight.written,
         )
         self.recorder.committed(step, inflight.nbytes)
         with self._lock:

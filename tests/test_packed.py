@@ -12,6 +12,7 @@ import itertools
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,6 +148,33 @@ def test_no_pack_exceeds_max_object_bytes_and_packs_upload_at_once(
 def test_max_object_bytes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_object_bytes"):
         jaxckpt.CheckpointOptions(max_object_bytes=0)
+
+
+def test_power_of_two_chunks_fill_packs_under_a_cap_with_headroom(tmp_path: Path) -> None:
+    """The default cap is 64 MiB plus ``OBJECT_HEADROOM_BYTES``: a 64 MiB leaf is one chunk,
+    and power-of-two chunks fill a pack whole. Scaled down: 80 chunks of 256 KiB under a
+    cap of 1 MiB + headroom go 4 to a pack; under exactly 1 MiB only 3 fit (the checksums
+    and alignment take the rest), so the same state needs more, emptier packs."""
+    from jaxckpt._options import OBJECT_HEADROOM_BYTES
+
+    defaults = jaxckpt.CheckpointOptions()
+    assert defaults.max_object_bytes == (64 << 20) + OBJECT_HEADROOM_BYTES
+    assert defaults.stored_chunk_bytes == 64 << 20  # a 64 MiB leaf is one chunk
+    rng = np.random.default_rng(9)
+    state = {f"l{i:02d}": jnp.asarray(rng.standard_normal(1 << 16, dtype=np.float32))
+             for i in range(80)}  # fmt: skip
+    counts = {}
+    for name, cap in {"headroom": (1 << 20) + OBJECT_HEADROOM_BYTES, "exact": 1 << 20}.items():
+        root = str(tmp_path / name)
+        with jaxckpt.CheckpointManager(root, layout="packed", max_object_bytes=cap) as mgr:
+            mgr.save(1, state)
+            assert_tree_bitexact(mgr.restore(1, target=state), state)
+        protocol = CommitProtocol(open_storage(root))
+        (part,) = protocol.read_manifest(protocol.require_marker(1))
+        assert max(part.packs.values()) <= cap, part.packs
+        per_pack = Counter(c.pack for c in itertools.chain(*part.arrays.values()))
+        counts[name] = (len(part.packs), sorted(set(per_pack.values())))
+    assert counts == {"headroom": (20, [4]), "exact": (27, [2, 3])}, counts
 
 
 def test_corrupt_chunk_is_named_and_restore_falls_back(storage_root: str) -> None:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+import jaxckpt
 from jaxckpt._plan import PlanResult, object_plan, plan
 from jaxckpt.policy import daly_interval
 
@@ -130,9 +131,10 @@ def test_object_plan_of_the_issue_example() -> None:
     plain, packed = p["plain"], p["packed"]
     records = 6 + 32  # pending, tree, 2 group records, hint, marker; a manifest per host
     assert plain.objects_per_checkpoint == 2200 * 256 + 2200 + records  # ~563,000 chunks
-    # 26.25 GB per host in packs of at most 64 MiB (CheckpointOptions.max_object_bytes).
-    assert packed.objects_per_checkpoint == 32 * math.ceil(840e9 / 32 / (64 << 20)) + records
-    assert packed.objects_per_checkpoint == 32 * 392 + records
+    # 26.25 GB per host in packs of at most 64 MiB + 64 KiB (CheckpointOptions.max_object_bytes).
+    cap = jaxckpt.CheckpointOptions().max_object_bytes
+    assert packed.objects_per_checkpoint == 32 * math.ceil(840e9 / 32 / cap) + records
+    assert packed.objects_per_checkpoint == 32 * 391 + records
     # Writes + deletes + LIST pages at $0.005 / 1,000, the read-backs at $0.0004 / 1,000.
     writes = plain.objects_per_checkpoint + 1 + (-(-(2200 * 256 + 2200) // 1000) + 2)
     assert plain.requests_per_checkpoint == writes + 1 + 33

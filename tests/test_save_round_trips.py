@@ -34,7 +34,7 @@ def _state(n: int = 6) -> dict[str, Any]:
     return {f"w{i}": jnp.asarray(rng.standard_normal(4096, dtype=np.float32)) for i in range(n)}
 
 
-def test_a_packed_save_sends_no_head_and_raises_a_new_epochs_hint_without_reading_it(
+def test_a_packed_save_sends_no_head_reads_back_nothing_and_raises_a_new_hint_unread(
     shaped: Shaper, s3_server: servers.Server
 ) -> None:
     root = f"s3://{s3_server.bucket}/trips-{uuid.uuid4().hex[:8]}"
@@ -43,8 +43,15 @@ def test_a_packed_save_sends_no_head_and_raises_a_new_epochs_hint_without_readin
         mgr.save(1, _state())
         mgr.wait()
         lines = [line.split()[:2] for _, line in shaped.trace]
+        attempt = open_storage(root).list("attempts/1/")[0].split("/")[2]
     assert lines, "the save sent nothing through the proxy"
     assert [m for m, _ in lines if m == "HEAD"] == []  # the marker is one conditional PUT
+    # The commit takes its own records' digests from the bytes it wrote, and checks that
+    # they and every pack are there with one listing of the attempt.
+    read_back = [p for m, p in lines if m == "GET" and ("tree.json" in p or "/manifest/" in p)]
+    assert read_back == []
+    listed = [p for m, p in lines if m == "GET" and "list-type=2" in p and attempt in p]
+    assert len(listed) == 1, listed
     hint = [m for m, path in lines if "/commits/latest." in path]
     assert hint == ["PUT"]  # raised, never read: this writer took the epoch just now
     markers = [m for m, path in lines if "/commits/000000000001." in path]
@@ -101,3 +108,26 @@ def test_the_packed_manifest_part_is_written_while_the_last_packs_upload(
     restored = jaxckpt.CheckpointManager(root, read_only=True).restore(1)
     for name, value in _state().items():
         assert np.asarray(restored[name]).tobytes() == np.asarray(value).tobytes()
+
+
+@pytest.mark.parametrize("name", ["tree.json", "manifest/0.json", "packs/0.0.bin"])
+def test_a_commit_refuses_when_a_record_or_pack_it_wrote_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """What the commit does not read back it still finds in the attempt's listing: gone
+    (a collection of the attempt meanwhile), the step is not committed."""
+    from jaxckpt._commit import CommitProtocol
+
+    root = str(tmp_path / "ckpt")
+    original = CommitProtocol.commit
+
+    def commit(self: CommitProtocol, loc: Any, **kwargs: Any) -> Any:
+        self.storage.delete(loc.key(name))  # collected between the data and the marker
+        return original(self, loc, **kwargs)
+
+    monkeypatch.setattr(CommitProtocol, "commit", commit)
+    with jaxckpt.CheckpointManager(root, layout="packed") as mgr:
+        mgr.save(1, _state(2))
+        with pytest.raises(jaxckpt.CheckpointError, match=rf"cannot commit step 1: .*{name}"):
+            mgr.wait()
+        assert mgr.steps() == []
