@@ -85,8 +85,8 @@ class CheckpointOptions:
         ``ceil(bytes / max_object_bytes)`` packs. A leaf whose shard cannot be
         split into chunks that small (a long axis of prime length) is refused
         by ``save`` with its tree path. A packed save to an object store
-        holds at most ``objects_in_flight`` packs in host memory beyond the
-        snapshot (a local root writes them from the snapshot).
+        holds at most ``objects_in_flight + 1`` packs in host memory beyond
+        the snapshot (a local root writes them from the snapshot).
       objects_in_flight: pack objects a packed save uploads at once per process
         (one more fills meanwhile), and pack spans a restore reads at once:
         enough requests to fill the bandwidth-delay product of a far-away store

@@ -23,9 +23,11 @@ read), each checked against its CRC32C like a plain chunk.
 Memory: a pack is a list of views of the host snapshot (no copy), handed to
 :meth:`Storage.start_write`: a local root writes them with ``writev``; an
 object store takes an object in one request, so it joins them into the
-request body when the upload starts. So a save's extra host memory beyond
-the snapshot is at most ``objects_in_flight × max_object_bytes`` (the
-uploads in flight; none on a local root), and never more than the state.
+request body when the upload starts (TensorStore copies the body and holds
+the copy until the upload ends). So a save's extra host memory beyond the
+snapshot is at most ``(objects_in_flight + 1) × max_object_bytes`` (the
+uploads in flight and the one being joined; none on a local root), plus the
+clients' own state, and never more than the state.
 """
 
 from __future__ import annotations

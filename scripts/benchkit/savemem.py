@@ -9,8 +9,9 @@ clean) that builds a state of ``--gib`` GiB as ``jax.Array`` leaves of
 snapshot is a view of its buffer (no copy; on a GPU it is the device-to-host
 copy every save needs), so *extra* is what the save holds beyond the host
 snapshot: packs being joined and uploaded, TensorStore's write buffers, the
-records. Its bound in the packed layout is ``objects_in_flight ×
-max_object_bytes`` (the uploads in flight, each joined into its request). Every
+records. Its bound in the packed layout is ``(objects_in_flight + 1) ×
+max_object_bytes`` (the uploads in flight, each a copy inside TensorStore,
+and the one being joined), plus the clients' own state. Every
 store is measured for both layouts side by side in one run; the S3 root is
 a fresh moto on loopback per row (it holds the objects in its own process,
 not the child's).
@@ -65,7 +66,7 @@ def _child(spec: dict[str, Any]) -> dict[str, Any]:
             mgr.save(1, state)
             mgr.wait()
             seconds = time.perf_counter() - t0
-    bound = options.objects_in_flight * options.max_object_bytes
+    bound = (options.objects_in_flight + 1) * options.max_object_bytes
     return {
         "state_bytes": nbytes,
         "leaves": len(state),
