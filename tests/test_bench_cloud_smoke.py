@@ -48,6 +48,7 @@ def test_tiny_cloud_bench_writes_a_row_per_profile_state_and_layout(tmp_path: Pa
         assert isinstance(r["save_extra_bytes"], int) and r["save_extra_bytes"] >= 0, r
         assert r["objects"] > 0 and r["save_requests"] >= r["objects"], r
         assert r["restore_requests"] > 0 and r["save_s"] > 0 and r["restore_s"] > 0, r
+        assert [r["save_s"]] == r["save_rounds_s"] and [r["restore_s"]] == r["restore_rounds_s"]
         if r["layout"] == "raw":
             assert r["save_ratio"] == 1.0 and r["objects"] == r["leaves"], r
     table = proc.stdout[proc.stdout.index("| store | profile |") :]

@@ -40,10 +40,12 @@ CPU device, as a training loop holds it; raw writes the numpy bytes); each
 restore opens a fresh manager (or kvstore), as a restarted job does, and is
 timed from ``restore()`` (the newest step) until the arrays are
 back (opening is not timed, for any contender), then compared bit-exactly
-with what was saved. Requests and objects include everything a save or restore
-sent, opening included. *objects* are the keys a
-save added under the root; *requests* are the HTTP requests the proxy saw
-during the save or the restore. Ratios are raw time over the contender's
+with what was saved. *objects* are the keys a save added under the root;
+*requests* are the HTTP requests the proxy saw during the timed save or
+restore call (and a save's background tidying up to the manager's close),
+not the opening of the manager, whose listing grows with the root's history.
+The JSON rows also hold every round's seconds (``save_rounds_s``,
+``restore_rounds_s``), in round order. Ratios are raw time over the contender's
 time, i.e. throughput vs raw, as the issue's targets read (1.0: as fast as
 raw; 0.5: twice as long). *save extra memory* is the save's peak resident
 memory above the state already in memory (the kernel's high-water mark,
@@ -141,28 +143,43 @@ def parse_profiles(
     return out
 
 
+def _timed(run: Callable[[], Any], started: Callable[[], None]) -> tuple[float, int, Any]:
+    """Seconds, peak extra resident memory and result of ``run()``; ``started()`` just
+    before it (the proxy's counts are reset there, so they cover the timed call only)."""
+    with PeakRss(sample=False) as rss:
+        started()
+        t0 = time.perf_counter()
+        out = run()
+        seconds = time.perf_counter() - t0
+    return seconds, rss.extra, out
+
+
 def _jaxckpt_contender(layout: str) -> tuple[Callable[..., tuple[float, int]], Callable[..., Any]]:
     import jaxckpt
 
-    def save(root: str, step: int, state: dict[str, Any]) -> tuple[float, int]:
+    def save(
+        root: str, step: int, state: dict[str, Any], started: Callable[[], None]
+    ) -> tuple[float, int]:
         import jax
 
         # A training state lives on the device: jax arrays, as the core bench saves (on CPU
         # their host snapshot is a view; numpy inputs would be copied first, for safety).
         on_device = jax.block_until_ready(jax.device_put(state))
         with jaxckpt.CheckpointManager(root, layout=layout, gc_on_open=False) as mgr:
-            with PeakRss(sample=False) as rss:
-                t0 = time.perf_counter()
+
+            def run() -> None:
                 mgr.save(step, on_device)
                 mgr.wait()
-                seconds = time.perf_counter() - t0
-            return seconds, rss.extra
 
-    def restore(root: str, step: int, state: dict[str, Any]) -> tuple[float, Any]:
+            seconds, extra, _ = _timed(run, started)
+            return seconds, extra
+
+    def restore(
+        root: str, step: int, state: dict[str, Any], started: Callable[[], None]
+    ) -> tuple[float, Any]:
         with jaxckpt.CheckpointManager(root, layout=layout, gc_on_open=False) as mgr:
-            t0 = time.perf_counter()
-            out = mgr.restore(target=state)  # the newest step, as a restarted job asks
-            seconds = time.perf_counter() - t0
+            # the newest step, as a restarted job asks
+            seconds, _, out = _timed(lambda: mgr.restore(target=state), started)
             assert mgr.restored_step == step, (mgr.restored_step, step)
             return seconds, out
 
@@ -170,20 +187,20 @@ def _jaxckpt_contender(layout: str) -> tuple[Callable[..., tuple[float, int]], C
 
 
 def _raw_contender() -> tuple[Callable[..., tuple[float, int]], Callable[..., Any]]:
-    def save(root: str, step: int, state: dict[str, Any]) -> tuple[float, int]:
+    def save(
+        root: str, step: int, state: dict[str, Any], started: Callable[[], None]
+    ) -> tuple[float, int]:
         saver = RawKvSaver(root)
-        with PeakRss(sample=False) as rss:
-            t0 = time.perf_counter()
-            saver.save(step, state)
-            seconds = time.perf_counter() - t0
-        return seconds, rss.extra
+        seconds, extra, _ = _timed(lambda: saver.save(step, state), started)
+        return seconds, extra
 
-    def restore(root: str, step: int, state: dict[str, Any]) -> tuple[float, Any]:
+    def restore(
+        root: str, step: int, state: dict[str, Any], started: Callable[[], None]
+    ) -> tuple[float, Any]:
         saver = RawKvSaver(root)  # a fresh kvstore and context: nothing cached
         abstract = {k: np.asarray(v) for k, v in state.items()}  # only shape and dtype are read
-        t0 = time.perf_counter()
-        out = saver.restore(step, abstract)
-        return time.perf_counter() - t0, out
+        seconds, _, out = _timed(lambda: saver.restore(step, abstract), started)
+        return seconds, out
 
     return save, restore
 
@@ -210,14 +227,16 @@ class _Contender:
         from jaxckpt.storage import open_storage
 
         before = set(open_storage(self.root).list(""))
-        shaper.counts(reset=True)
-        seconds, extra = self.save(self.root, step, state)
+
+        def reset() -> None:
+            shaper.counts(reset=True)
+
+        seconds, extra = self.save(self.root, step, state, reset)
         self.saves.append(seconds)
         self.extras.append(extra)
         save_counts = shaper.counts(reset=True)
         objects = len(set(open_storage(self.root).list("")) - before)
-        shaper.counts(reset=True)
-        seconds, out = self.restore(self.root, step, state)
+        seconds, out = self.restore(self.root, step, state, reset)
         out = {k: np.asarray(out[k]) for k in state}
         self.restores.append(seconds)
         restore_counts = shaper.counts(reset=True)
@@ -236,6 +255,8 @@ class _Contender:
         return {
             "save_s": statistics.median(self.saves),
             "restore_s": statistics.median(self.restores),
+            "save_rounds_s": list(self.saves),
+            "restore_rounds_s": list(self.restores),
             "save_extra_bytes": max(self.extras),
             **self.counts,
         }
