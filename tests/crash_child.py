@@ -5,6 +5,7 @@ Usage::
     python tests/crash_child.py ROOT --start N --steps K --mb M [--seed S]
         [--delete STEP] [--arm save:STEP | --arm delete:STEP] [--no-gc]
         [--storage-options JSON] [--layout plain|packed]
+        [--end-in PHASE:STEP:FRACTION]
 
 It opens ``jaxckpt.CheckpointManager(ROOT)`` and saves steps ``N .. N+K-1``,
 printing ``SAVED s`` to stdout once ``save()`` returns and ``COMMITTED s``
@@ -18,6 +19,14 @@ delete that reaches the phase. ``--arm OP:STEP`` narrows that to one
 operation: the variable is removed at start-up and put back just before that
 save or delete, so a single process can commit a few steps and then pause in
 a later one.
+
+``--end-in PHASE:STEP:FRACTION`` (with ``JAXCKPT_TRACE=1``) ends the process
+while it runs: when step ``STEP`` announces ``PHASE``, a kernel timer is set
+to ``FRACTION`` of the time that phase lasted in the step before (from its
+announcement to the next one), and on expiry SIGALRM, with no handler, ends
+the process the way SIGKILL does (no user code runs). The child times its
+own phases, so the kill's instant does not depend on how soon a parent reads
+its output.
 """
 
 from __future__ import annotations
@@ -25,8 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
-from typing import Any
+import threading
+import time
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -91,6 +103,49 @@ def device_state(seed: int, step: int, mb: float) -> dict[str, Any]:
     return state
 
 
+class _EndIn:
+    """A stderr that watches the ``JAXCKPT_TRACE`` lines written through it and
+    arms the timer of ``--end-in`` (see the module docstring)."""
+
+    def __init__(self, stream: TextIO, phase: str, step: int, fraction: float) -> None:
+        self._stream = stream
+        self._target = (phase, step)
+        self._fraction = fraction
+        self._lock = threading.Lock()
+        self._partial = ""
+        self._announced: list[tuple[str, int, float]] = []  # (phase, step, monotonic s)
+
+    def write(self, text: str) -> int:
+        now = time.monotonic()
+        n = self._stream.write(text)
+        with self._lock:
+            *lines, self._partial = (self._partial + text).split("\n")
+            for line in lines:
+                if line.startswith("JAXCKPT_TRACE "):
+                    _, phase, step = line.split()
+                    self._announce(phase, int(step), now)
+        return n
+
+    def _announce(self, phase: str, step: int, at: float) -> None:
+        self._announced.append((phase, step, at))
+        if (phase, step) != self._target:
+            return
+        before = [i for i, (p, s, _) in enumerate(self._announced) if (p, s) == (phase, step - 1)]
+        if not before or before[0] + 1 >= len(self._announced):
+            self._stream.write(f"END_IN_UNTIMED {phase} of step {step - 1} was not traced\n")
+            self._stream.flush()
+            os._exit(3)  # from any thread; the parent sees the wrong exit status
+        lasted = self._announced[before[0] + 1][2] - self._announced[before[0]][2]
+        # 0 would disarm the timer; 1 microsecond is "at once".
+        signal.setitimer(signal.ITIMER_REAL, max(self._fraction * lasted, 1e-6))
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Saves deterministic states until killed.")
     p.add_argument("root")
@@ -105,7 +160,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--layout", default=None, help="CheckpointOptions.layout (default: the library's)"
     )
+    p.add_argument("--end-in", default=None, help="PHASE:STEP:FRACTION (see the docstring)")
     args = p.parse_args(argv)
+    if args.end_in is not None:
+        phase, step, fraction = args.end_in.split(":")
+        if not step.isdigit() or int(step) < 2 or not 0 <= float(fraction) <= 1:
+            p.error(f"--end-in takes PHASE:STEP:FRACTION, STEP >= 2, got {args.end_in!r}")
+        args.end_in = (phase, int(step), float(fraction))
     if args.arm is not None:
         op, _, step = args.arm.partition(":")
         if op not in ("save", "delete") or not step.isdigit():
@@ -121,6 +182,9 @@ def _say(text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     pause_at = os.environ.pop(PAUSE_ENV, None) if args.arm is not None else None
+    if args.end_in is not None:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the timer's signal ends the process
+        sys.stderr = _EndIn(sys.stderr, *args.end_in)
 
     def arm(op: str, step: int) -> None:
         if pause_at is not None and args.arm == (op, step):

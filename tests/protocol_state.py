@@ -335,6 +335,16 @@ def observed_phase(storage: Storage, step: int) -> str:
     return "none"
 
 
+def observed_phases(storage: Storage, step: int) -> frozenset[str]:
+    """Every save phase whose post-condition storage shows as the latest (one process):
+    :func:`observed_phase`, and ``data_started`` too where the step's data is one object
+    (its first object durable is all of it durable)."""
+    observed = observed_phase(storage, step)
+    if observed == "data_written" and len(expected_data_objects(storage, step)) == 1:
+        return frozenset({"data_started", observed})
+    return frozenset({observed})
+
+
 # After a kill that followed the announcement of phase X (None: none yet), the
 # phases storage may show: X itself or the next one, whose action may be durable
 # although its announcement was never printed. before_marker has no storage action
