@@ -44,7 +44,8 @@ case "${1:-}" in
     .venv/bin/ruff format --check jaxckpt tests scripts
     .venv/bin/ruff check jaxckpt tests scripts
     .venv/bin/mypy
-    .venv/bin/python -m pytest -p no:cacheprovider "$@"
+    # Two workers, a test file per worker at a time (module fixtures start once per file).
+    .venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadfile "$@"
     ;;
   lock)
     lock
