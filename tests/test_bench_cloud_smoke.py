@@ -49,6 +49,8 @@ def test_tiny_cloud_bench_writes_a_row_per_profile_state_and_layout(tmp_path: Pa
         assert r["objects"] > 0 and r["save_requests"] >= r["objects"], r
         assert r["restore_requests"] > 0 and r["save_s"] > 0 and r["restore_s"] > 0, r
         assert [r["save_s"]] == r["save_rounds_s"] and [r["restore_s"]] == r["restore_rounds_s"]
+        assert [r["save_ratio"]] == r["save_ratio_rounds"], r
+        assert [r["restore_ratio"]] == r["restore_ratio_rounds"], r
         if r["layout"] == "raw":
             assert r["save_ratio"] == 1.0 and r["objects"] == r["leaves"], r
     table = proc.stdout[proc.stdout.index("| store | profile |") :]

@@ -45,7 +45,10 @@ with what was saved. *objects* are the keys a save added under the root;
 restore call (and a save's background tidying up to the manager's close),
 not the opening of the manager, whose listing grows with the root's history.
 The JSON rows also hold every round's seconds (``save_rounds_s``,
-``restore_rounds_s``), in round order. Ratios are raw time over the contender's
+``restore_rounds_s``), in round order, and each round's ratio to raw's time in that
+round (``save_ratio_rounds``, ``restore_ratio_rounds``). Each round ends by deleting
+the step it saved (untimed: the manager's ``delete``, raw's keys), so every round finds
+the server holding the same objects. Ratios are raw time over the contender's
 time, i.e. throughput vs raw, as the issue's targets read (1.0: as fast as
 raw; 0.5: twice as long). *save extra memory* is the save's peak resident
 memory above the state already in memory (the kernel's high-water mark,
@@ -154,7 +157,10 @@ def _timed(run: Callable[[], Any], started: Callable[[], None]) -> tuple[float, 
     return seconds, rss.extra, out
 
 
-def _jaxckpt_contender(layout: str) -> tuple[Callable[..., tuple[float, int]], Callable[..., Any]]:
+Contender = tuple[Callable[..., tuple[float, int]], Callable[..., Any], Callable[[str, int], None]]
+
+
+def _jaxckpt_contender(layout: str) -> Contender:
     import jaxckpt
 
     def save(
@@ -183,10 +189,14 @@ def _jaxckpt_contender(layout: str) -> tuple[Callable[..., tuple[float, int]], C
             assert mgr.restored_step == step, (mgr.restored_step, step)
             return seconds, out
 
-    return save, restore
+    def drop(root: str, step: int) -> None:
+        with jaxckpt.CheckpointManager(root, layout=layout, gc_on_open=False) as mgr:
+            mgr.delete(step)
+
+    return save, restore, drop
 
 
-def _raw_contender() -> tuple[Callable[..., tuple[float, int]], Callable[..., Any]]:
+def _raw_contender() -> Contender:
     def save(
         root: str, step: int, state: dict[str, Any], started: Callable[[], None]
     ) -> tuple[float, int]:
@@ -202,7 +212,14 @@ def _raw_contender() -> tuple[Callable[..., tuple[float, int]], Callable[..., An
         seconds, _, out = _timed(lambda: saver.restore(step, abstract), started)
         return seconds, out
 
-    return save, restore
+    def drop(root: str, step: int) -> None:
+        from jaxckpt.storage import open_storage
+
+        storage = open_storage(root)
+        for key in storage.list(f"{step}/"):
+            storage.delete(key)
+
+    return save, restore, drop
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -215,7 +232,9 @@ class _Contender:
 
     def __init__(self, name: str, base: str) -> None:
         self.name = name
-        self.save, self.restore = _raw_contender() if name == "raw" else _jaxckpt_contender(name)
+        self.save, self.restore, self.drop = (
+            _raw_contender() if name == "raw" else _jaxckpt_contender(name)
+        )
         self.root = f"{base}/{name}-{uuid.uuid4().hex[:8]}"
         self.saves: list[float] = []
         self.restores: list[float] = []
@@ -243,6 +262,8 @@ class _Contender:
         wrong = [k for k in state if not _same(out[k], state[k])]
         if wrong:
             raise AssertionError(f"{self.name} restored {len(wrong)} leaves wrong, e.g. {wrong[0]}")
+        # Untimed: the step goes again, so every round finds the server holding the same.
+        self.drop(self.root, step)
         self.counts = {
             "objects": objects,
             "save_requests": save_counts["requests"],
@@ -267,7 +288,7 @@ def run_interleaved(
 ) -> list[dict[str, Any]]:
     """``rounds`` save + restore rounds of every contender, interleaved: each round runs
     every contender once, in an order rotated by one each round, so that a slow spell of
-    the shared machine (or the servers' growing stores) falls on all of them alike.
+    the shared machine falls on all of them alike.
     Returns one row per contender, in ``names`` order: medians, last round's counts."""
     contenders = [_Contender(name, base) for name in names]
     for step in range(1, rounds + 1):
@@ -365,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
                             **row,
                             "save_ratio": raw["save_s"] / row["save_s"],
                             "restore_ratio": raw["restore_s"] / row["restore_s"],
+                            **{f"{op}_ratio_rounds": [
+                                r / c for r, c in zip(raw[f"{op}_rounds_s"],
+                                                      row[f"{op}_rounds_s"], strict=True)
+                            ] for op in ("save", "restore")},
                         })  # fmt: skip
                         print(json.dumps(rows[-1]), flush=True)
     finally:
