@@ -163,10 +163,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--end-in", default=None, help="PHASE:STEP:FRACTION (see the docstring)")
     args = p.parse_args(argv)
     if args.end_in is not None:
-        phase, step, fraction = args.end_in.split(":")
-        if not step.isdigit() or int(step) < 2 or not 0 <= float(fraction) <= 1:
-            p.error(f"--end-in takes PHASE:STEP:FRACTION, STEP >= 2, got {args.end_in!r}")
-        args.end_in = (phase, int(step), float(fraction))
+        end_in = args.end_in
+        phase, _, rest = end_in.partition(":")
+        step, _, fraction = rest.partition(":")
+        try:
+            args.end_in = (phase, int(step), float(fraction))
+        except ValueError:
+            args.end_in = None
+        if args.end_in is None or args.end_in[1] < 2 or not 0 <= args.end_in[2] <= 1:
+            p.error(
+                f"--end-in takes PHASE:STEP:FRACTION (STEP >= 2, 0 <= FRACTION <= 1): {end_in!r}"
+            )
     if args.arm is not None:
         op, _, step = args.arm.partition(":")
         if op not in ("save", "delete") or not step.isdigit():
