@@ -69,9 +69,15 @@ class PeakRss:
 
 
 def drop_cache(files: list[str]) -> None:
-    """fsync and POSIX_FADV_DONTNEED every file, so that reads go to the disk."""
+    """fsync and POSIX_FADV_DONTNEED every file, so that reads go to the disk.
+
+    A file gone since the listing is skipped: a committed step's pending record
+    is removed in the background after the save returns (``jaxckpt._tidy``)."""
     for path in files:
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
