@@ -10,15 +10,16 @@ every step the trainer saved is durable at the end, or the trainer was told
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
+import harness
 import numpy as np
 import pytest
 
@@ -74,11 +75,8 @@ def _told_steps(line: str) -> set[int]:
     return {int(n) for group in named for field in group for n in re.findall(r"\d+", field)}
 
 
-def _wait_durable(durable: Path, steps: range, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while missing := set(steps) - set(CommitProtocol(open_storage(str(durable))).committed()):
-        assert time.monotonic() < deadline, f"{sorted(missing)} not promoted in {timeout_s} s"
-        time.sleep(0.02)
+def _durable(durable: Path, steps: range) -> bool:
+    return set(steps) <= set(CommitProtocol(open_storage(str(durable))).committed())
 
 
 @pytest.mark.timeout(600)
@@ -101,7 +99,14 @@ def test_a_local_root_removed_under_a_trainer_is_recreated_and_no_step_is_droppe
         if m and int(m.group(1)) in (5, 15, 25):
             # The steps before the one in flight are promoted first (bounded wait), so the
             # wipe costs the step in flight and the save that reports it, as in the bound below.
-            _wait_durable(durable, range(int(m.group(1)) - 4, int(m.group(1))))
+            before = range(int(m.group(1)) - 4, int(m.group(1)))
+            harness.wait_until(
+                functools.partial(_durable, durable, before),
+                what=f"steps {list(before)} promoted to {durable}",
+                timeout_s=120,
+                gone=lambda: proc.poll() is not None,
+                report=lambda: "\n".join(lines),
+            )
             for _ in range(50):  # rm -rf while the step is in flight (it may refill)
                 shutil.rmtree(local, ignore_errors=True)
                 if not (local / ROOT_RECORD).exists():
