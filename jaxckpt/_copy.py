@@ -17,6 +17,7 @@ import numpy as np
 from jaxckpt import _pools as pools
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import TREE_FILE, StepLocation, is_manifest_name, manifest_name, new_attempt
+from jaxckpt._names import joined_key
 from jaxckpt._records import (
     TRAILER_BYTES,
     ChunkRecord,
@@ -100,7 +101,15 @@ def _copy_objects(
                 f"{src.uri}/{key} does not match its manifest record ({problem}, read twice); "
                 "not copied"
             )
-        dst.write(new + key[len(old) :], bytes(data) if not isinstance(data, bytes) else data)
+        dst.write(target(key), bytes(data) if not isinstance(data, bytes) else data)
+
+    def target(key: str) -> str:  # never outside the destination attempt, whatever was listed
+        if not key.startswith(old):
+            raise CorruptCheckpointError(f"{src.uri}/{key} is not under {old}; not copied")
+        return joined_key(new, key[len(old) :], f"{src.uri}/{key}")
+
+    for key in keys:  # every name checked before anything is written
+        target(key)
 
     with pools.borrow("copy", 16) as pool:
         list(pool.map(one, keys))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from jaxckpt._tree import (
     path_str,
     unflatten_saved,
 )
+from jaxckpt._treerecord import check_manifest, covers_every_process, parse_tree, rebuild
 from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region, region_of
 from jaxckpt.errors import CorruptCheckpointError, StorageError
 
@@ -46,27 +46,39 @@ class LoadedStep:
     """``"packed"`` when the step's chunks live in pack objects (see ``_pack``)."""
     plain_codecs: bool = False
     """Every manifest part says its arrays use jaxckpt's codec chain (``ManifestPart``)."""
+    structure: Any = None
+    """The saved containers (``_treerecord.structure_of``); None in older records."""
 
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
     """Reads and checks the tree record and every manifest part of a step."""
     raw_tree, parts = protocol.read_step(marker)
     assert raw_tree is not None
-    tree = json.loads(raw_tree)
+    tree = parse_tree(raw_tree, protocol.where(marker.location.tree_key), step=marker.step)
     chunks: dict[str, list[ChunkRecord]] = {}
     layouts = set()
     for part in parts:
         layouts.add(part.layout)
         for name, records in part.arrays.items():
             chunks.setdefault(name, []).extend(records)
+    layout = "packed" if "packed" in layouts else "plain"
+    plain_codecs = bool(parts) and all(p.plain_codecs for p in parts)
+    check_manifest(
+        tree.leaves,
+        chunks,
+        raw=layout == "packed" or plain_codecs,
+        complete=covers_every_process(marker.files, marker.num_processes),
+        what=f"step {marker.step} ({protocol.where(marker.location.prefix)})",
+    )
     return LoadedStep(
         marker=marker,
-        leaves=tuple(SavedLeaf.from_json(x) for x in tree["leaves"]),
+        leaves=tree.leaves,
         chunks={k: tuple(v) for k, v in chunks.items()},
-        user_metadata=tree.get("metadata"),
-        versions=tree.get("versions") or {},
-        layout="packed" if "packed" in layouts else "plain",
-        plain_codecs=bool(parts) and all(p.plain_codecs for p in parts),
+        user_metadata=tree.metadata,
+        versions=tree.versions,
+        layout=layout,
+        plain_codecs=plain_codecs,
+        structure=tree.structure,
     )
 
 
@@ -110,6 +122,8 @@ class StepReader:
             if partial or rename is not None:
                 raise ValueError("partial= and rename= need a target")
             values = self._read_all(loaded, list(leaves), [None] * len(leaves), agreement)
+            if loaded.structure is not None:  # every container, empty ones included
+                return rebuild(loaded.structure, values)
             return unflatten_saved(leaves, values)
         flat, treedef = flatten(target)
         targets = [t for _, t in flat]
