@@ -423,23 +423,68 @@ def _describe_saved(leaf: SavedLeaf) -> str:
 
 
 def chunk_shape_for(
-    shard_shape: Sequence[int], itemsize: int, target_bytes: int
+    shard_shape: Sequence[int],
+    itemsize: int,
+    target_bytes: int,
+    shape: Sequence[int] | None = None,
 ) -> tuple[int, ...]:
-    """The largest chunk shape that tiles ``shard_shape`` and fits ``target_bytes``.
+    """A chunk shape that tiles ``shard_shape`` and fits ``target_bytes``, in few chunks.
 
     Axes are split from the outermost in, by their smallest divisors, so a
-    chunk is a contiguous run of rows whenever possible.
+    chunk is a contiguous run of rows whenever possible. An axis the shard
+    holds whole (``shard_shape[i] == shape[i]``: one writer per chunk whatever
+    the split) may instead be split evenly with a partial edge chunk, which
+    zarr allows, when that takes fewer chunks: a long axis of prime length
+    becomes a few chunks, not one per row. An axis split across shards whose
+    divisors would give far more chunks than needed is kept whole and an inner
+    axis split instead, when that takes fewer.
 
     >>> chunk_shape_for((1024, 1024), 4, 1 << 20)
     (256, 1024)
     >>> chunk_shape_for((0, 3), 4, 1 << 20)
     (1, 3)
+    >>> chunk_shape_for((8209, 2048), 4, 64 << 20, shape=(8209, 2048))  # prime: 2 chunks
+    (4105, 2048)
+    >>> chunk_shape_for((8209, 2048), 4, 64 << 20, shape=(16418, 2048))  # sharded rows
+    (8209, 1024)
     """
-    chunk = [max(1, int(d)) for d in shard_shape]
-    for axis in range(len(chunk)):
-        while chunk[axis] > 1 and math.prod(chunk) * itemsize > target_bytes:
-            chunk[axis] //= _smallest_divisor(chunk[axis])
-    return tuple(chunk)
+    shard = [max(1, int(d)) for d in shard_shape]
+    full = shard_shape if shape is None else shape
+    whole = [shape is not None and int(s) == int(d) for s, d in zip(shard_shape, full, strict=True)]
+    return tuple(_split(shard, shard, 0, itemsize, target_bytes, whole))
+
+
+def _count(chunk: Sequence[int], shard: Sequence[int]) -> int:
+    return math.prod(-(-s // c) for s, c in zip(shard, chunk, strict=True))
+
+
+def _split(
+    chunk: list[int],
+    shard: Sequence[int],
+    axis: int,
+    itemsize: int,
+    target: int,
+    whole: Sequence[bool],
+) -> list[int]:
+    """``chunk`` with ``axis`` and the axes inside it split until it fits ``target``."""
+    if axis == len(chunk) or math.prod(chunk) * itemsize <= target:
+        return chunk
+    n = chunk[axis]
+    split = list(chunk)
+    while split[axis] > 1 and math.prod(split) * itemsize > target:
+        split[axis] //= _smallest_divisor(split[axis])
+    if whole[axis]:  # even pieces, the last one partial, if that takes fewer
+        rows = max(1, target // (math.prod(chunk) // n * itemsize))
+        pieces = -(-n // min(n, rows))
+        if pieces < -(-n // split[axis]):
+            split[axis] = -(-n // pieces)
+    best = _split(split, shard, axis + 1, itemsize, target, whole)
+    ideal = -(-math.prod(shard) * itemsize // target)
+    if axis + 1 < len(chunk) and _count(best, shard) > 2 * ideal:
+        kept = _split(list(chunk), shard, axis + 1, itemsize, target, whole)
+        if math.prod(kept) * itemsize <= target and _count(kept, shard) < _count(best, shard):
+            best = kept
+    return best
 
 
 def _smallest_divisor(n: int) -> int:
@@ -490,7 +535,7 @@ def _describe_array(
         name=name,
         shape=shape,
         dtype=dtype.name,
-        chunk_shape=chunk_shape_for(shard_shape, dtype.itemsize, chunk_bytes),
+        chunk_shape=chunk_shape_for(shard_shape, dtype.itemsize, chunk_bytes, shape),
         sharding=describe_sharding(sharding),
         key_impl=key_impl,
     )

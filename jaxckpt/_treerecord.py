@@ -65,7 +65,7 @@ def structure_of(state: Any) -> Any:
     one_level, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is not state)
     if len(one_level) == 1 and not one_level[0][0]:
         return None  # a leaf
-    kind = {list: "list", tuple: "tuple"}.get(type(state), "dict")
+    kind = "list" if type(state) is list else "tuple" if type(state) is tuple else "dict"
     items = [[encode_path(path)[0], structure_of(child)] for path, child in one_level]
     if kind == "dict" and items and all(entry[0] in ("s", "f") for entry, _ in items):
         kind = "list"  # a custom sequence node: a list, as restores always gave
@@ -123,8 +123,10 @@ def _leaf(obj: Any, what: str) -> SavedLeaf:
     if len(chunk) != len(shape) or any(c > max(1, d) for c, d in zip(chunk, shape, strict=True)):
         raise CorruptCheckpointError(f"{where}: chunk shape {chunk} does not fit shape {shape}")
     try:
+        if not isinstance(obj.get("dtype"), str):
+            raise TypeError("not a string")
         np_dtype(obj["dtype"])
-    except (KeyError, TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: unknown dtype {obj.get('dtype')!r:.40}") from e
     impl, sharding = obj.get("key_impl"), obj.get("sharding")
     if not isinstance(impl, str | None) or not isinstance(sharding, dict | None):
