@@ -529,13 +529,29 @@ def _describe_array(
     shape = tuple(int(d) for d in np.shape(value))
     dtype = np.dtype(value.dtype)
     shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
+    chunk = chunk_shape_for(shard_shape, dtype.itemsize, chunk_bytes, shape)
+    count = _count(chunk, shard_shape)
+    ideal = -(-math.prod(shard_shape) * dtype.itemsize // chunk_bytes)
+    if count > max(TOO_MANY_CHUNKS, 16 * ideal):  # e.g. a long prime axis split across devices
+        raise UnsupportedLeafError(
+            f"cannot save leaf {path_text(parts)}: its shards {tuple(shard_shape)} split into "
+            f"{count:,} chunks of {chunk} to fit chunk_bytes={chunk_bytes:,} ({ideal:,} would "
+            "do if an axis had smaller divisors); shard it along an axis whose length has "
+            "small divisors, or raise chunk_bytes"
+        )
     return SavedLeaf(
         path=parts,
         kind=kind,
         name=name,
         shape=shape,
         dtype=dtype.name,
-        chunk_shape=chunk_shape_for(shard_shape, dtype.itemsize, chunk_bytes, shape),
+        chunk_shape=chunk,
         sharding=describe_sharding(sharding),
         key_impl=key_impl,
     )
+
+
+TOO_MANY_CHUNKS = 1024
+"""A shard split into more chunks than this and 16 times what its bytes need is refused
+(only an axis split across devices with no small divisor, and no other axis to split,
+gets there: an axis a shard holds whole is split evenly, see :func:`chunk_shape_for`)."""
