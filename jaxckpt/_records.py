@@ -121,6 +121,17 @@ class ChunkRecord:
         return cls(key=key, size=size, crc32c=crc, pack=pack, offset=_int(item[4], what, "offset"))
 
 
+MAX_PROCESSES = 1 << 20
+"""The most processes a record may name: readers and copies iterate over them."""
+
+
+def _processes(value: Any, what: str) -> int:
+    count = _int(value, what, "num_processes")
+    if not 1 <= count <= MAX_PROCESSES:
+        raise CorruptCheckpointError(f"{what}: num_processes {count} is not in 1..{MAX_PROCESSES}")
+    return count
+
+
 def _int(value: Any, what: str, name: str) -> int:
     """A non-negative int field of a record."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -204,7 +215,7 @@ class ManifestPart:
         return cls(
             step=_int(obj["step"], what, "step"),
             process=_int(obj["process"], what, "process"),
-            num_processes=_int(obj["num_processes"], what, "num_processes"),
+            num_processes=_processes(obj["num_processes"], what),
             arrays=arrays,
             layout=layout,
             packs=packs,
@@ -291,7 +302,7 @@ class CommitMarker:
         return cls(
             step=_int(obj["step"], what, "step"),
             time=when,
-            num_processes=_int(obj["num_processes"], what, "num_processes"),
+            num_processes=_processes(obj["num_processes"], what),
             files=_digests(obj["files"], "file", what),
             nbytes=_int(obj["nbytes"], what, "nbytes"),
             metrics=metrics,
@@ -408,7 +419,7 @@ class ReplicaIndex:
                 step=_int(body["step"], what, "step"),
                 process=_int(body["process"], what, "process"),
                 attempt=attempt,
-                num_processes=_int(body["num_processes"], what, "num_processes"),
+                num_processes=_processes(body["num_processes"], what),
                 files=_digests(body["files"], "key", what),
                 metrics=body["metrics"],
                 keep=body["keep"],

@@ -256,6 +256,7 @@ MALFORMED_PARTS: dict[str, Edit] = {
     "arrays a list": lambda o: o.update(arrays=[]),
     "step a string": lambda o: o.update(step="1"),
     "no process": lambda o: o.pop("process"),
+    "a trillion processes": lambda o: o.update(num_processes=10**12),
 }
 
 
@@ -292,6 +293,23 @@ def test_a_root_holding_a_newer_marker_refuses_saves(tmp_path):
         with jaxckpt.CheckpointManager(root) as mgr:
             mgr.save(2, {"w": np.zeros(3)})
     assert [r.step for r in CommitProtocol(storage).marker_refs()] == [1]  # nothing committed
+
+
+def test_a_marker_naming_a_trillion_processes_is_damaged_not_iterated(tmp_path, capsys):
+    root = str(tmp_path / "root")
+    _save(root, "packed")
+    marker = CommitProtocol(open_storage(root)).require_marker(1)
+    body = json.loads(marker.to_bytes())
+    body.pop("marker_crc32c")
+    body["num_processes"] = 10**12
+    body["marker_crc32c"] = crc32c(dumps(body))
+    (Path(root) / marker.key).write_bytes(dumps(body))
+    start = time.monotonic()
+    with jaxckpt.CheckpointManager(root) as mgr, pytest.raises(CorruptCheckpointError):
+        mgr.restore(1)
+    assert cli.main(["cp", f"{root}:1", str(tmp_path / "copy")]) == 1
+    assert "damaged commit marker" in capsys.readouterr().err
+    assert time.monotonic() - start < 10
 
 
 def test_manifest_parts_parse_every_field_they_round_trip(tmp_path):
