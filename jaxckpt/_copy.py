@@ -26,6 +26,7 @@ from jaxckpt._records import (
     chunk_problem,
     crc32c,
 )
+from jaxckpt._treerecord import parse_tree, read_checked
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
 from jaxckpt.storage import Storage
 
@@ -44,9 +45,7 @@ def copy_step(
       compress: None copies chunks byte for byte (each checked against the
         manifest); ``"zstd"`` re-encodes them with a zstd codec for archival.
     """
-    from jaxckpt._restore import load_step
-
-    load_step(src, marker)  # every record checked (names, shapes, grids) before any write
+    read_checked(src, marker)  # every record checked (names, shapes, grids) before any write
     loc = StepLocation(marker.step, new_attempt(dst.write_epoch()))
     dst.begin_save(loc)
     try:
@@ -175,8 +174,6 @@ def copy_part(
         group = src.storage.read(marker.location.key("zarr.json"))
         if group is not None:
             dst.storage.write(loc.key("zarr.json"), group)
-        from jaxckpt._treerecord import parse_tree  # imports jax: only once a step is copied
-
         tree = src.read_step_file(marker, TREE_FILE)
         parse_tree(tree, src.where(marker.location.tree_key), step=marker.step)
         dst.write_tree(loc, tree)

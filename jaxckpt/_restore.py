@@ -26,7 +26,7 @@ from jaxckpt._tree import (
     path_str,
     unflatten_saved,
 )
-from jaxckpt._treerecord import check_manifest, covers_every_process, parse_tree, rebuild
+from jaxckpt._treerecord import read_checked, rebuild
 from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region, region_of
 from jaxckpt.errors import CorruptCheckpointError, StorageError
 
@@ -52,33 +52,16 @@ class LoadedStep:
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
     """Reads and checks the tree record and every manifest part of a step."""
-    raw_tree, parts = protocol.read_step(marker)
-    assert raw_tree is not None
-    tree = parse_tree(raw_tree, protocol.where(marker.location.tree_key), step=marker.step)
-    chunks: dict[str, list[ChunkRecord]] = {}
-    layouts = set()
-    for part in parts:
-        layouts.add(part.layout)
-        for name, records in part.arrays.items():
-            chunks.setdefault(name, []).extend(records)
-    layout = "packed" if "packed" in layouts else "plain"
-    plain_codecs = bool(parts) and all(p.plain_codecs for p in parts)
-    check_manifest(
-        tree.leaves,
-        chunks,
-        raw=layout == "packed" or plain_codecs,
-        complete=covers_every_process(marker.files, marker.num_processes),
-        what=f"step {marker.step} ({protocol.where(marker.location.prefix)})",
-    )
+    step = read_checked(protocol, marker)
     return LoadedStep(
         marker=marker,
-        leaves=tree.leaves,
-        chunks={k: tuple(v) for k, v in chunks.items()},
-        user_metadata=tree.metadata,
-        versions=tree.versions,
-        layout=layout,
-        plain_codecs=plain_codecs,
-        structure=tree.structure,
+        leaves=step.tree.leaves,
+        chunks=step.chunks,
+        user_metadata=step.tree.metadata,
+        versions=step.tree.versions,
+        layout=step.layout,
+        plain_codecs=step.plain_codecs,
+        structure=step.tree.structure,
     )
 
 

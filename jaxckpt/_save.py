@@ -40,8 +40,7 @@ from jaxckpt._promote import PromotionRequest, request_promotion, withdraw
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, CommitMarker, ManifestPart, json_record
 from jaxckpt._telemetry import SaveRecorder
 from jaxckpt._tier import Tier
-from jaxckpt._tree import SavedLeaf, describe_state
-from jaxckpt._treerecord import structure_of
+from jaxckpt._tree import SavedLeaf, describe_state, structure_of
 from jaxckpt._tsio import ArrayWriter, HostArray, chunk_key, chunks_of
 from jaxckpt._versions import writer_versions
 from jaxckpt.errors import (

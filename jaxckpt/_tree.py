@@ -13,7 +13,6 @@ import hashlib
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -21,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxckpt._records import path_text
+from jaxckpt._treerecord import VALUE_TYPES as VALUE_TYPES
+from jaxckpt._treerecord import SavedLeaf as SavedLeaf
+from jaxckpt._treerecord import np_dtype as np_dtype
 from jaxckpt.errors import TreeMismatchError, UnsupportedLeafError
-
-VALUE_TYPES = (bool, int, float, str, type(None))
 
 
 def _is_leaf(x: Any) -> bool:
@@ -166,70 +166,27 @@ def describe_sharding(sharding: Any) -> dict[str, Any]:
     return {"type": type(sharding).__name__, "devices": len(sharding.device_set)}
 
 
-@dataclass(frozen=True, kw_only=True)
-class SavedLeaf:
-    """One leaf of a saved tree, as recorded in ``tree.json``."""
+def structure_of(state: Any) -> Any:
+    """The containers of ``state`` as JSON: ``None`` for a leaf (``None`` values included),
+    ``[kind, [[path entry, child], ...]]`` for a container, in flatten order.
 
-    path: list[list[Any]]
-    kind: str
-    name: str | None = None
-    shape: tuple[int, ...] = ()
-    dtype: str | None = None
-    chunk_shape: tuple[int, ...] = ()
-    sharding: dict[str, Any] | None = None
-    key_impl: str | None = None
-    value: Any = None
+    ``kind`` is ``list`` or ``tuple`` for those exact types, ``dict`` for every
+    other container (dicts, named tuples, dataclasses, optax states: a restore
+    without a target gives them back as dicts, keyed by key or attribute name).
 
-    @property
-    def path_text(self) -> str:
-        return path_text(self.path)
-
-    @property
-    def numpy_dtype(self) -> np.dtype:
-        """The numpy dtype of an array leaf (``bfloat16`` included)."""
-        assert self.dtype is not None, f"{self.path_text} is not an array leaf"
-        return np_dtype(self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        if self.dtype is None:
-            return 0
-        return int(np.prod(self.shape, dtype=np.int64)) * self.numpy_dtype.itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"path": self.path, "kind": self.kind}
-        if self.kind == "value":
-            out["value"] = self.value
-        else:
-            out.update(
-                name=self.name,
-                shape=list(self.shape),
-                dtype=self.dtype,
-                chunk_shape=list(self.chunk_shape),
-                sharding=self.sharding,
-            )
-            if self.key_impl is not None:
-                out["key_impl"] = self.key_impl
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> SavedLeaf:
-        return cls(
-            path=obj["path"],
-            kind=obj["kind"],
-            name=obj.get("name"),
-            shape=tuple(obj.get("shape", ())),
-            dtype=obj.get("dtype"),
-            chunk_shape=tuple(obj.get("chunk_shape", ())),
-            sharding=obj.get("sharding"),
-            key_impl=obj.get("key_impl"),
-            value=obj.get("value"),
-        )
-
-
-def np_dtype(name: str) -> np.dtype:
-    """The numpy dtype for a saved dtype name (``bfloat16`` included)."""
-    return np.dtype(jax.numpy.dtype(name))
+    >>> structure_of([{}, (), None])
+    ['list', [[['s', 0], ['dict', []]], [['s', 1], ['tuple', []]], [['s', 2], None]]]
+    """
+    if state is None:
+        return None
+    one_level, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is not state)
+    if len(one_level) == 1 and not one_level[0][0]:
+        return None  # a leaf
+    kind = "list" if type(state) is list else "tuple" if type(state) is tuple else "dict"
+    items = [[encode_path(path)[0], structure_of(child)] for path, child in one_level]
+    if kind == "dict" and items and all(entry[0] in ("s", "f") for entry, _ in items):
+        kind = "list"  # a custom sequence node: a list, as restores always gave
+    return [kind, items]
 
 
 def unflatten_saved(leaves: Sequence[SavedLeaf], values: Sequence[Any]) -> Any:
@@ -434,10 +391,10 @@ def chunk_shape_for(
     chunk is a contiguous run of rows whenever possible. An axis the shard
     holds whole (``shard_shape[i] == shape[i]``: one writer per chunk whatever
     the split) may instead be split evenly with a partial edge chunk, which
-    zarr allows, when that takes fewer chunks: a long axis of prime length
-    becomes a few chunks, not one per row. An axis split across shards whose
-    divisors would give far more chunks than needed is kept whole and an inner
-    axis split instead, when that takes fewer.
+    zarr allows, when the divisors would take more than twice as many chunks: a
+    long axis of prime length becomes a few chunks, not one per row. An axis
+    split across shards whose divisors would give far more chunks than needed
+    is kept whole and an inner axis split instead, when that takes fewer.
 
     >>> chunk_shape_for((1024, 1024), 4, 1 << 20)
     (256, 1024)
@@ -473,10 +430,10 @@ def _split(
     split = list(chunk)
     while split[axis] > 1 and math.prod(split) * itemsize > target:
         split[axis] //= _smallest_divisor(split[axis])
-    if whole[axis]:  # even pieces, the last one partial, if that takes fewer
+    if whole[axis]:  # even pieces, the last one partial, if the divisors take far more
         rows = max(1, target // (math.prod(chunk) // n * itemsize))
         pieces = -(-n // min(n, rows))
-        if pieces < -(-n // split[axis]):
+        if 2 * pieces < -(-n // split[axis]):
             split[axis] = -(-n // pieces)
     best = _split(split, shard, axis + 1, itemsize, target, whole)
     ideal = -(-math.prod(shard) * itemsize // target)

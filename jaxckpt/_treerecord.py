@@ -2,8 +2,8 @@
 
 A tree record lists every leaf (path, kind, array name, shape, dtype, chunk
 shape, sharding; a value leaf's value), the user's metadata, the writer's
-versions and, since saves record it, ``structure``: the saved tree's
-containers, empty ones included, so that a restore without a target gives back
+versions and, since saves record it, ``structure`` (``_tree.structure_of``): the
+saved tree's containers, empty ones included, so that a restore without a target gives back
 ``{'x': [{}, w], 'e': {}}`` and optax's ``EmptyState`` in their places. Records
 without it restore as before (dicts and lists built from the leaf paths).
 
@@ -21,18 +21,98 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
+import numpy as np
 
 from jaxckpt._layout import manifest_name
 from jaxckpt._names import checked_name
-from jaxckpt._records import TRAILER_BYTES, ChunkRecord, load_json_record
-from jaxckpt._tree import VALUE_TYPES, SavedLeaf, encode_path, np_dtype
+from jaxckpt._records import TRAILER_BYTES, ChunkRecord, load_json_record, path_text
 from jaxckpt.errors import CorruptCheckpointError
 
+if TYPE_CHECKING:
+    from jaxckpt._commit import CommitProtocol
+    from jaxckpt._records import CommitMarker
+
+VALUE_TYPES = (bool, int, float, str, type(None))
+"""Python values a tree saves as ``value`` leaves (JSON)."""
 MAX_RANK = 32  # numpy's limit is 64; no saved leaf comes near either
 _PATH_KINDS = ("d", "s", "a", "f")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedLeaf:
+    """One leaf of a saved tree, as recorded in ``tree.json``."""
+
+    path: list[list[Any]]
+    kind: str
+    name: str | None = None
+    shape: tuple[int, ...] = ()
+    dtype: str | None = None
+    chunk_shape: tuple[int, ...] = ()
+    sharding: dict[str, Any] | None = None
+    key_impl: str | None = None
+    value: Any = None
+
+    @property
+    def path_text(self) -> str:
+        return path_text(self.path)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        """The numpy dtype of an array leaf (``bfloat16`` included)."""
+        assert self.dtype is not None, f"{self.path_text} is not an array leaf"
+        return np_dtype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is None:
+            return 0
+        return int(np.prod(self.shape, dtype=np.int64)) * self.numpy_dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "kind": self.kind}
+        if self.kind == "value":
+            out["value"] = self.value
+        else:
+            out.update(
+                name=self.name,
+                shape=list(self.shape),
+                dtype=self.dtype,
+                chunk_shape=list(self.chunk_shape),
+                sharding=self.sharding,
+            )
+            if self.key_impl is not None:
+                out["key_impl"] = self.key_impl
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SavedLeaf:
+        return cls(
+            path=obj["path"],
+            kind=obj["kind"],
+            name=obj.get("name"),
+            shape=tuple(obj.get("shape", ())),
+            dtype=obj.get("dtype"),
+            chunk_shape=tuple(obj.get("chunk_shape", ())),
+            sharding=obj.get("sharding"),
+            key_impl=obj.get("key_impl"),
+            value=obj.get("value"),
+        )
+
+
+def np_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a saved dtype name (``bfloat16`` and ml_dtypes' others included).
+
+    >>> np_dtype("bfloat16").itemsize, np_dtype("float32").name
+    (2, 'float32')
+    """
+    import ml_dtypes
+
+    extension = getattr(ml_dtypes, name, None) if isinstance(name, str) else None
+    if isinstance(extension, type) and issubclass(extension, np.generic):
+        return np.dtype(extension)
+    return np.dtype(name)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,29 +127,6 @@ class TreeRecord:
 
 
 # -- writing -------------------------------------------------------------------
-
-
-def structure_of(state: Any) -> Any:
-    """The containers of ``state`` as JSON: ``None`` for a leaf (``None`` values included),
-    ``[kind, [[path entry, child], ...]]`` for a container, in flatten order.
-
-    ``kind`` is ``list`` or ``tuple`` for those exact types, ``dict`` for every
-    other container (dicts, named tuples, dataclasses, optax states: a restore
-    without a target gives them back as dicts, keyed by key or attribute name).
-
-    >>> structure_of([{}, (), None])
-    ['list', [[['s', 0], ['dict', []]], [['s', 1], ['tuple', []]], [['s', 2], None]]]
-    """
-    if state is None:
-        return None
-    one_level, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is not state)
-    if len(one_level) == 1 and not one_level[0][0]:
-        return None  # a leaf
-    kind = "list" if type(state) is list else "tuple" if type(state) is tuple else "dict"
-    items = [[encode_path(path)[0], structure_of(child)] for path, child in one_level]
-    if kind == "dict" and items and all(entry[0] in ("s", "f") for entry, _ in items):
-        kind = "list"  # a custom sequence node: a list, as restores always gave
-    return [kind, items]
 
 
 # -- reading -------------------------------------------------------------------
@@ -266,3 +323,47 @@ def covers_every_process(files: Mapping[str, Any], num_processes: int) -> bool:
     if num_processes > len(files):  # never iterate a count read from storage
         return False
     return all(manifest_name(p) in files for p in range(num_processes))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckedStep:
+    """A committed step's records, read and checked (see :func:`read_checked`)."""
+
+    tree: TreeRecord
+    chunks: Mapping[str, tuple[ChunkRecord, ...]]
+    layout: str
+    plain_codecs: bool
+
+
+def read_checked(protocol: CommitProtocol, marker: CommitMarker) -> CheckedStep:
+    """Reads a committed step's tree record and manifest parts and checks them together.
+
+    Imports no jax (``jaxckpt promote`` and ``cp`` check what they copy with it).
+
+    Raises:
+      CorruptCheckpointError: a record is missing, altered or malformed, or the
+        tree and the manifest disagree.
+      UnsupportedFormatError: a record of a newer format version.
+    """
+    raw_tree, parts = protocol.read_step(marker)
+    assert raw_tree is not None
+    tree = parse_tree(raw_tree, protocol.where(marker.location.tree_key), step=marker.step)
+    chunks: dict[str, list[ChunkRecord]] = {}
+    for part in parts:
+        for name, records in part.arrays.items():
+            chunks.setdefault(name, []).extend(records)
+    layout = "packed" if any(p.layout == "packed" for p in parts) else "plain"
+    plain_codecs = bool(parts) and all(p.plain_codecs for p in parts)
+    check_manifest(
+        tree.leaves,
+        chunks,
+        raw=layout == "packed" or plain_codecs,
+        complete=covers_every_process(marker.files, marker.num_processes),
+        what=f"step {marker.step} ({protocol.where(marker.location.prefix)})",
+    )
+    return CheckedStep(
+        tree=tree,
+        chunks={k: tuple(v) for k, v in chunks.items()},
+        layout=layout,
+        plain_codecs=plain_codecs,
+    )

@@ -33,6 +33,7 @@ def _count(chunk: tuple[int, ...], shard: tuple[int, ...]) -> int:
         ((101, 7), (101, 7), 256, (9, 7)),  # prime rows, whole: 12 chunks, not 101
         ((2 * 4099,), (2 * 4099,), 4099, (911,)),  # 2 x prime: 9 chunks, not 8198
         ((7, 3), (7, 3), 1 << 20, (7, 3)),
+        ((3 << 23,), (3 << 23,), (16 << 20) - 4, (3 << 20,)),  # 8 chunks by halving: kept
         ((0, 3), (0, 3), 1 << 20, (1, 3)),
         ((), (), 16, ()),
     ],
@@ -58,7 +59,7 @@ def test_chunks_fit_tile_their_shard_and_are_few():
                 assert s % c == 0, (shard, shape, chunk)
         if all(s == d for s, d in zip(shard, shape, strict=True)) and row <= target:
             ideal = -(-math.prod(shard) * itemsize // target)
-            assert _count(chunk, shard) <= 2 * ideal + 1, (shard, chunk, target)
+            assert _count(chunk, shard) <= 2 * (2 * ideal + 1), (shard, chunk, target)
 
 
 @pytest.mark.parametrize("layout", ["plain", "packed"])
