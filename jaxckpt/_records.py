@@ -331,7 +331,7 @@ def _digests(files: Any, kind: str, what: str) -> dict[str, FileDigest]:
 def _loads(data: bytes, what: str) -> dict[str, Any]:
     try:
         obj = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{what} is not valid JSON ({e})") from e
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"{what} is not a JSON object")

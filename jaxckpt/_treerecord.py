@@ -18,6 +18,7 @@ it); a newer version is refused (``UnsupportedFormatError``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class SavedLeaf:
         )
 
 
+@functools.cache
 def np_dtype(name: str) -> np.dtype:
     """The numpy dtype for a saved dtype name (``bfloat16`` and ml_dtypes' others included).
 
@@ -123,10 +125,7 @@ class TreeRecord:
     metadata: Any = None
     versions: Mapping[str, str] = field(default_factory=dict)
     structure: Any = None
-    """The saved containers (see :func:`structure_of`), or None in older records."""
-
-
-# -- writing -------------------------------------------------------------------
+    """The saved containers (``_tree.structure_of``), or None in older records."""
 
 
 # -- reading -------------------------------------------------------------------
@@ -180,9 +179,10 @@ def _leaf(obj: Any, what: str) -> SavedLeaf:
     if len(chunk) != len(shape) or any(c > max(1, d) for c, d in zip(chunk, shape, strict=True)):
         raise CorruptCheckpointError(f"{where}: chunk shape {chunk} does not fit shape {shape}")
     try:
-        if not isinstance(obj.get("dtype"), str):
-            raise TypeError("not a string")
-        np_dtype(obj["dtype"])
+        if not isinstance(obj.get("dtype"), str) or np_dtype(obj["dtype"]).name != obj["dtype"]:
+            raise TypeError("not a dtype's name")
+        if np_dtype(obj["dtype"]).kind == "O":
+            raise TypeError("an object dtype")
     except (TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: unknown dtype {obj.get('dtype')!r:.40}") from e
     impl, sharding = obj.get("key_impl"), obj.get("sharding")

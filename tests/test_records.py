@@ -328,3 +328,8 @@ def test_a_manifest_array_name_must_be_one_safe_segment(name: str) -> None:
     part = R.ManifestPart(step=1, process=0, num_processes=1, arrays={name: ()})
     with pytest.raises(CorruptCheckpointError, match="unsafe array name"):
         R.ManifestPart.from_bytes(part.to_bytes(), WHERE)
+
+
+def test_a_record_nested_past_the_parser_s_depth_is_corrupt() -> None:
+    with pytest.raises(CorruptCheckpointError, match="is not valid JSON"):
+        R.load_json_record(b"[" * 100_000 + b"]" * 100_000, WHERE)
