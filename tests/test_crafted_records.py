@@ -315,3 +315,22 @@ def test_a_marker_naming_a_trillion_processes_is_damaged_not_iterated(tmp_path, 
 def test_manifest_parts_parse_every_field_they_round_trip(tmp_path):
     part = ManifestPart(step=1, process=0, num_processes=1, arrays={}, layout="packed")
     assert ManifestPart.from_bytes(part.to_bytes(), "m") == part
+
+
+def test_promote_refuses_a_local_step_naming_files_outside_it(tmp_path, capsys, caplog):
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    state = {"w": np.arange(48, dtype=np.float32).reshape(6, 8)}
+    with jaxckpt.CheckpointManager(root, local_root=str(local), promotion="external") as mgr:
+        mgr.save(1, state)
+    (tmp_path / "OUTSIDE.bin").write_bytes(b"\0" * (1 << 16))
+    _tamper(str(local), manifest=_pack_escape)
+    before = _outside(tmp_path)
+    cli.main(["promote", str(local), root])  # its exit code is the CLI's (a failed step: 1)
+    said = capsys.readouterr()
+    told = said.out + said.err + caplog.text
+    assert "unsafe pack name '../../../../OUTSIDE.bin'" in told, told
+    with jaxckpt.CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.steps() == []  # nothing promoted
+    after = _outside(tmp_path)
+    assert {p for p in after - before if not p.startswith(("durable/", "local/"))} == set()
+    assert not any("OUTSIDE" in p for p in after - before)
