@@ -520,7 +520,7 @@ def _tree_record(step: int, leaves: Sequence[SavedLeaf], metadata: Any, state: A
             leaves=[x.to_json() for x in leaves],
             metadata=metadata,
             versions=dict(writer_versions()),
-            structure=structure_of(state),
+            structure=structure_of(state, leaves),
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(

@@ -166,27 +166,55 @@ def describe_sharding(sharding: Any) -> dict[str, Any]:
     return {"type": type(sharding).__name__, "devices": len(sharding.device_set)}
 
 
-def structure_of(state: Any) -> Any:
+def structure_of(state: Any, leaves: Sequence[SavedLeaf] | None = None) -> Any:
     """The containers of ``state`` as JSON: ``None`` for a leaf (``None`` values included),
     ``[kind, [[path entry, child], ...]]`` for a container, in flatten order.
 
     ``kind`` is ``list`` or ``tuple`` for those exact types, ``dict`` for every
     other container (dicts, named tuples, dataclasses, optax states: a restore
     without a target gives them back as dicts, keyed by key or attribute name).
+    ``leaves``: ``describe_state(state)``'s, whose paths are reused (a save's
+    blocking time: ~30 ms for 9,000 leaves, a walk of the treedef).
 
     >>> structure_of([{}, (), None])
     ['list', [[['s', 0], ['dict', []]], [['s', 1], ['tuple', []]], [['s', 2], None]]]
     """
-    if state is None:
-        return None
-    one_level, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is not state)
-    if len(one_level) == 1 and not one_level[0][0]:
-        return None  # a leaf
-    kind = "list" if type(state) is list else "tuple" if type(state) is tuple else "dict"
-    items = [[encode_path(path)[0], structure_of(child)] for path, child in one_level]
-    if kind == "dict" and items and all(entry[0] in ("s", "f") for entry, _ in items):
-        kind = "list"  # a custom sequence node: a list, as restores always gave
-    return [kind, items]
+    treedef = jax.tree_util.tree_structure(state, is_leaf=_is_leaf)
+    if leaves is None:
+        paths = [encode_path(p) for p, _ in flatten(state)[0]]
+    else:
+        paths = [leaf.path for leaf in leaves]
+    seen = [0]
+
+    def walk(node: Any, depth: int) -> Any:
+        if node.num_nodes == 1 and node.num_leaves == 1:
+            seen[0] += 1
+            return None
+        kind, aux = node.node_data()
+        items = []
+        for i, child in enumerate(node.children()):
+            entry = paths[seen[0]][depth] if child.num_leaves else _empty_entry(kind, aux, i)
+            items.append([entry, walk(child, depth + 1)])
+        name = "list" if kind is list else "tuple" if kind is tuple else "dict"
+        if name == "dict" and items and all(entry[0] in ("s", "f") for entry, _ in items):
+            name = "list"  # a custom sequence node: a list, as restores always gave
+        return [name, items]
+
+    structure = walk(treedef, 0)
+    return structure if seen[0] == len(paths) else None  # never a record that misleads
+
+
+def _empty_entry(kind: type, aux: Any, i: int) -> list[Any]:
+    """The path entry of child ``i`` of a node of type ``kind``, when it holds no leaf."""
+    if kind in (list, tuple):
+        return ["s", i]
+    if issubclass(kind, dict):
+        keys = aux[1] if isinstance(aux, tuple) and len(aux) == 2 and callable(aux[0]) else aux
+        key = list(keys)[i]
+        return ["d", key if isinstance(key, str | int) else str(key)]
+    if hasattr(kind, "_fields"):  # a named tuple
+        return ["a", kind._fields[i]]
+    return ["f", i]
 
 
 def unflatten_saved(leaves: Sequence[SavedLeaf], values: Sequence[Any]) -> Any:
