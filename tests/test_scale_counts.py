@@ -1,9 +1,9 @@
 """Per-process storage requests, metadata bytes and coordination calls, 2 vs 4 real processes.
 
-Counted, not timed: two groups of real JAX processes (1 CPU device each,
-gloo) save and restore one sharded step (the same bytes per process) on the
-session's moto, every process through a counting proxy of its own
-(``benchkit/scale.py``, the measurement behind ``scripts/bench.py scale``).
+Counted, not timed: ``scripts/bench.py scale --processes 2,4`` (``benchkit/scale.py``):
+two groups of real JAX processes (1 CPU device each, gloo) save and restore one
+sharded step (the same bytes per process) on a loopback moto, every process
+through a counting proxy of its own.
 The assertions are issue 35's targets for both the save (until its manager is
 closed) and the restore (likewise):
 
@@ -24,13 +24,18 @@ they pass, the strict mark turns them red, and the mark must go.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
-from benchkit import scale, servers
+from benchkit import scale
 from benchkit.scale_child import PHASES as CHILD_PHASES
 from benchkit.shaper import Exchange, ResponseCounter
 
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 PHASES = ("save", "restore")
 ROLES = ("primary", "others_max")
 GROWTH = 1.5  # the issue's bound on per-process counts from 2 to 16 processes
@@ -38,12 +43,19 @@ SAME = 1.2  # "constant": the same records, a few digits apart
 
 
 @pytest.fixture(scope="module")
-def measured(_moto: servers.Server, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
-    """The counts of one group of 2 and one of 4 processes (each child checks its restore)."""
-    scratch = tmp_path_factory.mktemp("scale")
-    runs = {n: scale.measure(n, _moto, scratch, leaves=4, leaf_kib=16) for n in (2, 4)}
-    print(scale.render(list(runs.values())))  # the counts, shown with -s or on a failure
-    return runs
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    """``bench.py scale`` at 2 and 4 processes (each child checks its restore), by N."""
+    out = tmp_path_factory.mktemp("scale") / "bench_scale.json"
+    argv = ["--processes", "2,4", "--leaves", "4", "--leaf-kib", "16", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "scale", *argv], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(proc.stdout)  # the table, shown with -s or on a failure
+    assert "| N | phase | requests/process P0 / others |" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["config"]["leaves"] == 4
+    return {run["processes"]: run for run in report["runs"]}
 
 
 def figure(runs: dict[int, Any], n: int, phase: str, role: str, key: str) -> int:
