@@ -49,7 +49,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["PROFILES", "STORES", "Linear", "Profile", "Store", "fit_profile", "scale_plan"]
+__all__ = [
+    "PROFILES",
+    "STORES",
+    "Linear",
+    "PhaseCost",
+    "Profile",
+    "Store",
+    "assumptions",
+    "fit_profile",
+    "scale_plan",
+    "to_dict",
+]
 
 METRICS = ("meta_reads", "meta_writes", "parts_read", "summary_bytes", "coordination_calls")
 PHASES = ("save", "restore")

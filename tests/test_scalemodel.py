@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxckpt import cli
-from jaxckpt._scalemodel import PROFILES, STORES, Linear, fit_profile, scale_plan
+from jaxckpt._scalemodel import PROFILES, STORES, Linear, PhaseCost, fit_profile, scale_plan
 
 
 def _report(points: dict[int, tuple[int, int, int, int]]) -> dict[str, object]:
@@ -44,7 +44,7 @@ def test_fit_recovers_lines_and_constants() -> None:
         fit_profile({"runs": []})
 
 
-def _row(rows: list, store: str, n: int, phase: str):  # type: ignore[no-untyped-def]
+def _row(rows: list[PhaseCost], store: str, n: int, phase: str) -> PhaseCost:
     (found,) = [r for r in rows if (r.store, r.processes, r.phase) == (store, n, phase)]
     return found
 
