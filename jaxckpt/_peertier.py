@@ -65,6 +65,9 @@ from jaxckpt.errors import CheckpointError, CorruptCheckpointError, PeerError
 log = logging.getLogger("jaxckpt")
 
 PEER_HOST_ENV = "JAXCKPT_PEER_HOST"
+MIN_FRAME_BYTES = 256 << 20
+"""The least a peer accepts in one frame: a file of a part is at most ``max_object_bytes``
+(a chunk or a pack), but a process's manifest part can be larger."""
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -128,8 +131,13 @@ class Peers:
         self._secret = bytes.fromhex(
             agreement.agree("peer-secret", new_secret().hex() if primary else None)
         )
+        self._max_bytes = max(options.max_object_bytes, MIN_FRAME_BYTES)
         self._server = PeerServer(
-            self._local.storage, self._secret, host=bind_host(options), timeout_s=self._timeout_s
+            self._local.storage,
+            self._secret,
+            host=bind_host(options),
+            timeout_s=self._timeout_s,
+            max_bytes=self._max_bytes,
         )
         try:
             self.addresses: list[str] = agreement.gather("peer-addresses", self._server.address)
@@ -142,7 +150,12 @@ class Peers:
         self._server.close()
 
     def _connect(self, process: int) -> Any:
-        return connect(self.addresses[process], self._secret, timeout_s=self._timeout_s)
+        return connect(
+            self.addresses[process],
+            self._secret,
+            timeout_s=self._timeout_s,
+            max_bytes=self._max_bytes,
+        )
 
     def _where(self, process: int) -> str:
         return (
@@ -202,6 +215,11 @@ class Peers:
                     data = storage.read(key)
                     if data is None:
                         raise CheckpointError(f"{self._local.uri}/{key} vanished while replicated")
+                    if len(data) > self._max_bytes:
+                        raise PeerError(
+                            f"{self._local.uri}/{key} is {len(data)} bytes, over the peer "
+                            f"transport's bound of {self._max_bytes} (max_object_bytes)"
+                        )
                     name = key[len(loc.prefix) :]
                     peer.put(base + name, data)
                     files[name] = FileDigest.of(data)
