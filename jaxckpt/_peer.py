@@ -218,20 +218,7 @@ class PeerServer:
 
     def _handle(self, conn: socket.socket, addr: Any) -> None:
         try:
-            with conn:
-                try:
-                    session = self._authenticate(conn, addr)
-                finally:
-                    self._handshakes.release()
-                if session is None:
-                    return
-                conn.settimeout(self._timeout_s)
-                while not self._closed.is_set():
-                    frame = session.recv(conn, self._max_bytes)
-                    if frame is None:
-                        return  # the client is done
-                    reply, data = self._answer(*frame)
-                    session.send(conn, reply, data)
+            self._converse(conn, addr)
         except PeerAuthError as e:
             self.refused += 1
             log.warning("refused a frame from %s and closed its connection: %s", addr, e)
@@ -241,9 +228,25 @@ class PeerServer:
         except Exception as e:  # OSError, PeerError, anything: this connection ends, logged
             if not self._closed.is_set():
                 log.warning("peer connection from %s failed: %s: %s", addr, type(e).__name__, e)
-        finally:
+        finally:  # closed after the refusal is counted and logged
             with self._lock:
                 self._conns.discard(conn)
+            conn.close()
+
+    def _converse(self, conn: socket.socket, addr: Any) -> None:
+        try:
+            session = self._authenticate(conn, addr)
+        finally:
+            self._handshakes.release()
+        if session is None:
+            return
+        conn.settimeout(self._timeout_s)
+        while not self._closed.is_set():
+            frame = session.recv(conn, self._max_bytes)
+            if frame is None:
+                return  # the client is done
+            reply, data = self._answer(*frame)
+            session.send(conn, reply, data)
 
     def _authenticate(self, conn: socket.socket, addr: Any) -> Session | None:
         deadline = time.monotonic() + self._handshake_s
