@@ -18,6 +18,11 @@ def register(sub: Any) -> None:
     p.add_argument("b", metavar="ROOT:B", help="second step (ROOT alone: its newest)")
     p.add_argument("--values", action="store_true", help="read changed leaves: max abs difference")
     p.add_argument("--all", action="store_true", help="list identical leaves too")
+    p.add_argument(
+        "--records-only",
+        action="store_true",
+        help="compare the manifests' checksums only, reading no data (damage goes unseen)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command(sub, "stats", cmd_stats, "norm, mean, std and max-abs of leaves across steps")
@@ -43,13 +48,16 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from jaxckpt._reader import open_step
 
     a, b = (open_step(root, step) for root, step in sources)
-    result = diff_steps(a, b, values=args.values)
+    result = diff_steps(a, b, values=args.values, check=not args.records_only)
+    for d in result.damaged:
+        err(f"{d.path}: damaged: {d.detail}")
     if args.json:
         json_out(
             {
                 "a": {"root": result.a_root, "step": result.a_step},
                 "b": {"root": result.b_root, "step": result.b_step},
                 "identical": result.identical,
+                "damaged": [d.path for d in result.damaged],
                 "counts": result.counts(),
                 "leaves": [
                     {
