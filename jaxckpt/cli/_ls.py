@@ -11,7 +11,7 @@ from jaxckpt._decision import retention_decision
 from jaxckpt._gc import scan
 from jaxckpt._layout import REPLICAS, is_held_manifest_name, is_manifest_name, replica_holdings
 from jaxckpt._records import CommitMarker
-from jaxckpt.cli._common import add_retention_flags, command, open_root, retention
+from jaxckpt.cli._common import add_retention_flags, command, integer, open_root, retention
 from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, print_table
 from jaxckpt.errors import NotACheckpointRootError
 
@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
     add_retention_flags(p)
     p.add_argument(
         "--limit",
-        type=int,
+        type=integer(0),
         metavar="N",
         help=f"show the N newest steps (default {DEFAULT_LIMIT}; 0 shows all; "
         "--json lists all unless given)",
