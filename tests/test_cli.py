@@ -133,8 +133,21 @@ def test_ls_json_with_retention_flags(capsys, saved_root):
     assert by_step[30]["kept_by"] == ["KeepLast(2)", "newest"]
     assert by_step[20]["kept_by"] == ["KeepLast(2)", "milestone 20"]
     assert by_step[2]["kept_by"] == ["milestone 2", "pinned"]
-    assert by_step[2]["keep"] is True
+    assert by_step[2]["keep"] is True and listing["retention"] is not None
     assert by_step[10]["metrics"] == {"loss": 0.1}
+    # Without flags ls applies no rule, and the job's own rule is not recorded: it says
+    # nothing about one ("no retention policy" was untrue for a job that had one).
+    plain = run_json(capsys, "ls", saved_root)
+    assert plain["retention"] is None
+    assert {s["step"]: s["kept_by"] for s in plain["committed"]} == {
+        1: [],
+        2: ["pinned"],
+        5: [],
+        10: [],
+        20: [],
+        30: ["newest"],
+    }
+    assert "no retention policy" not in run(capsys, "ls", saved_root)[1]
     assert by_step[5]["nbytes"] > 64 * 32 * 4
     assert listing["partial"] == []
 
