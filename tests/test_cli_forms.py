@@ -85,3 +85,19 @@ def test_readme_lists_every_policy_and_the_current_layout():
     zarr = zarr[: zarr.index("\n## ")]
     assert "ROOT/attempts/<step>/<attempt>/" in zarr
     assert not re.search(r"`ROOT/steps/<step>/arrays/` is a zarr", zarr)
+
+
+def test_errors_print_dotted_paths(capsys, tmp_path):
+    from rootpaths import data_objects
+
+    root = str(tmp_path / "damaged")
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"params": {"w": np.arange(64, dtype=np.float32)}})
+    (key,) = data_objects(root, 1)
+    path = Path(root, key)
+    data = bytearray(path.read_bytes())
+    data[3] ^= 1
+    path.write_bytes(bytes(data))
+    assert cli.main(["export", root, str(tmp_path / "out"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("jaxckpt: error: step 1: params.w: chunk c/0 of ") and "['" not in err
