@@ -223,7 +223,10 @@ def mismatch_message(m: Mismatch) -> str:
         f"{m.matched} found in the checkpoint, {len(missing)} not in it, "
         f"{len(extra)} saved leaves not in the target, {len(m.shapes)} shape mismatches"
     ]
-    causes, rename, fixed = _suggest(missing, extra)
+    try:
+        causes, rename, fixed = _suggest(missing, extra)
+    except Exception:  # a diagnosis must never hide the mismatch itself
+        causes, rename, fixed = [], None, 0
     lines += causes
     if rename is not None:
         lines.append(f"  restore(..., {rename}) supplies {fixed} of the {len(missing)} missing")
