@@ -25,7 +25,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         args.parser.error("give a STEP or --all, not both")
     root, step = source_and_step(args.parser, args.root, args.step)
     protocol = open_root(root)  # before importing TensorStore/jax: a bad root fails fast
-    refs = protocol.visible_refs()
+    refs = protocol.visible_refs() if args.all else {}
     listed = dict(zip(refs, protocol.map(protocol.read_ref, refs.values()), strict=True))
     committed = {s: m for s, m in sorted(listed.items()) if m is not None}
     if args.all:
@@ -45,10 +45,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for step in steps:
         marker = committed.get(step) or protocol.require_marker(step)
         bar = Progress.on_stderr(f"step {step}", marker.nbytes, quiet=args.json or args.no_progress)
+        gone: StepNotFoundError | None = None
         try:
             report = verify_step(protocol, context, step, on_progress=bar.update)
-        except StepNotFoundError:
-            report = None
+        except StepNotFoundError as e:
+            report, gone = None, e
         elapsed = bar.finish()
         if args.all and (report is None or not report.ok) and not protocol.still_committed(marker):
             # Deleted since the listing (retention of a live root): nothing left to check.
@@ -56,8 +57,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"step {step}: deleted meanwhile, skipped")
             continue
-        if report is None:
-            raise StepNotFoundError(f"step {step} under {protocol.storage.uri} was deleted")
+        if gone is not None:
+            raise gone
+        assert report is not None
         reports.append(report)
         if args.json:
             continue
@@ -73,7 +75,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     damaged = [
         s
         for s, ref in refs.items()
-        if args.all and s not in committed and protocol.storage.read(ref.key) is not None
+        if s not in committed and protocol.storage.read(ref.key) is not None
     ]
     for s in damaged:
         err(f"step {s}: the commit marker is damaged; the step cannot be restored")
@@ -101,11 +103,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             }
         )
     elif not reports and not damaged:
-        gone = f" ({len(vanished)} deleted meanwhile)" if vanished else ""
-        print(f"{protocol.storage.uri}: no committed steps to verify{gone}")
+        meanwhile = f" ({len(vanished)} deleted meanwhile)" if vanished else ""
+        print(f"{protocol.storage.uri}: no committed steps to verify{meanwhile}")
     elif bad:
         err(f"{len(bad)} of {len(reports)} steps failed verification: {bad}")
     else:
-        gone = f"; {len(vanished)} deleted meanwhile" if vanished else ""
-        print(f"all {len(reports)} verified steps are intact{gone}")
+        meanwhile = f"; {len(vanished)} deleted meanwhile" if vanished else ""
+        print(f"all {len(reports)} verified steps are intact{meanwhile}")
     return 1 if bad else 0
