@@ -5,13 +5,24 @@ into ``target`` when one is given, and saved with Orbax's own
 ``CheckpointManager`` and ``StandardSave``: ``DEST/<step>/default/``, the layout
 ``CheckpointManager(DEST).restore(step, args=StandardRestore(target))`` reads.
 The step's user metadata goes into Orbax's ``custom_metadata``.
+
+A step saved with ``process_state`` (a data iterator's position) becomes a
+``Composite``: the tree is item ``state`` and the per-process states item
+``data_iter``, in grain's layout (``process_<i>-of-<n>.json``), so that
+``Composite(state=StandardRestore(t), data_iter=grain.checkpoint.CheckpointRestore(it))``
+restores both.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
 
 from jaxckpt.errors import StepAlreadyExistsError, UnsupportedLeafError
 
@@ -27,6 +38,50 @@ class OrbaxExportResult:
     path: str
     arrays: int
     nbytes: int
+
+
+class IteratorStatesHandler(ocp.CheckpointHandler):
+    """Every process's data-iterator state as text, in grain's Orbax layout."""
+
+    def save(self, directory: epath.Path, args: IteratorStates) -> None:
+        count = len(args.texts)
+        for index, text in enumerate(args.texts):
+            if text is not None:
+                (directory / f"process_{index}-of-{count}.json").write_text(text)
+
+    def restore(self, directory: epath.Path, args: IteratorStates | None = None) -> Any:
+        return {p.name: p.read_text() for p in sorted(directory.glob("process_*.json"))}
+
+
+@ocp.args.register_with_handler(IteratorStatesHandler, for_save=True, for_restore=True)
+@dataclasses.dataclass
+class IteratorStates(ocp.args.CheckpointArgs):
+    """The texts of ``process_<i>-of-<n>.json`` by process index (None: none saved)."""
+
+    texts: list[str | None] = dataclasses.field(default_factory=list)
+
+
+def _iterator_texts(states: list[Any], step: int) -> list[str | None]:
+    """What grain's handler writes for each state: a ``DataLoader``'s bytes decoded, a
+    ``DatasetIterator``'s dict as JSON (indent 4)."""
+    texts: list[str | None] = []
+    for process, state in enumerate(states):
+        if isinstance(state, bytes):
+            try:
+                state = state.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UnsupportedLeafError(
+                    f"step {step}: the process_state of process {process} is bytes that are "
+                    "not UTF-8 text, which Orbax's data-iterator item (grain's) cannot hold"
+                ) from None
+        texts.append(
+            None
+            if state is None
+            else state
+            if isinstance(state, str)
+            else json.dumps(state, indent=4)
+        )
+    return texts
 
 
 def _check_leaves(tree: Any, step: int) -> None:
@@ -62,7 +117,8 @@ def export_orbax(
         so Orbax saves that structure; None: the saved nesting, arrays as numpy.
 
     Returns:
-      The step written and its item directory ``dest/<step>/default``.
+      The step written and its state's item directory ``dest/<step>/default``
+      (``dest/<step>/state`` beside ``data_iter`` when the step has process states).
 
     Raises:
       StepNotFoundError: no such committed step under ``root``.
@@ -71,7 +127,6 @@ def export_orbax(
       CorruptCheckpointError: a chunk of the step fails its checksum.
     """
     import jax
-    import orbax.checkpoint as ocp
 
     from jaxckpt import CheckpointManager
 
@@ -81,7 +136,10 @@ def export_orbax(
         assert saved is not None
         user = mgr.metadata(saved).user_metadata
         source = f"jaxckpt:{mgr.root}"
+        read_states = getattr(mgr, "process_states", None)  # with per-process state support
+        states = read_states(saved) if read_states is not None else []
     _check_leaves(tree, saved)
+    texts = _iterator_texts(states, saved) if any(s is not None for s in states) else None
     dest = os.path.abspath(os.fspath(dest))
     with ocp.CheckpointManager(dest) as orbax:
         if saved in orbax.all_steps():
@@ -89,13 +147,16 @@ def export_orbax(
                 f"Orbax directory {dest} already holds step {saved}; export into another one"
             )
         custom = {"exported_from": source, "metadata": user}
-        orbax.save(saved, args=ocp.args.StandardSave(tree), custom_metadata=custom)
+        args: ocp.args.CheckpointArgs = ocp.args.StandardSave(tree)
+        if texts is not None:
+            args = ocp.args.Composite(state=args, data_iter=IteratorStates(texts=texts))
+        orbax.save(saved, args=args, custom_metadata=custom)
         orbax.wait_until_finished()
     arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
     return OrbaxExportResult(
         dest=dest,
         step=saved,
-        path=os.path.join(dest, str(saved), "default"),
+        path=os.path.join(dest, str(saved), "default" if texts is None else "state"),
         arrays=len(arrays),
         nbytes=sum(int(getattr(x, "nbytes", 0)) for x in arrays),
     )
