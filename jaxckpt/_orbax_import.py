@@ -104,15 +104,68 @@ def _plan(step: OrbaxStep, skip_items: Collection[str], target: Any) -> _Plan:
     )
 
 
-def _restore_tree(item: OrbaxItem, target: Any) -> Any:
+def _key(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A tree path as Orbax's metadata names it (dict keys, attribute names, indices)."""
+    names = (getattr(k, a) for k in path for a in ("key", "name", "idx") if hasattr(k, a))
+    return tuple(str(n) for n in names)
+
+
+def _check_target(item: OrbaxItem, tree_meta: Any, target: Any, allow_lossy: bool) -> None:
+    """Refuses what Orbax would do silently: another shape for a numpy-saved array, or a
+    lossy dtype conversion (jaxckpt's rule; ``allow_lossy_cast`` permits it)."""
+    import jax
+
+    from jaxckpt._tree import lossy_cast
+
+    saved = {_key(p): m for p, m in jax.tree_util.tree_flatten_with_path(tree_meta)[0]}
+    problems = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        meta: Any = saved.get(_key(path))
+        dtype = getattr(leaf, "dtype", None)
+        if type(meta).__name__ != "ArrayMetadata" or dtype is None:
+            continue  # not a saved array (scalars keep Orbax's rule), or not a typed target
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            continue  # saved as its key data
+        saved_shape, saved_dtype = tuple(meta.shape), np.dtype(meta.dtype)
+        if saved_shape != tuple(leaf.shape):
+            problems.append(
+                f"{jax.tree_util.keystr(path)}: saved {saved_shape}, target {leaf.shape}"
+            )
+        elif not allow_lossy and lossy_cast(saved_dtype, np.dtype(dtype)):
+            problems.append(f"{jax.tree_util.keystr(path)}: saved {saved_dtype}, target {dtype}")
+    if problems:
+        shown = "\n".join(problems[:20]) + (
+            f"\n... {len(problems) - 20} more" if len(problems) > 20 else ""
+        )
+        raise TreeMismatchError(
+            f"Orbax item {item.path} does not fit the target at {len(problems)} paths "
+            f"(a lossy dtype: pass allow_lossy_cast=True to convert anyway):\n{shown}"
+        )
+
+
+def _tree_metadata(checkpointer: Any, path: str) -> Any:
+    metadata = checkpointer.metadata(path)
+    tree_meta = getattr(getattr(metadata, "item_metadata", None), "tree", None)
+    return getattr(metadata, "tree", metadata) if tree_meta is None else tree_meta
+
+
+def _restore_tree(item: OrbaxItem, target: Any, allow_lossy: bool) -> Any:
     """One PyTree item: into ``target`` through Orbax, else as numpy in the saved nesting."""
     import jax
     import orbax.checkpoint as ocp
 
     if target is not None:
+        with ocp.PyTreeCheckpointer() as reader:
+            try:
+                tree_meta = _tree_metadata(reader, item.path)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ImportSourceError(f"cannot read Orbax checkpoint {item.path}: {e}") from e
+        _check_target(item, tree_meta, target, allow_lossy)
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
             try:
                 return checkpointer.restore(item.path, args=ocp.args.StandardRestore(target))
+            except OSError as e:
+                raise ImportSourceError(f"cannot read Orbax checkpoint {item.path}: {e}") from e
             except (ValueError, KeyError, TypeError) as e:
                 text = str(e)
                 text = text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + " ..."
@@ -121,10 +174,7 @@ def _restore_tree(item: OrbaxItem, target: Any) -> Any:
                 ) from e
     checkpointer = ocp.PyTreeCheckpointer()
     try:
-        metadata = checkpointer.metadata(item.path)
-        tree_meta = getattr(getattr(metadata, "item_metadata", None), "tree", None)
-        if tree_meta is None:
-            tree_meta = getattr(metadata, "tree", metadata)
+        tree_meta = _tree_metadata(checkpointer, item.path)
         scalars = jax.tree.map(lambda m: type(m).__name__ == "ScalarMetadata", tree_meta)
         args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree_meta)
         restored = checkpointer.restore(item.path, args=ocp.args.PyTreeRestore(restore_args=args))
@@ -161,13 +211,13 @@ def _iterator_state(item: OrbaxItem) -> Any:
     return state
 
 
-def _load(plan: _Plan, target: Any) -> Imported:
+def _load(plan: _Plan, target: Any, allow_lossy: bool) -> Imported:
     step = plan.step
     if len(plan.trees) == 1:
-        tree = _restore_tree(plan.trees[0], target)
+        tree = _restore_tree(plan.trees[0], target, allow_lossy)
     else:
         tree = {
-            str(i.name): _restore_tree(i, None if target is None else target[i.name])
+            str(i.name): _restore_tree(i, None if target is None else target[i.name], allow_lossy)
             for i in plan.trees
         }
     metadata: dict[str, Any] = {}
@@ -201,6 +251,7 @@ def import_orbax(
     steps: int | Iterable[int] | None = None,
     step: int | None = None,
     skip_items: Collection[str] = (),
+    allow_lossy_cast: bool = False,
     log: Callable[[str], None] | None = None,
     **storage_options: Any,
 ) -> list[ImportResult]:
@@ -221,6 +272,8 @@ def import_orbax(
         (the newest committed + 1 when the path names none).
       skip_items: names of Composite items to leave out (recorded in the step's
         metadata as ``orbax_skipped_items``).
+      allow_lossy_cast: ``target`` may convert saved arrays to dtypes that lose
+        values (float32 -> bfloat16); Orbax would, silently.
       log: called with one line per step imported.
 
     Returns:
@@ -231,7 +284,8 @@ def import_orbax(
         there, or an item cannot be imported (it is named, with the fix).
       StepAlreadyExistsError: a step is already committed under ``root`` (checked
         for every step before anything is written).
-      TreeMismatchError: Orbax cannot restore an item into ``target``.
+      TreeMismatchError: Orbax cannot restore an item into ``target``, or would
+        change an array's shape or convert it lossily (every such path is named).
     """
     src = os.fspath(src)
     chosen = choose(src, read_source(src), steps)
@@ -244,7 +298,7 @@ def import_orbax(
         if log is not None:
             items = ", ".join(item.label for item in plan.step.items)
             log(f"importing Orbax step {plan.step.step} from {plan.step.path} ({items})")
-        return _load(plan, target)
+        return _load(plan, target, allow_lossy_cast)
 
     dests = [step] if step is not None else [s.step for s in chosen]
     return commit_imports(root, dests, load, storage_options)

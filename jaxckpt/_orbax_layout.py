@@ -78,6 +78,13 @@ def _is_tree_dir(path: str) -> bool:
     )
 
 
+def _is_step_dir(path: str) -> bool:
+    """Orbax's record, a PyTree (Flax's layout) or a PyTree item: a step, not other output."""
+    if os.path.isfile(os.path.join(path, _CHECKPOINT_METADATA)) or _is_tree_dir(path):
+        return True
+    return any(_is_tree_dir(e.path) for e in os.scandir(path) if e.is_dir())
+
+
 def _files(path: str) -> list[str]:
     return sorted(e for e in os.listdir(path) if e != _COMMIT_FILE and not e.startswith("."))
 
@@ -166,7 +173,11 @@ def read_source(src: str) -> list[OrbaxStep]:
         ]
     entries = sorted(os.listdir(path))
     dirs = {e: _step_number(e) for e in entries if os.path.isdir(os.path.join(path, e))}
-    steps = {name: n for name, n in dirs.items() if n is not None and ".orbax" not in name}
+    steps = {
+        name: n
+        for name, n in dirs.items()
+        if n is not None and ".orbax" not in name and _is_step_dir(os.path.join(path, name))
+    }
     by_number: dict[int, str] = {}
     for name, n in sorted(steps.items()):
         if n in by_number:

@@ -277,6 +277,22 @@ def test_several_tree_items_become_one_dict_and_need_one_target_each(tmp_path):
         jaxckpt.import_orbax(orbax_dir, str(tmp_path / "r2"), target=params)
 
 
+def test_a_target_that_would_change_shapes_or_lose_values_is_refused(tmp_path):
+    orbax_dir = str(tmp_path / "orbax")
+    _composite(orbax_dir, 1, default=ocp.args.StandardSave({"w": np.linspace(0, 1, 4)}))
+    root = str(tmp_path / "root")
+    # Orbax itself would silently return 4 values for 5, and round float64 to bfloat16.
+    wider = {"w": jax.ShapeDtypeStruct((5,), jnp.float32)}
+    with pytest.raises(jaxckpt.TreeMismatchError, match=r"\['w'\]: saved \(4,\), target \(5,\)"):
+        jaxckpt.import_orbax(orbax_dir, root, target=wider)
+    narrow = {"w": jax.ShapeDtypeStruct((4,), jnp.bfloat16)}
+    with pytest.raises(jaxckpt.TreeMismatchError, match="saved float64, target bfloat16"):
+        jaxckpt.import_orbax(orbax_dir, root, target=narrow)
+    jaxckpt.import_orbax(orbax_dir, root, target=narrow, allow_lossy_cast=True)
+    restored = jaxckpt.CheckpointManager(root, read_only=True).restore(1, target=narrow)
+    assert restored["w"].dtype == jnp.bfloat16
+
+
 # ----------------------------------------------------------------------------- the CLI
 
 
@@ -286,6 +302,7 @@ def test_cli_chooses_steps_exports_to_orbax_and_refuses_what_it_cannot_write(cap
         for step in (1, 2, 3):
             mgr.save(step, args=ocp.args.StandardSave({"w": np.full(3, step, np.int32)}))
         mgr.wait_until_finished()
+    os.makedirs(os.path.join(orbax_dir, "tensorboard_4", "plugins"))  # not a step
     root = str(tmp_path / "root")
     rc, out, err = _run(capsys, "import", orbax_dir, root, "--step", "3", "--step", "1")
     assert rc == 0, err
