@@ -24,7 +24,9 @@ class ImportSourceError(CheckpointError, ValueError):
     """The import source is not a checkpoint jaxckpt can read.
 
     The message names the path and what was expected. Point the import at a
-    ``.safetensors`` file, a shard index, or an Orbax checkpoint directory.
+    ``.safetensors`` file, a shard index, or an Orbax checkpoint directory; an
+    Orbax item jaxckpt cannot store is named, and ``skip_items`` (``jaxckpt
+    import --skip-item``) leaves it out.
     """
 
 

@@ -120,6 +120,17 @@ def export_orbax(
       The step written and its state's item directory ``dest/<step>/default``
       (``dest/<step>/state`` beside ``data_iter`` when the step has process states).
 
+    >>> import tempfile, numpy as np, orbax.checkpoint as ocp, jaxckpt
+    >>> root, dest = tempfile.mkdtemp(), tempfile.mkdtemp()
+    >>> with jaxckpt.CheckpointManager(root) as mgr:
+    ...     mgr.save(3, {"w": np.arange(4.0)})
+    True
+    >>> export_orbax(root, dest).step
+    3
+    >>> with ocp.CheckpointManager(dest) as orbax:
+    ...     orbax.restore(3, args=ocp.args.StandardRestore())["w"]
+    array([0., 1., 2., 3.])
+
     Raises:
       StepNotFoundError: no such committed step under ``root``.
       StepAlreadyExistsError: ``dest`` already holds that step.

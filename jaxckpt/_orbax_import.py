@@ -279,6 +279,16 @@ def import_orbax(
     Returns:
       One :class:`ImportResult` per committed step, ascending.
 
+    >>> import tempfile, numpy as np, orbax.checkpoint as ocp, jaxckpt
+    >>> src, root = tempfile.mkdtemp(), tempfile.mkdtemp()
+    >>> with ocp.CheckpointManager(src) as orbax:
+    ...     for step in (100, 200):
+    ...         _ = orbax.save(step, args=ocp.args.StandardSave({"w": np.full(2, step)}))
+    >>> [r.step for r in import_orbax(src, root)]
+    [100, 200]
+    >>> jaxckpt.CheckpointManager(root).restore(100)["w"]
+    array([100, 100])
+
     Raises:
       ImportSourceError: ``src`` is not an Orbax checkpoint, a chosen step is not
         there, or an item cannot be imported (it is named, with the fix).
