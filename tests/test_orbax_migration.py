@@ -256,6 +256,14 @@ def test_composite_items_are_imported_or_refused_by_name_never_dropped(capsys, t
     meta = mgr.metadata(5).user_metadata
     assert meta["orbax_items"] == {"config": {"lr": 0.1, "layers": [1, 2]}}
 
+    # The iterator states of a 2-process job cannot be one process's state: refused.
+    item = os.path.join(orbax_dir, "5", "data_iter")
+    os.rename(os.path.join(item, "process_0-of-1.json"), os.path.join(item, "process_0-of-2.json"))
+    with open(os.path.join(item, "process_1-of-2.json"), "w") as f:
+        f.write('{"next_index": 43}')
+    with pytest.raises(jaxckpt.CheckpointError, match="state of 2 processes"):
+        jaxckpt.import_orbax(orbax_dir, str(tmp_path / "r3"))
+
     # An item of a kind jaxckpt cannot read is refused, naming it and the way out.
     other = str(tmp_path / "other")
     _composite(other, 3, state=ocp.args.StandardSave(state), table=ocp.args.ArraySave(np.ones(3)))
