@@ -221,17 +221,20 @@ def _load(plan: _Plan, target: Any, allow_lossy: bool) -> Imported:
             for i in plan.trees
         }
     metadata: dict[str, Any] = {}
-    if plan.json:
-        metadata["orbax_items"] = {str(i.name): _json_item(i) for i in plan.json}
-    if step.metrics:
-        metadata["orbax_metrics"] = step.metrics
+    items = {str(i.name): _json_item(i) for i in plan.json}
+    # A CheckpointManager's metrics are a JSON item named "metrics" (older: in the record).
+    found = items.pop("metrics") if isinstance(items.get("metrics"), dict) else step.metrics
+    if items:
+        metadata["orbax_items"] = items
+    if found:
+        metadata["orbax_metrics"] = found
     if step.custom_metadata:
         metadata["orbax_custom_metadata"] = step.custom_metadata
     if plan.skipped:
         metadata["orbax_skipped_items"] = list(plan.skipped)
     metrics = {
         str(k): float(v)
-        for k, v in step.metrics.items()
+        for k, v in found.items()
         if isinstance(v, int | float) and not isinstance(v, bool)
     }
     return Imported(

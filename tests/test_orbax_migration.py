@@ -285,6 +285,25 @@ def test_several_tree_items_become_one_dict_and_need_one_target_each(tmp_path):
         jaxckpt.import_orbax(orbax_dir, str(tmp_path / "r2"), target=params)
 
 
+def test_orbax_metrics_and_custom_metadata_are_kept(tmp_path):
+    orbax_dir = str(tmp_path / "orbax")
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    with ocp.CheckpointManager(orbax_dir, options=options) as mgr:
+        mgr.save(
+            4,
+            args=ocp.args.StandardSave({"w": np.ones(2, np.float32)}),
+            metrics={"loss": 0.25, "acc": 0.5},
+            custom_metadata={"run": "a"},
+        )
+    root = str(tmp_path / "root")
+    jaxckpt.import_orbax(orbax_dir, root)
+    meta = jaxckpt.CheckpointManager(root, read_only=True).metadata(4)
+    assert meta.metrics == {"loss": 0.25, "acc": 0.5}  # what KeepBest ranks steps by
+    assert meta.user_metadata["orbax_metrics"] == {"loss": 0.25, "acc": 0.5}
+    assert meta.user_metadata["orbax_custom_metadata"] == {"run": "a"}
+    assert "orbax_items" not in meta.user_metadata
+
+
 def test_a_target_that_would_change_shapes_or_lose_values_is_refused(tmp_path):
     orbax_dir = str(tmp_path / "orbax")
     _composite(orbax_dir, 1, default=ocp.args.StandardSave({"w": np.linspace(0, 1, 4)}))
