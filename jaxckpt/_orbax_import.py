@@ -65,7 +65,12 @@ def _check_data_iter(step: OrbaxStep, item: OrbaxItem) -> None:
         )
 
 
-def _plan(step: OrbaxStep, skip_items: Collection[str], target: Any) -> _Plan:
+def _item_target(trees: tuple[OrbaxItem, ...], item: OrbaxItem, target: Any) -> Any:
+    """The target of one PyTree item: the whole target, or its entry by item name."""
+    return target if target is None or len(trees) == 1 else target[item.name]
+
+
+def _plan(step: OrbaxStep, skip_items: Collection[str], target: Any, allow_lossy: bool) -> _Plan:
     """Sorts the step's items; refuses (naming the item) what cannot be imported."""
     kept = [i for i in step.items if i.name is None or i.name not in skip_items]
     skipped = tuple(sorted(i.name for i in step.items if i.name is not None and i not in kept))
@@ -95,6 +100,9 @@ def _plan(step: OrbaxStep, skip_items: Collection[str], target: Any) -> _Plan:
                 f"{step.path}: step {step.step} has the PyTree items {items}; the target "
                 f"must be a dict with exactly these keys, one target per item"
             )
+    if target is not None:
+        for item in trees:
+            _check_item(item, _item_target(trees, item, target), allow_lossy)
     return _Plan(
         step=step,
         trees=trees,
@@ -149,18 +157,24 @@ def _tree_metadata(checkpointer: Any, path: str) -> Any:
     return getattr(metadata, "tree", metadata) if tree_meta is None else tree_meta
 
 
-def _restore_tree(item: OrbaxItem, target: Any, allow_lossy: bool) -> Any:
+def _check_item(item: OrbaxItem, target: Any, allow_lossy: bool) -> None:
+    """Reads the item's metadata (not its arrays) and checks ``target`` against it."""
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as reader:
+        try:
+            tree_meta = _tree_metadata(reader, item.path)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ImportSourceError(f"cannot read Orbax checkpoint {item.path}: {e}") from e
+    _check_target(item, tree_meta, target, allow_lossy)
+
+
+def _restore_tree(item: OrbaxItem, target: Any) -> Any:
     """One PyTree item: into ``target`` through Orbax, else as numpy in the saved nesting."""
     import jax
     import orbax.checkpoint as ocp
 
     if target is not None:
-        with ocp.PyTreeCheckpointer() as reader:
-            try:
-                tree_meta = _tree_metadata(reader, item.path)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ImportSourceError(f"cannot read Orbax checkpoint {item.path}: {e}") from e
-        _check_target(item, tree_meta, target, allow_lossy)
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
             try:
                 return checkpointer.restore(item.path, args=ocp.args.StandardRestore(target))
@@ -211,15 +225,12 @@ def _iterator_state(item: OrbaxItem) -> Any:
     return state
 
 
-def _load(plan: _Plan, target: Any, allow_lossy: bool) -> Imported:
-    step = plan.step
-    if len(plan.trees) == 1:
-        tree = _restore_tree(plan.trees[0], target, allow_lossy)
+def _load(plan: _Plan, target: Any) -> Imported:
+    step, trees = plan.step, plan.trees
+    if len(trees) == 1:
+        tree = _restore_tree(trees[0], target)
     else:
-        tree = {
-            str(i.name): _restore_tree(i, None if target is None else target[i.name], allow_lossy)
-            for i in plan.trees
-        }
+        tree = {str(i.name): _restore_tree(i, _item_target(trees, i, target)) for i in trees}
     metadata: dict[str, Any] = {}
     items = {str(i.name): _json_item(i) for i in plan.json}
     # A CheckpointManager's metrics are a JSON item named "metrics" (older: in the record).
@@ -304,14 +315,17 @@ def import_orbax(
     chosen = choose(src, read_source(src), steps)
     if step is not None and len(chosen) != 1:
         raise ValueError(f"step={step} names the step of one import; {src} has {len(chosen)}")
-    plans = [_plan(s, frozenset(skip_items), target) for s in chosen]  # refusals before writes
+    skip = frozenset(skip_items)
+    plans = [_plan(s, skip, target, allow_lossy_cast) for s in chosen]  # refusals before writes
+    if not plans:
+        return []
 
     def load(i: int) -> Imported:
         plan = plans[i]
         if log is not None:
             items = ", ".join(item.label for item in plan.step.items)
             log(f"importing Orbax step {plan.step.step} from {plan.step.path} ({items})")
-        return _load(plan, target, allow_lossy_cast)
+        return _load(plan, target)
 
     dests = [step] if step is not None else [s.step for s in chosen]
     return commit_imports(root, dests, load, storage_options)

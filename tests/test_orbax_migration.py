@@ -315,6 +315,7 @@ def test_a_target_that_would_change_shapes_or_lose_values_is_refused(tmp_path):
     narrow = {"w": jax.ShapeDtypeStruct((4,), jnp.bfloat16)}
     with pytest.raises(jaxckpt.TreeMismatchError, match="saved float64, target bfloat16"):
         jaxckpt.import_orbax(orbax_dir, root, target=narrow)
+    assert not os.path.exists(root)  # checked from Orbax's metadata before anything is written
     jaxckpt.import_orbax(orbax_dir, root, target=narrow, allow_lossy_cast=True)
     restored = jaxckpt.CheckpointManager(root, read_only=True).restore(1, target=narrow)
     assert restored["w"].dtype == jnp.bfloat16
