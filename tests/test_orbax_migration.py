@@ -172,6 +172,13 @@ def test_a_flax_checkpoints_directory_imports_every_step_with_its_number(capsys,
         states[1].params["Dense_0"]["kernel"]
     )
 
+    # Flax's pre-Orbax msgpack files are named, not misread.
+    msgpack_dir = tmp_path / "msgpack"
+    msgpack_dir.mkdir()
+    (msgpack_dir / "checkpoint_3").write_bytes(b"\x80")
+    rc, _, err = _run(capsys, "import", str(msgpack_dir), str(tmp_path / "r3"), "--from", "orbax")
+    assert rc == 1 and "checkpoint_3 is a file (Flax's msgpack checkpoint" in err
+
     # With the TrainState as target, each step resumes; one named directly keeps its number.
     abstract = jax.eval_shape(lambda: states[0])
     root2 = str(tmp_path / "root2")
