@@ -85,17 +85,21 @@ def _iterator_texts(states: list[Any], step: int) -> list[str | None]:
 
 
 def _check_leaves(tree: Any, step: int) -> None:
-    """Orbax's ``StandardSave`` takes arrays, numbers, bools and None; str is refused here."""
+    """Refuses, by path, what Orbax's ``StandardSave`` fails on: strings, empty arrays."""
     import jax
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    bad = [jax.tree_util.keystr(p) for p, x in flat if isinstance(x, str | bytes)]
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise UnsupportedLeafError(
-            f"step {step}: leaf {bad[0]}{more} is a string, which Orbax's StandardSave does "
-            "not take; restore with a target that leaves it out and export that"
-        )
+    for why, bad in (
+        ("a string", [p for p, x in flat if isinstance(x, str | bytes)]),
+        ("an empty array", [p for p, x in flat if hasattr(x, "shape") and 0 in x.shape]),
+    ):
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise UnsupportedLeafError(
+                f"step {step}: leaf {jax.tree_util.keystr(bad[0])}{more} is {why}, which "
+                "Orbax's StandardSave does not take; export with a target that leaves it out "
+                "and partial=True"
+            )
 
 
 def export_orbax(
@@ -104,6 +108,7 @@ def export_orbax(
     *,
     step: int | None = None,
     target: Any = None,
+    partial: bool = False,
     **storage_options: Any,
 ) -> OrbaxExportResult:
     """Writes a committed step as an Orbax ``CheckpointManager`` step under ``dest``.
@@ -115,6 +120,7 @@ def export_orbax(
       step: the step to export; None: the newest committed step.
       target: restore into this pytree first (a ``TrainState``, an NNX state, ...),
         so Orbax saves that structure; None: the saved nesting, arrays as numpy.
+      partial: ``target`` names a subset of the saved leaves; only those are exported.
 
     Returns:
       The step written and its state's item directory ``dest/<step>/default``
@@ -134,7 +140,8 @@ def export_orbax(
     Raises:
       StepNotFoundError: no such committed step under ``root``.
       StepAlreadyExistsError: ``dest`` already holds that step.
-      UnsupportedLeafError: a leaf Orbax cannot save (a string; the path is named).
+      UnsupportedLeafError: a leaf Orbax cannot save (a string, an empty array; the
+        path is named): export with a target that leaves it out and ``partial=True``.
       CorruptCheckpointError: a chunk of the step fails its checksum.
     """
     import jax
@@ -142,7 +149,7 @@ def export_orbax(
     from jaxckpt import CheckpointManager
 
     with CheckpointManager(root, read_only=True, storage_options=storage_options) as mgr:
-        tree = mgr.restore(step, target=target)
+        tree = mgr.restore(step, target=target, partial=partial)
         saved = mgr.restored_step
         assert saved is not None
         user = mgr.metadata(saved).user_metadata

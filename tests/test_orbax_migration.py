@@ -364,6 +364,15 @@ def test_cli_chooses_steps_exports_to_orbax_and_refuses_what_it_cannot_write(cap
     assert "apply to --format safetensors only" in capsys.readouterr().err
 
     with jaxckpt.CheckpointManager(root) as mgr:
-        mgr.save(60, {"w": np.zeros(2), "name": "run-a"})
-    rc, _, err = _run(capsys, "export", root, dest, "--format", "orbax")
+        mgr.save(60, {"w": np.ones(2), "name": "run-a"})
+        mgr.save(61, {"w": np.ones(2, np.float32), "empty": np.zeros((0, 3))})
+    rc, _, err = _run(capsys, "export", f"{root}:60", dest, "--format", "orbax")
     assert rc == 1 and "leaf ['name'] is a string" in err
+    rc, _, err = _run(capsys, "export", f"{root}:61", dest, "--format", "orbax")
+    assert rc == 1 and "leaf ['empty'] is an empty array" in err
+    assert not os.path.exists(os.path.join(dest, "61"))
+    # The way out: a target without the leaf, partial.
+    subset = {"w": jax.ShapeDtypeStruct((2,), np.float32)}
+    jaxckpt.export_orbax(root, dest, step=61, target=subset, partial=True)
+    with ocp.CheckpointManager(dest) as mgr:
+        assert mgr.restore(61, args=ocp.args.StandardRestore(subset))["w"].tolist() == [1, 1]
