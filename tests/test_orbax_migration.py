@@ -9,6 +9,7 @@ besides the state, and ``export_orbax`` read back by Orbax's own
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -55,7 +56,8 @@ class LinenMLP(linen.Module):
         return linen.Dense(3)(linen.relu(linen.Dense(8)(x)))
 
 
-def _train_states(n: int) -> list[train_state.TrainState]:
+@functools.cache  # compiled once for the tests that share it (the states are immutable)
+def _train_states(n: int) -> tuple[train_state.TrainState, ...]:
     """A TrainState with an optax chain (its EmptyState included) after 1..n updates."""
     module, x = LinenMLP(), jnp.ones((2, 4))
     params = module.init(jax.random.key(0), x)["params"]
@@ -67,7 +69,7 @@ def _train_states(n: int) -> list[train_state.TrainState]:
     for _ in range(n):
         state = update(state, loss(state.params))
         states.append(state)
-    return states
+    return tuple(states)
 
 
 class NNXModel(nnx.Module):
