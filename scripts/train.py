@@ -21,7 +21,9 @@ What it shows:
 * **Overhead.** Each committed save is logged with its bytes and throughput, and the
   run ends with the seconds blocked on checkpoints as a share of wall time.
 
-Every ``--checkpoint_*`` flag of :mod:`jaxckpt.flags` applies.
+Every ``--checkpoint_*`` flag of :mod:`jaxckpt.flags` applies; e.g.
+``--checkpoint_init_from=OTHER_ROOT --checkpoint_init_partial`` starts a new run from
+another run's model, optimizer and PRNG key (its step counter starts at 0).
 """
 
 from __future__ import annotations
@@ -290,7 +292,8 @@ def restore_or_init(
     start = time.perf_counter()
     if mgr.latest_step() is None:
         logging.info("fresh start at step 0 under %s", mgr.root)
-        return init_train_state(seed, shardings), 0
+        initial = jaxckpt.flags.init_from_flags(mgr, target)  # --checkpoint_init_from
+        return initial if initial is not None else init_train_state(seed, shardings), 0
     restored = mgr.restore(target={**target, "step": 0, "data_position": 0})
     step = restored.pop("step")
     position = restored.pop("data_position")
@@ -385,11 +388,7 @@ def main(argv: list[str]) -> None:
     if _CACHE.value:
         jax.config.update("jax_compilation_cache_dir", _CACHE.value)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    try:
-        mgr = jaxckpt.flags.manager_from_flags()
-    except ValueError as e:
-        raise app.UsageError(str(e)) from e
-    with mgr:
+    with jaxckpt.flags.manager_from_flags() as mgr:  # a flag error is a usage error
         train(mgr)
 
 
