@@ -12,6 +12,8 @@ commit (with ``--local-root``, a local tier ``PREFIX<i>`` per process and every 
 promoted: it waits until the last one is durable). ``restore`` restores the newest step
 onto the mesh in a fresh group and prints ``RESTORED s``, ``OWN <hex>`` (this process's
 ``restored_process_state``) and ``ALL <hex>,<hex>`` (``process_states(s)``).
+``--replicas``: each local part is also held by the other process's node
+(``local_replicas=2``, nodes from ``JAXCKPT_NODE_ID``) and no step is promoted.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> int:
     parser.add_argument("--root", required=True)
     parser.add_argument("--mode", choices=("save", "restore"), required=True)
     parser.add_argument("--local-root")
+    parser.add_argument("--replicas", action="store_true")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
 
@@ -59,7 +62,10 @@ def main() -> int:
     sharding = NamedSharding(mesh, P("data"))
     shape = (2 * args.num_processes, 3)
     local = None if args.local_root is None else f"{args.local_root}{me}"
-    mgr = jaxckpt.CheckpointManager(args.root, local_root=local, save_timeout_s=60)
+    tiered: dict[str, object] = {}
+    if args.replicas:  # each part also on the other node; nothing promoted
+        tiered = {"local_replicas": 2, "promote_policy": jaxckpt.policy.EveryNSteps(1000)}
+    mgr = jaxckpt.CheckpointManager(args.root, local_root=local, save_timeout_s=60, **tiered)
     with mgr:
         if args.mode == "save":
             for step in (1, 2):
@@ -68,7 +74,7 @@ def main() -> int:
                 )
                 mgr.save(step, {"w": w, "step": step}, process_state=state_of(me, step))
                 mgr.wait()
-            if local is not None:
+            if local is not None and not args.replicas:
                 mgr.wait_durable(2, timeout_s=60)
             print("SAVED", flush=True)
             return 0

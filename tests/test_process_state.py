@@ -12,6 +12,7 @@ told clearly when it asks for "its own" of a 2-process step.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -115,7 +116,8 @@ def test_local_tier_promotion_and_cp_carry_it(tmp_path):
 
 
 def _group(tmp_path: Path, mode: str, *extra: str) -> list[list[str]]:
-    """Runs a group of 2 children to the end; their stdout lines, by process."""
+    """Runs a group of 2 children (on nodes ``node0``, ``node1``) to the end; their
+    stdout lines, by process."""
     for _ in range(3):  # the coordinator's port may be taken before process 0 binds it
         port = servers.free_port()
         procs = [
@@ -134,7 +136,7 @@ def _group(tmp_path: Path, mode: str, *extra: str) -> list[list[str]]:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-                env=harness.child_env(JAX_PLATFORMS="cpu"),
+                env=harness.child_env(JAX_PLATFORMS="cpu", JAXCKPT_NODE_ID=f"node{i}"),
             )
             for i in range(2)
         ]
@@ -167,3 +169,17 @@ def test_two_processes_each_get_their_own_state_back(tmp_path):
     mgr.restore(2)
     with pytest.raises(jaxckpt.CheckpointError, match=r"saved by 2 processes.*process_states\(2\)"):
         _ = mgr.restored_process_state
+
+
+def test_a_lost_local_root_gets_its_state_back_from_its_peer(tmp_path):
+    local = f"--local-root={tmp_path / 'local'}"
+    saved = _group(tmp_path, "save", local, "--replicas")
+    assert all("SAVED" in lines for lines in saved), saved
+    assert not _manager(tmp_path / "durable", read_only=True).steps()  # local only
+    shutil.rmtree(tmp_path / "local1")  # process 1's node lost its disk
+    restored = _group(tmp_path, "restore", local, "--replicas")
+    everyone = ",".join(procstate_child.state_of(p, 2).hex() for p in (0, 1))
+    for process, lines in enumerate(restored):
+        assert "RESTORED 2" in lines, lines
+        assert f"OWN {procstate_child.state_of(process, 2).hex()}" in lines, lines
+        assert f"ALL {everyone}" in lines, lines  # gathered from the local tiers
