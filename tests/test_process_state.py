@@ -63,6 +63,22 @@ def test_values_round_trip_and_none_where_none_was_saved(tmp_path):
         mgr.process_states(9)
 
 
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+def test_steps_of_every_older_format_have_no_process_state(tmp_path, version):
+    fixture = Path(__file__).with_name("fixtures") / version / "root"
+    root = shutil.copytree(fixture, tmp_path / "root")
+    mgr = _manager(root, read_only=True)
+    for step in mgr.steps():
+        mgr.restore(step)
+        assert mgr.restored_step == step and mgr.restored_process_state is None
+        assert mgr.process_states(step) == [None] * _num_processes(root, step)
+
+
+def _num_processes(root: Path, step: int) -> int:
+    protocol = CommitProtocol(open_storage(str(root)))
+    return protocol.require_marker(step).num_processes
+
+
 def test_refused_values_name_the_limit_or_the_fix(tmp_path):
     big = b"x" * (_procstate.MAX_PROCESS_STATE_BYTES + 1)
     with _manager(tmp_path) as mgr:
