@@ -174,7 +174,8 @@ def test_two_processes_each_get_their_own_state_back(tmp_path):
     saved = _group(tmp_path, "save", local)
     assert all("SAVED" in lines for lines in saved), saved
     restored = _group(tmp_path, "restore", local)  # fresh processes, from the local tiers
-    everyone = ",".join(procstate_child.state_of(p, 2).hex() for p in (0, 1))
+    everyone_bytes = [procstate_child.state_of(p, 2) for p in (0, 1)]
+    everyone = ",".join(b.hex() for b in everyone_bytes)
     for process, lines in enumerate(restored):
         assert "RESTORED 2" in lines, lines
         assert f"OWN {procstate_child.state_of(process, 2).hex()}" in lines, lines
@@ -185,6 +186,9 @@ def test_two_processes_each_get_their_own_state_back(tmp_path):
     mgr.restore(2)
     with pytest.raises(jaxckpt.CheckpointError, match=r"saved by 2 processes.*process_states\(2\)"):
         _ = mgr.restored_process_state
+    archive = tmp_path / "archive"  # recompressed: one part of chunks, every state kept
+    assert cli_main(["cp", f"{tmp_path / 'durable'}:2", str(archive), "--compress=zstd"]) == 0
+    assert _manager(archive, read_only=True).process_states(2) == everyone_bytes
 
 
 def test_a_lost_local_root_gets_its_state_back_from_its_peer(tmp_path):
