@@ -80,9 +80,16 @@ if TYPE_CHECKING:
     from jaxckpt._preflight import ResumeReport
     from jaxckpt.policy import RetentionPolicy, SavePolicy
 
+CheckpointFlagError: type[Exception]
+"""A ``checkpoint_*`` flag is missing or inconsistent (an ``absl.app.UsageError``, a
+``CheckpointError`` and a ``ValueError``): made on first use, as ``absl.app`` defines
+flags when imported."""
+
 __all__ = [
     "FLAG_NAMES",
+    "CheckpointFlagError",
     "define_flags",
+    "flags_from_mapping",
     "init_from_flags",
     "manager_from_flags",
     "manager_from_mapping",
@@ -431,6 +438,7 @@ def _flag_error_class() -> type[Exception]:
         """
 
     CheckpointFlagError.__module__ = __name__
+    CheckpointFlagError.__qualname__ = "CheckpointFlagError"
     return CheckpointFlagError
 
 

@@ -148,6 +148,7 @@ def test_manager_needs_a_root():
     error = jaxckpt.flags.CheckpointFlagError
     assert issubclass(error, app.UsageError) and issubclass(error, jaxckpt.CheckpointError)
     assert issubclass(error, ValueError)
+    assert all(getattr(jaxckpt.flags, name) for name in jaxckpt.flags.__all__)
 
 
 def test_async_manager_uses_the_flag_options(tmp_path):
