@@ -47,8 +47,7 @@ def copy_step(
     dst.begin_save(loc)
     try:
         if compress == "zstd":
-            nbytes = _copy_step_compressed(src, dst, marker, loc, level)
-            num_processes = 1
+            nbytes, num_processes = _copy_step_compressed(src, dst, marker, loc, level)
         else:
             nbytes = _copy_step_raw(src, dst, marker, loc)
             num_processes = marker.num_processes
@@ -181,8 +180,10 @@ def _zstd_metadata(leaf: Any, level: int) -> dict[str, Any]:
 
 def _copy_step_compressed(
     src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker, loc: StepLocation, level: int
-) -> int:
-    """Re-encodes a step's arrays with zstd and writes one manifest of the stored chunks."""
+) -> tuple[int, int]:
+    """Re-encodes a step's arrays with zstd and writes one manifest of the stored chunks;
+    returns the chunk bytes and the number of manifest parts written. A step with
+    process states keeps one part per saving process, the others with no chunks."""
     import tensorstore as ts
 
     from jaxckpt._restore import load_step
@@ -226,9 +227,19 @@ def _copy_step_compressed(
             raise CheckpointError(
                 f"step {step}: cannot copy {leaf.path_text} ({src.where(prefix)}): {e}"
             ) from e
-    part = ManifestPart(step=step, process=0, num_processes=1, arrays=records)
+    states = loaded.process_states
+    count = marker.num_processes if states else 1
+    part = ManifestPart(
+        step=step, process=0, num_processes=count, arrays=records, process_state=states.get(0)
+    )
     dst.write_manifest_part(loc, part)
-    return part.nbytes
+    for p in range(1, count):  # each process's state, in a part of its own as saved
+        state = states.get(p)
+        dst.write_manifest_part(
+            loc,
+            ManifestPart(step=step, process=p, num_processes=count, arrays={}, process_state=state),
+        )
+    return part.nbytes, count
 
 
 def _stored_chunks(kv: Any, keys: Sequence[str]) -> list[ChunkRecord]:

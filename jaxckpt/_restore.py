@@ -47,6 +47,8 @@ class LoadedStep:
     """``"packed"`` when the step's chunks live in pack objects (see ``_pack``)."""
     plain_codecs: bool = False
     """Every manifest part says its arrays use jaxckpt's codec chain (``ManifestPart``)."""
+    process_states: Mapping[int, Any] = field(default_factory=dict)
+    """The ``process_state`` records of the parts read, by process (see ``_procstate``)."""
 
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
@@ -68,6 +70,7 @@ def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
         versions=tree.get("versions") or {},
         layout="packed" if "packed" in layouts else "plain",
         plain_codecs=bool(parts) and all(p.plain_codecs for p in parts),
+        process_states={p.process: p.process_state for p in parts if p.process_state},
     )
 
 

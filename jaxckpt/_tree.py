@@ -144,7 +144,10 @@ def leaf_kind(leaf: Any) -> str:
         return "array"
     if isinstance(leaf, VALUE_TYPES):
         return "value"
-    raise UnsupportedLeafError(f"leaves of type {type(leaf).__name__} are not supported")
+    hint = ""
+    if isinstance(leaf, bytes | bytearray):  # e.g. a grain DataLoader iterator's get_state()
+        hint = "; a process's own state (a data iterator's) goes in save(process_state=...)"
+    raise UnsupportedLeafError(f"leaves of type {type(leaf).__name__} are not supported{hint}")
 
 
 def _check_storable(dtype: np.dtype) -> None:
