@@ -154,8 +154,7 @@ def export_orbax(
         assert saved is not None
         user = mgr.metadata(saved).user_metadata
         source = f"jaxckpt:{mgr.root}"
-        read_states = getattr(mgr, "process_states", None)  # with per-process state support
-        states = read_states(saved) if read_states is not None else []
+        states = mgr.process_states(saved)
     _check_leaves(tree, saved)
     texts = _iterator_texts(states, saved) if any(s is not None for s in states) else None
     dest = os.path.abspath(os.fspath(dest))

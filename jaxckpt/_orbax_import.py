@@ -14,7 +14,6 @@ names it (the skip is recorded in the step's metadata).
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -42,12 +41,6 @@ class _Plan:
     skipped: tuple[str, ...]
 
 
-def _process_state_supported() -> bool:
-    from jaxckpt import CheckpointManager
-
-    return "process_state" in inspect.signature(CheckpointManager.save).parameters
-
-
 def _check_data_iter(step: OrbaxStep, item: OrbaxItem) -> None:
     files = sorted(f for f in os.listdir(item.path) if f.endswith(".json"))
     skip = f"pass skip_items=({item.name!r},) (jaxckpt import --skip-item {item.name})"
@@ -57,11 +50,6 @@ def _check_data_iter(step: OrbaxStep, item: OrbaxItem) -> None:
             f"{len(files)} processes ({', '.join(files[:4]) or 'no process_<i>-of-<n>.json'}); "
             f"an import runs in one process and takes a one-process state only: {skip} "
             f"to import step {step.step} without it"
-        )
-    if not _process_state_supported():
-        raise ImportSourceError(
-            f"{item.path}: item {item.label} is a data-iterator state, and this jaxckpt "
-            f"cannot store per-process state: {skip} to import step {step.step} without it"
         )
 
 

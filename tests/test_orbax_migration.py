@@ -229,38 +229,32 @@ def test_composite_items_are_imported_or_refused_by_name_never_dropped(capsys, t
         data_iter=_IteratorArgs({"next_index": 42}),
     )
     root = str(tmp_path / "root")
-    # Where save(process_state=...) exists the data iterator round-trips through it; where
-    # it does not, the item is refused by name. Each branch asserts its behaviour.
-    supported = "process_state" in jaxckpt.CheckpointManager.save.__code__.co_varnames
-    if supported:
-        assert [r.step for r in jaxckpt.import_orbax(orbax_dir, root)] == [5]
-        mgr = jaxckpt.CheckpointManager(root, read_only=True)
-        restored = mgr.restore(5)
-        assert mgr.restored_process_state == {"next_index": 42}  # type: ignore[attr-defined]
-        # Exported, the process state is a data-iterator item again, in grain's layout.
-        dest = str(tmp_path / "back")
-        assert jaxckpt.export_orbax(root, dest).path == os.path.join(dest, "5", "state")
-        with ocp.CheckpointManager(dest) as back:
-            items = back.restore(
-                5,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(state), data_iter=_IteratorArgs()
-                ),
-            )
-        assert items["data_iter"] == {"next_index": 42}
-        assert _bits(items["state"]["w"]) == _bits(state["w"])
-    else:
-        # This jaxckpt has no per-process state: the data iterator is refused by name ...
-        with pytest.raises(jaxckpt.CheckpointError, match="item 'data_iter' is a data-iterator"):
-            jaxckpt.import_orbax(orbax_dir, root)
-        assert not os.path.exists(root)  # refused before anything was written
-        # ... and leaving it out is explicit, and recorded.
-        rc, out, err = _run(capsys, "import", orbax_dir, root, "--skip-item", "data_iter")
-        assert rc == 0, err
-        assert out.startswith(f"{root}: committed step 5 with 1 arrays")
-        mgr = jaxckpt.CheckpointManager(root, read_only=True)
-        restored = mgr.restore(5)
-        assert mgr.metadata(5).user_metadata["orbax_skipped_items"] == ["data_iter"]
+    # The data iterator round-trips as this step's process_state.
+    assert [r.step for r in jaxckpt.import_orbax(orbax_dir, root)] == [5]
+    mgr = jaxckpt.CheckpointManager(root, read_only=True)
+    restored = mgr.restore(5)
+    assert mgr.restored_process_state == {"next_index": 42}
+    # Exported, the process state is a data-iterator item again, in grain's layout.
+    dest = str(tmp_path / "back")
+    assert jaxckpt.export_orbax(root, dest).path == os.path.join(dest, "5", "state")
+    with ocp.CheckpointManager(dest) as back:
+        items = back.restore(
+            5,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(state), data_iter=_IteratorArgs()
+            ),
+        )
+    assert items["data_iter"] == {"next_index": 42}
+    assert _bits(items["state"]["w"]) == _bits(state["w"])
+    # Leaving the iterator out is explicit, and recorded.
+    skipped = str(tmp_path / "skipped")
+    rc, out, err = _run(capsys, "import", orbax_dir, skipped, "--skip-item", "data_iter")
+    assert rc == 0, err
+    assert out.startswith(f"{skipped}: committed step 5 with 1 arrays")
+    without = jaxckpt.CheckpointManager(skipped, read_only=True)
+    assert _bits(without.restore(5)["w"]) == _bits(state["w"])
+    assert without.restored_process_state is None
+    assert without.metadata(5).user_metadata["orbax_skipped_items"] == ["data_iter"]
     assert _bits(restored["w"]) == _bits(state["w"]) and restored["step"] == 5
     meta = mgr.metadata(5).user_metadata
     assert meta["orbax_items"] == {"config": {"lr": 0.1, "layers": [1, 2]}}
