@@ -208,4 +208,6 @@ class CheckpointOptions:
             kwargs = dict(given)
         if self.restore_memory_bytes is not None and is_object:
             kwargs["read_ahead_bytes"] = self.restore_memory_bytes
+        if is_object and kwargs.get("retry_deadline_s") is None:
+            kwargs["retry_deadline_s"] = self.save_timeout_s  # requests retry as long as a save may
         return kwargs

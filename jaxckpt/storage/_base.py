@@ -14,7 +14,7 @@ protocol catches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -75,8 +75,17 @@ class Storage(Protocol):
         """Deletes one key; a missing key is not an error."""
         ...
 
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Deletes several keys; missing keys are not errors.
+
+        Object stores send them in batches where the store has a batch delete
+        (S3 ``DeleteObjects``: 1,000 keys a request) instead of one request each.
+        """
+        ...
+
     def delete_prefix(self, prefix: str) -> None:
-        """Deletes every key under ``prefix`` (which ends with ``/``)."""
+        """Deletes every key under ``prefix`` (which ends with ``/``), listed and then
+        removed as :meth:`delete_many` does."""
         ...
 
     def list(self, prefix: str) -> list[str]:

@@ -34,10 +34,10 @@ import errno
 import functools
 import logging
 import os
-import re
 import threading
+import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -49,8 +49,10 @@ from jaxckpt.storage._base import PreconditionFailed
 from jaxckpt.storage._http import DirectReader, DirectReadError, gcs_reader, s3_reader
 from jaxckpt.storage._options import DIRECT_PART_BYTES, ObjectStoreOptions
 from jaxckpt.storage._ranged import RangedReader, ShortObjectError
+from jaxckpt.storage._retry import elapsed_note, tensorstore_transient
 from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
 from jaxckpt.storage._tsenv import aws_credentials, bound_stalls, resolve_gcs_endpoint
+from jaxckpt.storage._tserror import storage_error
 from jaxckpt.storage._uri import RootURI, parse_root
 
 __all__ = ["ObjectStorage", "open_object_storage"]
@@ -62,21 +64,9 @@ _PROBE_PREFIX = ".jaxckpt-probe/"
 _CREATE_ATTEMPTS = 3
 _CREATE_TIMEOUT_S = 300.0
 """botocore's connect and read timeout of a create-only PUT when ``timeout_s`` is None."""
-_MAX_DETAIL = 400
-_PAYLOAD = re.compile(r"\s*\[[A-Za-z0-9_.-]+='.*?'\]", re.DOTALL)
-
-# absl status code names (as TensorStore prefixes its messages) -> errno.
-_STATUS_ERRNO = {
-    "NOT_FOUND": errno.ENOENT,
-    "PERMISSION_DENIED": errno.EACCES,
-    "UNAUTHENTICATED": errno.EACCES,
-    "INVALID_ARGUMENT": errno.EINVAL,
-    "FAILED_PRECONDITION": errno.EIO,
-    "DEADLINE_EXCEEDED": errno.ETIMEDOUT,
-    "UNAVAILABLE": errno.EHOSTUNREACH,
-    "ABORTED": errno.EIO,
-    "RESOURCE_EXHAUSTED": errno.EDQUOT,
-}
+_OWN_RETRIES = 0
+"""TensorStore's retries of the requests this class sends itself: none, so that every
+retry is this class's (full jitter, bounded by the deadline)."""
 
 
 @functools.cache
@@ -114,6 +104,7 @@ class ObjectStorage:
         bound_stalls(options.timeout_s)
         self._driver = "gcs" if scheme == "gs" else "s3"
         self._extra: dict[str, Any] = {}
+        self._backoff = options.backoff()
         if scheme == "s3":
             self._endpoint = (
                 options.endpoint
@@ -148,7 +139,7 @@ class ObjectStorage:
         with self._open_lock:
             if self._store is None:
                 spec = {"driver": self._driver, "bucket": self._bucket, "path": "", **self._extra}
-                context = ts.Context(self.context_spec())
+                context = ts.Context(self.context_spec(retries=_OWN_RETRIES))
                 try:
                     self._store = ts.KvStore.open(spec, context=context).result()
                 except (ValueError, NotImplementedError) as e:
@@ -177,34 +168,51 @@ class ObjectStorage:
         name = self._name(prefix) if prefix else self._prefix
         return f"{name}/" if name else ""
 
-    def _error(self, action: str, name: str, exc: BaseException) -> StorageError:
-        where = f"{self._scheme}://{self._bucket}/{name}"
-        if isinstance(exc, TimeoutError):
-            detail = f"no answer within {self._options.timeout_s} s"
-            return StorageError(errno.ETIMEDOUT, f"cannot {action} {where}: {detail}")
-        # TensorStore appends the HTTP response body and headers as [name='value']
-        # payloads (S3 XML, GCS JSON): drop them, the status text says what failed.
-        detail = _PAYLOAD.sub("", str(exc)).strip()
-        if len(detail) > _MAX_DETAIL:
-            detail = detail[:_MAX_DETAIL] + " …"
-        code = detail.split(":", 1)[0]
-        # A missing key is not an error for TensorStore, so NOT_FOUND means the bucket.
-        if "NoSuchBucket" in detail or code == "NOT_FOUND":
-            detail = f"bucket {self._bucket!r} does not exist or is not accessible ({detail})"
-        if self._endpoint:
-            detail += f" [endpoint {self._endpoint}]"
-        # TensorStore drops the "INVALID_ARGUMENT: " prefix (bad bucket names, specs).
-        default = errno.EINVAL if action == "open" else errno.EIO
-        return StorageError(_STATUS_ERRNO.get(code, default), f"cannot {action} {where}: {detail}")
+    def _error(self, action: str, name: str, exc: BaseException, note: str = "") -> StorageError:
+        return storage_error(
+            action,
+            f"{self._scheme}://{self._bucket}/{name}",
+            exc,
+            bucket=self._bucket,
+            endpoint=self._endpoint,
+            timeout_s=self._options.timeout_s,
+            note=note,
+        )
 
-    def _wait(self, future: ts.Future[_T], action: str, name: str) -> _T:
-        try:
-            return future.result(timeout=self._options.timeout_s)
-        except TimeoutError as e:
-            future.cancel()
-            raise self._error(action, name, e) from e
-        except (ValueError, NotImplementedError) as e:
-            raise self._error(action, name, e) from e
+    def _call(
+        self,
+        action: str,
+        name: str,
+        start: Callable[[], ts.Future[_T]],
+        first: ts.Future[_T] | None = None,
+    ) -> _T:
+        """One request's result (``start`` sends it; ``first``: already sent), retried
+        while it fails transiently, with full-jitter backoff until the deadline.
+
+        Each attempt may go ``timeout_s`` without an answer (then it is cancelled and
+        retried: a repeated write or delete is harmless, and a create-only write
+        checks what it finds, see :meth:`_create`).
+        """
+        started, retry = time.monotonic(), 0
+        future = start() if first is None else first
+        while True:
+            try:
+                return future.result(timeout=self._options.timeout_s)
+            except TimeoutError as e:
+                future.cancel()
+                failure: BaseException = e
+            except (ValueError, NotImplementedError) as e:
+                if not tensorstore_transient(e):
+                    raise self._error(action, name, e) from e
+                failure = e
+            delay = self._backoff.delay(retry, started)
+            if delay is None:
+                note = elapsed_note(retry + 1, started)
+                raise self._error(action, name, failure, note) from failure
+            retry += 1
+            _log.debug("%s %s: %s; retry %d in %.2f s", action, name, failure, retry, delay)
+            time.sleep(delay)
+            future = start()
 
     def _check_bucket(self, action: str, name: str) -> None:
         """Raises StorageError about ``action`` on ``name`` unless the bucket exists.
@@ -215,7 +223,7 @@ class ObjectStorage:
         if self._bucket_checked:
             return
         probe = self._name(f"{_PROBE_PREFIX}bucket-check")
-        self._wait(self._kv.list(ts.KvStore.KeyRange(probe, probe + "\0")), action, name)
+        self._call(action, name, lambda: self._kv.list(ts.KvStore.KeyRange(probe, probe + "\0")))
         self._bucket_checked = True
 
     # -- Storage protocol --------------------------------------------------
@@ -257,6 +265,7 @@ class ObjectStorage:
                     ahead_bytes=ahead,
                     timeout_s=self._options.timeout_s,
                     error=self._error,
+                    call=self._call,
                     direct=self._direct_reader() if self._options.direct_reads else None,
                     direct_part_bytes=self._options.read_part_bytes or DIRECT_PART_BYTES,
                 )
@@ -264,15 +273,15 @@ class ObjectStorage:
 
     def _direct_reader(self) -> DirectReader | None:
         """The bucket's reader of ``ObjectStoreOptions.direct_reads``, if it can have one."""
-        timeout = self._options.timeout_s
+        timeout, backoff = self._options.timeout_s, self._backoff
         if self._scheme == "s3":
             region = str(self._extra["aws_region"])
-            return s3_reader(self._bucket, region, self._endpoint, timeout)
-        return gcs_reader(self._bucket, self._endpoint, timeout)
+            return s3_reader(self._bucket, region, self._endpoint, timeout, backoff)
+        return gcs_reader(self._bucket, self._endpoint, timeout, backoff)
 
     def read(self, key: str) -> bytes | None:
         name = self._name(key)
-        result = self._wait(self._kv.read(name), "read", name)
+        result = self._call("read", name, lambda: self._kv.read(name))
         if result.state != "value":
             self._check_bucket("read", name)
             return None
@@ -301,15 +310,14 @@ class ObjectStorage:
         """The bytes an object has in ``[offset, offset + size)`` (it is shorter than that)."""
         name = self._name(key)
         try:
-            future = self._kv.read(name, byte_range=slice(offset, offset + size))
-            result = future.result(timeout=self._options.timeout_s)
-        except ValueError as e:
+            result = self._call(
+                "read", name, lambda: self._kv.read(name, byte_range=slice(offset, offset + size))
+            )
+        except StorageError as e:
             if not any(m in str(e) for m in ("OUT_OF_RANGE", "Unexpected Content-Range")):
-                raise self._error("read", name, e) from e
+                raise
             whole = self.read(key)  # the object is shorter than the range: hand back the rest
             return None if whole is None else whole[offset : offset + size]
-        except TimeoutError as e:
-            raise self._error("read", name, e) from e
         if result.state != "value":
             self._check_bucket("read", name)
             return None
@@ -318,7 +326,8 @@ class ObjectStorage:
     def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         name = self._name(key)
         if not exclusive:
-            self._wait(self._kv.write(name, bytes(data)), "write", name)  # bytes: no copy
+            body = bytes(data)  # bytes: no copy
+            self._call("write", name, lambda: self._kv.write(name, body))
             self._bucket_checked = True  # a plain PUT into a missing bucket fails
             return
         if self._conditions_enforced(name):
@@ -328,10 +337,16 @@ class ObjectStorage:
 
     def start_write(self, key: str, pieces: Sequence[bytes | memoryview]) -> Callable[[], None]:
         name = self._name(key)
-        future = pools.pool("bodies", 1).submit(self._submit_body, name, pieces).result()
+
+        def submit() -> Any:
+            return pools.pool("bodies", 1).submit(self._submit_body, name, pieces).result()
+
+        first = submit()
 
         def wait() -> None:
-            self._wait(future, "write", name)
+            # A retry joins the body again from ``pieces``, which the caller keeps until
+            # this returns: the body itself is not kept while the first attempt is in flight.
+            self._call("write", name, submit, first)
             self._bucket_checked = True
 
         return wait
@@ -369,7 +384,9 @@ class ObjectStorage:
                 created = outcome == CREATED
                 self._bucket_checked = self._bucket_checked or created
                 return created
-        stamp = self._wait(self._kv.write(name, data, if_equal=self._if_absent), "write", name)
+        stamp = self._call(
+            "write", name, lambda: self._kv.write(name, data, if_equal=self._if_absent)
+        )
         self._bucket_checked = self._bucket_checked or bool(stamp.generation)
         return bool(stamp.generation)
 
@@ -379,16 +396,15 @@ class ObjectStorage:
         if self._scheme != "s3":
             return None
         timeout = self._options.timeout_s or _CREATE_TIMEOUT_S
-        attempts = self._options.max_retries + 1
         region = str(self._extra["aws_region"])
-        return s3_creates(self._bucket, region, self._endpoint, timeout, attempts)
+        return s3_creates(self._bucket, region, self._endpoint, timeout, self._backoff)
 
     def _create(self, name: str, data: bytes) -> None:
         for _ in range(_CREATE_ATTEMPTS):
             if self._create_once(name, data):
                 return
             # The condition failed: the key exists, or (S3) the bucket is missing.
-            existing = self._wait(self._kv.read(name), "read", name)
+            existing = self._call("read", name, lambda: self._kv.read(name))
             if existing.state == "value":
                 if bytes(existing.value) == data:
                     # Our own write: it landed, its response was lost, and the
@@ -407,10 +423,10 @@ class ObjectStorage:
 
     def _create_fallback(self, name: str, data: bytes) -> None:
         where = f"{self._scheme}://{self._bucket}/{name}"
-        if self._wait(self._kv.read(name), "read", name).state == "value":
+        if self._call("read", name, lambda: self._kv.read(name)).state == "value":
             raise PreconditionFailed(where)
-        self._wait(self._kv.write(name, data, if_equal=self._if_absent), "write", name)
-        stored = self._wait(self._kv.read(name), "read", name)
+        self._call("write", name, lambda: self._kv.write(name, data, if_equal=self._if_absent))
+        stored = self._call("read", name, lambda: self._kv.read(name))
         if stored.state != "value" or bytes(stored.value) != data:
             raise PreconditionFailed(where)
 
@@ -441,7 +457,7 @@ class ObjectStorage:
             try:
                 enforced = not self._create_once(name, b"2")
             finally:
-                self._wait(self._kv.write(name, None), "write", for_name)
+                self._call("write", for_name, lambda: self._kv.write(name, None))
         except StorageError as e:
             raise StorageError(e.errno, f"{e.strerror} (while writing {for_name})") from e
         if not enforced:
@@ -472,8 +488,37 @@ class ObjectStorage:
 
     def delete(self, key: str) -> None:
         name = self._name(key)
-        self._wait(self._kv.write(name, None), "delete", name)
+        self._call("delete", name, lambda: self._kv.write(name, None))
         self._check_bucket("delete", name)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Deletes ``keys`` (missing ones are not errors): on S3 by ``DeleteObjects``
+        requests of up to 1,000 keys; elsewhere one request per key, all in flight."""
+        names = [self._name(key) for key in keys]
+        if names:
+            self._delete_names(names)
+            self._check_bucket("delete", names[0])
+
+    def _delete_names(self, names: Sequence[str]) -> None:
+        if not names:
+            return
+        creates = self._s3_creates
+        if creates is not None:
+            try:
+                creates.delete(names)
+                return
+            except Exception as e:  # botocore's errors, and the keys S3 refused
+                if not refuses_condition(e):
+                    raise self._error("delete", getattr(e, "key", names[0]), e) from e
+                _log.warning(
+                    "%s refuses DeleteObjects (%s); deleting one by one", self._endpoint, e
+                )
+        # Deleted one by one (TensorStore's delete_range trusts the server's listing,
+        # and an emulator that ignores ranges turns it into "delete the bucket"); the
+        # requests run concurrently, and each is retried on its own.
+        futures = [(name, self._kv.write(name, None)) for name in names]
+        for name, future in futures:
+            self._call("delete", name, functools.partial(self._kv.write, name, None), future)
 
     def _list_names(self, directory: str) -> list[str]:
         if directory:
@@ -481,20 +526,13 @@ class ObjectStorage:
             key_range = ts.KvStore.KeyRange(directory, end)
         else:
             key_range = ts.KvStore.KeyRange()
-        found = self._wait(self._kv.list(key_range), "list", directory)
+        found = self._call("list", directory, lambda: self._kv.list(key_range))
         # Filter again: some emulators ignore the range and list the whole bucket.
         names = (raw.decode("utf-8") for raw in found)
         return [n for n in names if n.startswith(directory) and not n.endswith("/")]
 
     def delete_prefix(self, prefix: str) -> None:
-        directory = self._dir(prefix)
-        names = self._list_names(directory)
-        # Deleted one by one (TensorStore's delete_range trusts the server's
-        # listing, and an emulator that ignores ranges turns it into "delete
-        # the bucket"); the requests still run concurrently.
-        futures = [(name, self._kv.write(name, None)) for name in names]
-        for name, future in futures:
-            self._wait(future, "delete", name)
+        self._delete_names(self._list_names(self._dir(prefix)))
 
     def list(self, prefix: str) -> list[str]:
         directory = self._dir(prefix)
@@ -505,15 +543,18 @@ class ObjectStorage:
         path = self._dir(prefix)
         return {"driver": self._driver, "bucket": self._bucket, "path": path, **self._extra}
 
-    def context_spec(self) -> dict[str, Any]:
+    def context_spec(self, *, retries: int | None = None) -> dict[str, Any]:
+        """TensorStore's context for this root's I/O: for zarr arrays, which only
+        TensorStore retries, as many retries as fit in the retry deadline
+        (:meth:`Backoff.tensorstore_retries`); ``retries`` for requests retried here."""
         o = self._options
-        retries = {
-            "max_retries": o.max_retries,
+        retry = {
+            "max_retries": self._backoff.tensorstore_retries() if retries is None else retries,
             "initial_delay": _duration(o.initial_delay_s),
             "max_delay": _duration(o.max_delay_s),
         }
         spec: dict[str, Any] = {
-            f"{self._driver}_request_retries": retries,
+            f"{self._driver}_request_retries": retry,
             f"{self._driver}_request_concurrency": {"limit": o.request_concurrency},
         }
         if self._scheme == "s3":
