@@ -102,6 +102,14 @@ def test_delete_is_idempotent(storage: Storage) -> None:
     storage.delete("never/existed")
 
 
+def test_delete_many_removes_those_keys_only(storage: Storage) -> None:
+    for key in ("a/1", "a/2", "a/3", "b/1"):
+        storage.write(key, b"x")
+    storage.delete_many(["a/1", "a/3", "b/1", "a/missing"])  # a missing key is no error
+    storage.delete_many([])
+    assert storage.list("") == ["a/2"]
+
+
 def test_delete_prefix_removes_only_that_prefix(storage: Storage) -> None:
     for key in ["a/x", "a/y/z", "ab/c", "abc", "b/a/x"]:
         storage.write(key, b"v")
