@@ -20,7 +20,7 @@ from creates import race_to_create
 
 import jaxckpt
 from jaxckpt.errors import CheckpointError, StorageError
-from jaxckpt.storage import PreconditionFailed, Storage, _object, open_storage
+from jaxckpt.storage import PreconditionFailed, Storage, _object, _tserror, open_storage
 from jaxckpt.storage._options import DEFAULT_RETRY_DEADLINE_S
 from jaxckpt.storage._retry import Backoff
 
@@ -401,7 +401,7 @@ def test_fallback_on_a_server_that_ignores_conditions(
 
 def test_no_value_generation_means_absent() -> None:
     store = ts.KvStore.open({"driver": "memory"}).result()
-    absent = _object._no_value_generation()
+    absent = _tserror.no_value_generation()
     assert store.write("k", b"1", if_equal=absent).result().generation
     assert not store.write("k", b"2", if_equal=absent).result().generation
     assert store["k"] == b"1"

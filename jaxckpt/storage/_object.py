@@ -51,8 +51,13 @@ from jaxckpt.storage._options import DIRECT_PART_BYTES, ObjectStoreOptions
 from jaxckpt.storage._ranged import RangedReader, ShortObjectError
 from jaxckpt.storage._retry import elapsed_note, tensorstore_transient
 from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
-from jaxckpt.storage._tsenv import aws_credentials, bound_stalls, resolve_gcs_endpoint
-from jaxckpt.storage._tserror import storage_error
+from jaxckpt.storage._tsenv import (
+    aws_credentials,
+    bound_stalls,
+    quiet_gcs_auth,
+    resolve_gcs_endpoint,
+)
+from jaxckpt.storage._tserror import duration, no_value_generation, storage_error
 from jaxckpt.storage._uri import RootURI, parse_root
 
 __all__ = ["ObjectStorage", "open_object_storage"]
@@ -61,28 +66,14 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _PROBE_PREFIX = ".jaxckpt-probe/"
+_AUTH_PROBE_S = 10.0
+"""The longest a GCS root's first request waits with stderr captured (``quiet_gcs_auth``)."""
 _CREATE_ATTEMPTS = 3
 _CREATE_TIMEOUT_S = 300.0
 """botocore's connect and read timeout of a create-only PUT when ``timeout_s`` is None."""
 _OWN_RETRIES = 0
 """TensorStore's retries of the requests this class sends itself: none, so that every
 retry is this class's (full jitter, bounded by the deadline)."""
-
-
-@functools.cache
-def _no_value_generation() -> bytes:
-    """TensorStore's encoding of "the key does not exist" as a generation.
-
-    The byte string is internal to TensorStore and changed between releases
-    (``b"\\x05"`` before 0.1.8x, ``b"\\x02"`` in 0.1.86), so it is read from the
-    in-memory driver, which reports exactly this generation for missing keys.
-    """
-    store = ts.KvStore.open({"driver": "memory"}).result()
-    return store.read("missing").result().stamp.generation
-
-
-def _duration(seconds: float) -> str:
-    return f"{round(seconds * 1e6)}us"
 
 
 class ObjectStorage:
@@ -125,7 +116,7 @@ class ObjectStorage:
             self._endpoint = resolve_gcs_endpoint(options.endpoint)
         # The condition sent with create-only writes; an instance attribute so
         # that tests can simulate a server that ignores conditions.
-        self._if_absent = _no_value_generation()
+        self._if_absent = no_value_generation()
         self._enforced: bool | None = None
         self._bucket_checked = False
         self._probe_lock = threading.Lock()
@@ -144,6 +135,9 @@ class ObjectStorage:
                     self._store = ts.KvStore.open(spec, context=context).result()
                 except (ValueError, NotImplementedError) as e:
                     raise self._error("open", "", e) from e
+                if self._driver == "gcs":  # sent inside: the lookup runs with the request
+                    store, probe = self._store, self._name(f"{_PROBE_PREFIX}auth")
+                    quiet_gcs_auth(lambda: store.read(probe).result(timeout=_AUTH_PROBE_S))
             return self._store
 
     # -- naming and errors -------------------------------------------------
@@ -550,8 +544,8 @@ class ObjectStorage:
         o = self._options
         retry = {
             "max_retries": self._backoff.tensorstore_retries() if retries is None else retries,
-            "initial_delay": _duration(o.initial_delay_s),
-            "max_delay": _duration(o.max_delay_s),
+            "initial_delay": duration(o.initial_delay_s),
+            "max_delay": duration(o.max_delay_s),
         }
         spec: dict[str, Any] = {
             f"{self._driver}_request_retries": retry,

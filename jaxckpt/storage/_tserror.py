@@ -1,4 +1,5 @@
-"""TensorStore's failures as :class:`jaxckpt.StorageError`: naming the object, with an errno.
+"""TensorStore's failures as :class:`jaxckpt.StorageError` (naming the object, with an
+errno), and two encodings of TensorStore's: durations and the "absent" generation.
 
 TensorStore reports a failed request as ``ValueError("CODE: text [name='value']...")``
 with the HTTP response body and headers as payloads; the error here keeps the
@@ -9,7 +10,10 @@ absl status code to an errno.
 from __future__ import annotations
 
 import errno
+import functools
 import re
+
+import tensorstore as ts
 
 from jaxckpt.errors import StorageError
 
@@ -71,3 +75,19 @@ def storage_error(
     # TensorStore drops the "INVALID_ARGUMENT: " prefix (bad bucket names, specs).
     default = errno.EINVAL if action == "open" else errno.EIO
     return StorageError(_STATUS_ERRNO.get(code, default), f"cannot {action} {where}: {detail}")
+
+
+@functools.cache
+def no_value_generation() -> bytes:
+    """TensorStore's encoding of "the key does not exist" as a generation.
+
+    The byte string is internal to TensorStore and changed between releases
+    (``b"\\x05"`` before 0.1.8x, ``b"\\x02"`` in 0.1.86), so it is read from the
+    in-memory driver, which reports exactly this generation for missing keys.
+    """
+    store = ts.KvStore.open({"driver": "memory"}).result()
+    return store.read("missing").result().stamp.generation
+
+
+def duration(seconds: float) -> str:
+    return f"{round(seconds * 1e6)}us"
