@@ -2,7 +2,7 @@
 
 Usage::
 
-    python scripts/storm.py [--mib 16] [--rate 0.3] [--storm-s 0] [--save-timeout 600]
+    python scripts/storm.py [--mib 16] [--rate 0.3] [--storm-s 0] [--save-timeout 600] [--no-storm]
 
 Starts moto (``benchkit/servers.py``) with the fault proxy (``faultproxy.py``) in
 front of it answering ``503 SlowDown`` to a share of the requests, and runs one
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.3)
     parser.add_argument("--storm-s", type=float, default=0.0)
     parser.add_argument("--save-timeout", type=float, default=600.0)
+    parser.add_argument("--no-storm", action="store_true", help="skip the storm phase")
     args = parser.parse_args()
     import jaxckpt
 
@@ -111,7 +112,8 @@ def main() -> None:
     try:
         save_restore("clean", NO_FAULTS)
         save_restore("throttled", FaultPlan(throttle=args.rate))
-        save_restore("storm", FaultPlan(throttle=1.0), args.storm_s)
+        if not args.no_storm:
+            save_restore("storm", FaultPlan(throttle=1.0), args.storm_s)
     finally:
         proxy.close()
         moto.stop()
