@@ -52,6 +52,11 @@ class Storage(Protocol):
         when it does not exist; fewer bytes when the object ends earlier."""
         ...
 
+    def plan_restore(self, nbytes: int) -> None:
+        """Sizes the read budget of a restore of ``nbytes`` before its reads start
+        (object stores: ``read_ahead_bytes``); a local root has none and ignores it."""
+        ...
+
     def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         """Writes ``data`` durably; with ``exclusive``, only if ``key`` is absent.
 

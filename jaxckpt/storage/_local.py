@@ -132,6 +132,9 @@ class LocalStorage:
         except OSError as e:
             raise self._error("delete", key, e) from e
 
+    def plan_restore(self, nbytes: int) -> None:
+        """Nothing to size: chunk files are read straight into the restored arrays."""
+
     def delete_many(self, keys: Iterable[str]) -> None:
         """Deletes ``keys`` one by one (a file system has no batch delete)."""
         for key in keys:
