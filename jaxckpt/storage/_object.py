@@ -16,16 +16,9 @@ never overwrites a key that existed before the call, but two writers racing
 for the same key can both succeed when one's write and read-back fit between
 the other's check and write; the stored object is then the later write.
 
-Endpoints. S3 takes ``endpoint`` or ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
-and puts it in the kvstore spec. TensorStore's ``gcs`` spec and context have no
-endpoint member (checked against tensorstore 0.1.86): its driver reads the
-process-wide ``TENSORSTORE_GCS_HTTP_URL`` environment variable (or the
-``--tensorstore_gcs_http_url`` absl flag) each time it opens a driver. An
-explicit ``endpoint`` or the ``STORAGE_EMULATOR_HOST`` that Google's client
-libraries honour is therefore copied into ``TENSORSTORE_GCS_HTTP_URL`` when the
-storage is opened -- a process-wide side effect, logged when it redirects an
-earlier endpoint -- so one process should use one GCS endpoint. Without either,
-opening a ``gs://`` root changes nothing in the environment.
+Each cloud is a subclass (``_s3.py``, ``_gcs.py``) supplying its endpoint, spec
+members, credentials, direct reader and (S3) botocore client; the backend table in
+:mod:`jaxckpt.storage` maps each scheme to its class.
 """
 
 from __future__ import annotations
@@ -33,12 +26,11 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import tensorstore as ts
@@ -46,74 +38,55 @@ import tensorstore as ts
 from jaxckpt import _pools as pools
 from jaxckpt.errors import StorageError
 from jaxckpt.storage._base import PreconditionFailed
-from jaxckpt.storage._http import DirectReader, DirectReadError, gcs_reader, s3_reader
+from jaxckpt.storage._http import DirectReader, DirectReadError
 from jaxckpt.storage._options import DIRECT_PART_BYTES, ObjectStoreOptions
 from jaxckpt.storage._ranged import RangedReader, ShortObjectError
 from jaxckpt.storage._retry import elapsed_note, tensorstore_transient
-from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
-from jaxckpt.storage._tsenv import (
-    aws_credentials,
-    bound_stalls,
-    quiet_gcs_auth,
-    resolve_gcs_endpoint,
-)
+from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition
+from jaxckpt.storage._tsenv import bound_stalls
 from jaxckpt.storage._tserror import duration, no_value_generation, storage_error
-from jaxckpt.storage._uri import RootURI, parse_root
+from jaxckpt.storage._uri import RootURI
 
-__all__ = ["ObjectStorage", "open_object_storage"]
+__all__ = ["ObjectStorage"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _PROBE_PREFIX = ".jaxckpt-probe/"
-_AUTH_PROBE_S = 10.0
-"""The longest a GCS root's first request waits with stderr captured (``quiet_gcs_auth``)."""
 _CREATE_ATTEMPTS = 3
-_CREATE_TIMEOUT_S = 300.0
-"""botocore's connect and read timeout of a create-only PUT when ``timeout_s`` is None."""
 _OWN_RETRIES = 0
 """TensorStore's retries of the requests this class sends itself: none, so that every
 retry is this class's (full jitter, bounded by the deadline)."""
 
 
 class ObjectStorage:
-    """A checkpoint root in a GCS or S3 bucket, accessed through TensorStore.
+    """A checkpoint root in a bucket, accessed through TensorStore: the shared base of
+    one class per cloud (:class:`~jaxckpt.storage._s3.S3Storage`,
+    :class:`~jaxckpt.storage._gcs.GcsStorage`), which supply the endpoint, the
+    TensorStore driver and spec members, credentials and the direct reader.
 
-    Use :func:`jaxckpt.storage.open_storage` (or :func:`open_object_storage`)
-    rather than constructing this directly.
+    Use :func:`jaxckpt.storage.open_storage` rather than constructing these directly.
     """
 
+    scheme: ClassVar[str]
+    """The URI scheme of this cloud's roots."""
+    driver: ClassVar[str]
+    """TensorStore's kvstore driver (and the prefix of its context resources)."""
+
     def __init__(self, root: RootURI, options: ObjectStoreOptions) -> None:
-        scheme = root.scheme
-        if scheme not in ("gs", "s3"):
-            raise StorageError(errno.EINVAL, f"not an object-store root: {root.uri!r}")
-        options.check_scheme(scheme)
-        self._scheme = scheme
+        if root.scheme != self.scheme:
+            raise StorageError(errno.EINVAL, f"not a {self.scheme}:// root: {root.uri!r}")
+        options.check_scheme(root.scheme)
+        self._scheme = root.scheme
         self._bucket = root.bucket
         self._prefix = root.prefix
         self._options = options
         bound_stalls(options.timeout_s)
-        self._driver = "gcs" if scheme == "gs" else "s3"
-        self._extra: dict[str, Any] = {}
+        self._driver = self.driver
         self._backoff = options.backoff()
-        if scheme == "s3":
-            self._endpoint = (
-                options.endpoint
-                or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL")
-                or None
-            )
-            region = (
-                options.region
-                or os.environ.get("AWS_REGION")
-                or os.environ.get("AWS_DEFAULT_REGION")
-                or "us-east-1"
-            )
-            self._extra["aws_region"] = region
-            if self._endpoint:
-                self._extra["endpoint"] = self._endpoint.rstrip("/")
-        else:
-            self._endpoint = resolve_gcs_endpoint(options.endpoint)
+        self._endpoint: str | None = None
+        self._extra: dict[str, Any] = {}
+        """Members of this cloud's kvstore spec beyond driver, bucket and path."""
         # The condition sent with create-only writes; an instance attribute so
         # that tests can simulate a server that ignores conditions.
         self._if_absent = no_value_generation()
@@ -135,10 +108,25 @@ class ObjectStorage:
                     self._store = ts.KvStore.open(spec, context=context).result()
                 except (ValueError, NotImplementedError) as e:
                     raise self._error("open", "", e) from e
-                if self._driver == "gcs":  # sent inside: the lookup runs with the request
-                    store, probe = self._store, self._name(f"{_PROBE_PREFIX}auth")
-                    quiet_gcs_auth(lambda: store.read(probe).result(timeout=_AUTH_PROBE_S))
+                self._opened(self._store)
             return self._store
+
+    def _opened(self, store: ts.KvStore) -> None:
+        """Called once the kvstore is open, before its first request."""
+
+    def _direct_reader(self) -> DirectReader | None:
+        """The bucket's reader of ``ObjectStoreOptions.direct_reads``, if it can have one."""
+        return None
+
+    @functools.cached_property
+    def _s3_creates(self) -> S3Creates | None:
+        """The store's own create-only PUTs and batch deletes (S3, through botocore),
+        resolved on first use; None: TensorStore's conditions and one delete per key."""
+        return None
+
+    def _credentials(self) -> dict[str, Any]:
+        """TensorStore context resources for this cloud's credentials."""
+        return {}
 
     # -- naming and errors -------------------------------------------------
 
@@ -265,14 +253,6 @@ class ObjectStorage:
                 )
             return self._reader
 
-    def _direct_reader(self) -> DirectReader | None:
-        """The bucket's reader of ``ObjectStoreOptions.direct_reads``, if it can have one."""
-        timeout, backoff = self._options.timeout_s, self._backoff
-        if self._scheme == "s3":
-            region = str(self._extra["aws_region"])
-            return s3_reader(self._bucket, region, self._endpoint, timeout, backoff)
-        return gcs_reader(self._bucket, self._endpoint, timeout, backoff)
-
     def read(self, key: str) -> bytes | None:
         name = self._name(key)
         result = self._call("read", name, lambda: self._kv.read(name))
@@ -383,15 +363,6 @@ class ObjectStorage:
         )
         self._bucket_checked = self._bucket_checked or bool(stamp.generation)
         return bool(stamp.generation)
-
-    @functools.cached_property
-    def _s3_creates(self) -> S3Creates | None:
-        """S3's own create-only PUTs (botocore), resolved on first use; None elsewhere."""
-        if self._scheme != "s3":
-            return None
-        timeout = self._options.timeout_s or _CREATE_TIMEOUT_S
-        region = str(self._extra["aws_region"])
-        return s3_creates(self._bucket, region, self._endpoint, timeout, self._backoff)
 
     def _create(self, name: str, data: bytes) -> None:
         for _ in range(_CREATE_ATTEMPTS):
@@ -551,37 +522,5 @@ class ObjectStorage:
             f"{self._driver}_request_retries": retry,
             f"{self._driver}_request_concurrency": {"limit": o.request_concurrency},
         }
-        if self._scheme == "s3":
-            spec.update(aws_credentials())
+        spec.update(self._credentials())
         return spec
-
-
-def open_object_storage(
-    uri: str, options: ObjectStoreOptions | None = None, **kwargs: Any
-) -> ObjectStorage:
-    """Opens a ``gs://bucket/prefix`` or ``s3://bucket/prefix`` root.
-
-    Opening sends no request; the first operation does.
-
-    Args:
-      uri: the root; the prefix may be empty (checked by
-        :func:`~jaxckpt.storage._uri.parse_root`).
-      options: the root's options; None: the defaults.
-      **kwargs: fields of :class:`ObjectStoreOptions`, replacing those of ``options``.
-
-    Returns:
-      An :class:`ObjectStorage` implementing :class:`jaxckpt.storage.Storage`.
-
-    Raises:
-      TypeError: an unknown option.
-      ValueError: an invalid option value.
-      StorageError: a malformed URI or bucket name (``EINVAL``).
-
-    >>> storage = open_object_storage("s3://my-bucket/run1", region="eu-west-1")
-    >>> storage.uri
-    's3://my-bucket/run1'
-    >>> storage.kvstore_spec("step_1/")["path"]
-    'run1/step_1/'
-    """
-    base = options or ObjectStoreOptions()
-    return ObjectStorage(parse_root(uri), base.replace(**kwargs) if kwargs else base)
