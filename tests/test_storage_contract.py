@@ -20,7 +20,15 @@ from creates import race_to_create
 
 import jaxckpt
 from jaxckpt.errors import CheckpointError, StorageError
-from jaxckpt.storage import PreconditionFailed, Storage, _object, _tserror, open_storage
+from jaxckpt.storage import (
+    PreconditionFailed,
+    Storage,
+    TensorStoreStorage,
+    _object,
+    _tserror,
+    open_storage,
+    tensorstore_backed,
+)
 from jaxckpt.storage._options import DEFAULT_RETRY_DEADLINE_S
 from jaxckpt.storage._retry import Backoff
 
@@ -32,6 +40,7 @@ def storage(storage_root: str) -> Storage:
 
 def test_implements_protocol_and_names_its_root(storage: Storage, storage_root: str) -> None:
     assert isinstance(storage, Storage)
+    assert isinstance(storage, TensorStoreStorage) and tensorstore_backed(storage) is storage
     expected = storage_root if "://" in storage_root else os.path.abspath(storage_root)
     assert storage.uri == expected
 
@@ -100,6 +109,31 @@ def test_delete_is_idempotent(storage: Storage) -> None:
     assert storage.read("a/b") is None
     storage.delete("a/b")
     storage.delete("never/existed")
+
+
+class _CoreOnly:
+    """A root with the core interface only (no TensorStore driver), by delegation."""
+
+    def __init__(self, inner: Storage) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("kvstore_spec", "context_spec"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    @property
+    def uri(self) -> str:
+        return "mem://core-only"
+
+
+def test_the_tensorstore_specs_are_a_capability_beside_the_core(tmp_path) -> None:
+    core = _CoreOnly(open_storage(str(tmp_path)))
+    assert not isinstance(core, TensorStoreStorage)
+    with pytest.raises(StorageError, match="mem://core-only: TensorStore has no driver") as info:
+        tensorstore_backed(core)  # type: ignore[arg-type]
+    assert info.value.errno == errno.EOPNOTSUPP
+    assert "kvstore_spec" not in Storage.__dict__ and "context_spec" not in Storage.__dict__
 
 
 def test_delete_many_removes_those_keys_only(storage: Storage) -> None:

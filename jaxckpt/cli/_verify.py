@@ -34,8 +34,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import tensorstore as ts
 
     from jaxckpt._verify import verify_step
+    from jaxckpt.storage import tensorstore_backed
 
-    context = ts.Context(protocol.storage.context_spec())
+    context = ts.Context(tensorstore_backed(protocol.storage).context_spec())
     reports = []
     for step in steps:
         marker = committed.get(step) or protocol.require_marker(step)

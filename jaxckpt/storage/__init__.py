@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from jaxckpt.storage._base import PreconditionFailed as PreconditionFailed
 from jaxckpt.storage._base import Storage as Storage
+from jaxckpt.storage._base import TensorStoreStorage as TensorStoreStorage
+from jaxckpt.storage._base import tensorstore_backed as tensorstore_backed
 from jaxckpt.storage._buffers import aligned_empty as aligned_empty
 from jaxckpt.storage._local import LocalStorage as LocalStorage
 from jaxckpt.storage._options import ObjectStoreOptions as ObjectStoreOptions
@@ -119,7 +121,9 @@ __all__ = [
     "PreconditionFailed",
     "RootURI",
     "Storage",
+    "TensorStoreStorage",
     "aligned_empty",
     "open_storage",
     "parse_root",
+    "tensorstore_backed",
 ]
