@@ -26,7 +26,7 @@ from jaxckpt._records import (
     crc32c,
 )
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
-from jaxckpt.storage import Storage
+from jaxckpt.storage import Storage, tensorstore_backed
 
 
 def copy_step(
@@ -190,8 +190,9 @@ def _copy_step_compressed(
 
     step = marker.step
     loaded = load_step(src, marker)
-    src_ctx = ts.Context(src.storage.context_spec())
-    dst_ctx = ts.Context(dst.storage.context_spec())
+    src_specs, dst_specs = tensorstore_backed(src.storage), tensorstore_backed(dst.storage)
+    src_ctx = ts.Context(src_specs.context_spec())
+    dst_ctx = ts.Context(dst_specs.context_spec())
     here = marker.location
     group = src.storage.read(here.arrays_prefix + "zarr.json")
     if group is not None:
@@ -205,7 +206,7 @@ def _copy_step_compressed(
         try:
             target_spec: dict[str, Any] = {
                 "driver": "zarr3",
-                "kvstore": dst.storage.kvstore_spec(out),
+                "kvstore": dst_specs.kvstore_spec(out),
             }
             target_spec["metadata"] = _zstd_metadata(leaf, level)
             target_spec["store_data_equal_to_fill_value"] = True  # every chunk is an object
@@ -216,12 +217,12 @@ def _copy_step_compressed(
             else:
                 source_spec: dict[str, Any] = {
                     "driver": "zarr3",
-                    "kvstore": src.storage.kvstore_spec(prefix),
+                    "kvstore": src_specs.kvstore_spec(prefix),
                     "fill_missing_data_reads": False,
                 }
                 source = ts.open(source_spec, open=True, read=True, context=src_ctx).result()
                 _transcode(source, target, keys, leaf.shape, leaf.chunk_shape)
-            kv = ts.KvStore.open(dst.storage.kvstore_spec(out), context=dst_ctx).result()
+            kv = ts.KvStore.open(dst_specs.kvstore_spec(out), context=dst_ctx).result()
             records[leaf.name] = tuple(_stored_chunks(kv, keys))
         except ValueError as e:  # TensorStore reports failures as ValueError
             raise CheckpointError(

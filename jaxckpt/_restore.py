@@ -30,6 +30,7 @@ from jaxckpt._tree import (
 )
 from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region, region_of
 from jaxckpt.errors import CorruptCheckpointError, StorageError
+from jaxckpt.storage import tensorstore_backed
 
 log = logging.getLogger("jaxckpt")
 
@@ -201,7 +202,9 @@ class StepReader:
         if loaded.layout == "packed" or loaded.plain_codecs:
             return {leaf.name for leaf in leaves if leaf.name is not None}
         kv = ts.KvStore.open(
-            self._protocol.storage.kvstore_spec(loaded.marker.location.arrays_prefix),
+            tensorstore_backed(self._protocol.storage).kvstore_spec(
+                loaded.marker.location.arrays_prefix
+            ),
             context=self._context,
         ).result()
         return plain_leaves(kv, list(leaves))

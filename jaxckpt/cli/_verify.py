@@ -38,8 +38,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import tensorstore as ts
 
     from jaxckpt._verify import verify_step
+    from jaxckpt.storage import tensorstore_backed
 
-    context = ts.Context(protocol.storage.context_spec())
+    context = ts.Context(tensorstore_backed(protocol.storage).context_spec())
     reports = []
     vanished: list[int] = []
     for step in steps:
