@@ -8,43 +8,59 @@ the job's secret (see ``_peertier``).
 A connection starts with a mutual challenge-response over a per-job secret
 (HMAC-SHA256 of both sides' random nonces): the server proves nothing and
 serves nothing until the client has proved it knows the secret, and the
-client sends nothing until the server has proved it too. Then the client
-sends requests, one at a time, each a *frame*: a 4-byte big-endian header
-length, a JSON header (at most ``MAX_HEADER_BYTES``), and ``size`` payload
-bytes (at most the server's ``max_bytes``) whose CRC32C the header carries
-and the receiver checks. Requests: ``put`` (write a key), ``get`` (read
-one), ``list`` (the keys under a prefix) and ``delete`` (a prefix), each on
-keys under the one prefix the server serves (``replicas/``). Every socket
-operation has a timeout, so a dead or stalled peer is an error, never a hang.
+client sends nothing until the server has proved it too. The whole handshake
+must finish within ``handshake_timeout_s``, and at most ``max_handshakes``
+connections may be in it at once (more are closed at once), so connections
+that never authenticate cannot pile up. Then the client sends requests, one at
+a time, each a frame of a :class:`~jaxckpt._peerwire.Session`: a JSON header
+and a payload, each with an HMAC keyed from the handshake, so a frame that the
+authenticated peer did not send is refused and the connection closed. Requests:
+``put`` (write a key), ``get`` (read one), ``list`` (the keys under a prefix)
+and ``delete`` (a prefix), each on a safe key under the one prefix the server
+serves (``replicas/``); any other key is a refused request, never a failed
+connection. Every socket operation has a timeout, so a dead or stalled peer is
+an error, never a hang; an ``accept()`` that fails (no file descriptors left)
+is logged and retried with a back-off, never the end of the listener.
 Imports neither jax nor numpy.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import hmac
-import json
 import logging
 import secrets
 import socket
-import struct
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
-from jaxckpt._records import crc32c
-from jaxckpt.errors import CheckpointError, PeerAuthError, PeerError
+from jaxckpt._peerwire import (
+    DIGEST_BYTES,
+    HELLO,
+    NONCE_BYTES,
+    Closed,
+    Session,
+    joined,
+    proof,
+    recv_exact,
+)
+from jaxckpt.errors import PeerAuthError, PeerError
 from jaxckpt.storage import Storage
 
 log = logging.getLogger("jaxckpt")
 
-HELLO = b"JAXCKPT-PEER-1\n"
-NONCE_BYTES = 32
-DIGEST_BYTES = 32
-MAX_HEADER_BYTES = 64 << 10
 DEFAULT_MAX_BYTES = 4 << 30
-"""The largest payload a server accepts (a file of a part: a chunk, a pack, a record)."""
+"""The largest payload a server accepts by default (a file of a part: a chunk, a pack, a record)."""
+HANDSHAKE_TIMEOUT_S = 10.0
+"""The longest a connection may take to authenticate (at most the server's ``timeout_s``)."""
+MAX_HANDSHAKES = 64
+"""Connections that may be authenticating at once; more are closed on arrival."""
+MAX_KEY_CHARS = 1024
+_ACCEPT_BACKOFF_S = (0.05, 2.0)
+_FATAL_ACCEPT = (errno.EBADF, errno.EINVAL, errno.ENOTSOCK)
 
 
 def new_secret() -> bytes:
@@ -52,52 +68,28 @@ def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
 
-def _proof(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, role + first + second, hashlib.sha256).digest()
+def key_refusal(key: object, prefix: str) -> str | None:
+    """Why ``key`` may not be served under ``prefix``, or None for a safe key.
 
-
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
-    return buf
-
-
-def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
-    """Sends one frame: the header (with the payload's size and CRC32C) and the payload."""
-    header = {**header, "size": len(payload), "crc32c": crc32c(payload) if payload else 0}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(struct.pack(">I", len(raw)) + raw)
-    if payload:
-        sock.sendall(payload)
-
-
-def recv_frame(sock: socket.socket, max_bytes: int) -> tuple[dict[str, Any], bytes]:
-    """Receives one frame; checks its lengths against the bounds and its payload's CRC32C.
-
-    Raises:
-      PeerError: a length over the bounds, a malformed header or a CRC32C mismatch.
-      OSError: the connection failed or timed out.
+    >>> key_refusal("replicas/1/0/a.json", "replicas/") is None
+    True
+    >>> key_refusal("replicas/../tier.json", "replicas/")
+    "key 'replicas/../tier.json' is refused: it has a '.' or '..' segment"
     """
-    (length,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if length > MAX_HEADER_BYTES:
-        raise PeerError(f"frame header of {length} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        header = json.loads(bytes(_recv_exact(sock, length)))
-        size, expected = int(header["size"]), int(header["crc32c"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise PeerError(f"malformed frame header: {e}") from e
-    if not 0 <= size <= max_bytes:
-        raise PeerError(f"frame payload of {size} bytes exceeds the bound of {max_bytes}")
-    payload = bytes(_recv_exact(sock, size)) if size else b""
-    if size and crc32c(payload) != expected:
-        raise PeerError(f"payload of {header.get('op')} {header.get('key')!r} fails its CRC32C")
-    return header, payload
+    if not isinstance(key, str):
+        return f"key {key!r} is refused: not a string"
+    if len(key) > MAX_KEY_CHARS:
+        return f"key {key[:64]!r}... is refused: longer than {MAX_KEY_CHARS} characters"
+    if not key.startswith(prefix):
+        return f"key {key!r} is refused: it is not under {prefix}"
+    if any(ord(c) < 0x20 or c in "\x7f\\" for c in key):
+        return f"key {key!r} is refused: it holds a control character or a backslash"
+    parts = key.split("/")
+    if any(p in (".", "..") for p in parts):
+        return f"key {key!r} is refused: it has a '.' or '..' segment"
+    if "" in parts[:-1]:
+        return f"key {key!r} is refused: it has an empty segment"
+    return None
 
 
 class PeerServer:
@@ -110,6 +102,9 @@ class PeerServer:
       timeout_s: the bound of every socket operation.
       prefix: the only keys served (written, read, listed, deleted).
       max_bytes: the largest payload accepted.
+      handshake_timeout_s: the bound of the whole handshake (default
+        ``HANDSHAKE_TIMEOUT_S``, at most ``timeout_s``).
+      max_handshakes: connections that may be authenticating at once.
     """
 
     def __init__(
@@ -121,17 +116,25 @@ class PeerServer:
         timeout_s: float = 60.0,
         prefix: str = "replicas/",
         max_bytes: int = DEFAULT_MAX_BYTES,
+        handshake_timeout_s: float | None = None,
+        max_handshakes: int = MAX_HANDSHAKES,
     ) -> None:
         self._storage = storage
         self._secret = secret
         self._timeout_s = timeout_s
+        self._handshake_s = min(handshake_timeout_s or HANDSHAKE_TIMEOUT_S, timeout_s)
         self._prefix = prefix
         self._max_bytes = max_bytes
+        self._handshakes = threading.BoundedSemaphore(max_handshakes)
         self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.2)  # the accept loop looks at ``_closed`` this often
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self.refused = 0
-        """Connections refused for a failed authentication."""
+        """Connections refused for a failed authentication or a frame that fails its MAC."""
+        self.turned_away = 0
+        """Connections closed on arrival: ``max_handshakes`` were authenticating."""
+        self.accept_errors = 0
+        """``accept()`` calls that failed (no file descriptors left, ...)."""
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -155,60 +158,133 @@ class PeerServer:
             conn.close()
 
     def _serve(self) -> None:
+        backoff, failing_since = 0.0, None
         while not self._closed.is_set():
             try:
                 conn, addr = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
-            conn.settimeout(self._timeout_s)
-            with self._lock:
-                self._conns.add(conn)
+            except OSError as e:
+                if self._closed.is_set() or e.errno in _FATAL_ACCEPT:
+                    if not self._closed.is_set():
+                        log.error("peer listener %s stopped: %s", self.address, e)
+                    return
+                self.accept_errors += 1
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.warning(
+                        "peer listener %s cannot accept connections (%s); backing off and retrying",
+                        self.address,
+                        e,
+                    )
+                low, high = _ACCEPT_BACKOFF_S
+                backoff = min(max(2 * backoff, low), high)
+                self._closed.wait(backoff)
+                continue
+            if failing_since is not None:
+                log.warning(
+                    "peer listener %s accepts connections again (after %d failed accepts in %.1fs)",
+                    self.address,
+                    self.accept_errors,
+                    time.monotonic() - failing_since,
+                )
+                backoff, failing_since = 0.0, None
+            self._start(conn, addr)
+
+    def _start(self, conn: socket.socket, addr: Any) -> None:
+        if not self._handshakes.acquire(blocking=False):
+            self.turned_away += 1
+            if self.turned_away == 1 or self.turned_away % 1000 == 0:
+                log.warning(
+                    "peer listener %s: %d connections turned away (too many authenticating "
+                    "at once)",
+                    self.address,
+                    self.turned_away,
+                )
+            conn.close()
+            return
+        with self._lock:
+            self._conns.add(conn)
+        try:
             threading.Thread(
                 target=self._handle, args=(conn, addr), name="jaxckpt-peer-conn", daemon=True
             ).start()
+        except RuntimeError as e:  # no thread could be started: this connection only
+            log.warning("peer listener %s: connection from %s closed: %s", self.address, addr, e)
+            self._handshakes.release()
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
 
     def _handle(self, conn: socket.socket, addr: Any) -> None:
         try:
-            with conn:
-                if not self._authenticate(conn, addr):
-                    return
-                while not self._closed.is_set():
-                    try:
-                        header, payload = recv_frame(conn, self._max_bytes)
-                    except ConnectionError:
-                        return  # the client is done
-                    reply, data = self._answer(header, payload)
-                    send_frame(conn, reply, data)
-        except OSError as e:  # PeerError too
+            self._converse(conn, addr)
+        except PeerAuthError as e:
+            self.refused += 1
+            log.warning("refused a frame from %s and closed its connection: %s", addr, e)
+        except TimeoutError:
             if not self._closed.is_set():
-                log.warning("peer connection from %s failed: %s", addr, e)
-        finally:
+                log.warning("peer connection from %s timed out; closed", addr)
+        except Exception as e:  # OSError, PeerError, anything: this connection ends, logged
+            if not self._closed.is_set():
+                log.warning("peer connection from %s failed: %s: %s", addr, type(e).__name__, e)
+        finally:  # closed after the refusal is counted and logged
             with self._lock:
                 self._conns.discard(conn)
+            conn.close()
 
-    def _authenticate(self, conn: socket.socket, addr: Any) -> bool:
+    def _converse(self, conn: socket.socket, addr: Any) -> None:
+        try:
+            session = self._authenticate(conn, addr)
+        finally:
+            self._handshakes.release()
+        if session is None:
+            return
+        conn.settimeout(self._timeout_s)
+        while not self._closed.is_set():
+            frame = session.recv(conn, self._max_bytes)
+            if frame is None:
+                return  # the client is done
+            reply, data = self._answer(*frame)
+            session.send(conn, reply, data)
+
+    def _authenticate(self, conn: socket.socket, addr: Any) -> Session | None:
+        deadline = time.monotonic() + self._handshake_s
+        conn.settimeout(self._handshake_s)
         nonce = secrets.token_bytes(NONCE_BYTES)
-        conn.sendall(HELLO + nonce)
-        theirs = bytes(_recv_exact(conn, NONCE_BYTES + DIGEST_BYTES))
-        client_nonce, proof = theirs[:NONCE_BYTES], theirs[NONCE_BYTES:]
-        if not hmac.compare_digest(proof, _proof(self._secret, b"client", nonce, client_nonce)):
+        try:
+            conn.sendall(HELLO + nonce)
+            theirs = recv_exact(conn, NONCE_BYTES + DIGEST_BYTES, deadline=deadline)
+        except TimeoutError:
+            log.warning(
+                "peer connection from %s closed: no handshake within %gs", addr, self._handshake_s
+            )
+            return None
+        except Closed:
+            return None
+        client_nonce, their_proof = theirs[:NONCE_BYTES], theirs[NONCE_BYTES:]
+        if not hmac.compare_digest(
+            their_proof, proof(self._secret, b"client", nonce, client_nonce)
+        ):
             self.refused += 1
             log.warning(
                 "refused a peer connection from %s: it does not know the job's secret", addr
             )
-            return False
-        conn.sendall(_proof(self._secret, b"server", client_nonce, nonce))
-        return True
+            return None
+        conn.sendall(proof(self._secret, b"server", client_nonce, nonce))
+        return Session(self._secret, nonce, client_nonce, server=True)
 
-    def _answer(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+    def _answer(
+        self, header: dict[str, Any], payload: Sequence[bytes]
+    ) -> tuple[dict[str, Any], bytes]:
         op, key = header.get("op"), header.get("key")
-        if not isinstance(key, str) or not self._allowed(key):
-            return {"error": f"key {key!r} is not under {self._prefix}"}, b""
+        refusal = key_refusal(key, self._prefix)
+        if refusal is not None:
+            return {"error": refusal}, b""
+        assert isinstance(key, str)
         try:
             if op == "put":
-                self._storage.write(key, payload)
+                self._storage.start_write(key, payload)()
                 return {"ok": True}, b""
             if op == "get":
                 data = self._storage.read(key)
@@ -218,45 +294,44 @@ class PeerServer:
             if op == "delete":
                 self._storage.delete_prefix(key)
                 return {"ok": True}, b""
-        except CheckpointError as e:
-            return {"error": str(e)}, b""
+        except Exception as e:  # a failed request is an answer; the connection goes on
+            return {"error": f"{op} {key!r} failed: {type(e).__name__}: {e}"}, b""
         return {"error": f"unknown request {op!r}"}, b""
-
-    def _allowed(self, key: str) -> bool:
-        parts = key.split("/")
-        unsafe = any(p in (".", "..") for p in parts) or "" in parts[:-1]
-        return key.startswith(self._prefix) and not unsafe
 
 
 class PeerClient:
     """One authenticated connection to a peer's :class:`PeerServer` (see :func:`connect`)."""
 
-    def __init__(self, sock: socket.socket, peer: str, max_bytes: int) -> None:
+    def __init__(self, sock: socket.socket, session: Session, peer: str, max_bytes: int) -> None:
         self._sock = sock
+        self._session = session
         self.peer = peer
         self._max_bytes = max_bytes
 
     def _call(self, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
         what = f"{header['op']} {header['key']!r} on {self.peer}"
         try:
-            send_frame(self._sock, header, payload)
-            reply, data = recv_frame(self._sock, self._max_bytes)
+            self._session.send(self._sock, header, payload)
+            frame = self._session.recv(self._sock, self._max_bytes)
+            if frame is None:
+                raise Closed("the peer closed the connection")
         except PeerError as e:
-            raise PeerError(f"{what}: {e}") from e
+            raise type(e)(f"{what}: {e}") from e
         except TimeoutError as e:
             raise PeerError(f"{what}: no answer within the timeout ({e})") from e
         except OSError as e:
             raise PeerError(f"{what} failed: {e}") from e
+        reply, pieces = frame
         if "error" in reply:
             raise PeerError(f"{what} refused: {reply['error']}")
-        return reply, data
+        return reply, joined(pieces) if pieces else b""
 
     def put(self, key: str, data: bytes) -> None:
-        """Writes ``data`` as ``key`` on the peer (checked there against its CRC32C)."""
+        """Writes ``data`` as ``key`` on the peer (its MAC checked there)."""
         self._call({"op": "put", "key": key}, data)
 
     def get(self, key: str) -> bytes | None:
-        """The peer's ``key`` (checked against the CRC32C it sent), or None if absent."""
+        """The peer's ``key`` (its MAC checked here), or None if absent."""
         reply, data = self._call({"op": "get", "key": key})
         return data if reply.get("ok") else None
 
@@ -285,27 +360,33 @@ def connect(
     except OSError as e:
         raise PeerError(f"cannot reach the peer at {address} within {timeout_s:g}s: {e}") from e
     with sock:
+        session = _handshake(sock, address, secret, timeout_s)
         sock.settimeout(timeout_s)
+        yield PeerClient(sock, session, address, max_bytes)
+
+
+def _handshake(sock: socket.socket, address: str, secret: bytes, timeout_s: float) -> Session:
+    deadline = time.monotonic() + timeout_s
+    try:
+        hello = recv_exact(sock, len(HELLO) + NONCE_BYTES, deadline=deadline)
+        if not hello.startswith(HELLO):
+            raise PeerAuthError(f"{address} is not a jaxckpt peer listener of this version")
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        server_nonce = hello[len(HELLO) :]
+        sock.sendall(nonce + proof(secret, b"client", server_nonce, nonce))
         try:
-            hello = bytes(_recv_exact(sock, len(HELLO) + NONCE_BYTES))
-            if not hello.startswith(HELLO):
-                raise PeerAuthError(f"{address} is not a jaxckpt peer listener")
-            nonce = secrets.token_bytes(NONCE_BYTES)
-            server_nonce = hello[len(HELLO) :]
-            sock.sendall(nonce + _proof(secret, b"client", server_nonce, nonce))
-            try:
-                proof = bytes(_recv_exact(sock, DIGEST_BYTES))
-            except ConnectionError as e:
-                raise PeerAuthError(
-                    f"the peer at {address} refused the connection: this process does not "
-                    "hold the job's secret"
-                ) from e
-            if not hmac.compare_digest(proof, _proof(secret, b"server", nonce, server_nonce)):
-                raise PeerAuthError(f"the peer at {address} does not know the job's secret")
-        except PeerError:
-            raise
-        except TimeoutError as e:
-            raise PeerError(f"the peer at {address} did not answer within {timeout_s:g}s") from e
-        except OSError as e:
-            raise PeerError(f"the connection to the peer at {address} failed: {e}") from e
-        yield PeerClient(sock, address, max_bytes)
+            their_proof = recv_exact(sock, DIGEST_BYTES, deadline=deadline)
+        except ConnectionError as e:
+            raise PeerAuthError(
+                f"the peer at {address} refused the connection: this process does not "
+                "hold the job's secret"
+            ) from e
+        if not hmac.compare_digest(their_proof, proof(secret, b"server", nonce, server_nonce)):
+            raise PeerAuthError(f"the peer at {address} does not know the job's secret")
+    except PeerError:
+        raise
+    except TimeoutError as e:
+        raise PeerError(f"the peer at {address} did not answer within {timeout_s:g}s") from e
+    except OSError as e:
+        raise PeerError(f"the connection to the peer at {address} failed: {e}") from e
+    return Session(secret, server_nonce, nonce, server=False)

@@ -21,8 +21,11 @@ placement (:mod:`jaxckpt._placement`). It does two things:
   older than the newest durable step, is *healed*: each process lacking its
   part fetches it from a holder (every file checked against the replica's
   index, the next holder tried when a copy is corrupt) and commits it again on
-  its own local root; holders that lost their replica get it again. The
-  restore selection then finds the step on every process's local tier.
+  its own local root; holders that lost their replica get it again. When some
+  process finds no intact copy of its part, every process goes on to the next
+  newest complete step (:func:`fallback` says which, and the log says it), so
+  one corrupt replica costs one step, not every local step. The restore
+  selection then finds the step on every process's local tier.
 
 :func:`join_tiers` opens it, as the local tier's ``peers`` (a tier without
 replicas has :class:`~jaxckpt._tier.NoReplicas`, which does nothing); the
@@ -65,6 +68,9 @@ from jaxckpt.errors import CheckpointError, CorruptCheckpointError, PeerError
 log = logging.getLogger("jaxckpt")
 
 PEER_HOST_ENV = "JAXCKPT_PEER_HOST"
+MIN_FRAME_BYTES = 256 << 20
+"""The least a peer accepts in one frame: a file of a part is at most ``max_object_bytes``
+(a chunk or a pack), but a process's manifest part can be larger."""
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
@@ -76,17 +82,33 @@ def heal_target(
     reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
     step: int | None,
     durable: int | None,
+    *,
+    below: int | None = None,
 ) -> int | None:
     """The step to heal, from every process's (own steps, replicas held) report.
 
-    The newest step (or ``step``) whose every process's part is on some
-    process (its own, or a replica), that some process lacks on its own
-    root, and that is not older than the newest ``durable`` step; else None.
+    The newest step older than ``below`` (or ``step``) whose every process's
+    part is on some process (its own, or a replica), that some process lacks
+    on its own root, and that is not older than the newest ``durable`` step;
+    else None.
 
     >>> heal_target([([1, 2], []), ([1], [(2, 0, "a")]), ([1], [(2, 1, "b")])], None, 1)
     >>> heal_target([([1, 2], [(2, 2, "c")]), ([1], [(2, 0, "a")]), ([1], [(2, 1, "b")])], None, 1)
     2
     """
+    complete, everywhere = _coverage(reports)
+    if below is not None:
+        complete = {s for s in complete if s < below}
+    target = step if step is not None else max(complete, default=None)
+    if target is None or target not in complete or target in everywhere:
+        return None
+    return None if durable is not None and target < durable else target
+
+
+def _coverage(
+    reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
+) -> tuple[set[int], set[int]]:
+    """The steps complete in the union of the local tiers, and those every process holds."""
     parts: dict[int, set[int]] = {}
     everywhere: set[int] | None = None
     for process, (own, held) in enumerate(reports):
@@ -97,10 +119,45 @@ def heal_target(
             parts.setdefault(s, set()).add(source)
         everywhere = own if everywhere is None else everywhere & own
     complete = {s for s, ps in parts.items() if len(ps) == len(reports)}
-    target = step if step is not None else max(complete, default=None)
-    if target is None or target not in complete or target in (everywhere or set()):
-        return None
-    return None if durable is not None and target < durable else target
+    return complete, everywhere or set()
+
+
+def fallback(
+    reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
+    failed: int,
+    durable: int | None,
+    *,
+    asked: bool,
+) -> tuple[int | None, str]:
+    """After healing step ``failed`` failed: the next step to heal (None: no more) and
+    what the restore does instead, said in words for the log.
+
+    >>> reports = [([2, 3], [(2, 1, "a"), (3, 1, "a")]), ([], [(2, 0, "a"), (3, 0, "a")])]
+    >>> fallback(reports, 3, None, asked=False)
+    (2, 'healing step 2 instead, the next newest step complete across the local tiers')
+    >>> fallback([([2, 3], []), ([2], [(3, 0, "a")])], 3, None, asked=False)
+    (None, 'the restore reads step 2, which every process holds on its local tier')
+    >>> fallback(reports, 3, 1, asked=True)
+    (None, 'the restore of step 3 reads the durable root if it holds the step')
+    """
+    if asked:
+        return None, f"the restore of step {failed} reads the durable root if it holds the step"
+    nxt = heal_target(reports, None, durable, below=failed)
+    if nxt is not None:
+        return (
+            nxt,
+            f"healing step {nxt} instead, the next newest step complete across the local tiers",
+        )
+    complete, everywhere = _coverage(reports)
+    older = max((s for s in complete if s < failed), default=None)
+    if older is not None and older in everywhere and (durable is None or older >= durable):
+        return None, f"the restore reads step {older}, which every process holds on its local tier"
+    if durable is not None:
+        return None, f"the restore reads the durable root (its newest step is {durable})"
+    return None, (
+        "no older step is complete across the local tiers and nothing is durable: "
+        "there is no step to restore"
+    )
 
 
 class Peers:
@@ -128,8 +185,13 @@ class Peers:
         self._secret = bytes.fromhex(
             agreement.agree("peer-secret", new_secret().hex() if primary else None)
         )
+        self._max_bytes = max(options.max_object_bytes, MIN_FRAME_BYTES)
         self._server = PeerServer(
-            self._local.storage, self._secret, host=bind_host(options), timeout_s=self._timeout_s
+            self._local.storage,
+            self._secret,
+            host=bind_host(options),
+            timeout_s=self._timeout_s,
+            max_bytes=self._max_bytes,
         )
         try:
             self.addresses: list[str] = agreement.gather("peer-addresses", self._server.address)
@@ -142,7 +204,12 @@ class Peers:
         self._server.close()
 
     def _connect(self, process: int) -> Any:
-        return connect(self.addresses[process], self._secret, timeout_s=self._timeout_s)
+        return connect(
+            self.addresses[process],
+            self._secret,
+            timeout_s=self._timeout_s,
+            max_bytes=self._max_bytes,
+        )
 
     def _where(self, process: int) -> str:
         return (
@@ -202,6 +269,11 @@ class Peers:
                     data = storage.read(key)
                     if data is None:
                         raise CheckpointError(f"{self._local.uri}/{key} vanished while replicated")
+                    if len(data) > self._max_bytes:
+                        raise PeerError(
+                            f"{self._local.uri}/{key} is {len(data)} bytes, over the peer "
+                            f"transport's bound of {self._max_bytes} (max_object_bytes)"
+                        )
                     name = key[len(loc.prefix) :]
                     peer.put(base + name, data)
                     files[name] = FileDigest.of(data)
@@ -231,24 +303,50 @@ class Peers:
 
     def heal(self, step: int | None) -> None:
         """Brings the newest step complete in the union of the local tiers (or ``step``)
-        back onto every process's own local root (collective; see the module docstring)."""
+        back onto every process's own local root (collective; see the module docstring).
+
+        When a process finds no intact copy of its part of that step, every process
+        goes on to the next newest complete step (never older than the newest durable
+        one); the log says which step the restore gets instead.
+        """
         own = self._local.visible()
         held = self.held()
-        reports = self._agreement.gather("peer-coverage", [own, held])
+        gathered = self._agreement.gather("peer-coverage", [own, held])
         marker = self._durable.latest() if self.me == self._agreement.primary else None
         durable = self._agreement.agree("peer-durable", None if marker is None else marker.step)
-        target = heal_target([(o, [tuple(h) for h in hs]) for o, hs in reports], step, durable)
-        if target is None:
-            return
-        if target not in own:
-            sources = [
-                (p, attempt)
-                for p, (_, hs) in enumerate(reports)
-                for s, source, attempt in hs
-                if s == target and source == self.me
-            ]
-            self._fetch(target, sources)
-        self._replenish(target, reports)
+        reports = [(list(o), [(int(s), int(p), str(a)) for s, p, a in hs]) for o, hs in gathered]
+        target = heal_target(reports, step, durable)
+        while target is not None:
+            fetched = True
+            if target not in own:
+                sources = [
+                    (p, attempt)
+                    for p, (_, hs) in enumerate(reports)
+                    for s, source, attempt in hs
+                    if s == target and source == self.me
+                ]
+                try:
+                    fetched = self._fetch(target, sources)
+                except CheckpointError as e:  # this process's own root failed: said, agreed
+                    log.warning(
+                        "step %d: fetching process %d's part failed: %s", target, self.me, e
+                    )
+                    fetched = False
+            outcomes = self._agreement.gather(f"peer-healed-{target}", fetched)
+            failed = [p for p, ok in enumerate(outcomes) if not ok]
+            if not failed:
+                self._replenish(target, reports)
+                return
+            nxt, instead = fallback(reports, target, durable, asked=step is not None)
+            log.warning(
+                "step %d cannot be healed: no peer holds an intact copy of the part of "
+                "process%s %s; %s",
+                target,
+                "es" if len(failed) > 1 else "",
+                ", ".join(map(str, failed)),
+                instead,
+            )
+            target = nxt
 
     def _fetch(self, step: int, sources: Sequence[tuple[int, str]]) -> bool:
         """Fetches this process's part of ``step`` from the first holder with an intact
@@ -287,12 +385,7 @@ class Peers:
                 self._local.uri,
             )
             return True
-        log.warning(
-            "step %d: no peer holds an intact copy of process %d's part; the restore reads "
-            "an older step or the durable root",
-            step,
-            self.me,
-        )
+        log.warning("step %d: no peer holds an intact copy of process %d's part", step, self.me)
         return False
 
     def _request_again(self, index: ReplicaIndex) -> None:

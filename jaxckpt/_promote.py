@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from jaxckpt import policy
+from jaxckpt._backoff import Backoff
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._decision import retention_decision
 from jaxckpt._layout import (
@@ -61,6 +62,9 @@ UPLOADED = "part uploaded"
 FENCED = "fenced"
 FAILED = "failed"
 ARCHIVED = "archived"
+RETRY_BACKOFF_S = (1.0, 60.0)
+"""The wait before retrying a step whose promotion failed: the first, and the longest (it
+doubles with each failure in a row, with jitter; see ``_backoff``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +216,10 @@ class Promoter:
       parts_timeout_s: multi-host, the primary's promoter: how long it waits
         for the other hosts' parts before giving up on this pass (the request
         stays; the next pass waits again).
+      backoff_s: a step whose promotion failed (the store failed; its request
+        stays) is left alone for ``backoff_s[0]`` seconds, doubling with each
+        failure in a row up to ``backoff_s[1]``, with jitter: passes in between
+        skip it, and each failure is logged once.
     """
 
     def __init__(
@@ -223,6 +231,7 @@ class Promoter:
         retention: policy.RetentionPolicy | None = None,
         on_result: Callable[[PromotionResult], None] | None = None,
         parts_timeout_s: float = 300.0,
+        backoff_s: tuple[float, float] = RETRY_BACKOFF_S,
     ) -> None:
         self.local = local
         self.durable = durable
@@ -232,6 +241,8 @@ class Promoter:
         self._on_result = on_result
         self._warned_fenced: set[int] = set()
         self._stop: threading.Event | None = None
+        self.backoff = Backoff(first_s=backoff_s[0], longest_s=backoff_s[1])
+        """The steps left alone after a failure (and, as ``None``, failed passes)."""
 
     def writer(self, epoch: int) -> CommitProtocol:
         """A protocol of the durable root that writes (and fence-checks) as ``epoch``."""
@@ -258,27 +269,50 @@ class Promoter:
         """Promotes every requested step that is not durable yet, newest first.
 
         A step that cannot be copied because the store failed keeps its request
-        (the next pass retries it); one whose local copy is corrupt or gone
-        loses it (logged). ``stop`` ends the pass between steps.
+        and is retried after a back-off (passes before then skip it; the failure
+        is logged once); one whose local copy is corrupt or gone loses it
+        (logged). ``stop`` ends the pass between steps.
         """
         results = []
         self._stop = stop
         for request in self.pending():
             if stop is not None and stop.is_set():
                 break
+            if not self.backoff.due(request.step):
+                continue
             try:
                 result = self.promote(request)
             except CheckpointError as e:  # this step only: the pass goes on with the rest
-                log.error(
-                    "promotion of step %d failed (retried on the next pass): %s", request.step, e
-                )
                 result = PromotionResult(
                     step=request.step, outcome=FAILED, request=request, error=str(e)
                 )
+            self._note(result)
             results.append(result)
             if self._on_result is not None:
                 self._on_result(result)
         return results
+
+    def _note(self, result: PromotionResult) -> None:
+        """Backs off from a step that failed or was fenced (its request stays), logged once
+        per failure; forgets a step that is done."""
+        step = result.step
+        if result.outcome not in (FAILED, FENCED):
+            self.backoff.succeeded(step)
+            return
+        if (
+            self.local.storage.read(promote_key(step)) is None
+        ):  # its local copy is damaged or gone: said where it was dropped
+            self.backoff.succeeded(step)
+            return
+        delay = self.backoff.failed(step)
+        if result.outcome == FAILED:
+            log.error(
+                "promotion of step %d failed (%d in a row; retried in %.1fs): %s",
+                step,
+                self.backoff.failures(step),
+                delay,
+                result.error,
+            )
 
     def promote(self, request: PromotionRequest) -> PromotionResult:
         """Copies one requested step (multi-host: this host's part) to the durable root."""
@@ -318,8 +352,7 @@ class Promoter:
                 log.info("promotion of step %d skipped: deleted from %s", step, self.local.where())
                 withdraw(self.local, step)
                 return PromotionResult(step=step, outcome=GONE, request=request)
-            if not isinstance(e, CorruptCheckpointError):
-                log.error("promotion of step %d failed (retried on the next pass): %s", step, e)
+            if not isinstance(e, CorruptCheckpointError):  # retried after a back-off (logged)
                 return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
             log.error("promotion of step %d failed; its local copy is damaged: %s", step, e)
             withdraw(self.local, step)
@@ -439,23 +472,37 @@ class Promoter:
         on_pass: Callable[[list[PromotionResult]], None] | None = None,
     ) -> None:
         """Runs :meth:`promote_once` until ``stop`` is set, every ``interval_s``
-        seconds (or at once when ``wake`` is set). A failed pass is logged and retried."""
+        seconds, when a step left alone after a failure is due again, or at once
+        when ``wake`` is set (a new local commit). A failed pass is logged and
+        retried after a back-off, whatever wakes it meanwhile."""
         while not stop.is_set():
             if wake is not None:
                 wake.clear()
             try:
                 results = self.promote_once(stop=stop)
+                self.backoff.succeeded(None)
             except CheckpointError as e:
-                log.error("promotion pass from %s failed: %s", self.local.where(), e)
-                results = []
+                delay = self.backoff.failed(None)
+                log.error(
+                    "promotion pass from %s failed (retried in %.1fs): %s",
+                    self.local.where(),
+                    delay,
+                    e,
+                )
+                if on_pass is not None:
+                    on_pass([])
+                stop.wait(delay)
+                continue
             if on_pass is not None:
                 on_pass(results)
             if results and any(r.outcome == PROMOTED for r in results):
                 continue  # more may have arrived meanwhile
+            due = self.backoff.next_due_s()
+            timeout = interval_s if due is None else min(interval_s, due)
             if wake is not None:
-                wake.wait(interval_s)
+                wake.wait(timeout)
             else:
-                stop.wait(interval_s)
+                stop.wait(timeout)
 
 
 def archive_once(

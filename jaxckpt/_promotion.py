@@ -337,8 +337,7 @@ class Promotion:
                     f"step {target} did not become durable under {self.uri} within "
                     f"{timeout_s:.0f}s" + (f" (last error: {error})" if error else "")
                 )
-            self._wake.set()
-            time.sleep(delay)
+            time.sleep(delay)  # the promoter keeps its own pace (a failing step backs off)
             delay = min(delay * 2, 0.5)
 
     def close(self, timeout_s: float) -> None:
@@ -346,14 +345,16 @@ class Promotion:
         if self._thread is None:
             return
         deadline = time.monotonic() + timeout_s
+        delay = 0.05
         try:
             while (left := self.pending_steps()) and time.monotonic() < deadline:
                 with self._lock:
                     fenced = any(self._errors.get(s, ("",))[0] == FENCED for s in left)
                 if fenced:
                     break  # this job may no longer write there: nothing left to wait for
-                self._wake.set()
-                time.sleep(0.05)
+                # The promoter keeps its own pace (a failing step backs off); this only looks.
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 1.0)
             try:  # drops the requests of durable steps (another host's promoter committed)
                 if self._promoter is not None:
                     self._promoter.pending()

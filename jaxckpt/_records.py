@@ -162,6 +162,9 @@ class ManifestPart:
     that its chunks are raw bytes plus a CRC32C trailer. Written as ``"codecs":
     "bytes+crc32c"`` by saves since this field exists; a part without it (older saves,
     ``jaxckpt cp --compress``) has each array's ``zarr.json`` read instead."""
+    process_state: Mapping[str, Any] | None = None
+    """This process's ``save(process_state=...)`` as a record (see ``_procstate``); readers
+    that predate it ignore the field."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -181,6 +184,8 @@ class ManifestPart:
             body.update(version=PACKED_VERSION, layout=self.layout, packs=dict(self.packs))
         if self.plain_codecs:
             body["codecs"] = PLAIN_CODECS
+        if self.process_state is not None:
+            body["process_state"] = dict(self.process_state)
         return dumps(body)
 
     @classmethod
@@ -212,6 +217,9 @@ class ManifestPart:
                         f"{what}: chunk {c.key} of {name} lies outside the packs the part lists "
                         f"({c.pack} at byte {c.offset}, {c.size} bytes)"
                     )
+        state = obj.get("process_state")
+        if state is not None and not isinstance(state, dict):
+            raise CorruptCheckpointError(f"{what}: malformed process_state")
         return cls(
             step=_int(obj["step"], what, "step"),
             process=_int(obj["process"], what, "process"),
@@ -220,6 +228,7 @@ class ManifestPart:
             layout=layout,
             packs=packs,
             plain_codecs=obj.get("codecs") == PLAIN_CODECS,
+            process_state=state,
         )
 
     @property

@@ -333,6 +333,8 @@ class CheckedStep:
     chunks: Mapping[str, tuple[ChunkRecord, ...]]
     layout: str
     plain_codecs: bool
+    process_states: Mapping[int, Any] = field(default_factory=dict)
+    """The parts' ``process_state`` records, by process (see ``_procstate``)."""
 
 
 def read_checked(protocol: CommitProtocol, marker: CommitMarker) -> CheckedStep:
@@ -366,4 +368,5 @@ def read_checked(protocol: CommitProtocol, marker: CommitMarker) -> CheckedStep:
         chunks={k: tuple(v) for k, v in chunks.items()},
         layout=layout,
         plain_codecs=plain_codecs,
+        process_states={p.process: p.process_state for p in parts if p.process_state},
     )

@@ -49,6 +49,8 @@ The other benchmarks are subcommands of this one entry point, each a module
     python scripts/bench.py listing   # open, latest_step(), restore(), save at 10-10,000 steps
     python scripts/bench.py peers     # replicated vs single-node local commits, restore after
                                       # a lost node from peers vs the durable root
+    python scripts/bench.py scale     # 2-16 real JAX processes: requests, metadata bytes and
+                                      # coordination calls per process (not part of ``all``)
     python scripts/bench.py all [--out results/] [--tiny] [--parts core,tiers,...]
 
 ``all`` runs every part (``core`` is the default benchmark above), one after
@@ -256,7 +258,7 @@ def _maybe_object_stores(s: Settings) -> Iterator[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in SUBCOMMANDS:  # imported only here: packed sets XLA_FLAGS on import
+    if argv and argv[0] in (*SUBCOMMANDS, "scale"):  # imported only here: packed sets XLA_FLAGS
         return int(importlib.import_module(f"benchkit.{argv[0]}").main(argv[1:]))
     if argv and argv[0] == "all":
         return run_suite(argv[1:])

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from jaxckpt import PeerAuthError, PeerError
-from jaxckpt._peer import PeerServer, connect, new_secret, recv_frame, send_frame
+from jaxckpt._peer import PeerServer, connect, new_secret
 from jaxckpt.storage import open_storage
 
 
@@ -44,9 +44,9 @@ def test_keys_outside_the_served_prefix_are_refused(served):
     storage.write("jaxckpt.json", b"own")
     with connect(server.address, secret, timeout_s=5.0) as peer:
         for key in ("jaxckpt.json", "replicas/../jaxckpt.json", "replicas//x", "attempts/1/x"):
-            with pytest.raises(PeerError, match="is not under replicas/"):
+            with pytest.raises(PeerError, match="is refused"):
                 peer.get(key)
-            with pytest.raises(PeerError, match="is not under replicas/"):
+            with pytest.raises(PeerError, match="is refused"):
                 peer.put(key, b"evil")
     assert storage.read("jaxckpt.json") == b"own"
     assert storage.list("attempts/") == []
@@ -70,23 +70,6 @@ def test_a_wrong_secret_is_refused_both_ways_and_nothing_is_written(served, capl
             pass
     finally:
         impostor.close()
-
-
-def test_a_payload_that_fails_its_crc_is_refused_and_not_written(served):
-    storage, secret, server = served
-    with connect(server.address, secret, timeout_s=5.0) as peer:
-        sock = peer._sock
-        send_frame(sock, {"op": "put", "key": "replicas/000000000001/0/x"}, b"good bytes")
-        assert recv_frame(sock, 1 << 20)[0] == {"ok": True, "size": 0, "crc32c": 0}
-        # the same frame with one payload byte flipped after its CRC was computed
-        header = b'{"op":"put","key":"replicas/000000000001/0/y","size":10,"crc32c":%d}' % (
-            __import__("jaxckpt._records", fromlist=["crc32c"]).crc32c(b"good bytes")
-        )
-        sock.sendall(len(header).to_bytes(4, "big") + header + b"good bytez")
-        with pytest.raises((ConnectionError, OSError)):
-            recv_frame(sock, 1 << 20)  # the server drops the connection
-    assert storage.read("replicas/000000000001/0/x") == b"good bytes"
-    assert storage.read("replicas/000000000001/0/y") is None
 
 
 def test_a_frame_over_the_bound_is_refused(tmp_path):

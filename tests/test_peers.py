@@ -14,9 +14,11 @@ a. node 0's local tier wiped: process 0 fetches its part of step 3 from
    back), and every process restores step 3 bit-exactly; a connection with a
    wrong secret is turned away;
 d. node 1's local tier wiped and its only replica (on node 2) corrupted on
-   disk: the damage is detected, never committed, and step 2 (local where it
-   is, durable on node 1) is restored bit-exactly; with ``local_replicas=3``
-   the other replica (node 3) is used instead;
+   disk: the damage is detected, never committed, and step 2 (not complete
+   across the local tiers since node 0 was lost too) is restored bit-exactly
+   from the durable root, the log saying so; with ``local_replicas=3`` the other
+   replica (node 3) is used instead (a test below); with only older replicas
+   intact, the next newest local step is healed (a test below);
 b. three of four local tiers wiped: the newest durable step (2);
 c. a holder SIGKILLed while its peer replicates to it: that save fails on the
    survivors within the bound, and the older step still restores.
@@ -123,13 +125,20 @@ def test_lose_nodes_restore_from_peers_then_from_the_durable_root(
         k.startswith("replicas/000000000009") for k in open_storage(f"{local}1").list("")
     )
 
-    # (d) node 1 lost and its only replica of step 3 (on node 2) corrupted on disk.
+    # (d) node 1 lost and its only replica of step 3 (on node 2) corrupted on disk. Step 2
+    # is not complete across the local tiers either (process 0's part of it was on nodes 0
+    # and 1, both lost since): the durable root, and the log says so.
     shutil.rmtree(f"{local}1")
     corrupt_replica(local, holder=2, step=3, source=1)
     procs = restore(tmp_path, root, local)
     assert mh.restored_steps(procs) == [2] * PROCS
     assert procs[1].said("REPLICA UNUSABLE") == ["REPLICA UNUSABLE"], procs[1].report()
     assert "does not match its checksum" in procs[1].stderr()
+    for p in procs:
+        assert (
+            "step 3 cannot be healed: no peer holds an intact copy of the part of process 1; "
+            "the restore reads the durable root (its newest step is 2)"
+        ) in p.stderr(), p.report()
     assert CommitProtocol(open_storage(f"{local}1")).visible_refs().keys() == set()
     assert procs[1].said("TIER") == ["TIER durable"], procs[1].report()
 
@@ -149,6 +158,45 @@ def corrupt_replica(local: Path, *, holder: int, step: int, source: int) -> None
     data = bytearray(storage.read(chunk) or b"")
     data[0] ^= 0xFF
     storage.write(chunk, bytes(data))
+
+
+PAIR = {"processes": 2, "devices": 1, "mesh": "2x1"}
+
+
+def test_a_corrupt_newest_replica_heals_the_next_newest_step_with_nothing_durable(
+    tmp_path: Path,
+) -> None:
+    """2 processes on 2 nodes, steps 1 and 2 saved locally, nothing promoted (external
+    promotion, no sidecar). Node 0's local tier is wiped and its replica of step 2 (on
+    node 1) damaged: step 1, whose replica is intact, is healed and restored bit-exactly
+    on both processes (before: both skipped every local step and, with nothing durable,
+    raised StepNotFoundError after logging that an older step would be read)."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    extra = args(local, "--promotion=external")
+    nodes = {i: NODES[i] for i in range(2)}
+    procs = mh.run_group(
+        tmp_path, root, mode="save", steps=(1, 2), extra=extra, env_for=nodes, **PAIR
+    )
+    for p in procs:
+        assert p.said("COMMITTED") == ["COMMITTED 1", "COMMITTED 2"], p.report()
+    assert mh.committed_steps(root) == []
+    assert replicas(local, 1) == {(1, 0), (2, 0)}
+    shutil.rmtree(f"{local}0")
+    corrupt_replica(local, holder=1, step=2, source=0)
+    procs = mh.restore(tmp_path, root, extra=extra, env_for=nodes, **PAIR)
+    assert mh.restored_steps(procs) == [1, 1]
+    said = (
+        "step 2 cannot be healed: no peer holds an intact copy of the part of process 0; "
+        "healing step 1 instead"
+    )
+    for p in procs:
+        assert p.said("CHECKED") == ["CHECKED 5"], p.report()  # bit-exact, every leaf
+        assert p.said("TIER") == ["TIER local"], p.report()
+        assert said in p.stderr(), p.report()
+        assert "reads an older step" not in p.stderr()
+    assert procs[0].said("REPLICA UNUSABLE") == ["REPLICA UNUSABLE"], procs[0].report()
+    assert procs[0].said("HEALED") == ["HEALED"], procs[0].report()
+    assert CommitProtocol(open_storage(f"{local}0")).visible_refs().keys() == {1}
 
 
 def test_a_corrupt_replica_is_detected_and_the_other_copy_used(tmp_path: Path) -> None:

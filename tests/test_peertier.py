@@ -40,6 +40,23 @@ def test_heal_target(reports, step, durable, target):
     assert heal_target(reports, step, durable) == target
 
 
+@pytest.mark.parametrize(
+    ("reports", "durable", "below", "target"),
+    [
+        # step 3 failed: step 2, complete and lacked by process 1, is next
+        ([([2, 3], [(2, 1, A), (3, 1, A)]), ([], [(2, 0, A), (3, 0, A)])], None, 3, 2),
+        # ... not when the durable root holds something newer than it
+        ([([2, 3], [(2, 1, A), (3, 1, A)]), ([], [(2, 0, A), (3, 0, A)])], 3, 3, None),
+        # step 2 lacks process 1's part: step 1 is the next complete one
+        ([([1, 2, 3], [(1, 1, A), (3, 1, A)]), ([], [(1, 0, A), (2, 0, A)])], None, 3, 1),
+        # nothing older is complete
+        ([([3], [(3, 1, A)]), ([], [(3, 0, A)])], None, 3, None),
+    ],
+)
+def test_heal_target_below_a_step_that_failed(reports, durable, below, target):
+    assert heal_target(reports, None, durable, below=below) == target
+
+
 def test_replica_index_round_trips_and_detects_damage():
     index = ReplicaIndex(
         step=7,

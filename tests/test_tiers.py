@@ -406,3 +406,18 @@ def test_an_invalid_durable_root_is_refused_before_the_local_root_is_written(tmp
     with pytest.raises(jaxckpt.CheckpointError, match="root"):
         jaxckpt.CheckpointManager(durable, local_root=str(local))
     assert not local.exists()  # no root record, no local epoch, no directory
+
+
+def test_promote_from_a_plain_root_is_an_error(tmp_path, capsys):
+    """A root without a local tier (no tier.json, no promotion requests): exit 2 with one
+    line, and the destination is not created (before: exit 0, "promoted 0 steps")."""
+    from jaxckpt import cli
+
+    plain, dest = tmp_path / "plain", tmp_path / "dest"
+    with jaxckpt.CheckpointManager(plain) as mgr:
+        mgr.save(1, {"x": np.arange(4)})
+    assert cli.main(["promote", str(plain), str(dest)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"jaxckpt: error: {plain} is not a local tier"), err
+    assert not dest.exists()

@@ -3,6 +3,8 @@
 With ``--devices`` and ``--leaves``, also each layout's objects and request cost per
 checkpoint (:func:`jaxckpt._plan.object_plan`) and the time floor of one save and one
 restore on a far-away store (:mod:`jaxckpt._floors`, which states the model).
+With ``--processes``, instead, one save and one restore at cluster scale
+(:mod:`jaxckpt.cli._scaleplan`, :mod:`jaxckpt._scalemodel`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,20 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
+from jaxckpt.cli import _scaleplan
 from jaxckpt.cli._common import command
 from jaxckpt.cli._output import err, json_out
 
+_INTERVAL_OPTIONS = (
+    "params",
+    "step_seconds",
+    "write_gbps",
+    "every_steps",
+    "mtbf_hours",
+    "gpus",
+    "gpu_hour_usd",
+)
+"""Required unless ``--processes`` asks for the scale model only."""
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
 
@@ -32,14 +45,14 @@ def count(text: str) -> float:
 
 def register(sub: Any) -> None:
     p = command(sub, "plan", cmd_plan, "what a checkpoint interval costs, and Daly's optimal one")
-    p.add_argument("--params", type=count, required=True, help="parameter count (30e9 or 30B)")
+    p.add_argument("--params", type=count, help="parameter count (30e9 or 30B)")
     p.add_argument("--bytes-per-param", type=float, default=2.0, help="default 2 (bf16)")
-    p.add_argument("--step-seconds", type=float, required=True, help="seconds per step")
-    p.add_argument("--write-gbps", type=float, required=True, help="write speed, GB/s")
-    p.add_argument("--every-steps", type=int, required=True, help="save every N steps")
-    p.add_argument("--mtbf-hours", type=float, required=True, help="job's mean time to failure")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs idle during a blocking save")
-    p.add_argument("--gpu-hour-usd", type=float, required=True, help="price of a GPU-hour")
+    p.add_argument("--step-seconds", type=float, help="seconds per step")
+    p.add_argument("--write-gbps", type=float, help="write speed, GB/s")
+    p.add_argument("--every-steps", type=int, help="save every N steps")
+    p.add_argument("--mtbf-hours", type=float, help="job's mean time to failure")
+    p.add_argument("--gpus", type=int, help="GPUs idle during a blocking save")
+    p.add_argument("--gpu-hour-usd", type=float, help="price of a GPU-hour")
     p.add_argument("--run-hours", type=float, default=504.0, help="training hours (default 504)")
     p.add_argument(
         "--async-blocking-seconds",
@@ -82,11 +95,22 @@ def register(sub: Any) -> None:
         help="requests in flight per process (default ObjectStoreOptions.request_concurrency, 32)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
+    _scaleplan.register_options(p)
+    p.set_defaults(plan_parser=p)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from jaxckpt._plan import plan
 
+    if args.processes is not None:
+        try:
+            return _scaleplan.run(args, _link(args))
+        except ValueError as e:
+            err(str(e))
+            return 2
+    missing = [f"--{n.replace('_', '-')}" for n in _INTERVAL_OPTIONS if getattr(args, n) is None]
+    if missing:
+        args.plan_parser.error(f"the following arguments are required: {', '.join(missing)}")
     try:
         result = plan(
             params=args.params,
@@ -156,7 +180,7 @@ def _link_dict(link: Any) -> dict[str, float]:
 
 
 def _floors(args: argparse.Namespace, checkpoint_bytes: float) -> tuple[Any, dict[str, Any]]:
-    from jaxckpt._floors import Link, floors
+    from jaxckpt._floors import floors
     from jaxckpt._plan import process_share
 
     share = process_share(
@@ -167,14 +191,20 @@ def _floors(args: argparse.Namespace, checkpoint_bytes: float) -> tuple[Any, dic
         max_object_bytes=args.max_object_bytes,
         objects_in_flight=args.objects_in_flight,
     )
+    link = _link(args)
+    return link, floors(share, leaves=args.leaves, link=link)
+
+
+def _link(args: argparse.Namespace) -> Any:
+    from jaxckpt._floors import Link
+
     extra = {} if args.connections is None else {"connections": args.connections}
-    link = Link(
+    return Link(
         conn_bytes_per_s=args.conn_mbps * 1e6,
         rtt_s=args.rtt_ms / 1e3,
         host_bytes_per_s=args.host_gbps * 1e9,
         **extra,
     )
-    return link, floors(share, leaves=args.leaves, link=link)
 
 
 def _layouts(args: argparse.Namespace, checkpoint_bytes: float, checkpoints: int) -> dict[str, Any]:

@@ -70,6 +70,7 @@ def register(sub: Any) -> None:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from jaxckpt import policy
+    from jaxckpt._layout import PROMOTE, TIER_RECORD
     from jaxckpt._owner import refusal
     from jaxckpt._promote import PROMOTED, Promoter, PromotionResult, archive_once
     from jaxckpt.cli._metrics import PromoterMetrics
@@ -79,6 +80,13 @@ def cmd_promote(args: argparse.Namespace) -> int:
         err("--metrics-port needs --watch")
         return 2
     local = open_root(args.local_root)
+    if local.storage.read(TIER_RECORD) is None and not local.storage.list(PROMOTE):
+        err(
+            f"{local.storage.uri} is not a local tier: it records no durable root "
+            f"({TIER_RECORD}) and holds no promotion requests; `jaxckpt promote` copies from a "
+            "tiered job's local_root (use `jaxckpt cp` to copy a plain root)"
+        )
+        return 2
     durable_storage = open_storage(args.root)
     refused = refusal(local.storage, durable_storage.uri)  # before the durable root is written
     if refused is not None:

@@ -18,7 +18,11 @@ emulator) and, per TCP connection,
 
 It counts connections, HTTP requests (parsed from the client's byte stream:
 request line, headers, a ``Content-Length`` or chunked body) and bytes, so a
-benchmark can report requests per step without reading server logs.
+benchmark can report requests per step without reading server logs. With
+``exchanges`` set to a list it also records each request as an
+:class:`Exchange`: when it started, its request line, and the status and body
+bytes of its response (parsed from the server's byte stream by
+:class:`ResponseCounter`), so requests can be told apart by kind and key.
 
 It forwards to a loopback address only (checked when it is constructed) and
 listens on 127.0.0.1. Stdlib only; it runs in threads of the calling
@@ -30,6 +34,7 @@ process: per connection, a reader and a writer thread for each direction.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import ipaddress
@@ -156,6 +161,109 @@ class RequestCounter:
         return started
 
 
+@dataclasses.dataclass
+class Exchange:
+    """One HTTP request through the proxy and what its response carried (filled in as it comes).
+
+    Mutable on purpose: the request side creates it, the response side fills it in.
+    """
+
+    started: float
+    """``time.monotonic()`` when the request's head had arrived (shared by every process of
+    the machine, so a child's own monotonic stamps bracket it)."""
+    method: str
+    target: str
+    """The request target as sent: ``/bucket/key?query``."""
+    status: int = 0
+    """The response's status; 0 while no response has come."""
+    received: int = 0
+    """Body bytes of the response (chunked bodies: their bytes as framed)."""
+
+
+class ResponseCounter:
+    """Splits a server's HTTP/1.x byte stream into responses, filling in their exchanges.
+
+    Responses come in request order on a connection, so each one (bar ``1xx``
+    interim responses) completes the oldest exchange of ``pending``. A response
+    to HEAD, a 204 and a 304 have no body; otherwise ``Content-Length``, a
+    chunked body, or every byte until the connection closes.
+    """
+
+    def __init__(self, pending: collections.deque[Exchange]) -> None:
+        self._pending = pending
+        self._current: Exchange | None = None
+        self._head = b""
+        self._body_left = 0
+        self._chunked = False
+        self._until_close = False
+        self._tail = b""
+
+    def feed(self, data: bytes) -> None:
+        while data:
+            if self._until_close or self._body_left or self._chunked:
+                data = self._body(data)
+                continue
+            self._head += data
+            end = self._head.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head, data = self._head[:end], self._head[end + 4 :]
+            self._head = b""
+            self._start(head)
+
+    def _start(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        try:
+            status = int(lines[0].split()[1])
+        except (IndexError, ValueError):
+            status = 0
+        if 100 <= status < 200:
+            return  # an interim response (100 Continue): the final one follows
+        current = self._pending.popleft() if self._pending else None
+        if current is not None:
+            current.status = status
+        self._current = current
+        if (current is not None and current.method == "HEAD") or status in (204, 304):
+            return
+        length = None
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value.strip() or 0)
+            elif name == b"transfer-encoding" and b"chunked" in value.lower():
+                self._chunked = True
+        if self._chunked:
+            return
+        if length is None:
+            self._until_close = True
+        else:
+            self._body_left = length
+
+    def _body(self, data: bytes) -> bytes:
+        """Counts the body bytes at the front of ``data``; returns what follows the body."""
+        if self._until_close:
+            n = len(data)
+        elif self._body_left:
+            n = min(self._body_left, len(data))
+            self._body_left -= n
+        else:  # chunked: up to the terminating zero-length chunk
+            joined = self._tail + data
+            found = joined.find(b"0\r\n\r\n") if joined.startswith(b"0\r\n") else -1
+            if found < 0:
+                found = joined.find(b"\r\n0\r\n\r\n")
+                found = -1 if found < 0 else found + 2
+            if found < 0:
+                self._tail = joined[-6:]
+                n = len(data)
+            else:
+                n = max(0, found + 5 - len(self._tail))
+                self._chunked, self._tail = False, b""
+        if self._current is not None:
+            self._current.received += n
+        return data[n:]
+
+
 def _loopback_address(url: str) -> tuple[str, int]:
     """``(host, port)`` of ``http://HOST:PORT`` if HOST is a loopback address; else ValueError."""
     parts = urllib.parse.urlsplit(url)
@@ -190,6 +298,8 @@ class Shaper:
         self._counts = {"connections": 0, "requests": 0, "bytes_up": 0, "bytes_down": 0}
         self.trace: list[tuple[float, str]] | None = None
         """Set to a list to record ``(monotonic time, request line)`` of every request."""
+        self.exchanges: list[Exchange] | None = None
+        """Set to a list to record every request as an :class:`Exchange`."""
         self._listener = socket.create_server(("127.0.0.1", 0), backlog=256)
         self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._closed = threading.Event()
@@ -218,10 +328,20 @@ class Shaper:
                 self._counts = dict.fromkeys(self._counts, 0)
         return out
 
-    def _trace_request(self, line: bytes) -> None:
-        trace = self.trace
+    def _trace_request(self, line: bytes) -> Exchange | None:
+        """Records one request; its :class:`Exchange` when exchanges are recorded."""
+        trace, exchanges = self.trace, self.exchanges
+        if trace is None and exchanges is None:
+            return None
+        now, text = time.monotonic(), line.decode("latin-1")
         if trace is not None:
-            trace.append((time.monotonic(), line.decode("latin-1")))
+            trace.append((now, text))
+        if exchanges is None:
+            return None
+        method, _, rest = text.partition(" ")
+        exchange = Exchange(started=now, method=method, target=rest.rpartition(" ")[0] or rest)
+        exchanges.append(exchange)
+        return exchange
 
     def _add(self, key: str, n: int) -> None:
         with self._lock:
@@ -258,7 +378,14 @@ class _Connection:
         self._left = 2
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self._requests = RequestCounter(shaper._trace_request)
+        self._pending: collections.deque[Exchange] = collections.deque()
+        self._requests = RequestCounter(self._on_request)
+        self._responses = ResponseCounter(self._pending)
+
+    def _on_request(self, line: bytes) -> None:
+        exchange = self._shaper._trace_request(line)
+        if exchange is not None:
+            self._pending.append(exchange)
 
     def start(self) -> None:
         client, server = self._sockets
@@ -285,6 +412,8 @@ class _Connection:
                 data = _EOF
             if data and count:
                 self._shaper._add("requests", self._requests.feed(data))
+            elif data and self._shaper.exchanges is not None:
+                self._responses.feed(data)
             item = (time.monotonic(), data)
             while True:
                 try:
@@ -338,20 +467,28 @@ class _Connection:
 
 
 class ShaperProcess:
-    """A :class:`Shaper` in a process of its own, so its threads never hold the GIL of the
-    process being measured (they would slow a Python client but not TensorStore's C++ I/O).
+    """:class:`Shaper` proxies in a process of their own, so their threads never hold the GIL
+    of the process being measured (they would slow a Python client but not TensorStore's
+    C++ I/O).
 
     The same interface: ``endpoint``, ``profile``, :meth:`counts`, a context manager.
+    ``copies`` proxies (each in front of ``upstream``, each with its own endpoint in
+    ``endpoints``) tell apart the requests of as many clients, e.g. one per JAX process;
+    with ``record`` each keeps its :class:`Exchange` list (:meth:`exchanges`).
     """
 
-    def __init__(self, upstream: str, profile: Profile = BARE) -> None:
+    def __init__(
+        self, upstream: str, profile: Profile = BARE, *, copies: int = 1, record: bool = False
+    ) -> None:
         import multiprocessing
 
+        if copies < 1:
+            raise ValueError(f"copies must be >= 1, got {copies}")
         self.profile = profile
         ctx = multiprocessing.get_context("spawn")  # never fork a process running jax threads
         self._pipe, child = ctx.Pipe()
         self._process = ctx.Process(
-            target=_serve_shaper, args=(child, upstream, profile), daemon=True
+            target=_serve_shaper, args=(child, upstream, profile, copies, record), daemon=True
         )
         self._process.start()
         if not self._pipe.poll(30):
@@ -360,7 +497,8 @@ class ShaperProcess:
         reply = self._pipe.recv()
         if isinstance(reply, BaseException):
             raise reply
-        self.endpoint: str = reply
+        self.endpoints: list[str] = list(reply)
+        self.endpoint: str = self.endpoints[0]
 
     def __enter__(self) -> ShaperProcess:
         return self
@@ -368,36 +506,58 @@ class ShaperProcess:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def counts(self, reset: bool = False) -> dict[str, int]:
-        """As :meth:`Shaper.counts`."""
-        self._pipe.send(("counts", reset))
+    def counts(self, reset: bool = False, copy: int = 0) -> dict[str, int]:
+        """As :meth:`Shaper.counts`, of proxy ``copy``."""
+        return dict(self._ask("counts", reset, copy))
+
+    def exchanges(self, copy: int = 0, reset: bool = False) -> list[Exchange]:
+        """The exchanges proxy ``copy`` recorded (``record=True``) since the start or a reset."""
+        return list(self._ask("exchanges", reset, copy))
+
+    def _ask(self, command: str, reset: bool, copy: int) -> Any:
+        self._pipe.send((command, reset, copy))
         if not self._pipe.poll(30):
             raise RuntimeError("the shaping proxy's process did not answer within 30 s")
-        return dict(self._pipe.recv())
+        reply = self._pipe.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
 
     def close(self) -> None:
         if self._process.is_alive():
             with contextlib.suppress(OSError):
-                self._pipe.send(("close", False))
+                self._pipe.send(("close", False, 0))
             self._process.join(10)
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
 
 
-def _serve_shaper(pipe: Any, upstream: str, profile: Profile) -> None:
-    try:
-        shaper = Shaper(upstream, profile)
-    except BaseException as e:  # the parent raises it
-        pipe.send(e)
-        return
-    with shaper:
-        pipe.send(shaper.endpoint)
+def _serve_shaper(pipe: Any, upstream: str, profile: Profile, copies: int, record: bool) -> None:
+    with contextlib.ExitStack() as stack:
+        try:
+            shapers = [stack.enter_context(Shaper(upstream, profile)) for _ in range(copies)]
+        except BaseException as e:  # the parent raises it
+            pipe.send(e)
+            return
+        for shaper in shapers:
+            shaper.exchanges = [] if record else None
+        pipe.send([shaper.endpoint for shaper in shapers])
         while True:
             try:
-                command, reset = pipe.recv()
+                command, reset, copy = pipe.recv()
             except EOFError:
                 return
             if command == "close":
                 return
-            pipe.send(shaper.counts(reset=reset))
+            if not 0 <= copy < copies:
+                pipe.send(IndexError(f"no proxy {copy}: there are {copies}"))
+                continue
+            shaper = shapers[copy]
+            if command == "counts":
+                pipe.send(shaper.counts(reset=reset))
+            else:
+                recorded = list(shaper.exchanges or [])
+                if reset and shaper.exchanges is not None:
+                    del shaper.exchanges[: len(recorded)]
+                pipe.send(recorded)

@@ -1,0 +1,146 @@
+"""``jaxckpt plan --processes N[,N...]``: one save and one restore at cluster scale.
+
+The model is :mod:`jaxckpt._scalemodel` (its docstring states it); this module
+reads the options, prints the table and every assumption, or ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from jaxckpt.cli._output import json_out
+
+
+def register_options(p: argparse.ArgumentParser) -> None:
+    """The scale model's options of ``jaxckpt plan``."""
+    g = p.add_argument_group(
+        "scale model (--processes): requests, metadata, coordination and store limits"
+    )
+    g.add_argument(
+        "--processes",
+        type=_counts,
+        help="process counts, e.g. 1024,8192: model one save and one restore at each "
+        "(the interval-cost options are then not needed)",
+    )
+    g.add_argument(
+        "--counts",
+        default="before",
+        help="per-process counts: 'before' (fit to bench.py scale today), 'target' "
+        "(issue 35's), or a `bench.py scale --json` file to fit (default before)",
+    )
+    g.add_argument(
+        "--prefixes",
+        type=int,
+        default=1,
+        help="key prefixes a step's objects spread over (1: today; e.g. 256 hashed)",
+    )
+    g.add_argument(
+        "--state-bytes", type=float, default=1.1e12, help="default 1.1e12 (70B with Adam)"
+    )
+    g.add_argument("--stores", default="s3,gcs", help="comma-separated: s3, gcs (default both)")
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not process counts: {text!r} (e.g. 1024,8192)") from None
+    if not values:
+        raise argparse.ArgumentTypeError("no process counts given")
+    return values
+
+
+def profile_of(text: str) -> Any:
+    """A named profile, or one fit to a ``bench.py scale --json`` report."""
+    from jaxckpt._scalemodel import PROFILES, fit_profile
+
+    if text in PROFILES:
+        return PROFILES[text]
+    path = Path(text)
+    if not path.is_file():
+        raise ValueError(f"--counts {text!r}: not {' or '.join(PROFILES)} nor a report file")
+    try:
+        return fit_profile(json.loads(path.read_text()), name=path.name)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"--counts {text}: not a bench.py scale report ({e})") from e
+
+
+def run(args: argparse.Namespace, link: Any) -> int:
+    """Prints the model for ``args.processes`` (raises ValueError on a bad option)."""
+    from jaxckpt._scalemodel import assumptions, scale_plan, to_dict
+
+    profile = profile_of(args.counts)
+    leaves = args.leaves or 2200
+    rows = scale_plan(
+        processes=args.processes,
+        profile=profile,
+        state_bytes=args.state_bytes,
+        leaves=leaves,
+        devices_per_process=args.devices_per_process,
+        prefixes=args.prefixes,
+        stores=[s.strip() for s in args.stores.split(",") if s.strip()],
+        link=link,
+    )
+    notes = assumptions(
+        profile,
+        prefixes=args.prefixes,
+        link=link,
+        state_bytes=args.state_bytes,
+        leaves=leaves,
+        dpp=args.devices_per_process,
+    )
+    if args.json:
+        json_out({"assumptions": notes, "rows": [to_dict(r) for r in rows]})
+        return 0
+    print(_table(rows))
+    print("\nassumptions:")
+    for line in notes:
+        print(f"- {line}")
+    return 0
+
+
+def _table(rows: list[Any]) -> str:
+    head = (
+        "store",
+        "N",
+        "phase",
+        "requests/proc P0 / other",
+        "store requests (W/R)",
+        "metadata MB P0 / other",
+        "coord calls P0 / all",
+        "time s",
+        "store limit",
+    )
+    body = [head]
+    for r in rows:
+        if r.fails_today:
+            verdict = f"exceeded ({r.limit_s:,.1f} s): fails with today's retries"
+        elif r.limit_exceeded:
+            verdict = f"exceeded ({r.limit_s:,.1f} s): throttled"
+        else:
+            verdict = "ok"
+        body.append(
+            (
+                r.store,
+                f"{r.processes:,}",
+                r.phase,
+                f"{r.requests_primary:,.0f} / {r.requests_other:,.0f}",
+                f"{r.cluster_writes:,.0f} / {r.cluster_reads:,.0f}",
+                f"{r.metadata_mb_primary:,.1f} / {r.metadata_mb_other:,.1f}",
+                f"{r.coordination_primary:,.0f} / {r.coordination_cluster:,.0f}",
+                f"{r.time_s:,.1f}",
+                verdict,
+            )
+        )
+    widths = [max(len(row[i]) for row in body) for i in range(len(head))]
+    left = {0, 2, 8}
+    return "\n".join(
+        "  ".join(
+            v.ljust(w) if i in left else v.rjust(w)
+            for i, (v, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in body
+    )
