@@ -122,7 +122,8 @@ def _select(step: StepView, patterns: Sequence[str] | None) -> list[_Tensor]:
         seen[name] = view.leaf.path_text
         tensors.append(_Tensor(name=name, view=view, dtype=dtype, nbytes=view.nbytes))
     if not tensors:
-        raise ExportError(f"step {step.step} of {step.root}: no array leaf matches {patterns}")
+        matches = " or ".join(repr(p) for p in patterns)  # not a list: reads like a tree path
+        raise ExportError(f"step {step.step} of {step.root}: no array leaf matches {matches}")
     return tensors
 
 
