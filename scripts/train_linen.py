@@ -32,14 +32,25 @@ from jax.sharding import PartitionSpec as P
 import jaxckpt
 import jaxckpt.flags
 
-_STEPS = flags.DEFINE_integer("steps", 40, "Train until this step.")
-_BATCH = flags.DEFINE_integer("batch_size", 8, "Images per step (all processes together).")
-_DATA = flags.DEFINE_enum("data", "loader", ["loader", "dataset"], "The grain iterator kind.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the data, its order and the initialisation.")
-_CACHE = flags.DEFINE_string("compilation_cache", None, "JAX persistent compilation cache dir.")
+_STEPS: flags.FlagHolder[int]
+_BATCH: flags.FlagHolder[int]
+_DATA: flags.FlagHolder[str]
+_SEED: flags.FlagHolder[int]
+_CACHE: flags.FlagHolder[str | None]
 
-jaxckpt.flags.define_flags()
-flags.FLAGS.set_default("checkpoint_every_steps", 5)
+
+def define_flags() -> None:
+    """This script's flags and jaxckpt's, defined only when it runs as a script: a test
+    that imports its functions leaves the process's flags (and their defaults) alone."""
+    global _STEPS, _BATCH, _DATA, _SEED, _CACHE
+    _STEPS = flags.DEFINE_integer("steps", 40, "Train until this step.")
+    _BATCH = flags.DEFINE_integer("batch_size", 8, "Images per step (all processes together).")
+    _DATA = flags.DEFINE_enum("data", "loader", ["loader", "dataset"], "The grain iterator kind.")
+    _SEED = flags.DEFINE_integer("seed", 0, "Seed of the data, its order and the initialisation.")
+    _CACHE = flags.DEFINE_string("compilation_cache", None, "JAX persistent compilation cache dir.")
+    jaxckpt.flags.define_flags()
+    flags.FLAGS.set_default("checkpoint_every_steps", 5)
+
 
 IMAGES, SIDE, CLASSES = 96, 8, 4
 
@@ -183,4 +194,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
