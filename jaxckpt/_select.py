@@ -32,7 +32,7 @@ from typing import Any
 import jax
 
 from jaxckpt import errors
-from jaxckpt._agree import Agreement
+from jaxckpt._agree import Agreement, failure
 from jaxckpt._commit import brief
 from jaxckpt._layout import MarkerRef
 from jaxckpt._records import CommitMarker
@@ -120,7 +120,10 @@ class Selection:
                     error = None
                     log.info("restored step %d from the %s copy (%s)", s, tier.name, tier.uri)
                     break
-                except (*_MISSING, CorruptCheckpointError) as e:
+                except Exception as e:  # agreed below: every host raises or falls back
+                    if not isinstance(e, (*_MISSING, CorruptCheckpointError)):
+                        error = e
+                        break  # a storage error, say: no other copy is tried
                     error = _deleted_meanwhile(tier, marker, e)
                     if n + 1 < len(nearest):
                         log.warning(
@@ -131,15 +134,17 @@ class Selection:
                             e,
                             nearest[n + 1][0].name,
                         )
-            failure = _agreed_failure(agreement, tiers, s, error)
-            if failure is None:
+            agreed = _agreed_failure(agreement, tiers, s, error)
+            if agreed is None:
                 return s, restored
-            corrupt = isinstance(failure, CorruptCheckpointError)
+            if not isinstance(agreed, (*_MISSING, CorruptCheckpointError)):
+                raise agreed
+            corrupt = isinstance(agreed, CorruptCheckpointError)
             older = None if corrupt and not self._fallback else candidates.after(s)
             if older is None:
-                raise failure
+                raise agreed
             if corrupt:  # a missing step (deleted since the listing) is skipped silently
-                log.warning("step %d is corrupt (%s); falling back to step %d", s, failure, older)
+                log.warning("step %d is corrupt (%s); falling back to step %d", s, agreed, older)
             s = older
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -294,17 +299,26 @@ def _deleted_meanwhile(
 
 
 def _agreed_failure(
-    agreement: Agreement, tiers: Sequence[Tier], step: int, error: CheckpointError | None
-) -> CheckpointError | None:
-    """None when every host restored ``step``; else the error every host raises:
-    corrupt if any host found it corrupt (from every copy it has), else missing."""
-    failed = None
+    agreement: Agreement, tiers: Sequence[Tier], step: int, error: Exception | None
+) -> Exception | None:
+    """None when every host restored ``step``; else the error every host raises: another
+    failure (a storage error, say) as it is, naming the host; else corrupt if any host
+    found it corrupt (from every copy it has), else missing. Only failing hosts report."""
+    report = None
     if error is not None:
-        failed = "corrupt" if isinstance(error, CorruptCheckpointError) else "missing"
-    kinds = agreement.gather("restore-failed", failed)
-    if not any(kinds):
+        kind = "corrupt" if isinstance(error, CorruptCheckpointError) else "missing"
+        kind = kind if isinstance(error, (*_MISSING, CorruptCheckpointError)) else "other"
+        report = [kind, type(error).__name__, str(error)]
+    reports = agreement.reports("restore-failed", report)
+    if not reports:
         return None
     where = " or ".join(t.uri for t in tiers)
+    others = {p: r[1:] for p, r in reports.items() if r[0] == "other"}
+    if others:
+        if error is not None and jax.process_index() in others:
+            return error
+        return failure(others, f"restore of step {step} under {where}")
+    kinds = {r[0] for r in reports.values()}
     if "corrupt" in kinds:
         if isinstance(error, CorruptCheckpointError):
             return error
