@@ -166,9 +166,9 @@ class Agreement:
     def settle(self, name: str, error: BaseException | None, *, what: str) -> None:
         """Raises on every process when any process failed (``error``); a barrier.
 
-        The failing process raises its own ``error``; every other process raises
-        an error of the same class (when it is a ``CheckpointError``) naming the
-        failing process and its message. ``what`` says what failed, for messages.
+        Every process raises an error of the failing process's class (when it is a
+        ``CheckpointError``; its own error otherwise) naming that process and its
+        message: the failing process names itself. ``what`` says what failed.
 
         Raises:
           CheckpointError: some process failed, or did not arrive within the timeout.
@@ -184,10 +184,10 @@ class Agreement:
             if error is not None:
                 raise error from e
             raise type(e)(f"{what}: {e}") from e
-        if error is not None:
-            raise error
+        if error is not None and not isinstance(error, CheckpointError):
+            raise error  # not ours (a bug, an interrupt): as it is
         if failed:
-            raise failure(failed, what)
+            raise failure(failed, what, first=jax.process_index()) from error
 
     @property
     def primary(self) -> int:
@@ -275,9 +275,10 @@ class Agreement:
         return client
 
 
-def failure(failed: dict[int, Any], what: str) -> CheckpointError:
-    """The error a process raises for the ``[class name, message]`` failures of others."""
-    first = min(failed)
+def failure(failed: dict[int, Any], what: str, *, first: int | None = None) -> CheckpointError:
+    """The error a process raises for the ``[class name, message]`` failures of processes
+    (by index), naming ``first`` (if it failed; else the lowest)."""
+    first = first if first in failed else min(failed)
     kind, message = failed[first]
     cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):

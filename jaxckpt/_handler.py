@@ -232,6 +232,11 @@ def step_path_class(writer: StepWriter) -> type[atomicity_types.TemporaryPath]:
     return StepPath
 
 
+def _already_met(*, key: str, timeout_ms: int) -> None:
+    """Orbax's barriers after the write and after the commit: the session's ``write``
+    already met every process after both (its agreements, which carry failures)."""
+
+
 def make_checkpointer(
     writer: StepWriter,
     *,
@@ -255,6 +260,7 @@ def make_checkpointer(
         async_options=ocp.options.AsyncOptions(
             timeout_secs=max(1, int(timeout_s)),
             create_directories_asynchronously=False,
+            barrier_sync_fn=_already_met,
         ),
         file_options=ocp.options.FileOptions(skip_sync_file_validations=True),
         checkpoint_metadata_store=NoopMetadataStore(),

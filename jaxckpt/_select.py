@@ -315,9 +315,13 @@ def _agreed_failure(
     where = " or ".join(t.uri for t in tiers)
     others = {p: r[1:] for p, r in reports.items() if r[0] == "other"}
     if others:
-        if error is not None and jax.process_index() in others:
-            return error
-        return failure(others, f"restore of step {step} under {where}")
+        if error is not None and (
+            jax.process_count() == 1 or not isinstance(error, CheckpointError)
+        ):
+            return error  # one process: its own error as it is; not ours: as it is
+        agreed = failure(others, f"restore of step {step} under {where}", first=jax.process_index())
+        agreed.__cause__ = error
+        return agreed
     kinds = {r[0] for r in reports.values()}
     if "corrupt" in kinds:
         if isinstance(error, CorruptCheckpointError):

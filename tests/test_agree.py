@@ -230,8 +230,7 @@ def test_settle_raises_the_failing_processs_error_on_every_process_naming_it(
         Agreement("root").settle("checks", error, what="save of step 5")
 
     results = j.run(save)
-    assert str(results[1]) == "PUT s3://b/r/x: 403 Forbidden"  # its own error
-    for i in (0, 2):
+    for i in range(3):  # the failing process names itself too
         assert isinstance(results[i], StorageError)
         assert str(results[i]) == (
             "save of step 5 failed on process 1: PUT s3://b/r/x: 403 Forbidden"
