@@ -11,8 +11,12 @@ save timeout, logging one line.
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from typing import Protocol
+
+log = logging.getLogger("jaxckpt")
 
 
 class Finishing(Protocol):
@@ -50,3 +54,24 @@ def _finish_all() -> None:
         sessions = list(_live)
     for session in sessions:
         session.finish_at_exit()
+
+
+def finish(wait: Callable[[], None], step: int, root: str) -> None:
+    """Waits for the save of ``step`` under ``root`` (``wait``), logging one line."""
+    try:
+        wait()
+    except Exception as e:
+        log.error(
+            "at exit: the save of step %d under %s did not commit (%s); close() the manager "
+            "(or use `with`) to wait for its last save before exiting and see this error",
+            step,
+            root,
+            e,
+        )
+        return
+    log.warning(
+        "at exit: waited for the save of step %d under %s to commit (the manager was not "
+        "closed; close() or `with` waits for the last save)",
+        step,
+        root,
+    )

@@ -134,6 +134,7 @@ class CheckpointManager:
         self._promotion.start(on_promoted=retention.committed)
         fallback, guard = opts.fallback_on_corrupt, retention.restoring
         self._select = _select.Selection(self._tiers, self._agreement, fallback, guard)
+        session.corrupt = self._select.corrupt  # a save replaces a step found corrupt
 
     @property
     def root(self) -> str:

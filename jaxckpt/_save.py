@@ -41,6 +41,7 @@ from jaxckpt._savehelp import (
     check_object_bound,
     fence_error,
     listing_and_announce,
+    replace_corrupt,
     split_held,
     tree_record,
 )
@@ -52,6 +53,7 @@ from jaxckpt.errors import (
     CheckpointError,
     SaveFailedError,
     SaveTimeoutError,
+    StepAlreadyExistsError,
     WriterFencedError,
 )
 
@@ -134,6 +136,8 @@ class SaveSession:
         self._checkpointer: Any = None
         self._last_saved: tuple[int | None, float | None] | None = None
         self._background: Agreement | None = None  # the last save's background agreement
+        self.corrupt: set[int] = set()
+        """Steps a restore found corrupt on every host: a save of one replaces it."""
         self.fenced: WriterFencedError | None = None
         """Set once a newer writer took over: nothing more commits."""
         self.closed = False
@@ -250,9 +254,13 @@ class SaveSession:
         loc = StepLocation(step, new_attempt(self._protocol.write_epoch()))
         listing, announced = None, False
         if self._per_host or self._primary:  # only the primary looks at a shared tier
-            listing, announced = listing_and_announce(
-                self._protocol, loc, announce=not self._per_host and not watched()
-            )
+            announce = not self._per_host and not watched()
+            try:
+                listing, announced = listing_and_announce(self._protocol, loc, announce=announce)
+            except StepAlreadyExistsError:
+                if not replace_corrupt(self._protocol, step, self.corrupt, self._root):
+                    raise
+                listing, announced = listing_and_announce(self._protocol, loc, announce=announce)
             try:
                 self._protocol.begin_save(loc, listing, announced=announced)
             except BaseException:
@@ -552,25 +560,8 @@ class SaveSession:
     def finish_at_exit(self) -> None:
         """At interpreter exit: waits (bounded) for the save in flight, logging one line."""
         inflight = self.current()
-        if inflight is None or self.closed:
-            return
-        try:
-            self.wait()
-        except Exception as e:
-            log.error(
-                "at exit: the save of step %d under %s did not commit (%s); close() the "
-                "manager (or use `with`) to wait for it before exiting and see this error",
-                inflight.step,
-                self._root,
-                e,
-            )
-            return
-        log.warning(
-            "at exit: waited for the save of step %d under %s to commit (the manager was "
-            "not closed; close() or `with` waits for the last save)",
-            inflight.step,
-            self._root,
-        )
+        if inflight is not None and not self.closed:
+            _atexit.finish(self.wait, inflight.step, self._root)
 
     def _commit_shared(self, inflight: Inflight) -> None:
         """The primary commits a shared tier's attempt: every part is written (agreed)."""

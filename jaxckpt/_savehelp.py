@@ -4,6 +4,7 @@ the step's listing taken while the attempt is announced."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,8 @@ from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import HostArray, chunk_key, chunks_of
 from jaxckpt._versions import writer_versions
 from jaxckpt.errors import CheckpointError, UnsupportedLeafError, WriterFencedError
+
+log = logging.getLogger("jaxckpt")
 
 
 def tree_record(step: int, leaves: Sequence[SavedLeaf], metadata: Any) -> bytes:
@@ -111,3 +114,23 @@ def listing_and_announce(
                     protocol.storage.delete(loc.pending_key)
             raise
     return listing, announce
+
+
+def replace_corrupt(protocol: CommitProtocol, step: int, corrupt: set[int], root: str) -> bool:
+    """Retracts the committed ``step`` if a restore found it corrupt (its data fails its
+    checksums, agreed by every host), so that a save replaces it: the README's resume
+    loop, after a fallback to an older step, saves the corrupt step again. True if so."""
+    if step not in corrupt:
+        return False
+    marker = protocol.read_marker(step)
+    if marker is None:
+        return False
+    log.warning(
+        "step %d under %s is corrupt (a restore fell back from it): retracting its marker "
+        "and data to save it again",
+        step,
+        root,
+    )
+    protocol.delete(step, marker=marker)
+    corrupt.discard(step)
+    return True

@@ -75,6 +75,8 @@ class Selection:
         self._primary = jax.process_index() == agreement.primary
         self._fallback = fallback
         self._guard = guard
+        self.corrupt: set[int] = set()
+        """Steps a restore found corrupt (agreed by every host): a save may replace them."""
 
     def restore(
         self,
@@ -140,6 +142,8 @@ class Selection:
             if not isinstance(agreed, (*_MISSING, CorruptCheckpointError)):
                 raise agreed
             corrupt = isinstance(agreed, CorruptCheckpointError)
+            if corrupt:
+                self.corrupt.add(s)
             older = None if corrupt and not self._fallback else candidates.after(s)
             if older is None:
                 raise agreed
