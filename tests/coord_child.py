@@ -18,7 +18,8 @@ The state is ``x`` (``8P x 4`` float32, sharded over every process), ``r``
 * ``fail_restore``: restores the newest step (one process cannot read its data)
   and prints ``FAILED`` and ``MESSAGE`` like ``fail_save``.
 * ``resume``: the README resume loop: restores the newest restorable step
-  ``s`` (``RESTORED s``), then saves ``s + 1`` and ``s + 2`` (``COMMITTED``).
+  ``s`` (``RESTORED s``; 0 on an empty root), then saves ``s + 1`` and ``s + 2``
+  (``COMMITTED``).
 
 Protocol lines go to stdout: ``READY``, the lines above, ``DONE``.
 """
@@ -141,8 +142,9 @@ def main() -> int:
             mgr.wait()
             _say("COMMITTED 3")
     else:
-        restored = mgr.restore()
-        step = restored["step"]
+        step = 0
+        if mgr.latest_step() is not None:
+            step = mgr.restore()["step"]
         _say(f"RESTORED {step}")
         for s in (step + 1, step + 2):
             mgr.save(s, state(s))

@@ -31,6 +31,7 @@ import harness
 import pytest
 from benchkit import servers
 from denyproxy import DenyProxy
+from test_resume_loop import flip_a_byte
 
 CHILD = Path(__file__).with_name("coord_child.py")
 RUN_TIMEOUT_S = 150.0
@@ -180,3 +181,18 @@ def test_one_process_that_cannot_read_its_data_fails_the_restore_everywhere_nami
         assert proxy.denied > 0
     finally:
         proxy.close()
+
+
+def test_the_resume_loop_goes_on_after_a_fallback_on_every_process(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    with group(tmp_path, root, "resume", 2) as g:
+        for i in range(2):
+            assert g.lines(i, "RESTORED") == ["0"] and g.lines(i, "COMMITTED") == ["1", "2"]
+    flip_a_byte(root, 2)
+    with group(tmp_path, root, "resume", 2) as g:  # falls back to 1, saves 2 again, then 3
+        for i in range(2):
+            assert g.lines(i, "RESTORED") == ["1"], g.report()
+            assert g.lines(i, "COMMITTED") == ["2", "3"], g.report()
+    with group(tmp_path, root, "resume", 2) as g:  # the new step 2 and step 3 are intact
+        for i in range(2):
+            assert g.lines(i, "RESTORED") == ["3"], g.report()
