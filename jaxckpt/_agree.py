@@ -224,26 +224,27 @@ class Agreement:
     # -- the coordination service --------------------------------------------
 
     def _exchange(self, name: str, value: Any) -> dict[int, Any]:
-        """Sets ``value`` (unless None), meets every process at a barrier and reads
-        the keys set; returns them by process index."""
+        """Sets ``value`` (None: only that this process arrived), meets every process at a
+        barrier and reads the values set; returns them by process index. A barrier that
+        times out names the processes that never arrived."""
         client = self._client()
-        prefix = self._key(name) + "/"
+        base = self._key(name)
+        me = jax.process_index()
         if value is not None:
-            client.key_value_set(prefix + str(jax.process_index()), json.dumps(value))
+            client.key_value_set(f"{base}/v/{me}", json.dumps(value))
+        else:
+            client.key_value_set(f"{base}/a/{me}", "")
         try:
-            client.wait_at_barrier(prefix.rstrip("/"), self._timeout_ms)
+            client.wait_at_barrier(base, self._timeout_ms)
         except Exception as e:
+            came = {_index(k) for k, _ in client.key_value_dir_get(base + "/")}
+            missing = sorted(set(range(jax.process_count())) - came)
             raise AgreementTimeoutError(
-                f"process {jax.process_index()}: not every process reached {name!r} "
-                f"within {self._timeout_s:g}s (a process failed, stalled or died: see its "
-                f"log): {e}"
+                f"process {me}: no {name!r} from processes {missing} within "
+                f"{self._timeout_s:g}s (failed, stalled or died: see their logs): {e}"
             ) from e
         self._forget_stale(client)
-        found = {}
-        for key, raw in client.key_value_dir_get(prefix):
-            with contextlib.suppress(ValueError):
-                found[int(key.rstrip("/").rsplit("/", 1)[-1])] = json.loads(raw)
-        return found
+        return {_index(k): json.loads(raw) for k, raw in client.key_value_dir_get(f"{base}/v/")}
 
     def _forget_stale(self, client: Any) -> None:
         """The primary deletes the keys of finished operations: every process has
@@ -273,6 +274,11 @@ class Agreement:
         if client is None:
             raise CheckpointError("multi-process jaxckpt needs jax.distributed.initialize()")
         return client
+
+
+def _index(key: str) -> int:
+    """The process index that ends a key."""
+    return int(key.rstrip("/").rsplit("/", 1)[-1])
 
 
 def failure(failed: dict[int, Any], what: str, *, first: int | None = None) -> CheckpointError:

@@ -313,7 +313,12 @@ def _agreed_failure(
         kind = "corrupt" if isinstance(error, CorruptCheckpointError) else "missing"
         kind = kind if isinstance(error, (*_MISSING, CorruptCheckpointError)) else "other"
         report = [kind, type(error).__name__, str(error)]
-    reports = agreement.reports("restore-failed", report)
+    try:
+        reports = agreement.reports("restore-failed", report)
+    except CheckpointError as e:  # a process never came: this one's own error says more
+        if error is not None:
+            raise error from e
+        raise
     if not reports:
         return None
     where = " or ".join(t.uri for t in tiers)
