@@ -147,7 +147,8 @@ _PLACEHOLDER = "jaxckpt-orbax-placeholder"
 
 
 class _OwnSaveFailures(logging.Filter):
-    """Shortens Orbax's log of a failed background save of a jaxckpt step to one line.
+    """Shortens Orbax's log of a failed background save of a jaxckpt step to one line,
+    and drops its INFO lines that name the placeholder (a path that does not exist).
 
     Orbax logs the failure with its traceback (22-44 lines) and stores the
     exception, which jaxckpt re-raises as ``SaveFailedError``; the record then
@@ -157,6 +158,8 @@ class _OwnSaveFailures(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
+        if _PLACEHOLDER in record.getMessage() and record.levelno < logging.WARNING:
+            return False  # Orbax's INFO lines about a save name the placeholder, no real path
         if "Handler Commit operations" not in text or _PLACEHOLDER not in text:
             return True
         error = record.exc_info[1] if record.exc_info else None
