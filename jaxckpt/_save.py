@@ -444,7 +444,13 @@ class SaveSession:
         except Exception as e:
             failure = e
         agreement = inflight.agreement or self._agreement
-        agreement.settle("written", failure, what=what)
+        try:
+            agreement.settle("written", failure, what=what)
+        except CheckpointError:
+            if self._primary and not self._per_host:  # every process is done with it
+                with contextlib.suppress(Exception):  # else collected as a stale attempt
+                    self._protocol.abandon(inflight.loc)
+            raise
         if self._per_host:
             return
         failure = None

@@ -15,6 +15,8 @@ The state is ``x`` (``8P x 4`` float32, sharded over every process), ``r``
 * ``fail_save``: commits step 1, saves step 2 (one process's storage refuses
   it: its test's proxy denies that step's writes) and prints ``FAILED <class>
   <seconds>`` and ``MESSAGE <text>``, then commits step 3 (``COMMITTED 3``).
+* ``fail_check``: as ``fail_save``, but process 1's state of step 2 has a leaf
+  that cannot be saved: its local check fails before any collective.
 * ``fail_restore``: restores the newest step (one process cannot read its data)
   and prints ``FAILED`` and ``MESSAGE`` like ``fail_save``.
 * ``resume``: the README resume loop: restores the newest restorable step
@@ -65,7 +67,7 @@ def main() -> int:
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--root", required=True)
-    p.add_argument("--mode", choices=("count", "fail_save", "fail_restore", "resume"))
+    p.add_argument("--mode", choices=("count", "fail_save", "fail_check", "fail_restore", "resume"))
     p.add_argument("--save-timeout", type=float, default=60.0)
     args = p.parse_args()
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -120,15 +122,16 @@ def main() -> int:
         restored = mgr.restore()
         assert restored["step"] == 1, restored
         _say(f"CALLS restore {counted()}")
-    elif args.mode in ("fail_save", "fail_restore"):
-        if args.mode == "fail_save":
+    elif args.mode in ("fail_save", "fail_check", "fail_restore"):
+        if args.mode != "fail_restore":
             mgr.save(1, state(1))
             mgr.wait()
             _say("COMMITTED 1")
         start = time.monotonic()
         try:
-            if args.mode == "fail_save":
-                mgr.save(2, state(2))
+            if args.mode != "fail_restore":
+                bad = args.mode == "fail_check" and jax.process_index() == 1
+                mgr.save(2, {**state(2), **({"bad": object()} if bad else {})})
                 mgr.wait()
             else:
                 mgr.restore()
@@ -137,7 +140,7 @@ def main() -> int:
             _say("MESSAGE " + " ".join(str(e).split()))
         else:
             _say("UNEXPECTED success")
-        if args.mode == "fail_save":
+        if args.mode != "fail_restore":
             mgr.save(3, state(3))
             mgr.wait()
             _say("COMMITTED 3")

@@ -6,8 +6,9 @@ gloo). Checked here:
 a. the coordination-service calls of one process for an open, a save and a
    restore do not grow from 2 to 4 processes (counts, not times);
 b. one process whose storage refuses its writes of a step (a proxy answers
-   403 to its requests only): every process's save raises within seconds,
-   naming that process, and the next save commits on all;
+   403 to its requests only), or whose local check of a save fails: every
+   process's save raises within seconds, naming that process, and the next
+   save commits on all;
 c. one process that cannot read its data during a restore: every process
    raises within 30 s, naming it;
 d. the README resume loop goes on after a fallback: with the newest step
@@ -160,6 +161,19 @@ def test_one_process_whose_storage_refuses_a_save_fails_it_everywhere_naming_it(
         assert proxy.denied > 0
     finally:
         proxy.close()
+
+
+def test_one_process_whose_local_check_fails_fails_the_save_everywhere_naming_it(
+    tmp_path: Path,
+) -> None:
+    """No process enters Orbax's collectives when another's local check failed."""
+    with group(tmp_path, str(tmp_path / "run"), "fail_check", 2) as g:
+        for i in range(2):
+            kind, seconds, message = _failed(g, i)
+            assert kind == "UnsupportedLeafError" and seconds < AGREED_WITHIN_S, g.report()
+            assert "save of step 2" in message and "failed on process 1" in message, message
+            assert "['bad']" in message, message
+            assert g.lines(i, "COMMITTED") == ["1", "3"], g.report()
 
 
 def test_one_process_that_cannot_read_its_data_fails_the_restore_everywhere_naming_it(
