@@ -46,6 +46,11 @@ class AgreementTimeoutError(CheckpointError, TimeoutError):
     """
 
 
+_TOLD_MS = 1000
+"""How long a process that reported a failure waits for the others at the barrier: if
+they are not all there by then, the barrier fails for every process, and each reads the
+reports (a process arriving later fails at once)."""
+
 _opened: dict[str, int] = {}
 _opened_lock = threading.Lock()
 
@@ -157,7 +162,7 @@ class Agreement:
         """
         if jax.process_count() == 1:
             return {} if report is None else {0: report}
-        return self._exchange(name, report)
+        return self._exchange(name, report, reporting=True)
 
     def any_true(self, name: str, flag: bool) -> bool:
         """True on every process when ``flag`` is true on any process (collective)."""
@@ -223,10 +228,15 @@ class Agreement:
 
     # -- the coordination service --------------------------------------------
 
-    def _exchange(self, name: str, value: Any) -> dict[int, Any]:
+    def _exchange(self, name: str, value: Any, *, reporting: bool = False) -> dict[int, Any]:
         """Sets ``value`` (None: only that this process arrived), meets every process at a
-        barrier and reads the values set; returns them by process index. A barrier that
-        times out names the processes that never arrived."""
+        barrier and reads the values set; returns them by process index.
+
+        ``reporting``: values are reports (failures). A process with one has told it
+        before the barrier, so it waits there briefly; a barrier that fails (it left,
+        or a process never came) still returns the reports set, if any. Else a barrier
+        that times out names the processes that never arrived.
+        """
         client = self._client()
         base = self._key(name)
         me = jax.process_index()
@@ -234,11 +244,17 @@ class Agreement:
             client.key_value_set(f"{base}/v/{me}", json.dumps(value))
         else:
             client.key_value_set(f"{base}/a/{me}", "")
+        told = reporting and value is not None
         try:
-            client.wait_at_barrier(base, self._timeout_ms)
+            client.wait_at_barrier(
+                base, min(self._timeout_ms, _TOLD_MS) if told else self._timeout_ms
+            )
         except Exception as e:
-            came = {_index(k) for k, _ in client.key_value_dir_get(base + "/")}
-            missing = sorted(set(range(jax.process_count())) - came)
+            keys = client.key_value_dir_get(base + "/")
+            found = {_index(k): json.loads(raw) for k, raw in keys if f"{base}/v/" in k}
+            if reporting and found:  # the barrier failed because a process failed
+                return found
+            missing = sorted(set(range(jax.process_count())) - {_index(k) for k, _ in keys})
             raise AgreementTimeoutError(
                 f"process {me}: no {name!r} from processes {missing} within "
                 f"{self._timeout_s:g}s (failed, stalled or died: see their logs): {e}"

@@ -30,6 +30,7 @@ class FakeKV:
         self.n = n
         self.values: dict[str, str] = {}
         self.arrived: dict[str, int] = {}
+        self.failed: set[str] = set()
         self.dir_gets = 0
         self.timeouts_ms: list[int] = []
         self._cv = threading.Condition()
@@ -58,14 +59,20 @@ class FakeKV:
             return sorted((k, v) for k, v in self.values.items() if k.startswith(prefix))
 
     def wait_at_barrier(self, barrier_id: str, timeout_ms: int) -> None:
-        """Returns once ``n`` callers arrived (each id used once, like the service's)."""
+        """Returns once ``n`` callers arrived. Like the service's: a barrier that timed out
+        for one caller fails for every caller, those waiting and those arriving later."""
         self.timeouts_ms.append(timeout_ms)
         with self._cv:
             self.arrived[barrier_id] = self.arrived.get(barrier_id, 0) + 1
             self._cv.notify_all()
-            if not self._cv.wait_for(
-                lambda: self.arrived[barrier_id] >= self.n, timeout=timeout_ms / 1000
-            ):
+            done = self._cv.wait_for(
+                lambda: barrier_id in self.failed or self.arrived[barrier_id] >= self.n,
+                timeout=timeout_ms / 1000,
+            )
+            if not done:
+                self.failed.add(barrier_id)
+                self._cv.notify_all()
+            if barrier_id in self.failed:
                 raise RuntimeError(f"DEADLINE_EXCEEDED: barrier {barrier_id}")
 
 
@@ -302,3 +309,28 @@ def test_coordination_calls_per_process_do_not_grow_with_processes(
         j.run(lambda i: Agreement("root").gather("crc", i))
         assert j.kv.dir_gets == n  # one each
         assert len(j.kv.timeouts_ms) == n  # one barrier each, no per-process gets
+
+
+def test_a_failure_reaches_a_process_that_arrives_after_the_failing_one_left(
+    job: Callable[[int], Job],
+) -> None:
+    """The failing process waits briefly; the barrier then fails for everyone, and each
+    process reads the reports: a slow process raises the named failure at once."""
+    j = job(3)
+    took: dict[int, float] = {}
+
+    def save(i: int) -> None:
+        if i == 2:
+            time.sleep(1.5)  # still writing when process 1 gives up waiting
+        start = time.monotonic()
+        error = StorageError("PUT x: 403 Forbidden") if i == 1 else None
+        try:
+            Agreement("root", timeout_s=60).settle("written", error, what="save of step 5")
+        finally:
+            took[i] = time.monotonic() - start
+
+    results = j.run(save)
+    for i in range(3):
+        assert isinstance(results[i], StorageError), results
+        assert "save of step 5 failed on process 1: PUT x: 403 Forbidden" in str(results[i])
+    assert took[2] < 0.5 and max(took.values()) < 5, took
