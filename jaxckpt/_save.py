@@ -439,8 +439,9 @@ class SaveSession:
         inflight = self._expect(step)
         what = f"save of step {step} under {self._root}"
         failure: Exception | None = None
+        extra: list[str] = []
         try:
-            self._write(inflight, arrays)
+            extra = self._write(inflight, arrays)
         except Exception as e:
             failure = e
         agreement = inflight.agreement or self._agreement
@@ -451,17 +452,19 @@ class SaveSession:
                 with contextlib.suppress(Exception):  # else collected as a stale attempt
                     self._protocol.abandon(inflight.loc)
             raise
-        if self._per_host:
-            return
         failure = None
         try:
-            if self._primary:
+            if self._per_host:  # every host wrote (and replicated) its part: commit it
+                self._commit_local(inflight, extra)
+            elif self._primary:
                 self._commit_shared(inflight)
         except Exception as e:
             failure = e
         agreement.settle("committed", failure, what=what)
 
-    def _write(self, inflight: Inflight, arrays: Sequence[HostArray]) -> None:
+    def _write(self, inflight: Inflight, arrays: Sequence[HostArray]) -> list[str]:
+        """Writes this process's part (and replicates it to its peers: a local tier);
+        returns the extra files its local marker lists."""
         step, loc = inflight.step, inflight.loc
         # The primary's small records go out beside the chunks, and a packed save's
         # manifest part beside its last packs (a round trip less each), unless a crash
@@ -495,7 +498,7 @@ class SaveSession:
             request = None if inflight.request is None else inflight.request.to_bytes()
             replicas = self._tier.peers
             replicas.replicate(loc, metrics=inflight.metrics, keep=inflight.keep, request=request)
-            self._commit_local(inflight, extra)
+        return extra
 
     def _write_manifest(
         self,
