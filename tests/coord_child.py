@@ -12,13 +12,13 @@ The state is ``x`` (``8P x 4`` float32, sharded over every process), ``r``
 * ``count``: counts this process's coordination-service calls (the client is
   wrapped after ``jax.devices()``) while it opens a manager, saves step 1 and
   restores it; prints ``CALLS open|save|restore N``.
-* ``fail_save``: commits step 1, saves step 2 (one process's storage refuses
-  it: its test's proxy denies that step's writes) and prints ``FAILED <class>
-  <seconds>`` and ``MESSAGE <text>``, then commits step 3 (``COMMITTED 3``).
-* ``fail_check``: as ``fail_save``, but process 1's state of step 2 has a leaf
-  that cannot be saved: its local check fails before any collective.
-* ``fail_restore``: restores the newest step (one process cannot read its data)
-  and prints ``FAILED`` and ``MESSAGE`` like ``fail_save``.
+* ``fail_save``: commits step 1; saves step 2 (one process's storage refuses
+  it: its test's proxy denies that step's writes) and step 3 (one process's
+  state has a leaf that cannot be saved: its local check fails), printing
+  ``FAILED <step> <class> <seconds>`` and ``MESSAGE <step> <text>`` for each;
+  then commits step 4 (``COMMITTED 4``).
+* ``fail_restore``: restores the newest step, 1 (one process cannot read its
+  data), and prints ``FAILED`` and ``MESSAGE`` like ``fail_save``.
 * ``resume``: the README resume loop: restores the newest restorable step
   ``s`` (``RESTORED s``; 0 on an empty root), then saves ``s + 1`` and ``s + 2``
   (``COMMITTED``).
@@ -122,28 +122,20 @@ def main() -> int:
         restored = mgr.restore()
         assert restored["step"] == 1, restored
         _say(f"CALLS restore {counted()}")
-    elif args.mode in ("fail_save", "fail_check", "fail_restore"):
-        if args.mode != "fail_restore":
-            mgr.save(1, state(1))
-            mgr.wait()
-            _say("COMMITTED 1")
-        start = time.monotonic()
-        try:
-            if args.mode != "fail_restore":
-                bad = args.mode == "fail_check" and jax.process_index() == 1
-                mgr.save(2, {**state(2), **({"bad": object()} if bad else {})})
-                mgr.wait()
-            else:
-                mgr.restore()
-        except jaxckpt.CheckpointError as e:
-            _say(f"FAILED {type(e).__name__} {time.monotonic() - start:.1f}")
-            _say("MESSAGE " + " ".join(str(e).split()))
-        else:
-            _say("UNEXPECTED success")
-        if args.mode != "fail_restore":
-            mgr.save(3, state(3))
-            mgr.wait()
-            _say("COMMITTED 3")
+    elif args.mode == "fail_save":
+        mgr.save(1, state(1))
+        mgr.wait()
+        _say("COMMITTED 1")
+        for step in (2, 3):  # 2: a proxy denies one process's writes; 3: a bad leaf on one
+            bad = {"bad": object()} if step == 3 and jax.process_index() == 1 else {}
+            _failing(
+                jaxckpt, step, lambda s=step, b=bad: (mgr.save(s, {**state(s), **b}), mgr.wait())
+            )
+        mgr.save(4, state(4))
+        mgr.wait()
+        _say("COMMITTED 4")
+    elif args.mode == "fail_restore":
+        _failing(jaxckpt, 1, mgr.restore)
     else:
         step = 0
         if mgr.latest_step() is not None:
@@ -156,6 +148,18 @@ def main() -> int:
     mgr.close()
     _say("DONE")
     return 0
+
+
+def _failing(jaxckpt: Any, step: int, run: Any) -> None:
+    """Runs ``run``, which must raise a CheckpointError: prints which, when, and its text."""
+    start = time.monotonic()
+    try:
+        run()
+    except jaxckpt.CheckpointError as e:
+        _say(f"FAILED {step} {type(e).__name__} {time.monotonic() - start:.1f}")
+        _say(f"MESSAGE {step} " + " ".join(str(e).split()))
+    else:
+        _say(f"UNEXPECTED success {step}")
 
 
 if __name__ == "__main__":
