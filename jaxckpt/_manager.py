@@ -230,8 +230,7 @@ class CheckpointManager:
           timeout_s: how long to wait; None means ``save_timeout_s``.
 
         Raises:
-          PromotionError: the step cannot be promoted (a damaged local copy, a
-            fenced job, or it is neither local nor durable).
+          PromotionError: it cannot be promoted (damaged local copy, fenced, nowhere).
           PromotionTimeoutError: not durable within ``timeout_s``.
           CheckpointError: the manager has no local tier.
         """
@@ -244,8 +243,7 @@ class CheckpointManager:
         """Committed steps, ascending (the primary's view; collective: call it on every process).
 
         Args:
-          tier: with a local tier, ``"local"`` or ``"durable"`` lists one tier;
-            None lists every restorable step of either.
+          tier: ``"local"`` or ``"durable"`` lists one tier; None: every restorable step.
         """
         return self._select.steps(tier)
 
@@ -342,8 +340,7 @@ class CheckpointManager:
         """Removes partial, orphaned and fenced attempts; returns their steps.
 
         Args:
-          older_than_s: attempts of the current epoch younger than this are kept
-            (default ``gc_grace_s``); this manager's own in-flight save always is.
+          older_than_s: keep younger attempts of this epoch (default ``gc_grace_s``).
           force: also remove damaged commit markers and their steps' data.
         """
         self._session.check_writable()
