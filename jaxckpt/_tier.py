@@ -353,10 +353,12 @@ def require_served(agreement: Agreement, tiers: Iterable[Tier], durable: str) ->
     Raises:
       LocalRootInUseError: a local root records another durable root.
     """
-    reasons = [r for t in tiers if t.own and (r := _owner.refusal(t.storage, durable))]
+    own = [t for t in tiers if t.own]
+    reasons = [r for t in own if (r := _owner.refusal(t.storage, durable))]
     reason = reasons[0] if reasons else None
-    if jax.process_count() > 1:
-        reason = next((r for r in agreement.gather("local-served", reason) if r), None)
+    if jax.process_count() > 1 and own:  # no local tier: nothing to agree
+        reported = agreement.reports("local-served", reason)
+        reason = reported[min(reported)] if reported else None
     if reason is not None:
         raise LocalRootInUseError(reason)
 
