@@ -44,7 +44,11 @@ log = logging.getLogger("jaxckpt")
 
 
 class Tier(Protocol):
-    """One root and its storage → protocol → context → writer → reader bundle."""
+    """One root and its storage → protocol → context → writer → reader bundle.
+
+    What both kinds do alike is documented on ``_Root``; what differs, on
+    :class:`OwnTier` and :class:`SharedTier`.
+    """
 
     name: ClassVar[str]
     """``"local"`` or ``"durable"``: the kind's name, in logs and agreement keys."""
