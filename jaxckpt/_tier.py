@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import ClassVar, Protocol
 
 import jax
@@ -321,11 +321,7 @@ class SharedTier(_Root):
         return None if marker is None else marker.step
 
     def open_read_only(self, serves: str) -> None:
-        """Checks the root record.
-
-        Raises:
-          NotACheckpointRootError: the root is not there.
-        """
+        """Checks the root record (raises NotACheckpointRootError if it is not there)."""
         self.ensure(create=False)
 
     def refusal(self, durable: str) -> str | None:
@@ -340,13 +336,8 @@ class SharedTier(_Root):
         gc_grace_s: float | None,
         serves: str | None = None,
     ) -> int:
-        """Becomes this root's writer: the primary takes the epoch, which every host then
-        writes in (collective).
-
-        Args:
-          gc_grace_s: the primary collects the root's garbage after taking the epoch.
-          serves: unused (a shared root serves no other root).
-        """
+        """Becomes this root's writer: the primary takes the epoch (and with ``gc_grace_s``
+        collects garbage), which every host then writes in (collective; ``serves`` unused)."""
         taken = self._take(gc_grace_s, None) if primary else None
         self.protocol.epoch = epoch = agreement.agree(f"{self.name}-epoch", taken)
         return epoch
@@ -359,7 +350,10 @@ class SharedTier(_Root):
         return False
 
 
-KINDS: dict[str, type[OwnTier] | type[SharedTier]] = {"local": OwnTier, "durable": SharedTier}
+KINDS: dict[str, Callable[[Storage, CheckpointOptions], Tier]] = {
+    "local": OwnTier,
+    "durable": SharedTier,
+}
 """The tier kinds by name, nearest first."""
 TIER_NAMES = tuple(KINDS)
 
@@ -403,9 +397,8 @@ def join_tiers(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointO
     each joins its peers (an own tier with ``local_replicas > 1``).
 
     Raises:
-      LocalRootInUseError / CheckpointError: see :func:`require_served`,
-        :func:`require_own_roots`.
-      PlacementError: fewer nodes than ``local_replicas``.
+      LocalRootInUseError / CheckpointError: see :func:`require_served` and
+        :func:`require_own_roots`; PlacementError: fewer nodes than ``local_replicas``.
     """
     durable = tiers[-1]
     require_served(agreement, tiers, durable.uri)
