@@ -85,7 +85,6 @@ class Tier(Protocol):
         gc_grace_s: float | None,
         serves: str | None = None,
     ) -> int: ...
-    def join(self, agreement: Agreement, durable: Tier) -> None: ...
     def revive(self, serves: str | None) -> bool: ...
     def collect(self, grace_s: float, commit_keys: list[str] | None = None) -> None: ...
     def garbage_collect(self, grace_s: float, *, force: bool = False) -> list[int]: ...
@@ -174,8 +173,7 @@ class _Root:
         return epoch
 
     def collect(self, grace_s: float, commit_keys: list[str] | None = None) -> None:
-        """Removes fenced and stale attempts, and stale replicas; a failure leaves them
-        for the next writer.
+        """Removes fenced and stale attempts and replicas; a failure leaves them to the next writer.
 
         Args:
           commit_keys: a listing of ``commits/`` just taken (None: list it).
@@ -258,21 +256,15 @@ class OwnTier(_Root):
         gc_grace_s: float | None,
         serves: str | None = None,
     ) -> int:
-        """Becomes this root's writer on this host (every host does, for its own root).
-
-        Args:
-          gc_grace_s: collect the root's garbage after taking the epoch; None: do not.
-          serves: the durable root's URI, recorded (or checked) first.
+        """Becomes this root's writer on this host (every host does, for its own root):
+        records (or checks) the durable root it ``serves`` first, and with ``gc_grace_s``
+        collects garbage after.
 
         Raises:
           LocalRootInUseError: ``serves`` is not the durable root this root serves.
         """
         self.protocol.epoch = epoch = self._take(gc_grace_s, serves)
         return epoch
-
-    def join(self, agreement: Agreement, durable: Tier) -> None:
-        """Connects this tier's replicas to their peers (collective; see ``_peertier``)."""
-        self.peers.join(agreement, durable)
 
     def revive(self, serves: str | None) -> bool:
         """Recreates this root wiped under its running writer; True if it was.
@@ -312,8 +304,7 @@ class SharedTier(_Root):
         self.peers = NoReplicas()
 
     def everywhere(self, agreement: Agreement, steps: Iterable[int]) -> set[int]:
-        """``steps``: every host sees the same shared root."""
-        return set(steps)
+        return set(steps)  # every host sees the same shared root
 
     def newest(self, agreement: Agreement, *, primary: bool) -> int | None:
         """The newest step restorable from this root (the primary's answer; one marker read)."""
@@ -341,9 +332,6 @@ class SharedTier(_Root):
         taken = self._take(gc_grace_s, None) if primary else None
         self.protocol.epoch = epoch = agreement.agree(f"{self.name}-epoch", taken)
         return epoch
-
-    def join(self, agreement: Agreement, durable: Tier) -> None:
-        """Nothing: a shared root has no replicas."""
 
     def revive(self, serves: str | None) -> bool:
         """False: a shared root wiped under its writer is an error, found by its fence."""
@@ -411,8 +399,8 @@ def join_tiers(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointO
     grace = options.gc_grace_s if options.gc_on_open else None
     for tier in tiers:  # an own tier records (or checks) the durable root it serves
         tier.take_epoch(agreement, primary=primary, gc_grace_s=grace, serves=durable.uri)
-    for tier in tiers:
-        tier.join(agreement, durable)
+    for tier in tiers:  # the local tier's peers connect (collective; see _peertier)
+        tier.peers.join(agreement, durable)
 
 
 def require_served(agreement: Agreement, tiers: Iterable[Tier], durable: str) -> None:
