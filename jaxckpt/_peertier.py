@@ -33,10 +33,9 @@ root no longer holds go with garbage collection (:meth:`Peers.collect`).
 
 :func:`open_replicas` decides, once, when the local tier is opened, whether
 it has a :class:`Peers` or :class:`NoReplicas` (which does nothing): the
-tier's ``peers``. The tier joins them to the job with its epoch
-(``_tier.join_tiers``); the save session replicates through them, the
-restore selection heals through them, and the session closes them with the
-manager.
+tier's ``peers``. ``_tier.join_tiers`` joins them to the job once the
+epochs are taken; the save session replicates through them, the restore
+selection heals through them, and the session closes them with the manager.
 """
 
 from __future__ import annotations
