@@ -37,13 +37,14 @@ from jaxckpt.errors import WriterFencedError as WriterFencedError
 if TYPE_CHECKING:
     from jaxckpt import policy as policy
     from jaxckpt._diff import diff_steps as diff_steps
-    from jaxckpt._import import import_orbax as import_orbax
     from jaxckpt._import import import_safetensors as import_safetensors
     from jaxckpt._manager import CheckpointManager as CheckpointManager
     from jaxckpt._metadata import LeafInfo as LeafInfo
     from jaxckpt._metadata import StepMetadata as StepMetadata
     from jaxckpt._nnx import nnx_step_fn as nnx_step_fn
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
+    from jaxckpt._orbax_export import export_orbax as export_orbax
+    from jaxckpt._orbax_import import import_orbax as import_orbax
     from jaxckpt._preflight import LeafMismatch as LeafMismatch
     from jaxckpt._preflight import ResumeReport as ResumeReport
     from jaxckpt._preflight import check_resume as check_resume
@@ -68,7 +69,8 @@ _LAZY = {
     "LeafView": "jaxckpt._reader",
     "diff_steps": "jaxckpt._diff",
     "export_safetensors": "jaxckpt._safetensors",
-    "import_orbax": "jaxckpt._import",
+    "export_orbax": "jaxckpt._orbax_export",
+    "import_orbax": "jaxckpt._orbax_import",
     "import_safetensors": "jaxckpt._import",
     "StepView": "jaxckpt._reader",
     "open_step": "jaxckpt._reader",
@@ -124,6 +126,7 @@ __all__ = [
     "WriterFencedError",
     "check_resume",
     "diff_steps",
+    "export_orbax",
     "export_safetensors",
     "import_orbax",
     "import_safetensors",

@@ -98,9 +98,10 @@ def read_regions(
     inflight: deque[_Pending] = deque()
     inflight_bytes = 0
     spans = _spans(loc, requests, records, workers)
-    plan = getattr(storage, "plan_restore", None)  # object stores size their read budget
-    if plan is not None:
-        plan(sum(math.prod(_extent(r.region)) * r.leaf.numpy_dtype.itemsize for r in requests))
+    # Object stores size their read budget (a local root ignores it).
+    storage.plan_restore(
+        sum(math.prod(_extent(r.region)) * r.leaf.numpy_dtype.itemsize for r in requests)
+    )
     pool = pools.borrow("read", workers)
     try:  # on Ctrl-C (or an error) do not wait for the reads in flight
         for i, request in enumerate(requests):

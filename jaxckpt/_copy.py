@@ -26,7 +26,7 @@ from jaxckpt._records import (
     crc32c,
 )
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
-from jaxckpt.storage import Storage
+from jaxckpt.storage import Storage, tensorstore_backed
 
 
 def copy_step(
@@ -47,8 +47,7 @@ def copy_step(
     dst.begin_save(loc)
     try:
         if compress == "zstd":
-            nbytes = _copy_step_compressed(src, dst, marker, loc, level)
-            num_processes = 1
+            nbytes, num_processes = _copy_step_compressed(src, dst, marker, loc, level)
         else:
             nbytes = _copy_step_raw(src, dst, marker, loc)
             num_processes = marker.num_processes
@@ -181,16 +180,19 @@ def _zstd_metadata(leaf: Any, level: int) -> dict[str, Any]:
 
 def _copy_step_compressed(
     src: CommitProtocol, dst: CommitProtocol, marker: CommitMarker, loc: StepLocation, level: int
-) -> int:
-    """Re-encodes a step's arrays with zstd and writes one manifest of the stored chunks."""
+) -> tuple[int, int]:
+    """Re-encodes a step's arrays with zstd and writes one manifest of the stored chunks;
+    returns the chunk bytes and the number of manifest parts written. A step with
+    process states keeps one part per saving process, the others with no chunks."""
     import tensorstore as ts
 
     from jaxckpt._restore import load_step
 
     step = marker.step
     loaded = load_step(src, marker)
-    src_ctx = ts.Context(src.storage.context_spec())
-    dst_ctx = ts.Context(dst.storage.context_spec())
+    src_specs, dst_specs = tensorstore_backed(src.storage), tensorstore_backed(dst.storage)
+    src_ctx = ts.Context(src_specs.context_spec())
+    dst_ctx = ts.Context(dst_specs.context_spec())
     here = marker.location
     group = src.storage.read(here.arrays_prefix + "zarr.json")
     if group is not None:
@@ -204,7 +206,7 @@ def _copy_step_compressed(
         try:
             target_spec: dict[str, Any] = {
                 "driver": "zarr3",
-                "kvstore": dst.storage.kvstore_spec(out),
+                "kvstore": dst_specs.kvstore_spec(out),
             }
             target_spec["metadata"] = _zstd_metadata(leaf, level)
             target_spec["store_data_equal_to_fill_value"] = True  # every chunk is an object
@@ -215,20 +217,30 @@ def _copy_step_compressed(
             else:
                 source_spec: dict[str, Any] = {
                     "driver": "zarr3",
-                    "kvstore": src.storage.kvstore_spec(prefix),
+                    "kvstore": src_specs.kvstore_spec(prefix),
                     "fill_missing_data_reads": False,
                 }
                 source = ts.open(source_spec, open=True, read=True, context=src_ctx).result()
                 _transcode(source, target, keys, leaf.shape, leaf.chunk_shape)
-            kv = ts.KvStore.open(dst.storage.kvstore_spec(out), context=dst_ctx).result()
+            kv = ts.KvStore.open(dst_specs.kvstore_spec(out), context=dst_ctx).result()
             records[leaf.name] = tuple(_stored_chunks(kv, keys))
         except ValueError as e:  # TensorStore reports failures as ValueError
             raise CheckpointError(
                 f"step {step}: cannot copy {leaf.path_text} ({src.where(prefix)}): {e}"
             ) from e
-    part = ManifestPart(step=step, process=0, num_processes=1, arrays=records)
+    states = loaded.process_states
+    count = marker.num_processes if states else 1
+    part = ManifestPart(
+        step=step, process=0, num_processes=count, arrays=records, process_state=states.get(0)
+    )
     dst.write_manifest_part(loc, part)
-    return part.nbytes
+    for p in range(1, count):  # each process's state, in a part of its own as saved
+        state = states.get(p)
+        dst.write_manifest_part(
+            loc,
+            ManifestPart(step=step, process=p, num_processes=count, arrays={}, process_state=state),
+        )
+    return part.nbytes, count
 
 
 def _stored_chunks(kv: Any, keys: Sequence[str]) -> list[ChunkRecord]:

@@ -265,8 +265,7 @@ def collect(
             log.warning("could not remove %s yet: %s", attempt.location, e)
             continue
         removed.append(attempt.location)
-    for key in found.stale_pending + found.temp_keys:
-        protocol.storage.delete(key)
+    protocol.storage.delete_many(found.stale_pending + found.temp_keys)
     if removed:
         log.info("removed %s under %s", ", ".join(map(str, removed)), protocol.storage.uri)
     return removed

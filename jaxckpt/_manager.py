@@ -26,6 +26,7 @@ from jaxckpt._layout import check_step as _check_step
 from jaxckpt._metadata import StepMetadata, step_metadata
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
+from jaxckpt._procstate import ProcessStateAccess
 from jaxckpt._promotion import open_promotion
 from jaxckpt._retention import Retention
 from jaxckpt._save import SaveSession
@@ -38,7 +39,7 @@ from jaxckpt.errors import CheckpointError
 log = logging.getLogger("jaxckpt")
 
 
-class CheckpointManager:
+class CheckpointManager(ProcessStateAccess):
     """Saves and restores checkpoints of a JAX pytree under one root.
 
     Saves are asynchronous: ``save`` returns once the state is in host memory;
@@ -72,8 +73,6 @@ class CheckpointManager:
             self.root, primary=opts.primary_host, timeout_s=opts.save_timeout_s
         )
         self._watcher = PreemptionWatcher.for_policy(opts.save_policy)
-        self.restored_step: int | None = None
-        """The step the last ``restore()`` returned (None before any; see ``restore``)."""
         join_tiers(self._tiers, self._agreement, opts)  # epochs; the local tier's peers
         self._protocol, self._storage = self._tiers[0].protocol, self._tiers[0].storage
         self._promotion = open_promotion(self._tiers, self._agreement, opts, self.preempted)
@@ -113,6 +112,7 @@ class CheckpointManager:
         metadata: dict[str, Any] | None = None,
         metrics: dict[str, float] | None = None,
         keep: bool = False,
+        process_state: Any = None,
     ) -> bool:
         """Starts an asynchronous save of ``state`` as ``step``.
 
@@ -127,6 +127,7 @@ class CheckpointManager:
           metadata: JSON-serialisable user metadata stored with the step.
           metrics: numbers the retention policy may rank steps by.
           keep: pin this step against deletion by retention.
+          process_state: this process's own state (bytes, str, JSON), e.g. a data iterator's.
 
         Returns:
           True when a save was started, False when the save policy declined.
@@ -143,7 +144,8 @@ class CheckpointManager:
             self._session.check_background()  # a finished failed save still surfaces, at once
             return False
         self.wait()
-        self._session.save(step, state, metadata, metrics, keep, self._promotion.request)
+        request = self._promotion.request
+        self._session.save(step, state, metadata, metrics, keep, request, process_state)
         return True
 
     def preempted(self, step: int = 0) -> bool:
@@ -254,8 +256,7 @@ class CheckpointManager:
         self.wait()
         step = None if step is None else _check_step(step)
         lossy = self.options.allow_lossy_cast if allow_lossy_cast is None else allow_lossy_cast
-        self.restored_step, state = self._select.restore(step, target, partial, rename, lossy)
-        return state
+        return self._restored(self._select.restore(step, target, partial, rename, lossy))
 
     def metadata(self, step: int) -> StepMetadata:
         """The user metadata and a description of the saved tree of ``step``."""

@@ -34,7 +34,9 @@ class CheckpointOptions:
       retention: decides which committed steps to keep; None keeps all.
       chunk_bytes: largest zarr chunk, in bytes. Chunks always tile shards.
       max_inflight_bytes: chunk bytes handed to TensorStore but not yet written.
-      save_timeout_s: a background save (every host) must commit within this.
+      save_timeout_s: a background save (every host) must commit within this;
+        also how long an object store's request is retried while the store
+        throttles (``retry_deadline_s`` of the storage options, unless given).
       fallback_on_corrupt: ``restore()`` without a step falls back to the
         newest older step that reads back intact.
       allow_lossy_cast: ``restore`` may convert an array to a target dtype that
@@ -208,4 +210,6 @@ class CheckpointOptions:
             kwargs = dict(given)
         if self.restore_memory_bytes is not None and is_object:
             kwargs["read_ahead_bytes"] = self.restore_memory_bytes
+        if is_object and kwargs.get("retry_deadline_s") is None:
+            kwargs["retry_deadline_s"] = self.save_timeout_s  # requests retry as long as a save may
         return kwargs

@@ -133,6 +133,9 @@ class ManifestPart:
     that its chunks are raw bytes plus a CRC32C trailer. Written as ``"codecs":
     "bytes+crc32c"`` by saves since this field exists; a part without it (older saves,
     ``jaxckpt cp --compress``) has each array's ``zarr.json`` read instead."""
+    process_state: Mapping[str, Any] | None = None
+    """This process's ``save(process_state=...)`` as a record (see ``_procstate``); readers
+    that predate it ignore the field."""
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -152,6 +155,8 @@ class ManifestPart:
             body.update(version=PACKED_VERSION, layout=self.layout, packs=dict(self.packs))
         if self.plain_codecs:
             body["codecs"] = PLAIN_CODECS
+        if self.process_state is not None:
+            body["process_state"] = dict(self.process_state)
         return dumps(body)
 
     @classmethod
@@ -166,6 +171,9 @@ class ManifestPart:
             name: tuple(ChunkRecord.decode(c, what) for c in chunks)
             for name, chunks in obj["arrays"].items()
         }
+        state = obj.get("process_state")
+        if state is not None and not isinstance(state, dict):
+            raise CorruptCheckpointError(f"{what}: malformed process_state")
         return cls(
             step=obj["step"],
             process=obj["process"],
@@ -174,6 +182,7 @@ class ManifestPart:
             layout=layout,
             packs={str(k): int(v) for k, v in obj.get("packs", {}).items()},
             plain_codecs=obj.get("codecs") == PLAIN_CODECS,
+            process_state=state,
         )
 
     @property

@@ -23,7 +23,7 @@ import tensorstore as ts
 
 from jaxckpt._layout import StepLocation
 from jaxckpt._records import ChunkRecord, chunk_problem
-from jaxckpt.storage import Storage
+from jaxckpt.storage import Storage, tensorstore_backed
 
 log = logging.getLogger("jaxckpt")
 
@@ -88,8 +88,9 @@ def _read_again(
 def _read_tensorstore(
     storage: Storage, loc: StepLocation, key: str, record: ChunkRecord
 ) -> bytes | None:
-    context = ts.Context(storage.context_spec())
-    kv = ts.KvStore.open(storage.kvstore_spec(loc.prefix), context=context).result()
+    specs = tensorstore_backed(storage)
+    context = ts.Context(specs.context_spec())
+    kv = ts.KvStore.open(specs.kvstore_spec(loc.prefix), context=context).result()
     options: dict[str, Any] = {}
     assert key.startswith(loc.prefix), f"{key} is not under {loc.prefix}"
     name = key[len(loc.prefix) :]

@@ -18,6 +18,7 @@ from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import PACK_UPLOADS
 from jaxckpt._records import ChunkRecord, CommitMarker
 from jaxckpt._replicated import Exchange, plan
+from jaxckpt._targets import place_keys, resolve_targets, target_sharding, uncommitted
 from jaxckpt._tree import (
     PathMap,
     SavedLeaf,
@@ -29,6 +30,7 @@ from jaxckpt._tree import (
 )
 from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region, region_of
 from jaxckpt.errors import CorruptCheckpointError, StorageError
+from jaxckpt.storage import tensorstore_backed
 
 log = logging.getLogger("jaxckpt")
 
@@ -46,6 +48,8 @@ class LoadedStep:
     """``"packed"`` when the step's chunks live in pack objects (see ``_pack``)."""
     plain_codecs: bool = False
     """Every manifest part says its arrays use jaxckpt's codec chain (``ManifestPart``)."""
+    process_states: Mapping[int, Any] = field(default_factory=dict)
+    """The ``process_state`` records of the parts read, by process (see ``_procstate``)."""
 
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
@@ -67,6 +71,7 @@ def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
         versions=tree.get("versions") or {},
         layout="packed" if "packed" in layouts else "plain",
         plain_codecs=bool(parts) and all(p.plain_codecs for p in parts),
+        process_states={p.process: p.process_state for p in parts if p.process_state},
     )
 
 
@@ -115,6 +120,7 @@ class StepReader:
         targets = [t for _, t in flat]
         paths = [path_str(p) for p, _ in flat]
         matched = match_target(leaves, paths, targets, partial=partial, rename=rename)
+        targets = resolve_targets(paths, matched, targets)
         if not allow_lossy_cast:
             check_casts(matched, paths, targets)
         with np.errstate(over="ignore", invalid="ignore"):  # consented to: inf, wrapped ints
@@ -135,7 +141,7 @@ class StepReader:
                 s.index: s
                 for s in plan(
                     leaves,
-                    [_target_sharding(t) for t in targets],
+                    [target_sharding(t) for t in targets],
                     [getattr(t, "dtype", None) for t in targets],
                     loaded.chunks,
                     plain,
@@ -171,7 +177,7 @@ class StepReader:
         values: list[Any] = []
         placed: dict[int, _Placement] = {}  # their pieces go to devices in one device_put
         for i, (leaf, target, layout) in enumerate(zip(leaves, targets, plans, strict=True)):
-            sharding = _target_sharding(target)
+            sharding = target_sharding(target)
             if i in shared:
                 values.append(exchanged[i])
             elif layout is None:
@@ -181,7 +187,7 @@ class StepReader:
             else:
                 values.append(None)
                 dtype = np.dtype(getattr(target, "dtype", leaf.numpy_dtype))
-                placed[i] = _Placement(leaf, sharding, dtype, layout)
+                placed[i] = _Placement(leaf, sharding, dtype, layout, not uncommitted(target))
         for i, array in zip(placed, _to_devices(list(placed.values()), data), strict=True):
             values[i] = array
         return values
@@ -196,7 +202,9 @@ class StepReader:
         if loaded.layout == "packed" or loaded.plain_codecs:
             return {leaf.name for leaf in leaves if leaf.name is not None}
         kv = ts.KvStore.open(
-            self._protocol.storage.kvstore_spec(loaded.marker.location.arrays_prefix),
+            tensorstore_backed(self._protocol.storage).kvstore_spec(
+                loaded.marker.location.arrays_prefix
+            ),
             context=self._context,
         ).result()
         return plain_leaves(kv, list(leaves))
@@ -308,17 +316,9 @@ class StepReader:
         return StorageError(f"step {step}: cannot read {leaf.path_text} ({where}): {text}")
 
 
-def _target_sharding(target: Any) -> jax.sharding.Sharding | None:
-    if isinstance(target, jax.Array):
-        return target.sharding
-    if isinstance(target, jax.ShapeDtypeStruct):
-        return target.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return None
-
-
 def _regions_for(leaf: SavedLeaf, target: Any) -> dict[Any, Region]:
     """The regions to read: one per addressable device, or the whole array."""
-    sharding = _target_sharding(target)
+    sharding = target_sharding(target)
     if sharding is None or leaf.kind == "key":
         return {None: full_region(leaf.shape)}
     index_map = sharding.addressable_devices_indices_map(leaf.shape)
@@ -328,9 +328,7 @@ def _regions_for(leaf: SavedLeaf, target: Any) -> dict[Any, Region]:
 def _assemble(leaf: SavedLeaf, target: Any, array: np.ndarray) -> Any:
     """A key leaf (on the target's sharding, if it has one), or a numpy array (no sharding)."""
     if leaf.kind == "key":
-        keys = jax.random.wrap_key_data(jax.numpy.asarray(array), impl=leaf.key_impl)
-        sharding = _target_sharding(target)
-        return jax.device_put(keys, sharding) if sharding is not None else keys
+        return place_keys(leaf, target, array)
     array = array.astype(np.dtype(getattr(target, "dtype", leaf.numpy_dtype)), copy=False)
     array.flags.writeable = False  # often a view of the read buffer: read-only, always
     return array
@@ -344,6 +342,8 @@ class _Placement:
     sharding: jax.sharding.Sharding
     dtype: np.dtype
     layout: dict[Any, Region]
+    committed: bool = True
+    """False: an uncommitted array on the default device (the target was uncommitted)."""
 
 
 def _to_devices(
@@ -361,12 +361,12 @@ def _to_devices(
         for p in items
         for region in p.layout.values()
     ]
-    devices = [device for p in items for device in p.layout]
+    devices = [device if p.committed else None for p in items for device in p.layout]
     pieces = iter(jax.device_put(hosts, devices, may_alias=True))
     arrays = []
     for p in items:
         mine = [next(pieces) for _ in p.layout]
-        if len(mine) == 1 and mine[0].sharding == p.sharding:
+        if len(mine) == 1 and (mine[0].sharding == p.sharding or not p.committed):
             arrays.append(mine[0])  # already the whole array, as the target wants it
         else:
             arrays.append(jax.make_array_from_single_device_arrays(p.leaf.shape, p.sharding, mine))

@@ -185,6 +185,14 @@ def _write_file(
         os.fsync(f.fileno())
 
 
+def _makedirs(path: str) -> None:
+    """Creates the output directory (and its parents), or says why it cannot."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create the output directory {path}: {e.strerror or e}") from e
+
+
 def export_safetensors(
     root: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -200,9 +208,10 @@ def export_safetensors(
 
     Args:
       root: the checkpoint root (local, ``gs://``, ``s3://``).
-      out: a local directory (created), which receives ``model.safetensors``
-        or shards plus ``model.safetensors.index.json``; or a path ending in
-        ``.safetensors``, which receives one file whatever its size.
+      out: a local directory (created with its parents), which receives
+        ``model.safetensors`` or shards plus ``model.safetensors.index.json``;
+        or a path ending in ``.safetensors`` (its directory created), which
+        receives one file whatever its size.
       step: the step to export; None exports the newest.
       leaves: glob patterns on dotted paths (``params.*``); None exports every array.
       max_shard_bytes: the most tensor bytes per shard (one larger tensor gets
@@ -236,8 +245,9 @@ def export_safetensors(
     if out.endswith(".safetensors"):
         plan = [(out, tensors)]
         index = None
+        _makedirs(os.path.dirname(out) or ".")
     else:
-        os.makedirs(out, exist_ok=True)
+        _makedirs(out)
         shards = _shards(tensors, max_shard_bytes)
         if len(shards) == 1:
             plan = [(os.path.join(out, SINGLE_FILE), tensors)]
@@ -248,6 +258,7 @@ def export_safetensors(
             plan = [(os.path.join(out, nm), s) for nm, s in zip(names, shards, strict=True)]
             index = os.path.join(out, INDEX_FILE)
     temps: list[tuple[str, str]] = []
+    path = plan[0][0]
     try:
         for path, members in plan:
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -267,10 +278,12 @@ def export_safetensors(
                 f.write("\n")
         for tmp, path in temps:  # the output appears only once every file is complete
             os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         for tmp, _ in temps:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        if isinstance(e, OSError):  # name the output, not its temporary name
+            raise ExportError(f"cannot write {path}: {e.strerror or e}") from e
         raise
     return ExportResult(
         files=tuple(path for _, path in temps),

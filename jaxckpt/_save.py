@@ -28,7 +28,7 @@ from typing import Any, NoReturn, Protocol
 
 import jax
 
-from jaxckpt import _handler, _pools, policy
+from jaxckpt import _handler, _pools, _procstate, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import Listing
@@ -78,6 +78,8 @@ class Inflight:
     written: dict[str, bytes] = field(default_factory=dict)
     """The records this process wrote for the attempt, by name: its commit does not read
     them back."""
+    process_state: dict[str, Any] | None = None
+    """This process's ``process_state`` record, carried in its manifest part."""
 
     @property
     def step(self) -> int:
@@ -161,8 +163,10 @@ class SaveSession:
         metrics: dict[str, float] | None,
         keep: bool,
         request: Callable[[int], PromotionRequest | None],
+        process_state: Any = None,
     ) -> None:
         """Starts the save of ``step`` (see ``CheckpointManager.save``)."""
+        own_state = _procstate.encode(process_state, step=step, process=jax.process_index())
         self._tier.revive(self._root)  # an own tier removed under this job is recreated
         leaves, values = describe_state(state, chunk_bytes=self._options.stored_chunk_bytes)
         _check_object_bound(leaves, self._options.max_object_bytes, step)
@@ -184,6 +188,7 @@ class SaveSession:
                 request=request(step),
                 listing=listing,
                 announced=announced,
+                process_state=own_state,
             )
         )
         try:
@@ -443,7 +448,9 @@ class SaveSession:
         loc = inflight.loc
         records, held = _split_held(records, arrays)
 
-        def manifest_part(records: dict[str, tuple[ChunkRecord, ...]]) -> ManifestPart:
+        def manifest_part(
+            records: dict[str, tuple[ChunkRecord, ...]], state: dict[str, Any] | None = None
+        ) -> ManifestPart:
             return ManifestPart(
                 step=loc.step,
                 process=jax.process_index(),
@@ -452,6 +459,7 @@ class SaveSession:
                 layout="plain" if packs is None else "packed",
                 packs=packs or {},
                 plain_codecs=packs is None,  # ArrayWriter's chain: zarr_metadata()
+                process_state=state,
             )
 
         extra = []
@@ -461,7 +469,7 @@ class SaveSession:
                 loc, manifest_part(held), name=name
             )
             extra.append(name)
-        part = manifest_part(records)
+        part = manifest_part(records, inflight.process_state)
         inflight.written[manifest_name(part.process)] = self._protocol.write_manifest_part(
             loc, part
         )

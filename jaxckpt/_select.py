@@ -35,6 +35,7 @@ from jaxckpt import errors
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import brief
 from jaxckpt._layout import MarkerRef
+from jaxckpt._procstate import RestoredStates
 from jaxckpt._records import CommitMarker
 from jaxckpt._restore import load_step
 from jaxckpt._tier import Tier
@@ -83,9 +84,10 @@ class Selection:
         partial: bool = False,
         rename: PathMap | None = None,
         allow_lossy_cast: bool = False,
-    ) -> tuple[int, Any]:
+    ) -> tuple[int, Any, RestoredStates]:
         """Restores ``step`` (None: the newest restorable one) on every host; returns
-        ``(step, state)``. The other arguments: as ``CheckpointManager.restore``.
+        ``(step, state, its process states)``. The other arguments: as
+        ``CheckpointManager.restore``.
 
         Raises:
           StepNotFoundError, UncommittedStepError, CorruptCheckpointError: as
@@ -97,7 +99,7 @@ class Selection:
         collective = len(tiers) == 1  # every host reads the same copy
         s = candidates.first
         while True:
-            restored, error = None, None
+            restored, error, states = None, None, RestoredStates()
             nearest = [
                 (t, refs) for t, refs in zip(tiers, candidates.held, strict=True) if s in refs
             ]
@@ -109,8 +111,9 @@ class Selection:
                     marker = _agreed_marker(tier, s, ref, agreement) if collective else None
                     marker = marker or tier.marker(s, ref)
                     with self._guard(s):
+                        loaded = load_step(tier.protocol, marker)
                         restored = tier.reader.restore(
-                            load_step(tier.protocol, marker),
+                            loaded,
                             target,
                             partial=partial,
                             rename=rename,
@@ -118,6 +121,7 @@ class Selection:
                             agreement=agreement if collective else None,
                         )
                     error = None
+                    states = RestoredStates(s, marker.num_processes, loaded.process_states)
                     log.info("restored step %d from the %s copy (%s)", s, tier.name, tier.uri)
                     break
                 except (*_MISSING, CorruptCheckpointError) as e:
@@ -133,7 +137,7 @@ class Selection:
                         )
             failure = _agreed_failure(agreement, tiers, s, error)
             if failure is None:
-                return s, restored
+                return s, restored, states
             corrupt = isinstance(failure, CorruptCheckpointError)
             older = None if corrupt and not self._fallback else candidates.after(s)
             if older is None:

@@ -38,7 +38,7 @@ from jaxckpt._records import CommitMarker
 from jaxckpt._restore import StepReader
 from jaxckpt._tsio import ArrayWriter
 from jaxckpt.errors import CheckpointError, LocalRootInUseError, NotACheckpointRootError
-from jaxckpt.storage import Storage, open_storage
+from jaxckpt.storage import Storage, open_storage, tensorstore_backed
 
 log = logging.getLogger("jaxckpt")
 
@@ -107,7 +107,7 @@ class _Root:
     def __init__(self, storage: Storage, options: CheckpointOptions) -> None:
         self.storage = storage
         self.protocol = CommitProtocol(storage)
-        self.context = ts.Context(storage.context_spec())
+        self.context = ts.Context(tensorstore_backed(storage).context_spec())
         self.arrays = ArrayWriter(
             storage, self.context, max_inflight_bytes=options.max_inflight_bytes
         )

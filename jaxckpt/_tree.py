@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxckpt._mismatch import SHOWN, Mismatch, mismatch_message
 from jaxckpt._records import path_text
 from jaxckpt.errors import TreeMismatchError, UnsupportedLeafError
 
@@ -143,7 +144,10 @@ def leaf_kind(leaf: Any) -> str:
         return "array"
     if isinstance(leaf, VALUE_TYPES):
         return "value"
-    raise UnsupportedLeafError(f"leaves of type {type(leaf).__name__} are not supported")
+    hint = ""
+    if isinstance(leaf, bytes | bytearray):  # e.g. a grain DataLoader iterator's get_state()
+        hint = "; a process's own state (a data iterator's) goes in save(process_state=...)"
+    raise UnsupportedLeafError(f"leaves of type {type(leaf).__name__} are not supported{hint}")
 
 
 def _check_storable(dtype: np.dtype) -> None:
@@ -315,20 +319,22 @@ def match_target(
         target path two saved leaves were renamed to.
     """
     by_path: dict[str, SavedLeaf] = {}
-    problems: list[str] = []
+    duplicates: list[str] = []
+    missing: list[tuple[str, str]] = []
+    shapes: list[str] = []
     for saved_leaf in saved:
         old = saved_leaf.path_text
         new = old if rename is None else rename_path(old, rename)
         if new is None:
             continue
         if new in by_path:
-            problems.append(f"  two saved paths map to {new}: {by_path[new].path_text} and {old}")
+            duplicates.append(f"two saved paths map to {new}: {by_path[new].path_text} and {old}")
         by_path[new] = saved_leaf
     matched: list[SavedLeaf] = []
     for path, target in zip(target_paths, target_leaves, strict=True):
         leaf = by_path.get(path)
         if leaf is None:
-            problems.append(f"  not in checkpoint: {path} (target {_describe(target)})")
+            missing.append((path, _describe(target)))
             continue
         matched.append(leaf)
         if leaf.kind == "value" or not hasattr(target, "shape"):
@@ -338,18 +344,23 @@ def match_target(
             shape = jax.eval_shape(jax.random.key_data, target).shape
         if shape != leaf.shape:
             saved_as = "" if leaf.path_text == path else f" (saved as {leaf.path_text})"
-            problems.append(
-                f"  shape mismatch at {path}{saved_as}: saved {leaf.shape} {leaf.dtype}, "
+            shapes.append(
+                f"shape mismatch at {path}{saved_as}: saved {leaf.shape} {leaf.dtype}, "
                 f"target {_describe(target)}"
             )
-    if not partial:
-        for path in sorted(set(by_path) - set(target_paths)):
-            problems.append(f"  not in target: {path} (saved {_describe_saved(by_path[path])})")
-    if problems:
-        hint = "" if partial else " (restore(..., partial=True) restores a subset)"
-        raise TreeMismatchError(
-            f"restore target does not match the saved tree{hint}:\n" + "\n".join(problems)
+    extra = [] if partial else sorted(set(by_path) - set(target_paths))
+    if missing or shapes or duplicates or extra:
+        mismatch = Mismatch(
+            missing=missing,
+            extra=[(p, _describe_saved(by_path[p])) for p in extra],
+            shapes=shapes,
+            duplicates=duplicates,
+            matched=len(matched),
+            targets=len(target_paths),
+            partial=partial,
+            renamed=rename is not None,
         )
+        raise TreeMismatchError(mismatch_message(mismatch))
     return matched
 
 
@@ -404,9 +415,11 @@ def check_casts(
         if lossy_cast(leaf.numpy_dtype, np.dtype(dtype)):
             problems.append(f"  {path}: saved {leaf.dtype}, target {np.dtype(dtype).name}")
     if problems:
+        more = [f"  ... and {len(problems) - SHOWN} more"] if len(problems) > SHOWN else []
         raise TreeMismatchError(
-            "restore target converts saved arrays to dtypes that cannot hold every value "
-            "(pass allow_lossy_cast=True to convert anyway):\n" + "\n".join(problems)
+            f"restore target converts {len(problems)} saved arrays to dtypes that cannot hold "
+            "every value (pass allow_lossy_cast=True to convert anyway):\n"
+            + "\n".join(problems[:SHOWN] + more)
         )
 
 

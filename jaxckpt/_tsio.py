@@ -28,7 +28,7 @@ from jaxckpt._phases import reached, watched
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem, dumps
 from jaxckpt._reread import reread_chunk
 from jaxckpt._tree import SavedLeaf
-from jaxckpt.storage import Storage
+from jaxckpt.storage import Storage, tensorstore_backed
 
 Region = tuple[tuple[int, int], ...]
 
@@ -136,7 +136,7 @@ class ArrayWriter:
         assert leaf.name is not None
         spec: dict[str, Any] = {
             "driver": "zarr3",
-            "kvstore": self._storage.kvstore_spec(loc.array_prefix(leaf.name)),
+            "kvstore": tensorstore_backed(self._storage).kvstore_spec(loc.array_prefix(leaf.name)),
         }
         if create:
             # assume_metadata: no GET + conditional PUT of zarr.json per array (three
@@ -219,7 +219,8 @@ class ArrayWriter:
         array write identical bytes; the attempt's prefix is this save's alone.
         """
         kv = ts.KvStore.open(
-            self._storage.kvstore_spec(loc.arrays_prefix), context=self._context
+            tensorstore_backed(self._storage).kvstore_spec(loc.arrays_prefix),
+            context=self._context,
         ).result()
         futures = [
             kv.write(
@@ -264,7 +265,7 @@ def check_chunks(
         yield from _check_packed_chunks(storage, loc, leaf, chunks, window=window)
         return
     kv = ts.KvStore.open(
-        storage.kvstore_spec(loc.array_prefix(leaf.name)), context=context
+        tensorstore_backed(storage).kvstore_spec(loc.array_prefix(leaf.name)), context=context
     ).result()
     for chunk, fut in _windowed(chunks, lambda c: kv.read(c.key), window):
         try:

@@ -10,6 +10,7 @@ import tensorstore as ts
 
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import is_held_manifest_name, is_manifest_name
+from jaxckpt._reader import dotted_path
 from jaxckpt._restore import LoadedStep, load_step
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import check_chunks, expected_chunk_count, zarr_metadata
@@ -18,11 +19,16 @@ from jaxckpt.errors import CheckpointError
 
 @dataclass(frozen=True, kw_only=True)
 class Problem:
-    """One thing wrong with a step: the tree path, the chunk (if any), what."""
+    """One thing wrong with a step: the tree path, the chunk (if any), what.
+
+    ``path`` is the ``jax.tree_util.keystr`` form (as ``rename=`` takes it),
+    ``dotted`` the dotted form the command line prints.
+    """
 
     path: str
     chunk: str | None
     message: str
+    dotted: str = ""
 
     def __str__(self) -> str:
         where = f"{self.path} chunk {self.chunk}" if self.chunk else self.path
@@ -63,7 +69,7 @@ def verify_step(
         return VerifyReport(
             step=step,
             ok=False,
-            problems=(Problem(path="<records>", chunk=None, message=str(e)),),
+            problems=(Problem(path="<records>", chunk=None, message=str(e), dotted="<records>"),),
             chunks_checked=0,
             bytes_checked=0,
         )
@@ -75,7 +81,7 @@ def verify_step(
         if leaf.kind == "value" or leaf.name is None:
             continue
         if loaded.layout == "plain":  # a packed step keeps its array metadata in tree.json
-            problems.extend(_check_array_metadata(protocol, loaded, leaf.name, leaf.path_text))
+            problems.extend(_check_array_metadata(protocol, loaded, leaf))
         chunks = loaded.chunks.get(leaf.name, ())
         expected = expected_chunk_count(leaf)
         if whole and len({c.key for c in chunks}) != expected:
@@ -84,6 +90,7 @@ def verify_step(
                     path=leaf.path_text,
                     chunk=None,
                     message=f"manifest lists {len(chunks)} chunks, the array has {expected}",
+                    dotted=dotted_path(leaf),
                 )
             )
         for chunk, problem, nbytes in check_chunks(
@@ -94,7 +101,14 @@ def verify_step(
             if on_progress is not None:
                 on_progress(nbytes)
             if problem is not None:
-                problems.append(Problem(path=leaf.path_text, chunk=chunk.key, message=problem))
+                problems.append(
+                    Problem(
+                        path=leaf.path_text,
+                        chunk=chunk.key,
+                        message=problem,
+                        dotted=dotted_path(leaf),
+                    )
+                )
     return VerifyReport(
         step=step,
         ok=not problems,
@@ -105,16 +119,18 @@ def verify_step(
 
 
 def _check_array_metadata(
-    protocol: CommitProtocol, loaded: LoadedStep, name: str, path: str
+    protocol: CommitProtocol, loaded: LoadedStep, leaf: SavedLeaf
 ) -> list[Problem]:
-    leaf = next(x for x in loaded.leaves if x.name == name)
-    key = loaded.marker.location.array_prefix(name) + "zarr.json"
+    assert leaf.name is not None
+    key = loaded.marker.location.array_prefix(leaf.name) + "zarr.json"
     problem = None
     for _ in range(2):  # a byte flipped in transit fails once, stored damage twice
         problem = _metadata_problem(protocol.storage.read(key), leaf, protocol.where(key))
         if problem is None:
             return []
-    return [Problem(path=path, chunk=None, message=str(problem))]
+    return [
+        Problem(path=leaf.path_text, chunk=None, message=str(problem), dotted=dotted_path(leaf))
+    ]
 
 
 def _metadata_problem(raw: bytes | None, leaf: SavedLeaf, where: str) -> str | None:

@@ -15,9 +15,12 @@ AnySave(policies=(EveryNSteps(n=500), OnPreemption()))
 >>> opts.retention
 AnyKeep(policies=(KeepLast(k=3), KeepMilestones(series=(1, 2, 5))))
 
-Flags (all prefixed ``checkpoint_``):
+Flags (all prefixed ``checkpoint_``; ``define_flags`` makes them key flags of its caller,
+so the script's ``--help`` lists them):
 
-* ``--checkpoint_root``: where checkpoints go (a path, ``gs://`` or ``s3://``).
+* ``--checkpoint_root``: where checkpoints go (a path, ``gs://`` or ``s3://``); required
+  unless ``--nocheckpoint_enabled``, which gives a manager that saves nothing and finds
+  no step.
 * ``--checkpoint_every_steps`` / ``--checkpoint_every_seconds``: periodic saves.
 * ``--checkpoint_mtbf_hours``: save at Daly's optimal interval for this MTBF
   (:class:`jaxckpt.policy.Adaptive`), capped by ``--checkpoint_max_overhead``.
@@ -47,6 +50,15 @@ Flags (all prefixed ``checkpoint_``):
   restore from ``gs://`` or ``s3://`` may use beyond the restored arrays.
 * ``--checkpoint_writer_nice``: ``writer_nice``, niceness 0-19 of the background save's
   own threads.
+* ``--checkpoint_init_from=ROOT[:STEP]``, ``--checkpoint_init_partial``,
+  ``--checkpoint_init_rename=SAVED=NEW,...``: a new run starts from another root's step
+  (:func:`init_from_flags`), e.g. pretrained params.
+
+A missing or inconsistent flag raises :class:`CheckpointFlagError`, an
+``absl.app.UsageError`` (under ``app.run``: the usage and the problem, no traceback);
+inconsistent combinations are refused when the command line is parsed already. A
+config-file trainer builds the same options from a plain mapping
+(:func:`options_from_mapping`, :func:`manager_from_mapping`).
 
 With no interval flag, every ``save`` call saves. The save policies combine with ``|``: a
 step is saved when any of them says so.
@@ -55,8 +67,10 @@ step is saved when any of them says so.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from jaxckpt._flagdefs import FLAG_NAMES, define_all, init_problem, milestones_problem, tier_problem
 
 if TYPE_CHECKING:
     from absl import flags as absl_flags
@@ -66,46 +80,26 @@ if TYPE_CHECKING:
     from jaxckpt._preflight import ResumeReport
     from jaxckpt.policy import RetentionPolicy, SavePolicy
 
+CheckpointFlagError: type[Exception]
+"""A ``checkpoint_*`` flag is missing or inconsistent (an ``absl.app.UsageError``, a
+``CheckpointError`` and a ``ValueError``): made on first use, as ``absl.app`` defines
+flags when imported."""
+
 __all__ = [
     "FLAG_NAMES",
+    "CheckpointFlagError",
     "define_flags",
+    "flags_from_mapping",
+    "init_from_flags",
     "manager_from_flags",
+    "manager_from_mapping",
     "options_from_flags",
+    "options_from_mapping",
     "preflight_from_flags",
     "promote_policy_from_flags",
     "retention_from_flags",
     "save_policy_from_flags",
 ]
-
-FLAG_NAMES = (
-    "checkpoint_root",
-    "checkpoint_every_steps",
-    "checkpoint_every_seconds",
-    "checkpoint_mtbf_hours",
-    "checkpoint_max_overhead",
-    "checkpoint_on_preemption",
-    "checkpoint_keep_last",
-    "checkpoint_keep_milestones",
-    "checkpoint_keep_every",
-    "checkpoint_async",
-    "checkpoint_timeout_seconds",
-    "checkpoint_preflight_steps",
-    "checkpoint_preflight_root",
-    "checkpoint_local_root",
-    "checkpoint_promote_every_steps",
-    "checkpoint_promote_every_seconds",
-    "checkpoint_local_keep_last",
-    "checkpoint_local_replicas",
-    "checkpoint_promotion",
-    "checkpoint_restore_memory_mib",
-    "checkpoint_writer_nice",
-)
-_TIER_FLAGS = (
-    "checkpoint_promote_every_steps",
-    "checkpoint_promote_every_seconds",
-    "checkpoint_local_keep_last",
-    "checkpoint_local_replicas",
-)
 
 
 def _default_flag_values() -> absl_flags.FlagValues:
@@ -115,146 +109,21 @@ def _default_flag_values() -> absl_flags.FlagValues:
 
 
 def define_flags(flag_values: absl_flags.FlagValues | None = None) -> None:
-    """Defines the ``checkpoint_*`` flags in ``flag_values`` (default ``absl.flags.FLAGS``).
+    """Defines the ``checkpoint_*`` flags in ``flag_values`` (default ``absl.flags.FLAGS``)
+    and makes them key flags of the calling module, so its ``--help`` lists them.
 
-    Calling it again on the same ``flag_values`` does nothing, so a library and its
-    script may both call it.
+    Calling it again on the same ``flag_values`` defines nothing new, so a library and
+    its script may both call it (each gets them as key flags). A library that calls it
+    for its scripts: they list the flags with ``flags.adopt_module_key_flags(library)``.
     """
     from absl import flags
 
     fv = flag_values if flag_values is not None else flags.FLAGS
-    if "checkpoint_root" in fv:
-        return
-    module = "jaxckpt.flags"
-    kw: dict[str, Any] = {"flag_values": fv, "module_name": module}
-    flags.DEFINE_string(
-        "checkpoint_root", None, "Checkpoint root: a directory, gs://bucket/path or s3://...", **kw
-    )
-    flags.DEFINE_integer(
-        "checkpoint_every_steps",
-        None,
-        "Save at steps that are multiples of N.",
-        lower_bound=1,
-        **kw,
-    )
-    flags.DEFINE_float(
-        "checkpoint_every_seconds", None, "Save when this many seconds passed.", lower_bound=0, **kw
-    )
-    flags.DEFINE_float(
-        "checkpoint_mtbf_hours",
-        None,
-        "Mean time between failures of the job: save at Daly's optimal interval.",
-        lower_bound=0,
-        **kw,
-    )
-    flags.DEFINE_float(
-        "checkpoint_max_overhead",
-        0.02,
-        "With --checkpoint_mtbf_hours: at most this fraction of time blocked on saves.",
-        lower_bound=0,
-        upper_bound=1,
-        **kw,
-    )
-    flags.DEFINE_bool(
-        "checkpoint_on_preemption",
-        True,
-        "Save at the next step after SIGTERM/SIGINT (see CheckpointManager.preempted).",
-        **kw,
-    )
-    flags.DEFINE_integer(
-        "checkpoint_keep_last", None, "Keep the N newest steps.", lower_bound=1, **kw
-    )
-    flags.DEFINE_list(
-        "checkpoint_keep_milestones",
-        [],
-        "Keep a logarithmic trail of steps s*10^j for these s, e.g. 1,2,5.",
-        **kw,
-    )
-    flags.DEFINE_integer(
-        "checkpoint_keep_every", None, "Keep steps that are multiples of N.", lower_bound=1, **kw
-    )
-    flags.DEFINE_bool(
-        "checkpoint_async",
-        True,
-        "Write checkpoints in the background; off: save() returns once the step is committed.",
-        **kw,
-    )
-    flags.DEFINE_float(
-        "checkpoint_timeout_seconds", 600.0, "A save must commit within this.", lower_bound=0, **kw
-    )
-    flags.DEFINE_integer(
-        "checkpoint_preflight_steps",
-        0,
-        "Before training, check that a checkpoint of the starting state resumes bit-exactly "
-        "for N steps (jaxckpt.check_resume); 0 skips the check.",
-        lower_bound=0,
-        **kw,
-    )
-    flags.DEFINE_string(
-        "checkpoint_preflight_root",
-        None,
-        "An empty scratch root for the pre-flight check (default: a temporary local directory).",
-        **kw,
-    )
-    flags.DEFINE_string(
-        "checkpoint_local_root",
-        None,
-        "A fast local tier, one per host (e.g. local NVMe): saves commit there and the steps "
-        "chosen for promotion are copied to --checkpoint_root.",
-        **kw,
-    )
-    flags.DEFINE_integer(
-        "checkpoint_promote_every_steps",
-        None,
-        "With a local tier: promote saves at steps that are multiples of N (default: every save).",
-        lower_bound=1,
-        **kw,
-    )
-    flags.DEFINE_float(
-        "checkpoint_promote_every_seconds",
-        None,
-        "With a local tier: promote a save when this many seconds passed since the last one.",
-        lower_bound=0,
-        **kw,
-    )
-    flags.DEFINE_integer(
-        "checkpoint_local_keep_last",
-        None,
-        "With a local tier: keep the N newest local steps (and any waiting for promotion).",
-        lower_bound=1,
-        **kw,
-    )
-    flags.DEFINE_integer(
-        "checkpoint_local_replicas",
-        None,
-        "With a local tier: keep each process's local part on N distinct nodes (a ring over "
-        "the host names or JAXCKPT_NODE_ID), so a lost node's newest steps survive (default 1).",
-        lower_bound=1,
-        **kw,
-    )
-    flags.DEFINE_integer(
-        "checkpoint_restore_memory_mib",
-        None,
-        "Restores from gs:// or s3:// use at most this much memory beyond the restored arrays "
-        "(default: a tenth of each restore, 16 MiB to 1 GiB).",
-        lower_bound=1,
-        **kw,
-    )
-    flags.DEFINE_integer(
-        "checkpoint_writer_nice",
-        0,
-        "Niceness 0-19 of the background save's own threads (Linux), below the training loop.",
-        lower_bound=0,
-        upper_bound=19,
-        **kw,
-    )
-    flags.DEFINE_enum(
-        "checkpoint_promotion",
-        "background",
-        ["background", "external"],
-        "With a local tier: who promotes, a thread of this process or a `jaxckpt promote` sidecar.",
-        **kw,
-    )
+    if "checkpoint_root" not in fv:
+        define_all(fv)
+    flags.disclaim_key_flags()  # this module: the key flags go to the caller of define_flags
+    for name in FLAG_NAMES:
+        flags.declare_key_flag(name, flag_values=fv)
 
 
 def _fv(flag_values: absl_flags.FlagValues | None) -> absl_flags.FlagValues:
@@ -303,20 +172,17 @@ def retention_from_flags(
     """The retention policy the flags describe; None (keep everything) when none is set.
 
     Raises:
-      ValueError: ``--checkpoint_keep_milestones`` is not a list of positive integers.
+      CheckpointFlagError: ``--checkpoint_keep_milestones`` is not a list of positive integers.
     """
     from jaxckpt import policy
 
     fv = _fv(flag_values)
     series = None
     if fv.checkpoint_keep_milestones:
-        try:
-            series = [int(s) for s in fv.checkpoint_keep_milestones]
-        except ValueError:
-            raise ValueError(
-                "--checkpoint_keep_milestones must be integers such as 1,2,5, got "
-                f"{','.join(fv.checkpoint_keep_milestones)!r}"
-            ) from None
+        problem = milestones_problem(fv.checkpoint_keep_milestones)
+        if problem is not None:
+            raise flag_error(problem)
+        series = [int(s) for s in fv.checkpoint_keep_milestones]
     return policy.retention_from(
         keep_last=fv.checkpoint_keep_last,
         keep_milestones=series,
@@ -338,10 +204,10 @@ def _tier_fields(fv: absl_flags.FlagValues) -> dict[str, Any]:
     """The local tier's options; raises if a tier flag is set without a local root."""
     from jaxckpt import policy
 
+    problem = tier_problem({name: fv[name].value for name in fv})
+    if problem is not None:
+        raise flag_error(problem)
     if not fv.checkpoint_local_root:
-        given = [f"--{name}" for name in _TIER_FLAGS if fv[name].value is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} need --checkpoint_local_root")
         return {}
     keep = fv.checkpoint_local_keep_last
     return {
@@ -362,7 +228,7 @@ def options_from_flags(
     :func:`manager_from_flags`. ``overrides`` replace fields (e.g. ``storage_options``).
 
     Raises:
-      ValueError: a local tier flag is set without ``--checkpoint_local_root``.
+      CheckpointFlagError: a local tier flag is set without ``--checkpoint_local_root``.
     """
     from jaxckpt._options import CheckpointOptions
 
@@ -386,14 +252,26 @@ def manager_from_flags(
     """Opens the manager of ``--checkpoint_root`` with the options the flags describe.
 
     With ``--nocheckpoint_async`` the returned manager's ``save`` waits until the step is
-    committed before returning (a :class:`CheckpointManager` subclass).
+    committed before returning (a :class:`CheckpointManager` subclass). With
+    ``--nocheckpoint_enabled`` it is a manager that saves nothing and finds no step.
 
     Raises:
-      ValueError: ``--checkpoint_root`` is not set.
+      CheckpointFlagError: ``--checkpoint_root`` is not set (and checkpointing is on), or
+        the flags are inconsistent. Raised in ``main`` under ``absl.app.run``, it is
+        reported as a usage error: the usage message and the problem, no traceback.
     """
     fv = _fv(flag_values)
+    problem = init_problem({name: fv[name].value for name in fv})
+    if not fv.checkpoint_enabled:
+        from jaxckpt._disabled import DisabledCheckpointManager
+
+        return DisabledCheckpointManager(fv.checkpoint_root)
     if not fv.checkpoint_root:
-        raise ValueError("--checkpoint_root is required")
+        problem = "--checkpoint_root is required (or --nocheckpoint_enabled: no checkpoints)"
+    elif fv.checkpoint_init_from and _same_root(fv.checkpoint_init_from, fv.checkpoint_root):
+        problem = "--checkpoint_init_from names --checkpoint_root itself (a run resumes it anyway)"
+    if problem is not None:
+        raise flag_error(problem)
     options = options_from_flags(fv, **overrides)
     if fv.checkpoint_async:
         from jaxckpt import CheckpointManager
@@ -432,6 +310,147 @@ def preflight_from_flags(
         options=options_from_flags(fv),
         **kwargs,
     )
+
+
+def init_from_flags(
+    mgr: CheckpointManager,
+    target: Any,
+    flag_values: absl_flags.FlagValues | None = None,
+    **restore_kwargs: Any,
+) -> Any:
+    """The state a new run starts from with ``--checkpoint_init_from`` (like MaxText's
+    ``load_parameters_path``); None when the flag is not set, or when ``mgr`` already has a
+    step (a restarted run resumes its own checkpoint instead: restore that).
+
+    The step (``ROOT:STEP``, else the newest) is restored into ``target`` with
+    ``partial=--checkpoint_init_partial`` and ``rename=--checkpoint_init_rename``: pass the
+    params' abstract tree and ``--checkpoint_init_partial`` to take only the params of a
+    saved train state, or the whole abstract state to continue a run under a new root.
+
+    Args:
+      mgr: this run's manager (its ``latest_step`` is asked; collective).
+      target: as ``CheckpointManager.restore``'s ``target``.
+      restore_kwargs: more arguments of ``restore`` (e.g. ``allow_lossy_cast``).
+
+    Raises:
+      CheckpointFlagError: the init flags are inconsistent.
+      StepNotFoundError, TreeMismatchError: as ``CheckpointManager.restore``.
+    """
+    import logging
+
+    from jaxckpt import CheckpointManager
+    from jaxckpt.cli._common import split_source
+
+    fv = _fv(flag_values)
+    problem = init_problem({name: fv[name].value for name in fv})
+    if problem is not None:
+        raise flag_error(problem)
+    if not fv.checkpoint_init_from:
+        return None
+    log = logging.getLogger("jaxckpt")
+    if (own := mgr.latest_step()) is not None:
+        log.info("--checkpoint_init_from ignored: %s has step %d to resume", mgr.root, own)
+        return None
+    root, step = split_source(fv.checkpoint_init_from)
+    rename = dict(r.split("=", 1) for r in fv.checkpoint_init_rename) or None
+    with CheckpointManager(root, read_only=True) as source:
+        state = source.restore(
+            step, target=target, partial=fv.checkpoint_init_partial, rename=rename, **restore_kwargs
+        )
+        log.info("initialised from step %d of %s", source.restored_step, source.root)
+    return state
+
+
+def flags_from_mapping(config: Mapping[str, Any]) -> absl_flags.FlagValues:
+    """A parsed, validated ``FlagValues`` of the ``checkpoint_*`` flags set from ``config``.
+
+    Keys are flag names with or without the ``checkpoint_`` prefix (``root``,
+    ``every_steps``, ``keep_milestones``, ...); values are what the flag holds (``5``,
+    ``[1, 2, 5]``, ``None``) or its command-line text (``"5"``, ``"1,2,5"``).
+
+    Raises:
+      CheckpointFlagError: an unknown key, or a value the flag refuses (named).
+    """
+    from absl import flags
+
+    fv = flags.FlagValues()
+    define_all(fv)
+    try:
+        for key, value in dict(config).items():
+            name = key if key.startswith("checkpoint_") else f"checkpoint_{key}"
+            if name not in FLAG_NAMES:
+                known = ", ".join(n.removeprefix("checkpoint_") for n in FLAG_NAMES)
+                raise flag_error(f"unknown checkpoint setting {key!r}; known: {known}")
+            if value is None:
+                fv[name].value = None
+            else:
+                fv[name].parse(value)
+            fv[name].using_default_value = False
+        fv.mark_as_parsed()
+        fv.validate_all_flags()
+    except flags.Error as e:
+        raise flag_error(str(e)) from None
+    return fv
+
+
+def options_from_mapping(config: Mapping[str, Any], **overrides: Any) -> CheckpointOptions:
+    """:func:`options_from_flags` for a config-file trainer: the settings of ``config``
+    (see :func:`flags_from_mapping`), e.g. ``{"every_steps": 500, "keep_last": 3}``."""
+    return options_from_flags(flags_from_mapping(config), **overrides)
+
+
+def manager_from_mapping(config: Mapping[str, Any], **overrides: Any) -> CheckpointManager:
+    """:func:`manager_from_flags` for a config-file trainer, e.g. from a YAML section
+    ``{"root": "gs://b/run", "every_steps": 500, "keep_last": 3}`` (see
+    :func:`flags_from_mapping`); ``{"enabled": False}`` gives a manager that saves nothing.
+
+    >>> import tempfile
+    >>> with manager_from_mapping({"root": tempfile.mkdtemp(), "every_steps": 2}) as mgr:
+    ...     mgr.save(1, {"w": 1.0}), mgr.save(2, {"w": 2.0})
+    (False, True)
+    """
+    return manager_from_flags(flags_from_mapping(config), **overrides)
+
+
+def flag_error(message: str) -> Exception:
+    """A :class:`CheckpointFlagError` (an ``absl.app.UsageError``) saying ``message``."""
+    return _flag_error_class()(message)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CheckpointFlagError":  # a class made on first use: absl.app defines flags
+        return _flag_error_class()
+    raise AttributeError(f"module 'jaxckpt.flags' has no attribute {name!r}")
+
+
+@functools.cache
+def _flag_error_class() -> type[Exception]:
+    from absl import app
+
+    from jaxckpt.errors import CheckpointError
+
+    class CheckpointFlagError(app.UsageError, CheckpointError, ValueError):
+        """A ``checkpoint_*`` flag is missing or inconsistent with another.
+
+        It is an ``absl.app.UsageError``: raised in ``main`` under ``absl.app.run``, the
+        program prints its usage and the problem and exits with status 1, no traceback.
+        Fix the flags as the message says (``--help`` lists them).
+        """
+
+    CheckpointFlagError.__module__ = __name__
+    CheckpointFlagError.__qualname__ = "CheckpointFlagError"
+    return CheckpointFlagError
+
+
+def _same_root(a: str, b: str) -> bool:
+    from jaxckpt.cli._common import split_source
+    from jaxckpt.errors import CheckpointError
+    from jaxckpt.storage import parse_root
+
+    try:
+        return bool(parse_root(split_source(a)[0]) == parse_root(b))
+    except (CheckpointError, ValueError):  # an invalid root is reported when it is opened
+        return False
 
 
 @functools.cache

@@ -8,6 +8,8 @@ stay valid), except that, with the probabilities of the current
 :class:`FaultPlan`, it is
 
 * answered ``503 Service Unavailable`` without being forwarded (``error``);
+* answered ``503 SlowDown`` (S3's throttling reply, its XML error body) or, for a
+  GCS request, ``429 Too Many Requests`` without being forwarded (``throttle``);
 * cut by a TCP reset before it is forwarded (``reset``);
 * forwarded, then cut by a reset instead of the answer (``lost``): the server
   did the work but the client cannot know, the nastiest transient fault, as a
@@ -43,7 +45,14 @@ from typing import Any
 
 LOOPBACK = ("127.0.0.1", "localhost")
 FAULT_KINDS = ("error", "reset", "lost", "slow")
-INJECT_KINDS = (*FAULT_KINDS, "flip")  # ``flip``: by FaultProxy.inject only, never by a plan
+PLAN_KINDS = (*FAULT_KINDS, "throttle")  # what a plan can inject (torture plans: FAULT_KINDS)
+INJECT_KINDS = (*PLAN_KINDS, "flip")  # ``flip``: by FaultProxy.inject only, never by a plan
+_SLOWDOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+_TOO_MANY = b'{"error": {"code": 429, "message": "The rate of change requests is too high."}}'
+
 _HOP_BY_HOP = {
     "connection",
     "keep-alive",
@@ -69,6 +78,7 @@ class FaultPlan:
       lost: forward, then reset the connection instead of answering.
       slow: delay forwarding by a uniform 0..``slow_s`` seconds.
       slow_s: the longest delay.
+      throttle: answer as a throttling store does (S3 ``503 SlowDown``, GCS ``429``).
     """
 
     error: float = 0.0
@@ -76,9 +86,10 @@ class FaultPlan:
     lost: float = 0.0
     slow: float = 0.0
     slow_s: float = 0.5
+    throttle: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in FAULT_KINDS:
+        for name in PLAN_KINDS:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"fault rate {name} must be in [0, 1], got {getattr(self, name)}")
         if self.total > 1.0:
@@ -88,12 +99,12 @@ class FaultPlan:
 
     @property
     def total(self) -> float:
-        return round(sum(getattr(self, name) for name in FAULT_KINDS), 9)
+        return round(sum(getattr(self, name) for name in PLAN_KINDS), 9)
 
     def scaled(self, factor: float) -> FaultPlan:
         """The same plan with every rate multiplied by ``factor`` (capped so they sum to <= 1)."""
         factor = min(factor, 1.0 / self.total) if self.total else factor
-        rates = {name: getattr(self, name) * factor for name in FAULT_KINDS}
+        rates = {name: getattr(self, name) * factor for name in PLAN_KINDS}
         return FaultPlan(**rates, slow_s=self.slow_s)
 
     @classmethod
@@ -102,8 +113,8 @@ class FaultPlan:
         values: dict[str, float] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, sep, value = item.partition("=")
-            if not sep or name not in (*FAULT_KINDS, "slow_s"):
-                raise ValueError(f"bad fault rate {item!r}: use NAME=VALUE, NAME in {FAULT_KINDS}")
+            if not sep or name not in (*PLAN_KINDS, "slow_s"):
+                raise ValueError(f"bad fault rate {item!r}: use NAME=VALUE, NAME in {PLAN_KINDS}")
             values[name] = float(value)
         return cls(**values)
 
@@ -201,7 +212,7 @@ class FaultProxy:
                     rule.times -= 1
                     self.counts[rule.kind] += 1
                     return rule.kind, delay
-            for kind in FAULT_KINDS:
+            for kind in PLAN_KINDS:
                 rate = getattr(plan, kind)
                 if x < rate:
                     self.counts[kind] += 1
@@ -287,6 +298,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
             self.close_connection = True
+            return
+        if fault == "throttle":
+            gcs = self.path.startswith(("/storage/", "/upload/", "/batch/"))
+            status, reason, payload = (
+                (429, "Too Many Requests", _TOO_MANY) if gcs else (503, "Slow Down", _SLOWDOWN)
+            )
+            self.send_response_only(status, reason)
+            self.send_header("Content-Type", "application/json" if gcs else "application/xml")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
             return
         if fault == "reset":
             self._reset()

@@ -4,7 +4,9 @@
 
 The text is the standard library's own ``*.py`` files (read from
 ``os.path.dirname(os.__file__)`` in sorted order), so it runs offline. The model is a
-Flax NNX decoder (2 layers, d_model 64 by default) trained with optax AdamW.
+Flax NNX decoder (2 layers, d_model 64 by default) trained with optax AdamW, its matrices
+sharded over a (data, model) mesh: FSDP over `data`, tensor parallel over `model`
+(``--model_parallel``).
 
 What it shows:
 
@@ -21,7 +23,9 @@ What it shows:
 * **Overhead.** Each committed save is logged with its bytes and throughput, and the
   run ends with the seconds blocked on checkpoints as a share of wall time.
 
-Every ``--checkpoint_*`` flag of :mod:`jaxckpt.flags` applies.
+Every ``--checkpoint_*`` flag of :mod:`jaxckpt.flags` applies; e.g.
+``--checkpoint_init_from=OTHER_ROOT --checkpoint_init_partial`` starts a new run from
+another run's model, optimizer and PRNG key (its step counter starts at 0).
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ _HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.")
 _LR = flags.DEFINE_float("learning_rate", 3e-3, "AdamW learning rate.")
 _DROPOUT = flags.DEFINE_float("dropout", 0.1, "Dropout rate (uses the checkpointed PRNG key).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the initialisation, data order and dropout.")
+_MODEL_PARALLEL = flags.DEFINE_integer(
+    "model_parallel",
+    1,
+    "Devices per tensor-parallel group (the mesh's 'model' axis).",
+    lower_bound=1,
+)
 _LOG_EVERY = flags.DEFINE_integer("log_every", 20, "Log the loss every N steps.")
 _SLEEP = flags.DEFINE_float(
     "simulated_step_seconds", 0.0, "Sleep this long per step, to act like a bigger model."
@@ -173,11 +183,15 @@ def make_model_and_optimizer(seed: int) -> tuple[ByteLM, nnx.Optimizer]:
 
 
 def sharding_for(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """Matrices split their first axis over ``data`` when it divides; the rest replicate."""
-    n = mesh.shape["data"]
-    if len(shape) >= 2 and shape[0] % n == 0:
-        return NamedSharding(mesh, P("data"))
-    return NamedSharding(mesh, P())
+    """Matrices split their first axis over ``data`` (FSDP) and their second over ``model``
+    (tensor parallel) where the axis divides; the rest replicate."""
+    if len(shape) < 2:
+        return NamedSharding(mesh, P())
+    spec = [
+        axis if shape[i] % mesh.shape[axis] == 0 and mesh.shape[axis] > 1 else None
+        for i, axis in enumerate(("data", "model"))
+    ]
+    return NamedSharding(mesh, P(*spec))
 
 
 def with_shardings(mesh: Mesh, abstract: Any) -> Any:
@@ -290,7 +304,8 @@ def restore_or_init(
     start = time.perf_counter()
     if mgr.latest_step() is None:
         logging.info("fresh start at step 0 under %s", mgr.root)
-        return init_train_state(seed, shardings), 0
+        initial = jaxckpt.flags.init_from_flags(mgr, target)  # --checkpoint_init_from
+        return initial if initial is not None else init_train_state(seed, shardings), 0
     restored = mgr.restore(target={**target, "step": 0, "data_position": 0})
     step = restored.pop("step")
     position = restored.pop("data_position")
@@ -331,9 +346,12 @@ def preflight(train_step: Any, state: Any, step: int, batches: Any, target: Any)
 def train(mgr: jaxckpt.CheckpointManager) -> None:
     corpus = load_corpus()
     devices = np.array(jax.devices())
-    mesh = Mesh(devices, ("data",))
-    batch_sharding = NamedSharding(mesh, P("data") if _BATCH.value % devices.size == 0 else P())
-    logging.info("devices: %d x %s", devices.size, devices.flat[0].platform)
+    if devices.size % _MODEL_PARALLEL.value:
+        raise app.UsageError(f"--model_parallel must divide the {devices.size} devices")
+    mesh = Mesh(devices.reshape(-1, _MODEL_PARALLEL.value), ("data", "model"))
+    split = _BATCH.value % mesh.shape["data"] == 0
+    batch_sharding = NamedSharding(mesh, P("data") if split else P())
+    logging.info("devices: %d x %s, mesh %s", devices.size, devices.flat[0].platform, mesh.shape)
     seed = _SEED.value
     model_def, opt_def, target = abstract_train_state(mesh, seed)
     shardings = jax.tree.map(lambda x: x.sharding, target)
@@ -385,11 +403,7 @@ def main(argv: list[str]) -> None:
     if _CACHE.value:
         jax.config.update("jax_compilation_cache_dir", _CACHE.value)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    try:
-        mgr = jaxckpt.flags.manager_from_flags()
-    except ValueError as e:
-        raise app.UsageError(str(e)) from e
-    with mgr:
+    with jaxckpt.flags.manager_from_flags() as mgr:  # a flag error is a usage error
         train(mgr)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rootpaths import step_dir
+from rootpaths import packed_chunk, step_dir
 
 import jaxckpt
 from jaxckpt import cli
@@ -106,22 +106,59 @@ def test_diff_added_removed_and_other_roots(capsys, root, tmp_path):
     }
 
 
-@pytest.mark.usefixtures("plain_by_default")
-def test_diff_uses_checksums_not_data(capsys, root, tmp_path):
-    import shutil
+def _flip_one_byte(root: str, step: int) -> None:
+    """Flips one data byte of ``step``'s ``params.w`` (plain or packed layout)."""
+    if Path(step_dir(root, step, "arrays", "params.w", "c", "0", "0")).exists():
+        path, offset = Path(step_dir(root, step, "arrays", "params.w", "c", "0", "0")), 0
+    else:
+        uri, offset, _ = packed_chunk(root, step, "params.w", 0, 0)
+        path = Path(uri)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
 
-    copy = str(tmp_path / "copy")
-    shutil.copytree(root, copy)
-    chunk = Path(step_dir(copy, 50, "arrays", "params.w", "c", "0", "0"))
-    data = bytearray(chunk.read_bytes())
-    data[0] ^= 1
-    chunk.write_bytes(bytes(data))
-    rc, report = _diff_json(capsys, f"{root}:50", f"{copy}:50")
-    assert rc == 0 and report["identical"] is True  # no data read: the manifests agree
-    rc, _, err = _run(capsys, "diff", f"{root}:50", f"{copy}:50", "--values")
-    assert rc == 0  # --values reads only leaves the checksums call changed or unknown
-    rc, _, err = _run(capsys, "diff", f"{root}:20", f"{copy}:50", "--values")
-    assert rc == 1 and "step 50: ['params']['w']: chunk c/0/0" in err and "checksum" in err
+
+@pytest.mark.parametrize("layout", ["plain", "packed"])
+def test_diff_reports_a_step_with_a_flipped_byte_as_damaged(capsys, tmp_path, layout):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    for root in (one, two):
+        with jaxckpt.CheckpointManager(root, chunk_bytes=256, layout=layout) as mgr:
+            mgr.save(50, _state(50))
+    assert _diff_json(capsys, f"{one}:50", f"{two}:50")[0] == 0
+    _flip_one_byte(two, 50)
+    for extra in ((), ("--values",)):
+        rc, report = _diff_json(capsys, f"{one}:50", f"{two}:50", *extra)
+        by = {d["path"]: d for d in report["leaves"]}
+        assert rc == 1 and report["identical"] is False and report["damaged"] == ["params.w"]
+        assert (
+            by["params.w"]["status"] == "damaged"
+            and "step 50: chunk c/0/0" in (by["params.w"]["detail"])
+        )
+        assert by["params.b"]["status"] == "identical"
+    rc, out, err = _run(capsys, "diff", f"{two}:50", f"{one}:50")
+    assert rc == 1 and "1 damaged" in out.splitlines()[0]
+    assert err.startswith("jaxckpt: error: params.w: damaged: step 50: chunk c/0/0 of ")
+    # --records-only compares the manifests alone: it cannot see the damage, as it says
+    rc, report = _diff_json(capsys, f"{one}:50", f"{two}:50", "--records-only")
+    assert rc == 0 and report["identical"] is True
+
+
+def test_diff_checks_leaves_only_one_step_has(tmp_path):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    with jaxckpt.CheckpointManager(one, chunk_bytes=256, layout="plain") as mgr:
+        mgr.save(50, _state(50))
+    with jaxckpt.CheckpointManager(two, chunk_bytes=256, layout="plain") as mgr:
+        mgr.save(50, {k: v for k, v in _state(50).items() if k != "params"})
+    _flip_one_byte(one, 50)
+    result = jaxckpt.diff_steps(jaxckpt.open_step(one), jaxckpt.open_step(two))
+    status = {d.path: d.status for d in result.leaves}
+    assert status == {
+        "params.w": "damaged",
+        "params.b": "removed",
+        "count": "identical",
+        "step": "identical",
+    }
+    assert result.counts()["damaged"] == 1 and [d.path for d in result.damaged] == ["params.w"]
 
 
 @pytest.mark.usefixtures("plain_by_default")

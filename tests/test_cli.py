@@ -133,8 +133,21 @@ def test_ls_json_with_retention_flags(capsys, saved_root):
     assert by_step[30]["kept_by"] == ["KeepLast(2)", "newest"]
     assert by_step[20]["kept_by"] == ["KeepLast(2)", "milestone 20"]
     assert by_step[2]["kept_by"] == ["milestone 2", "pinned"]
-    assert by_step[2]["keep"] is True
+    assert by_step[2]["keep"] is True and listing["retention"] is not None
     assert by_step[10]["metrics"] == {"loss": 0.1}
+    # Without flags ls applies no rule, and the job's own rule is not recorded: it says
+    # nothing about one ("no retention policy" was untrue for a job that had one).
+    plain = run_json(capsys, "ls", saved_root)
+    assert plain["retention"] is None
+    assert {s["step"]: s["kept_by"] for s in plain["committed"]} == {
+        1: [],
+        2: ["pinned"],
+        5: [],
+        10: [],
+        20: [],
+        30: ["newest"],
+    }
+    assert "no retention policy" not in run(capsys, "ls", saved_root)[1]
     assert by_step[5]["nbytes"] > 64 * 32 * 4
     assert listing["partial"] == []
 
@@ -156,12 +169,12 @@ def test_inspect_shows_the_tree(capsys, saved_root):
     assert rc == 0
     assert out.startswith(f"step 30 of {saved_root}: committed ")
     assert "metrics: loss=0.0333333" in out and 'metadata: {"a": 1}' in out
-    row = next(line for line in out.splitlines() if line.startswith("['params']['w']"))
+    row = next(line for line in out.splitlines() if line.startswith("params.w "))
     assert row.split()[1:4] == ["array", "(64,", "32)"]
     assert "float32" in row and "Named(data=1; P('data', None))" in row and "8.0 KiB" in row
     assert "key<threefry2x32>" in out
     assert any(
-        line.startswith("['step']") and line.rstrip().endswith("30") for line in out.splitlines()
+        line.startswith("step ") and line.rstrip().endswith("30") for line in out.splitlines()
     )
 
 
@@ -169,14 +182,15 @@ def test_inspect_json(capsys, saved_root):
     info = run_json(capsys, "inspect", saved_root, "5")
     assert info["step"] == 5 and info["metadata"] == {"a": 1} and info["metrics"] == {"loss": 0.2}
     leaves = {x["path"]: x for x in info["leaves"]}
-    w = leaves["['params']['w']"]
+    w = leaves["params.w"]
+    assert w["keystr"] == "['params']['w']"  # the form rename= takes
     assert (w["shape"], w["dtype"], w["nbytes"]) == ([64, 32], "float32", 64 * 32 * 4)
     assert w["sharding"] == {"type": "NamedSharding", "mesh": {"data": 1}, "spec": ["data", None]}
     assert w["stored_bytes"] >= w["nbytes"]
-    assert leaves["['emb']"]["nbytes"] == 16 * 8 * 2
-    assert leaves["['rng']"]["kind"] == "key" and leaves["['rng']"]["key_impl"] == "threefry2x32"
-    assert leaves["['legacy_rng']"]["dtype"] == "uint32"
-    assert leaves["['step']"]["value"] == 5 and leaves["['name']"]["value"] == "run"
+    assert leaves["emb"]["nbytes"] == 16 * 8 * 2
+    assert leaves["rng"]["kind"] == "key" and leaves["rng"]["key_impl"] == "threefry2x32"
+    assert leaves["legacy_rng"]["dtype"] == "uint32"
+    assert leaves["step"]["value"] == 5 and leaves["name"]["value"] == "run"
     assert sum(x["stored_bytes"] for x in info["leaves"]) == info["nbytes"]
 
 
@@ -287,6 +301,10 @@ def test_verify_all_steps(capsys, saved_root):
     assert "OK (" in out and out.rstrip().endswith("all 6 verified steps are intact")
     report = run_json(capsys, "verify", saved_root, "20")
     assert report["ok"] is True and [s["step"] for s in report["steps"]] == [20]
+    assert run_json(capsys, "verify", f"{saved_root}:20") == report  # ROOT:STEP, as diff takes
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["verify", f"{saved_root}:20", "20"])
+    assert exit_.value.code == 2 and "give the step once" in capsys.readouterr().err
     assert report["steps"][0]["bytes_checked"] > 0 and report["steps"][0]["problems"] == []
 
 
@@ -299,13 +317,13 @@ def test_verify_names_the_damaged_chunk(capsys, root):
     rc, out, err = run(capsys, "verify", root, "--all")
     assert rc == 1
     assert "step 10: 1 PROBLEMS" in out and "step 20: OK" in out
-    assert "jaxckpt: step 10: ['params']['w'] chunk c/0/0: checksum mismatch" in err
+    assert "jaxckpt: step 10: params.w chunk c/0/0: checksum mismatch" in err
     assert "1 of 6 steps failed verification: [10]" in err
     rc, out, _ = run(capsys, "verify", root, "10", "--json")
     report = json.loads(out)
     assert rc == 1 and report["ok"] is False
     assert report["steps"][0]["problems"] == [
-        {"path": "['params']['w']", "chunk": "c/0/0", "message": "checksum mismatch"}
+        {"path": "params.w", "chunk": "c/0/0", "message": "checksum mismatch"}
     ]
 
 
@@ -455,7 +473,7 @@ def test_cp_to_every_backend_and_back(capsys, saved_root, storage_root, tmp_path
     assert rc == 0, err
     assert [s["step"] for s in run_json(capsys, "ls", storage_root)["committed"]] == [20]
     info = run_json(capsys, "inspect", storage_root)
-    assert {x["path"] for x in info["leaves"]} >= {"['params']['w']", "['rng']", "['step']"}
+    assert {x["path"] for x in info["leaves"]} >= {"params.w", "rng", "step"}
     assert run_json(capsys, "verify", storage_root, "--all")["ok"] is True
     back = str(tmp_path / "back")
     assert run(capsys, "cp", storage_root, back)[0] == 0

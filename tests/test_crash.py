@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import random
 import shutil
 import signal
@@ -44,6 +43,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import crash_child as child
 import harness
 import numpy as np
 import protocol_state as state
@@ -55,10 +55,6 @@ from jaxckpt._phases import PHASES
 from jaxckpt.storage import Storage, open_storage
 
 CHILD_PATH = Path(__file__).with_name("crash_child.py")
-_spec = importlib.util.spec_from_file_location("jaxckpt_crash_child", CHILD_PATH)
-assert _spec is not None and _spec.loader is not None
-child = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(child)
 
 SEED = 7
 PHASE_TIMEOUT_S = 60.0  # child start-up (importing jax) plus the saves before the pause

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from absl import flags
+from absl import app, flags
 from absl.testing import flagsaver
 
 import jaxckpt
@@ -104,10 +104,13 @@ def test_retention_from_flags(overrides, expected):
         assert jaxckpt.flags.retention_from_flags() == expected
 
 
-@flagsaver.flagsaver(checkpoint_keep_milestones=["1", "ten"])
-def test_bad_milestones_name_the_flag():
-    with pytest.raises(ValueError, match="--checkpoint_keep_milestones"):
-        jaxckpt.flags.retention_from_flags()
+def test_bad_milestones_are_a_flag_error_when_parsed():
+    fv = flags.FlagValues()
+    jaxckpt.flags.define_flags(fv)
+    with pytest.raises(flags.IllegalFlagValueError, match="must be positive integers such as"):
+        fv(["prog", "--checkpoint_keep_milestones=1,ten"])
+    with pytest.raises(jaxckpt.flags.CheckpointFlagError, match="keep_milestones"):
+        jaxckpt.flags.options_from_mapping({"keep_milestones": "1,0"})
 
 
 def test_command_line_parsing_through_as_parsed(tmp_path):
@@ -140,8 +143,12 @@ def test_restore_memory_and_writer_nice_flags(tmp_path):
 
 @flagsaver.flagsaver(checkpoint_root=None)
 def test_manager_needs_a_root():
-    with pytest.raises(ValueError, match="--checkpoint_root"):
+    with pytest.raises(jaxckpt.flags.CheckpointFlagError, match="--checkpoint_root is required"):
         jaxckpt.flags.manager_from_flags()
+    error = jaxckpt.flags.CheckpointFlagError
+    assert issubclass(error, app.UsageError) and issubclass(error, jaxckpt.CheckpointError)
+    assert issubclass(error, ValueError)
+    assert all(getattr(jaxckpt.flags, name) for name in jaxckpt.flags.__all__)
 
 
 def test_async_manager_uses_the_flag_options(tmp_path):
@@ -190,7 +197,11 @@ def test_tier_flags_build_a_tiered_manager(tmp_path):
         assert mgr.steps(tier="local") == [2, 3]  # step 2 waits for the external promoter
         with pytest.raises(jaxckpt.PromotionTimeoutError):
             mgr.wait_durable(2, timeout_s=0.2)
-    with flagsaver.flagsaver(checkpoint_promote_every_seconds=60.0, checkpoint_on_preemption=False):
+    with flagsaver.flagsaver(
+        checkpoint_local_root=str(tmp_path / "local"),
+        checkpoint_promote_every_seconds=60.0,
+        checkpoint_on_preemption=False,
+    ):
         assert jaxckpt.flags.promote_policy_from_flags() == policy.EveryNSeconds(60.0)
 
 
@@ -208,15 +219,154 @@ def test_local_replicas_flag(tmp_path):
     ):
         assert jaxckpt.flags.options_from_flags().local_replicas == 1
     with (
+        pytest.raises(
+            flags.IllegalFlagValueError,
+            match="--checkpoint_local_replicas need --checkpoint_local_root",
+        ),
         flagsaver.flagsaver(checkpoint_local_root=None, checkpoint_local_replicas=2),
-        pytest.raises(ValueError, match="--checkpoint_local_replicas need --checkpoint_local_root"),
     ):
-        jaxckpt.flags.options_from_flags()
+        pass
 
 
-@flagsaver.flagsaver(checkpoint_local_root=None, checkpoint_local_keep_last=2)
 def test_tier_flags_without_a_local_root_name_the_flags():
+    fv = flags.FlagValues()
+    jaxckpt.flags.define_flags(fv)
+    with pytest.raises(flags.IllegalFlagValueError, match="--checkpoint_local_keep_last need"):
+        fv(["prog", "--checkpoint_root=/r", "--checkpoint_local_keep_last=2"])
     with pytest.raises(
-        ValueError, match="--checkpoint_local_keep_last need --checkpoint_local_root"
+        jaxckpt.flags.CheckpointFlagError,
+        match="--checkpoint_local_keep_last need --checkpoint_local_root",
     ):
-        jaxckpt.flags.options_from_flags()
+        jaxckpt.flags.options_from_mapping({"root": "/r", "local_keep_last": 2})
+
+
+# ------------------------------------------------------------ an absl script, for real
+
+SCRIPT = """
+from absl import app
+import jaxckpt.flags
+
+jaxckpt.flags.define_flags()
+
+
+def main(argv):
+    with jaxckpt.flags.manager_from_flags() as mgr:
+        print("MANAGER", type(mgr).__name__, mgr.latest_step(), mgr.save(1, {"x": 1.0}))
+
+
+if __name__ == "__main__":
+    app.run(main)
+"""
+
+
+def _run_script(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "trainer.py"
+    script.write_text(SCRIPT)
+    return subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_of_an_absl_script_lists_the_checkpoint_flags(tmp_path):
+    done = _run_script(tmp_path, "--help")
+    assert "Traceback" not in done.stderr, done.stderr
+    for name in ("checkpoint_root", "checkpoint_every_steps", "[no]checkpoint_enabled"):
+        assert f"--{name}" in done.stdout, done.stdout
+    assert "--checkpoint_init_from" in done.stdout and "--checkpoint_keep_last" in done.stdout
+    fv = flags.FlagValues()  # the caller of define_flags gets them as key flags
+    jaxckpt.flags.define_flags(fv)
+    keys = {f.name for f in fv.get_key_flags_for_module(__name__)}
+    assert set(jaxckpt.flags.FLAG_NAMES) <= keys
+
+
+def test_missing_or_inconsistent_flags_are_usage_errors_without_traceback(tmp_path):
+    missing = _run_script(tmp_path)
+    assert missing.returncode == 1
+    assert "--checkpoint_root is required" in missing.stderr, missing.stderr
+    assert "Traceback" not in missing.stderr and "USAGE" in missing.stdout + missing.stderr
+    tier = _run_script(tmp_path, f"--checkpoint_root={tmp_path}", "--checkpoint_local_keep_last=2")
+    assert tier.returncode == 1
+    assert "--checkpoint_local_keep_last need --checkpoint_local_root" in tier.stderr
+    assert "Traceback" not in tier.stderr and "FATAL Flags parsing error" in tier.stderr
+    off = _run_script(tmp_path, "--nocheckpoint_enabled")
+    assert off.returncode == 0, off.stderr
+    assert "MANAGER DisabledCheckpointManager None False" in off.stdout
+
+
+# ------------------------------------------------------------------ on/off, init, mapping
+
+
+def test_disabled_manager_saves_nothing_and_finds_nothing(tmp_path):
+    mgr = jaxckpt.flags.manager_from_mapping({"enabled": False, "root": str(tmp_path / "r")})
+    public = {n for n in dir(jaxckpt.CheckpointManager) if not n.startswith("_")}
+    assert public <= {n for n in vars(type(mgr)) if not n.startswith("_")} | {
+        "restored_step",
+        "restored_process_state",
+    }, "every public method of CheckpointManager must be overridden"
+    with mgr:
+        assert isinstance(mgr, jaxckpt.CheckpointManager)
+        assert mgr.save(1, {"x": np.arange(3)}, force=True) is False
+        assert (mgr.latest_step(), mgr.steps(), mgr.save_stats()) == (None, [], [])
+        assert mgr.restored_step is None and mgr.restored_process_state is None
+        with pytest.raises(jaxckpt.StepNotFoundError, match="disabled"):
+            mgr.restore()
+        mgr.wait()
+    assert not (tmp_path / "r").exists()  # nothing was opened or written
+
+
+def test_init_from_restores_params_or_the_full_state_at_step_0(tmp_path):
+    pretrained = tmp_path / "pretrained"
+    saved = {"params": {"w": np.arange(4.0)}, "opt": {"mu": np.ones(4)}, "step": 7}
+    with jaxckpt.CheckpointManager(pretrained) as src:
+        src.save(3, {**saved, "step": 3})
+        src.save(7, saved)
+    params_only = {"model": {"w": np.zeros(4)}}
+    config = {
+        "root": str(tmp_path / "run"),
+        "init_from": f"{pretrained}:3",
+        "init_partial": True,
+        "init_rename": ["['params']=['model']"],
+    }
+    fv = jaxckpt.flags.flags_from_mapping(config)
+    with jaxckpt.flags.manager_from_flags(fv) as mgr:
+        got = jaxckpt.flags.init_from_flags(mgr, params_only, fv)
+        assert got["model"]["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        mgr.save(1, got)
+    with jaxckpt.flags.manager_from_flags(fv) as mgr:  # a restart resumes its own step
+        assert jaxckpt.flags.init_from_flags(mgr, params_only, fv) is None
+    full = jaxckpt.flags.flags_from_mapping(
+        {"root": str(tmp_path / "run2"), "init_from": str(pretrained)}
+    )
+    with jaxckpt.flags.manager_from_flags(full) as mgr:
+        state = jaxckpt.flags.init_from_flags(mgr, saved, full)  # the newest step, whole
+        assert state["step"] == 7 and state["opt"]["mu"].tolist() == [1.0] * 4
+        with pytest.raises(jaxckpt.TreeMismatchError):  # without partial: every path
+            jaxckpt.flags.init_from_flags(mgr, params_only, full)
+    with pytest.raises(jaxckpt.flags.CheckpointFlagError, match="need --checkpoint_init_from"):
+        jaxckpt.flags.flags_from_mapping({"root": str(tmp_path), "init_partial": True})
+    with pytest.raises(jaxckpt.flags.CheckpointFlagError, match="names --checkpoint_root"):
+        jaxckpt.flags.manager_from_mapping({"root": str(pretrained), "init_from": str(pretrained)})
+    assert jaxckpt.flags.init_from_flags(mgr, params_only) is None  # the flag is unset
+
+
+def test_options_from_a_mapping_match_the_flags(tmp_path):
+    config = {
+        "every_steps": 5,
+        "checkpoint_keep_last": "2",
+        "keep_milestones": [1, 2, 5],
+        "timeout_seconds": 30,
+        "local_root": str(tmp_path / "local"),
+        "promote_every_steps": None,
+    }
+    opts = jaxckpt.flags.options_from_mapping(config, gc_on_open=False)
+    assert opts.save_policy == policy.EveryNSteps(5) | policy.OnPreemption()
+    assert opts.retention == policy.KeepLast(2) | policy.KeepMilestones((1, 2, 5))
+    assert (opts.save_timeout_s, opts.local_root, opts.gc_on_open) == (
+        30.0,
+        str(tmp_path / "local"),
+        False,
+    )
+    with pytest.raises(jaxckpt.flags.CheckpointFlagError, match="unknown checkpoint setting 'evry"):
+        jaxckpt.flags.options_from_mapping({"evry_steps": 5})
+    with pytest.raises(jaxckpt.flags.CheckpointFlagError, match="checkpoint_keep_last"):
+        jaxckpt.flags.options_from_mapping({"keep_last": 0})

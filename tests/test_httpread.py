@@ -20,7 +20,8 @@ import pytest
 
 import jaxckpt
 from jaxckpt.storage import _http, open_storage
-from jaxckpt.storage._http import DirectReader, DirectReadError
+from jaxckpt.storage._http import DirectReader, DirectReadError, StoreUnavailableError
+from jaxckpt.storage._retry import Backoff
 
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens on loopback
 
@@ -96,6 +97,7 @@ BODY = bytes(range(256)) * 4  # 1 KiB
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as object stores
     behaviours: ClassVar[dict[str, Callable[[_Handler, int, int], None]]] = {}
+    busy: ClassVar[int] = 0
     connections: ClassVar[list[int]] = []  # one handler per connection: their ports
 
     def setup(self) -> None:
@@ -163,6 +165,22 @@ def _stalled(h: _Handler, lo: int, hi: int) -> None:
     _ranged(h, lo, hi)
 
 
+BUSY_ANSWERS = 4
+
+
+def _busy_then_ok(h: _Handler, lo: int, hi: int) -> None:
+    """``503 SlowDown`` to the first :data:`BUSY_ANSWERS` requests, then the range."""
+    _Handler.busy += 1
+    if _Handler.busy <= BUSY_ANSWERS:
+        h.send(503, b"<Error><Code>SlowDown</Code></Error>")
+    else:
+        _ranged(h, lo, hi)
+
+
+# Short retries for the misbehaving server: up to 0.05 s apart, for 1 s.
+QUICK = Backoff(initial_s=0.01, max_s=0.05, deadline_s=1.0)
+
+
 @pytest.fixture
 def misbehaving() -> Iterator[DirectReader]:
     _Handler.behaviours = {
@@ -172,17 +190,24 @@ def misbehaving() -> Iterator[DirectReader]:
         "/truncated": _truncated,
         "/missing": lambda h, lo, hi: h.send(404, b"<Error>NoSuchKey</Error>"),
         "/busy": lambda h, lo, hi: h.send(503, b"<Error>SlowDown</Error>"),
+        "/throttled": lambda h, lo, hi: h.send(429, b"Too Many Requests"),
+        "/busy-then-ok": _busy_then_ok,
         "/shifted": lambda h, lo, hi: _ranged(h, lo, hi, shift=8),
         "/no-range": lambda h, lo, hi: h.send(206, BODY[lo : hi + 1]),
         "/stalled": _stalled,
     }
     _Handler.connections = []
+    _Handler.busy = 0
     server = _QuietServer(("127.0.0.1", 0), _Handler)
     # A short poll: shutdown() waits for serve_forever to look (0.5 s by default).
     thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     reader = DirectReader(
-        f"http://127.0.0.1:{server.server_address[1]}", lambda name: "/" + name, None, 0.5
+        f"http://127.0.0.1:{server.server_address[1]}",
+        lambda name: "/" + name,
+        None,
+        0.5,
+        backoff=QUICK,
     )
     yield reader
     reader.close()
@@ -227,11 +252,8 @@ def test_a_server_that_ignores_the_range_is_read_only_from_the_start(
 @pytest.mark.parametrize(
     ("name", "match"),
     [
-        ("busy", "HTTP 503"),
         ("shifted", "asked for bytes from 0, got bytes 8-107/1024"),
         ("no-range", "asked for bytes from 0, got no range"),
-        ("truncated", "ended after 40 of 100 bytes"),
-        ("stalled", "timed out"),
     ],
 )
 def test_failures_are_direct_read_errors_and_switch_it_off(
@@ -244,6 +266,38 @@ def test_failures_are_direct_read_errors_and_switch_it_off(
             misbehaving.read_into(name, 0, memoryview(out))
     assert not misbehaving.enabled
     assert misbehaving.failed == _http.FAILURES_BEFORE_OFF
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("busy", "HTTP 503"),
+        ("throttled", "HTTP 429"),
+        ("truncated", "ended after 40 of 100 bytes"),
+        ("stalled", "timed out"),
+    ],
+)
+def test_throttling_and_transient_failures_are_retried_until_the_deadline(
+    misbehaving: DirectReader, name: str, match: str
+) -> None:
+    """Retried with backoff for the deadline, then the read fails; direct reads stay on."""
+    out = bytearray(100)
+    for _ in range(_http.FAILURES_BEFORE_OFF + 1):
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match=match) as info:
+            misbehaving.read_into(name, 0, memoryview(out))
+        assert QUICK.deadline_s <= time.monotonic() - start < QUICK.deadline_s + 5.0
+        assert "attempts in 1." in str(info.value)
+    assert misbehaving.enabled and misbehaving.failed == 0
+    assert misbehaving.retries >= 4 * (_http.FAILURES_BEFORE_OFF + 1) or name == "stalled"
+
+
+def test_a_store_that_stops_throttling_is_read_directly(misbehaving: DirectReader) -> None:
+    out = bytearray(100)
+    assert misbehaving.read_into("busy-then-ok", 300, memoryview(out)) == 100
+    assert bytes(out) == BODY[300:400]
+    assert misbehaving.retries == BUSY_ANSWERS
+    assert (misbehaving.reads, misbehaving.failed, misbehaving.enabled) == (1, 0, True)
 
 
 def test_a_credential_error_is_a_direct_read_error(misbehaving: DirectReader) -> None:
@@ -260,7 +314,7 @@ def test_a_success_resets_the_run_of_failures(misbehaving: DirectReader) -> None
     out = bytearray(10)
     for _ in range(2 * _http.FAILURES_BEFORE_OFF):
         with pytest.raises(DirectReadError):
-            misbehaving.read_into("busy", 0, memoryview(out))
+            misbehaving.read_into("shifted", 0, memoryview(out))
         assert misbehaving.read_into("ok", 0, memoryview(out)) == 10
     assert misbehaving.enabled
 

@@ -1,108 +1,13 @@
-"""The package's import graph, read with ``ast``: no cycles, and nothing imports the manager.
-
-Every ``import`` and ``from ... import`` counts, at module level and inside
-functions (a lazy import is still a dependency). Imports under ``if
-TYPE_CHECKING:`` are never executed: they count for the manager rule, not for
-cycles. ``from jaxckpt import errors`` is an edge to the module
-``jaxckpt.errors``; ``from jaxckpt import CheckpointManager`` is an edge to the
-package (``jaxckpt/__init__.py``), which re-exports lazily by name.
-"""
+"""The package's import graph (``tests/importgraph.py``): no cycles, nothing imports the manager."""
 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
+from importgraph import cycles, graph, modules
 
-PACKAGE = Path(__file__).resolve().parent.parent / "jaxckpt"
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    hidden: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            hidden.update(id(n) for n in ast.walk(node))
-    return hidden
-
-
-def _existing(name: str) -> str:
-    """``name`` or its nearest enclosing module of the package."""
-    while name not in MODULES:
-        name = name.rpartition(".")[0]
-    return name
-
-
-def imports(module: str, *, type_checking: bool) -> set[str]:
-    """The package's modules that ``module`` imports (anywhere in the file)."""
-    path = MODULES[module]
-    tree = ast.parse(path.read_text(), str(path))
-    hidden = set() if type_checking else _type_checking_nodes(tree)
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in hidden:
-            continue
-        if isinstance(node, ast.Import):
-            found |= {_existing(a.name) for a in node.names if a.name.startswith("jaxckpt")}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative: from the module's package upwards
-                package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    package = package.rpartition(".")[0]
-                base = f"{package}.{base}" if base else package
-            if base == "jaxckpt" or base.startswith("jaxckpt."):
-                for alias in node.names:
-                    sub = f"{base}.{alias.name}"
-                    found.add(sub if sub in MODULES else _existing(base))
-    found.discard(module)
-    return found
-
-
-def graph(*, type_checking: bool = False) -> dict[str, set[str]]:
-    return {m: imports(m, type_checking=type_checking) for m in MODULES}
-
-
-def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(edges[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
+MODULES = modules()
 
 
 def test_the_graph_sees_module_and_function_level_imports():

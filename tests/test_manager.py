@@ -530,7 +530,7 @@ def test_public_api_names():
         "StepMetadata", "StepNotFoundError", "StorageError", "TreeMismatchError",
         "UncommittedStepError", "UnsupportedFormatError", "UnsupportedLeafError",
         "VerifyReport", "WriterFencedError", "check_resume", "nnx_step_fn", "policy",
-        "LeafView", "StepView", "open_step", "diff_steps", "export_safetensors",
+        "LeafView", "StepView", "open_step", "diff_steps", "export_orbax", "export_safetensors",
         "import_orbax", "import_safetensors", "PromotionError", "PromotionTimeoutError",
         "ObjectStoreOptions", "LocalRootInUseError", "PeerError", "PeerAuthError",
         "PlacementError",

@@ -286,10 +286,10 @@ def test_plain_and_packed_steps_share_a_root_and_the_cli_reads_both(
     assert [s["step"] for s in listed["committed"]] == [1, 2, 3]
     assert cli.main(["inspect", root, "2"]) == 0
     out = capsys.readouterr().out
-    assert "layout: packed (1 data objects)" in out and "['w']" in out
+    assert "layout: packed (1 data objects)" in out and "\nw " in out
     assert cli.main(["inspect", root, "1", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    (w,) = [x for x in shown["leaves"] if x["path"] == "['w']"]
+    (w,) = [x for x in shown["leaves"] if x["path"] == "w"]
     assert (
         shown["layout"] == "plain" and shown["data_objects"] == -(-300 // w["chunk_shape"][0]) > 1
     )

@@ -31,6 +31,14 @@ INVALID = [
     ("s3://bucket/run\nx", "control characters"),
     ("", "empty"),
     ("file://", "the path is empty"),
+    # A cloud scheme with one slash or none would be a local directory './gs:/bucket'.
+    ("gs:/bucket/run", "use 'gs://bucket/run'"),
+    ("s3:/bucket/run", "use 's3://bucket/run'"),
+    ("gs:bucket/run", "use 'gs://bucket/run'"),
+    ("s3:bucket", "use 's3://bucket'"),
+    ("GS:/bucket", "use 'gs://bucket'"),
+    ("gcs:/bucket/run", "use 'gs://bucket/run'"),
+    ("file:relative/run", "use file:///ABSOLUTE/PATH"),
 ]
 
 
@@ -50,11 +58,24 @@ def test_invalid_roots_are_refused_naming_the_root(root: str, why: str) -> None:
         ("gs://my_bucket.example/x", "gs://my_bucket.example/x"),
         ("/tmp/a/../b", "/tmp/b"),
         ("file:///tmp/a/", "/tmp/a"),
+        ("file:/tmp/a/", "/tmp/a"),
+        ("file:/tmp/a/../b", "/tmp/b"),
+        ("run:1", os.path.abspath("run:1")),  # a colon in a plain relative path is no scheme
     ],
 )
 def test_valid_roots_are_normalised(root: str, uri: str) -> None:
     assert parse_root(root).uri == uri
     assert open_storage(root).uri == uri
+
+
+def test_a_mistyped_scheme_writes_nothing_locally(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for root in ("gs:/bucket/run", "s3:bucket/run"):
+        with pytest.raises(StorageError, match="needs two slashes"):
+            jaxckpt.CheckpointManager(root)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_tilde_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,9 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "simulate_retention", SCRIPTS / "simulate_retention.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    import simulate_retention  # scripts/ is on the suite's pythonpath
+
+    return simulate_retention
 
 
 def _table_rows(text: str) -> dict[str, list[str]]:

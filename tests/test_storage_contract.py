@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import socket
 import threading
 import time
@@ -19,7 +20,17 @@ from creates import race_to_create
 
 import jaxckpt
 from jaxckpt.errors import CheckpointError, StorageError
-from jaxckpt.storage import PreconditionFailed, Storage, _object, open_storage
+from jaxckpt.storage import (
+    PreconditionFailed,
+    Storage,
+    TensorStoreStorage,
+    _object,
+    _tserror,
+    open_storage,
+    tensorstore_backed,
+)
+from jaxckpt.storage._options import DEFAULT_RETRY_DEADLINE_S
+from jaxckpt.storage._retry import Backoff
 
 
 @pytest.fixture
@@ -29,6 +40,7 @@ def storage(storage_root: str) -> Storage:
 
 def test_implements_protocol_and_names_its_root(storage: Storage, storage_root: str) -> None:
     assert isinstance(storage, Storage)
+    assert isinstance(storage, TensorStoreStorage) and tensorstore_backed(storage) is storage
     expected = storage_root if "://" in storage_root else os.path.abspath(storage_root)
     assert storage.uri == expected
 
@@ -97,6 +109,39 @@ def test_delete_is_idempotent(storage: Storage) -> None:
     assert storage.read("a/b") is None
     storage.delete("a/b")
     storage.delete("never/existed")
+
+
+class _CoreOnly:
+    """A root with the core interface only (no TensorStore driver), by delegation."""
+
+    def __init__(self, inner: Storage) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("kvstore_spec", "context_spec"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    @property
+    def uri(self) -> str:
+        return "mem://core-only"
+
+
+def test_the_tensorstore_specs_are_a_capability_beside_the_core(tmp_path) -> None:
+    core = _CoreOnly(open_storage(str(tmp_path)))
+    assert not isinstance(core, TensorStoreStorage)
+    with pytest.raises(StorageError, match="mem://core-only: TensorStore has no driver") as info:
+        tensorstore_backed(core)  # type: ignore[arg-type]
+    assert info.value.errno == errno.EOPNOTSUPP
+    assert "kvstore_spec" not in Storage.__dict__ and "context_spec" not in Storage.__dict__
+
+
+def test_delete_many_removes_those_keys_only(storage: Storage) -> None:
+    for key in ("a/1", "a/2", "a/3", "b/1"):
+        storage.write(key, b"x")
+    storage.delete_many(["a/1", "a/3", "b/1", "a/missing"])  # a missing key is no error
+    storage.delete_many([])
+    assert storage.list("") == ["a/2"]
 
 
 def test_delete_prefix_removes_only_that_prefix(storage: Storage) -> None:
@@ -200,47 +245,67 @@ def test_missing_bucket_raises_storage_error_naming_uri(object_root: str, operat
 LOAD_MARGIN_S = 10.0
 
 
-def backoff_seconds(options: _object.ObjectStoreOptions) -> float:
-    """The backoff delays TensorStore sleeps before giving up on a dead endpoint."""
-    return sum(
-        min(options.initial_delay_s * 2**i, options.max_delay_s) for i in range(options.max_retries)
-    )
-
-
-def test_unreachable_endpoint_fails_after_the_configured_retries(
+def test_unreachable_endpoint_fails_at_the_retry_deadline(
     object_root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A refused endpoint fails after the backoff schedule, no sooner and not much later."""
+    """A refused endpoint is retried until the deadline, no sooner and not much later."""
     # The GCS endpoint is process-wide (TENSORSTORE_GCS_HTTP_URL): restore it afterwards.
     monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", os.environ.get("TENSORSTORE_GCS_HTTP_URL", ""))
     dead = f"http://{servers.CLOSED_PORT}"
-    settings = {"max_retries": 3, "initial_delay_s": 0.2, "max_delay_s": 0.4}
+    settings = {"retry_deadline_s": 2.0, "initial_delay_s": 0.05, "max_delay_s": 0.2}
     storage = open_storage(object_root, endpoint=dead, **settings)
-    backoff = backoff_seconds(_object.ObjectStoreOptions(**settings))  # 1.0 s
-    jitter = settings["max_retries"] * settings["initial_delay_s"]  # TensorStore adds < one
-    for call in (lambda: storage.write("k", b"x"), lambda: storage.read("k")):
+    calls = {
+        "write": lambda: storage.write("k", b"x"),
+        "read": lambda: storage.read("k"),
+        "list": lambda: storage.list("steps/"),
+        "delete": lambda: storage.delete_many(["a", "b"]),
+    }
+    for action, call in calls.items():
         start = time.monotonic()
         with pytest.raises(StorageError) as info:
             call()
         elapsed = time.monotonic() - start
-        assert backoff <= elapsed < backoff + jitter + LOAD_MARGIN_S, elapsed
-        assert object_root in str(info.value) and dead in str(info.value)
+        assert 2.0 <= elapsed < 2.0 + LOAD_MARGIN_S, (action, elapsed)
+        message = str(info.value)
+        assert object_root.split("://")[1].split("/")[0] in message and dead in message
+        assert re.search(r"\(\d+ attempts in 2\.\d s\)", message), message
 
 
-def test_default_retries_are_bounded() -> None:
+def test_max_retries_bounds_the_retries_before_the_deadline(
+    object_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", os.environ.get("TENSORSTORE_GCS_HTTP_URL", ""))
+    dead = f"http://{servers.CLOSED_PORT}"
+    storage = open_storage(
+        object_root, endpoint=dead, max_retries=3, initial_delay_s=0.05, max_delay_s=0.1
+    )
+    start = time.monotonic()
+    with pytest.raises(StorageError, match=r"\(4 attempts in "):
+        storage.read("k")
+    assert time.monotonic() - start < 0.05 + 0.1 + 0.1 + LOAD_MARGIN_S
+
+
+def test_retries_follow_the_deadline_by_default() -> None:
     options = _object.ObjectStoreOptions()
-    # 0.5 + 1 + 2 + 4 + 8 s: a dead endpoint fails a call after 15.5 s plus
-    # TensorStore's jitter (16.1-16.8 s measured), not minutes; the schedule
-    # itself is checked against a dead endpoint above with shorter settings.
-    assert backoff_seconds(options) == 15.5
+    assert options.max_retries is None and options.retry_deadline_s is None
+    assert options.backoff().deadline_s == DEFAULT_RETRY_DEADLINE_S == 120.0
+    # A manager's roots retry as long as its saves may take.
+    kwargs = jaxckpt.CheckpointOptions(save_timeout_s=900.0).storage_kwargs("s3://bucket/run")
+    assert kwargs["retry_deadline_s"] == 900.0
+    assert open_storage("s3://bucket/run", **kwargs)._backoff.deadline_s == 900.0
+    given = {"retry_deadline_s": 30.0}
+    kwargs = jaxckpt.CheckpointOptions(storage_options=given).storage_kwargs("s3://bucket/run")
+    assert kwargs["retry_deadline_s"] == 30.0
+    # Zarr arrays are retried by TensorStore alone: as many retries as fill the deadline
+    # (0.5 + 1 + 2 + 4 s, then 8 s apart: 120 s after 19).
     spec = open_storage("s3://bucket/run").context_spec()
     assert spec["s3_request_retries"] == {
-        "max_retries": 5,
+        "max_retries": 19,
         "initial_delay": "500000us",
         "max_delay": "8000000us",
     }
     assert open_storage("gs://bucket/run").context_spec()["gcs_request_retries"] == {
-        "max_retries": 5,
+        "max_retries": 19,
         "initial_delay": "500000us",
         "max_delay": "8000000us",
     }
@@ -248,6 +313,18 @@ def test_default_retries_are_bounded() -> None:
         "limit": 32
     }
     assert options.timeout_s == 300.0
+
+
+def test_full_jitter_spreads_retries_over_the_window() -> None:
+    backoff = Backoff(initial_s=0.5, max_s=8.0, deadline_s=600.0)
+    for retry, window in ((0, 0.5), (3, 4.0), (10, 8.0)):
+        delays = [backoff.delay(retry, started=0.0, now=1.0) for _ in range(2000)]
+        assert all(d is not None and 0.0 <= d <= window for d in delays)
+        mean = sum(d for d in delays if d is not None) / len(delays)
+        assert 0.4 * window < mean < 0.6 * window  # uniform over [0, window): not a wave
+        assert min(d for d in delays if d is not None) < 0.05 * window
+    assert backoff.delay(10, started=0.0, now=599.5) <= 0.5  # cut short at the deadline
+    assert backoff.delay(0, started=0.0, now=600.0) is None
 
 
 @contextlib.contextmanager
@@ -285,7 +362,10 @@ def test_stalling_endpoint_fails_after_timeout_s(
     monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", os.environ.get("TENSORSTORE_GCS_HTTP_URL", ""))
     timeout_s = 1.5
     with stalling_endpoint() as endpoint:
-        storage = open_storage(object_root, endpoint=endpoint, timeout_s=timeout_s)
+        # A stalled attempt is retried like any transient failure, until the deadline.
+        storage = open_storage(
+            object_root, endpoint=endpoint, timeout_s=timeout_s, retry_deadline_s=timeout_s
+        )
         start = time.monotonic()
         with pytest.raises(StorageError, match=rf"no answer within {timeout_s} s") as info:
             storage.read("jaxckpt.json")
@@ -293,7 +373,7 @@ def test_stalling_endpoint_fails_after_timeout_s(
         assert timeout_s <= elapsed < timeout_s + LOAD_MARGIN_S, elapsed
         assert info.value.errno == errno.ETIMEDOUT
         # A manager on that root fails the same way when it opens, instead of hanging.
-        options = {"endpoint": endpoint, "timeout_s": timeout_s}
+        options = {"endpoint": endpoint, "timeout_s": timeout_s, "retry_deadline_s": timeout_s}
         start = time.monotonic()
         with pytest.raises(StorageError, match="no answer within"):
             jaxckpt.CheckpointManager(object_root, storage_options=options)
@@ -355,7 +435,7 @@ def test_fallback_on_a_server_that_ignores_conditions(
 
 def test_no_value_generation_means_absent() -> None:
     store = ts.KvStore.open({"driver": "memory"}).result()
-    absent = _object._no_value_generation()
+    absent = _tserror.no_value_generation()
     assert store.write("k", b"1", if_equal=absent).result().generation
     assert not store.write("k", b"2", if_equal=absent).result().generation
     assert store["k"] == b"1"

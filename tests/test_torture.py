@@ -14,7 +14,6 @@ minimal reproductions of violations the torture run found:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import faultproxy
 import numpy as np
 import pytest
 
@@ -34,18 +34,6 @@ from jaxckpt._records import json_record
 from jaxckpt.storage import open_storage
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def _load(name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"jaxckpt_scripts_{name}", SCRIPTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-faultproxy = _load("faultproxy")
 
 
 def _state(step: int) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """scripts/train.py resumes exactly after SIGKILL, and saves then exits 0 on SIGTERM.
 
-Each test runs the real training script in fresh processes on two CPU devices (the
-parameters are sharded over them). The processes share a JAX compilation cache, so only
+Each test runs the real training script in fresh processes on four CPU devices, a 2x2
+(data, model) mesh: the parameters are sharded FSDP over ``data`` and tensor parallel over
+``model``, as in Flax's gemma example. The processes share a JAX compilation cache, so only
 the first ones compile.
 """
 
@@ -31,6 +32,7 @@ TINY = [
     "--checkpoint_every_steps=5",
     "--checkpoint_keep_last=2",
     "--simulated_step_seconds=0.05",
+    "--model_parallel=2",
 ]
 TIMEOUT_S = 120.0
 
@@ -52,7 +54,7 @@ class Run(harness.Child):
             *extra,
         ]
         env = harness.child_env(
-            XLA_FLAGS="--xla_force_host_platform_device_count=2",
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
             JAX_PLATFORMS="cpu",
             **(env or {}),
         )

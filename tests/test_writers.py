@@ -6,7 +6,6 @@ beside a restarted one, on a local directory, S3 (moto) and GCS (emulator).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -20,6 +19,7 @@ import harness
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import writer_child as child
 from rootpaths import marker_path, step_dir
 
 import jaxckpt
@@ -30,10 +30,6 @@ from jaxckpt._layout import marker_key, parse_marker_key
 from jaxckpt.storage import Storage, open_storage
 
 CHILD = Path(__file__).with_name("writer_child.py")
-_spec = importlib.util.spec_from_file_location("jaxckpt_writer_child", CHILD)
-assert _spec is not None and _spec.loader is not None
-child = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(child)
 
 CHILD_TIMEOUT_S = 120.0  # importing jax on a loaded 2-core machine, plus a few saves
 

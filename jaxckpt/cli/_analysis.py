@@ -16,8 +16,16 @@ def register(sub: Any) -> None:
     )
     p.add_argument("a", metavar="ROOT:A", help="first step (ROOT alone: its newest)")
     p.add_argument("b", metavar="ROOT:B", help="second step (ROOT alone: its newest)")
+    p.add_argument(
+        "c", nargs="?", metavar="B", help="with three arguments, ROOT A B: two steps of one root"
+    )
     p.add_argument("--values", action="store_true", help="read changed leaves: max abs difference")
     p.add_argument("--all", action="store_true", help="list identical leaves too")
+    p.add_argument(
+        "--records-only",
+        action="store_true",
+        help="compare the manifests' checksums only, reading no data (damage goes unseen)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command(sub, "stats", cmd_stats, "norm, mean, std and max-abs of leaves across steps")
@@ -37,19 +45,27 @@ def _step_of(text: str) -> tuple[str, int]:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    if args.c is not None:  # ROOT A B, as verify and inspect take ROOT STEP
+        steps = (args.b, args.c)
+        if split_source(args.a)[1] is not None or not all(s.isdigit() for s in steps):
+            args.parser.error("give ROOT:A ROOT:B, or ROOT A B with two step numbers")
+        args.a, args.b = (f"{args.a}:{s}" for s in steps)
     sources = _step_of(args.a), _step_of(args.b)
 
     from jaxckpt._diff import IDENTICAL, diff_steps
     from jaxckpt._reader import open_step
 
     a, b = (open_step(root, step) for root, step in sources)
-    result = diff_steps(a, b, values=args.values)
+    result = diff_steps(a, b, values=args.values, check=not args.records_only)
+    for d in result.damaged:
+        err(f"{d.path}: damaged: {d.detail}")
     if args.json:
         json_out(
             {
                 "a": {"root": result.a_root, "step": result.a_step},
                 "b": {"root": result.b_root, "step": result.b_step},
                 "identical": result.identical,
+                "damaged": [d.path for d in result.damaged],
                 "counts": result.counts(),
                 "leaves": [
                     {

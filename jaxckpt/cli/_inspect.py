@@ -10,14 +10,14 @@ from typing import Any
 from jaxckpt._commit import TREE_FILE, CommitProtocol
 from jaxckpt._records import CommitMarker, load_json_record, path_text
 from jaxckpt._versions import versions_text
-from jaxckpt.cli._common import command, itemsize, open_root
+from jaxckpt.cli._common import command, dotted, integer, itemsize, open_root, source_and_step
 from jaxckpt.cli._output import human_bytes, json_out, local_time, print_table
 
 
 def register(sub: Any) -> None:
     p = command(sub, "inspect", cmd_inspect, "show a step's tree: shapes, dtypes, shardings, bytes")
-    p.add_argument("root")
-    p.add_argument("step", nargs="?", type=int, help="default: the newest committed step")
+    p.add_argument("root", metavar="ROOT[:STEP]")
+    p.add_argument("step", nargs="?", type=integer(0), help="default: the newest committed step")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -55,8 +55,9 @@ def _describe_sharding(sharding: dict[str, Any] | None) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    protocol = open_root(args.root)
-    marker = protocol.marker_or_latest(args.step)
+    root, step = source_and_step(args.parser, args.root, args.step)
+    protocol = open_root(root)
+    marker = protocol.marker_or_latest(step)
     tree = load_json_record(protocol.read_step_file(marker, TREE_FILE), TREE_FILE)
     stored, layout, objects = _stored_bytes(protocol, marker)
     leaves: list[dict[str, Any]] = []
@@ -65,7 +66,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         shape = None if is_value else list(leaf["shape"])
         leaves.append(
             {
-                "path": path_text(leaf["path"]),
+                "path": dotted(leaf["path"], leaf.get("name")),
+                "keystr": path_text(leaf["path"]),
                 "kind": leaf["kind"],
                 "shape": shape,
                 "dtype": leaf.get("dtype"),

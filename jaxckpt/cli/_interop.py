@@ -1,9 +1,10 @@
-"""``jaxckpt export`` and ``jaxckpt import``: safetensors out, safetensors and Orbax in."""
+"""``jaxckpt export`` and ``jaxckpt import``: safetensors and Orbax, both ways."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any
 
 from jaxckpt.cli._common import command, open_root, split_source
@@ -34,25 +35,38 @@ def _size(text: str) -> int:
 
 
 def register(sub: Any) -> None:
-    p = command(sub, "export", cmd_export, "write a committed step as safetensors (sharded if big)")
+    p = command(
+        sub, "export", cmd_export, "write a committed step as safetensors or an Orbax checkpoint"
+    )
     p.add_argument("src", metavar="ROOT[:STEP]", help="default step: the newest")
     p.add_argument(
         "out",
         metavar="OUT",
-        help="a directory (model.safetensors or shards + index) or FILE.safetensors",
+        help="safetensors: a directory (model.safetensors or shards + index) or "
+        "FILE.safetensors; orbax: a CheckpointManager directory (OUT/<step>/default)",
     )
-    p.add_argument("--format", choices=["safetensors"], default="safetensors")
+    p.add_argument("--format", choices=["safetensors", "orbax"], default="safetensors")
     p.add_argument(
-        "--leaf", action="append", metavar="GLOB", help="only leaves whose dotted path matches"
+        "--leaf",
+        action="append",
+        metavar="GLOB",
+        help="safetensors: only leaves whose dotted path matches",
     )
     p.add_argument(
-        "--max-shard-size", type=_size, default="5GB", help="largest shard (default 5GB)"
+        "--max-shard-size", type=_size, help="safetensors: the largest shard (default 5GB)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
-    p = command(sub, "import", cmd_import, "save a safetensors or Orbax checkpoint as a new step")
-    p.add_argument("src", metavar="SRC", help="FILE.safetensors, a shard index, or an Orbax dir")
-    p.add_argument("dst", metavar="ROOT[:STEP]", help="default step: the source's, else newest + 1")
+    p = command(sub, "import", cmd_import, "save safetensors or Orbax checkpoints as new steps")
+    p.add_argument(
+        "src",
+        metavar="SRC",
+        help="FILE.safetensors, a shard index, an Orbax CheckpointManager directory (every "
+        "step), a Flax checkpoints directory (checkpoint_<N>), or one Orbax step or item",
+    )
+    p.add_argument(
+        "dst", metavar="ROOT[:STEP]", help="default step: the source's, else the newest + 1"
+    )
     p.add_argument(
         "--from",
         dest="kind",
@@ -60,12 +74,29 @@ def register(sub: Any) -> None:
         default="auto",
         help="source format (default: from the path)",
     )
+    p.add_argument(
+        "--step",
+        dest="steps",
+        type=int,
+        action="append",
+        metavar="N",
+        help="orbax: import Orbax step N only (repeatable; default: every step)",
+    )
+    p.add_argument(
+        "--skip-item",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="orbax: leave out this item of a Composite (recorded in the step's metadata)",
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     root, step = split_source(args.src)
     protocol = open_root(root)  # fail fast, before jax is imported
     marker = protocol.marker_or_latest(step)
+    if args.format == "orbax":
+        return _export_orbax(args, root, marker.step)
 
     from jaxckpt._safetensors import export_safetensors
 
@@ -75,7 +106,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.out,
         step=marker.step,
         leaves=args.leaf,
-        max_shard_bytes=args.max_shard_size,
+        max_shard_bytes=args.max_shard_size or _size("5GB"),
         on_progress=bar.update,
     )
     bar.total = result.total_size
@@ -85,6 +116,20 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"step {result.step}: exported {result.tensors} tensors "
         f"({human_bytes(result.total_size)}) to {args.out} in {human_duration(seconds)}"
         + (f", {shards} shards" if shards > 1 else "")
+    )
+    return 0
+
+
+def _export_orbax(args: argparse.Namespace, root: str, step: int) -> int:
+    if args.leaf or args.max_shard_size:
+        args.parser.error("--leaf and --max-shard-size apply to --format safetensors only")
+    from jaxckpt._orbax_export import export_orbax
+
+    start = time.monotonic()
+    result = export_orbax(root, args.out, step=step)
+    print(
+        f"step {result.step}: exported {result.arrays} arrays ({human_bytes(result.nbytes)}) "
+        f"to {result.path} (Orbax) in {human_duration(time.monotonic() - start)}"
     )
     return 0
 
@@ -102,18 +147,27 @@ def _kind(src: str, requested: str) -> str:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from jaxckpt._import import ImportSourceError, import_orbax, import_safetensors
+    from jaxckpt._import import ImportSourceError, import_safetensors
 
     root, step = split_source(args.dst)
     if not os.path.exists(args.src):
         raise ImportSourceError(f"{args.src} does not exist")
     kind = _kind(args.src, args.kind)
     if kind == "safetensors":
-        result = import_safetensors(args.src, root, step=step)
+        if args.steps or args.skip_item:
+            args.parser.error("--step and --skip-item apply to Orbax sources only")
+        results = [import_safetensors(args.src, root, step=step)]
     else:
-        result = import_orbax(args.src, root, step=step)
-    print(
-        f"{result.root}: committed step {result.step} with {result.arrays} arrays "
-        f"({human_bytes(result.nbytes)}) from {kind} {args.src}"
-    )
+        from jaxckpt._orbax_import import import_orbax
+
+        if step is not None and args.steps is not None and len(args.steps) != 1:
+            args.parser.error(f"ROOT:{step} names the step of one import; choose one --step")
+        results = import_orbax(
+            args.src, root, steps=args.steps, step=step, skip_items=args.skip_item
+        )
+    for result in results:
+        print(
+            f"{result.root}: committed step {result.step} with {result.arrays} arrays "
+            f"({human_bytes(result.nbytes)}) from {kind} {args.src}"
+        )
     return 0

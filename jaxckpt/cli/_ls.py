@@ -11,7 +11,7 @@ from jaxckpt._decision import retention_decision
 from jaxckpt._gc import scan
 from jaxckpt._layout import REPLICAS, is_held_manifest_name, is_manifest_name, replica_holdings
 from jaxckpt._records import CommitMarker
-from jaxckpt.cli._common import add_retention_flags, command, open_root, retention
+from jaxckpt.cli._common import add_retention_flags, command, integer, open_root, retention
 from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, print_table
 from jaxckpt.errors import NotACheckpointRootError
 
@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
     add_retention_flags(p)
     p.add_argument(
         "--limit",
-        type=int,
+        type=integer(0),
         metavar="N",
         help=f"show the N newest steps (default {DEFAULT_LIMIT}; 0 shows all; "
         "--json lists all unless given)",
@@ -73,6 +73,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         json_out(
             {
                 "root": protocol.storage.uri,
+                "retention": None if rule is None else repr(rule),
                 "committed": [
                     {
                         "step": s,
@@ -80,7 +81,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "commit_time": committed[s].time,
                         "keep": committed[s].keep,
                         "metrics": dict(committed[s].metrics),
-                        "kept_by": list(decision.keep.get(s, ())),
+                        "kept_by": _kept_by(decision.keep.get(s, ()), rule),
                         **({"tiers": tiers[s]} if tiers is not None else {}),
                         **({"copies": _copies_json(copies, s)} if replicated else {}),
                     }
@@ -122,11 +123,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         rows[0].insert(3, "COPIES (PROCESS:N)")
     for s in shown:
         m = committed[s]
-        reasons = decision.keep.get(s, ())
-        if rule is None:
-            kept = ", ".join(r for r in reasons if r != "no retention policy")
-        else:
-            kept = ", ".join(reasons) or "- (prune would delete)"
+        reasons = _kept_by(decision.keep.get(s, ()), rule)
+        kept = ", ".join(reasons) or ("" if rule is None else "- (prune would delete)")
         when = f"{local_time(m.time)} ({ago(m.time)})"
         rows.append([str(s), "committed", human_bytes(m.nbytes), when, kept])
         if tiers is not None:
@@ -157,6 +155,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("(a DAMAGED step's marker fails its checksum: it is corruption, not garbage; its")
         print(" data is kept; `jaxckpt gc --force` removes it)")
     return 0
+
+
+def _kept_by(reasons: tuple[str, ...], rule: object) -> list[str]:
+    """Why a step is kept. Without ``--keep-*`` flags ``ls`` applies no rule, and the
+    job's own rule is not recorded on storage: only ``newest`` and ``pinned`` are facts."""
+    return [r for r in reasons if rule is not None or r != "no retention policy"]
 
 
 def _count_copies(

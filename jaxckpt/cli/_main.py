@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from jaxckpt.cli import _analysis, _inspect, _interop, _ls, _manage, _plan, _promote, _verify
-from jaxckpt.cli._output import err
+from jaxckpt.cli._output import dotted_paths, err
 from jaxckpt.errors import CheckpointError
 
 _COMMANDS = (_ls, _inspect, _verify, _manage, _promote, _analysis, _interop, _plan)
@@ -49,8 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args))
-    except CheckpointError as e:
-        err(_message(e))
+    except CheckpointError as e:  # tree paths in the one form the CLI prints
+        err(dotted_paths(_message(e)))
         return 1
     except BrokenPipeError:  # e.g. `jaxckpt ls ROOT | head`: stop quietly, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -6,12 +6,16 @@ import argparse
 import time
 from typing import Any
 
+from jaxckpt._commit import CommitProtocol
 from jaxckpt._decision import retention_decision
+from jaxckpt._records import CommitMarker
 from jaxckpt.cli._common import (
     add_retention_flags,
     command,
+    integer,
     open_root,
     retention,
+    seconds,
     split_source,
 )
 from jaxckpt.cli._output import ago, err, human_bytes, human_duration, print_table
@@ -28,7 +32,7 @@ def register(sub: Any) -> None:
         sub, "gc", cmd_gc, "remove fenced, partial and orphaned attempts older than a grace period"
     )
     p.add_argument("root")
-    p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS", help="default 3600")
+    p.add_argument("--grace", type=seconds, default=3600.0, metavar="SECONDS", help="default 3600")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed")
     p.add_argument(
         "--force", action="store_true", help="also remove damaged commit markers and their data"
@@ -38,7 +42,7 @@ def register(sub: Any) -> None:
     p.add_argument("src", metavar="SRC_ROOT[:STEP]")
     p.add_argument("dst", metavar="DST_ROOT")
     p.add_argument("--compress", choices=["zstd"], help="re-encode the arrays with zstd")
-    p.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
+    p.add_argument("--level", type=integer(1, 22), default=3, help="zstd level 1-22 (default 3)")
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -58,14 +62,29 @@ def cmd_prune(args: argparse.Namespace) -> int:
         else:
             rows.append([verb, str(s), size, "not kept by the rule"])
     print_table(rows, right=(1, 2))
+    deleted = list(decision.delete)
     if not args.dry_run:
-        for s in decision.delete:
-            protocol.delete(s)
-    reclaimed = sum(committed[s].nbytes for s in decision.delete)
-    n = len(decision.delete)
+        deleted = [s for s in decision.delete if _delete(protocol, committed[s])]
+    reclaimed = sum(committed[s].nbytes for s in deleted)
+    n = len(deleted)
     summary = f"{n} step{'s' if n != 1 else ''}, reclaiming {human_bytes(reclaimed)}"
+    gone = len(decision.delete) - n
+    summary += f" ({gone} deleted meanwhile by another process)" if gone else ""
     print(f"would delete {summary} (dry run)" if args.dry_run else f"deleted {summary}")
     return 0
+
+
+def _delete(protocol: CommitProtocol, marker: CommitMarker) -> bool:
+    """Deletes a listed step; False if another process (retention) deleted it since."""
+    try:
+        if protocol.storage.read(marker.key) is not None:
+            protocol.delete(marker.step, marker=marker)
+            return True
+    except CheckpointError:
+        if protocol.still_committed(marker):
+            raise
+    print(f"step {marker.step}: deleted meanwhile (by another process), skipped")
+    return False
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from jaxckpt._telemetry import human_bytes
 __all__ = [
     "Progress",
     "ago",
+    "dotted_paths",
     "err",
     "human_bytes",
     "human_duration",
@@ -55,6 +57,25 @@ def local_time(t: float) -> str:
 
 def ago(t: float) -> str:
     return f"{human_duration(max(0.0, time.time() - t))} ago"
+
+
+# A keystr tree path: a dict key first, then keys, indices and attributes.
+_KEYSTR = re.compile(r"\['(?:[^'\\\]]|\\.)*'\](?:\['(?:[^'\\\]]|\\.)*'\]|\[\d+\]|\.[A-Za-z_]\w*)*")
+
+
+def dotted_paths(text: str) -> str:
+    """``text`` with keystr tree paths (errors raised by the library) in the dotted form
+    every command prints (``['params']['w']`` -> ``params.w``).
+
+    >>> dotted_paths("step 3: ['params']['w'][0].mu: chunk c/0 of /r/x.y: missing")
+    'step 3: params.w.0.mu: chunk c/0 of /r/x.y: missing'
+    """
+
+    def dotted(m: re.Match[str]) -> str:
+        keys = re.findall(r"\['((?:[^'\\]|\\.)*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)", m.group(0))
+        return ".".join(a or b or c for a, b, c in keys)
+
+    return _KEYSTR.sub(dotted, text)
 
 
 def err(message: str) -> None:

@@ -1,17 +1,18 @@
 """Checkpoint roots: one interface (:class:`Storage`), one backend per kind of store.
 
-The factory :func:`open_storage` is the only place a backend is chosen, and the
-only importer of the backends; the object-store backend (TensorStore, HTTP
-clients) is imported only when a ``gs://`` or ``s3://`` root is opened, so
-listing a local root stays light. Every root goes through
-:func:`~jaxckpt.storage._uri.parse_root` first, before anything is sent or
-written.
+The factory :func:`open_storage` is the only place a backend is chosen, through
+the table :data:`BACKENDS` (scheme -> opener), and the only importer of the
+backends; the object-store backends (TensorStore, HTTP clients) are imported only
+when a ``gs://`` or ``s3://`` root is opened, so listing a local root stays light.
+Every root goes through :func:`~jaxckpt.storage._uri.parse_root` first, before
+anything is sent or written.
 
 Modules, bottom up: ``_base`` (the interface, :class:`PreconditionFailed`),
 ``_buffers`` (aligned buffers, ``pread``), ``_uri`` (root names), ``_options``
-(:class:`ObjectStoreOptions`), ``_local`` (POSIX roots), ``_http`` (direct
-ranged GETs), ``_ranged`` (reads under a memory budget), ``_object`` (gs/s3
-roots). Nothing here imports jaxckpt beyond this package, ``jaxckpt.errors``
+(:class:`ObjectStoreOptions`), ``_retry`` (deadline-bounded full-jitter
+retries), ``_local`` (POSIX roots), ``_http`` (direct ranged GETs), ``_ranged``
+(reads under a memory budget), ``_object`` (the object-store base), ``_s3`` and
+``_gcs`` (one class per cloud). Nothing here imports jaxckpt beyond this package, ``jaxckpt.errors``
 and ``jaxckpt._pools``.
 
 >>> import tempfile
@@ -24,11 +25,13 @@ and ``jaxckpt._pools``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from jaxckpt.storage._base import PreconditionFailed as PreconditionFailed
 from jaxckpt.storage._base import Storage as Storage
+from jaxckpt.storage._base import TensorStoreStorage as TensorStoreStorage
+from jaxckpt.storage._base import tensorstore_backed as tensorstore_backed
 from jaxckpt.storage._buffers import aligned_empty as aligned_empty
 from jaxckpt.storage._local import LocalStorage as LocalStorage
 from jaxckpt.storage._options import ObjectStoreOptions as ObjectStoreOptions
@@ -40,6 +43,30 @@ _OBJECT_PREFIXES = tuple(f"{scheme}://" for scheme in OBJECT_SCHEMES)
 
 if TYPE_CHECKING:
     from jaxckpt.storage._object import ObjectStorage as ObjectStorage
+
+Opener = Callable[[RootURI, ObjectStoreOptions, dict[str, Any]], Storage]
+"""Opens a parsed root with the object-store options and the backend keyword arguments."""
+
+
+def _open_local(root: RootURI, options: ObjectStoreOptions, kwargs: dict[str, Any]) -> Storage:
+    return LocalStorage(root.path, **kwargs)
+
+
+def _open_s3(root: RootURI, options: ObjectStoreOptions, kwargs: dict[str, Any]) -> Storage:
+    from jaxckpt.storage._s3 import S3Storage
+
+    return S3Storage(root, options)
+
+
+def _open_gcs(root: RootURI, options: ObjectStoreOptions, kwargs: dict[str, Any]) -> Storage:
+    from jaxckpt.storage._gcs import GcsStorage
+
+    return GcsStorage(root, options)
+
+
+BACKENDS: Mapping[str, Opener] = {"file": _open_local, "s3": _open_s3, "gs": _open_gcs}
+"""The one table of backends: a root's scheme (:func:`parse_root`) -> its opener. The
+cloud backends (TensorStore, HTTP clients) are imported when such a root is opened."""
 
 
 def open_storage(
@@ -75,10 +102,8 @@ def open_storage(
         early.check_scheme(text.partition("://")[0])
     parsed = parse_root(root)
     if parsed.scheme == "file":
-        return LocalStorage(parsed.path, **kwargs)
-    from jaxckpt.storage._object import ObjectStorage
-
-    return ObjectStorage(parsed, early or checked())
+        return BACKENDS["file"](parsed, ObjectStoreOptions(), kwargs)
+    return BACKENDS[parsed.scheme](parsed, early or checked(), {})
 
 
 def __getattr__(name: str) -> Any:
@@ -96,7 +121,9 @@ __all__ = [
     "PreconditionFailed",
     "RootURI",
     "Storage",
+    "TensorStoreStorage",
     "aligned_empty",
     "open_storage",
     "parse_root",
+    "tensorstore_backed",
 ]

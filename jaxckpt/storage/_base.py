@@ -3,7 +3,8 @@
 The commit protocol and the CLI only ever talk to :class:`Storage`: read,
 write (optionally create-only), delete and list keys under a root. Bulk array
 data does not go through this interface; it is written by TensorStore, which
-gets its kvstore spec from :meth:`Storage.kvstore_spec`. Nothing here relies on
+gets its kvstore spec from :meth:`TensorStoreStorage.kvstore_spec`, a capability
+beside the core interface. Nothing here relies on
 rename, so the same protocol works on POSIX file systems and object stores.
 
 Keys are ``/``-separated paths relative to the root. Failures of the store are
@@ -14,10 +15,13 @@ protocol catches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import errno
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from jaxckpt.errors import StorageError
 
 
 class PreconditionFailed(Exception):
@@ -52,6 +56,11 @@ class Storage(Protocol):
         when it does not exist; fewer bytes when the object ends earlier."""
         ...
 
+    def plan_restore(self, nbytes: int) -> None:
+        """Sizes the read budget of a restore of ``nbytes`` before its reads start
+        (object stores: ``read_ahead_bytes``); a local root has none and ignores it."""
+        ...
+
     def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         """Writes ``data`` durably; with ``exclusive``, only if ``key`` is absent.
 
@@ -75,8 +84,17 @@ class Storage(Protocol):
         """Deletes one key; a missing key is not an error."""
         ...
 
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Deletes several keys; missing keys are not errors.
+
+        Object stores send them in batches where the store has a batch delete
+        (S3 ``DeleteObjects``: 1,000 keys a request) instead of one request each.
+        """
+        ...
+
     def delete_prefix(self, prefix: str) -> None:
-        """Deletes every key under ``prefix`` (which ends with ``/``)."""
+        """Deletes every key under ``prefix`` (which ends with ``/``), listed and then
+        removed as :meth:`delete_many` does."""
         ...
 
     def list(self, prefix: str) -> list[str]:
@@ -93,6 +111,15 @@ class Storage(Protocol):
         """
         ...
 
+
+@runtime_checkable
+class TensorStoreStorage(Storage, Protocol):
+    """A root TensorStore has a kvstore driver for: the capability that the zarr-array
+    paths need (the plain layout's chunks, ``cp``'s re-encoding, ``verify``), asked for
+    with :func:`tensorstore_backed`. The core :class:`Storage` does not require it, so a
+    backend TensorStore cannot open (an in-memory test store, another cloud) needs
+    only the core."""
+
     def kvstore_spec(self, prefix: str) -> dict[str, Any]:
         """A TensorStore kvstore spec for the keys under ``prefix``."""
         ...
@@ -100,3 +127,18 @@ class Storage(Protocol):
     def context_spec(self) -> dict[str, Any]:
         """TensorStore context resources (retries, concurrency) for this store."""
         ...
+
+
+def tensorstore_backed(storage: Storage) -> TensorStoreStorage:
+    """``storage`` as a :class:`TensorStoreStorage`.
+
+    Raises:
+      StorageError: (``EOPNOTSUPP``) TensorStore has no driver for this root.
+    """
+    if not isinstance(storage, TensorStoreStorage):
+        raise StorageError(
+            errno.EOPNOTSUPP,
+            f"{storage.uri}: TensorStore has no driver for this root (the plain layout, "
+            "cp's re-encoding and verify read zarr arrays through TensorStore)",
+        )
+    return storage

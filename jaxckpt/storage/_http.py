@@ -14,9 +14,19 @@ of each cloud: botocore's credential chain and SigV4 signer for S3
 (``jaxckpt[s3]``), google-auth's application-default credentials for GCS
 (``jaxckpt[gcs]``). Without them, or with an HTTP proxy in the environment
 (which TensorStore's libcurl honours and this reader does not), restores read
-through TensorStore. A read that fails here for any reason other than a
-missing or short object raises :class:`DirectReadError`, and the caller reads
-that range through TensorStore, with its retries.
+through TensorStore.
+
+A read that is throttled (``429``, ``503 SlowDown``) or fails transiently (other
+5xx, a timeout, a dropped connection, a body cut short) is retried
+here with the root's full-jitter backoff until its deadline
+(:mod:`jaxckpt.storage._retry`); past the deadline it raises
+:class:`StoreUnavailableError`, which fails the read (TensorStore would find the
+same store). Throttling never turns direct reads off. A read that fails for any
+other reason (a 4xx other than 404/408/416/429, a malformed response, a refused
+connection) raises
+:class:`DirectReadError`, and the caller reads that range through TensorStore;
+:data:`FAILURES_BEFORE_OFF` of those in a row leave every later read to
+TensorStore.
 """
 
 from __future__ import annotations
@@ -30,10 +40,13 @@ import os
 import re
 import ssl
 import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Any
+
+from jaxckpt.storage._retry import RETRY_HTTP_STATUSES, Backoff, elapsed_note
 
 _log = logging.getLogger(__name__)
 
@@ -41,7 +54,8 @@ _GCS_READ_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 _GCS_PUBLIC = "https://storage.googleapis.com"
 _DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 FAILURES_BEFORE_OFF = 3
-"""Consecutive failed direct reads after which a reader leaves every read to TensorStore."""
+"""Consecutive failed direct reads (not counting throttling and transient failures, which
+are retried here) after which a reader leaves every read to TensorStore."""
 
 # What sending on a kept-alive connection that the server has closed raises.
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
@@ -56,6 +70,18 @@ class DirectReadError(Exception):
     """A direct read failed; the caller reads the same range through TensorStore."""
 
 
+class StoreUnavailableError(DirectReadError):
+    """The store throttled or failed transiently until the retry deadline: the read fails."""
+
+
+class _Transient(DirectReadError):
+    """Throttling or a transient failure: retried after a backoff."""
+
+
+# Connection failures worth retrying: reset, dropped, timed out (not refused: below).
+_TRANSIENT_ERRORS = (ConnectionError, TimeoutError, http.client.IncompleteRead)
+
+
 class DirectReader:
     """GETs of byte ranges of one bucket's objects, into caller buffers.
 
@@ -67,6 +93,8 @@ class DirectReader:
         timeout of each connect, send and receive); None waits forever.
       stat_path: the request path (with query) of an object's timestamps, and
         how to find the modification time in that response (for :meth:`age`).
+      backoff: when to retry a throttled or transiently failed request; default
+        :class:`~jaxckpt.storage._retry.Backoff`'s.
     """
 
     def __init__(
@@ -76,6 +104,7 @@ class DirectReader:
         authorize: Authorize | None,
         timeout_s: float | None,
         stat_path: tuple[Callable[[str], str], Stamps] | None = None,
+        backoff: Backoff | None = None,
     ) -> None:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -89,6 +118,7 @@ class DirectReader:
         self._authorize = authorize
         self._timeout = timeout_s
         self._stat = stat_path
+        self._backoff = backoff or Backoff()
         self._lock = threading.Lock()
         self._idle: list[http.client.HTTPConnection] = []
         self._pid = os.getpid()
@@ -99,6 +129,38 @@ class DirectReader:
         """Ranges read here."""
         self.failed = 0
         """Ranges that failed here (and went to TensorStore)."""
+        self.retries = 0
+        """Requests sent again after throttling or a transient failure."""
+
+    def _retrying(self, request: Callable[[], Any]) -> Any:
+        """``request()``, retried with backoff while it fails transiently.
+
+        Raises:
+          StoreUnavailableError: still failing transiently at the deadline.
+          DirectReadError: it failed otherwise.
+        """
+        started, retry = time.monotonic(), 0
+        while True:
+            try:
+                return request()
+            except _Transient as e:
+                failure: BaseException = e
+            except ConnectionRefusedError as e:
+                # Nothing listens where this reader connects (TensorStore, which retries
+                # the range with the same deadline, may reach the store another way).
+                raise DirectReadError(f"{type(e).__name__}: {e}") from e
+            except _TRANSIENT_ERRORS as e:
+                failure = e
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                raise DirectReadError(f"{type(e).__name__}: {e}") from e
+            delay = self._backoff.delay(retry, started)
+            if delay is None:
+                note = elapsed_note(retry + 1, started)
+                raise StoreUnavailableError(f"{_describe(failure)}{note}") from failure
+            retry += 1
+            with self._lock:
+                self.retries += 1
+            time.sleep(delay)
 
     def read_into(self, name: str, offset: int, out: memoryview) -> int | None:
         """Reads ``len(out)`` bytes of object ``name`` from ``offset`` into ``out``.
@@ -113,13 +175,12 @@ class DirectReader:
         """
         path = self._object_path(name)
         try:
-            got = self._get(path, offset, out)
+            got = self._retrying(lambda: self._get(path, offset, out))
+        except StoreUnavailableError:
+            raise  # the store's state, not this reader's: direct reads stay on
         except DirectReadError:
             self._failed()
             raise
-        except (OSError, http.client.HTTPException, ValueError) as e:
-            self._failed()
-            raise DirectReadError(f"{type(e).__name__}: {e}") from e
         with self._lock:
             self._failures = 0
             self.reads += 1
@@ -131,10 +192,18 @@ class DirectReader:
         exist or the store does not say.
 
         Raises:
-          DirectReadError: the request failed.
+          DirectReadError: the request failed (:class:`StoreUnavailableError`: it was
+            throttled or failed transiently until the deadline).
         """
         if self._stat is None:
             return None
+        try:
+            return self._retrying(lambda: self._age(name))
+        except (TypeError, KeyError) as e:
+            raise DirectReadError(f"{type(e).__name__}: {e}") from e
+
+    def _age(self, name: str) -> float | None:
+        assert self._stat is not None
         path, stamps = self._stat
         conn, idle = self._take()
         reuse = False
@@ -151,16 +220,13 @@ class DirectReader:
             reuse = response.isclosed()
             if response.status == 404:
                 return None
-            if response.status not in (200, 206):
-                raise DirectReadError(f"HTTP {response.status} {response.reason}")
+            _check_status(response)
             written = stamps(response, body)
             now = response.getheader("Date")
             if written is None or not now:
                 return None
             # Date has whole seconds (truncated), the modification time may not: never below 0.
             return max(0.0, email.utils.parsedate_to_datetime(now).timestamp() - written)
-        except (OSError, http.client.HTTPException, ValueError, TypeError) as e:
-            raise DirectReadError(f"{type(e).__name__}: {e}") from e
         finally:
             self._give(conn, reuse)
 
@@ -205,7 +271,8 @@ class DirectReader:
         if status in (404, 416):  # missing; or the object ends before the range
             response.read()
             return (None if status == 404 else 0), True
-        if status not in (200, 206) or (status == 200 and offset):
+        _check_status(response)
+        if status == 200 and offset:
             raise DirectReadError(f"HTTP {status} {response.reason}")
         where = response.getheader("Content-Range", "")
         if status == 206 and not where.startswith(f"bytes {offset}-"):
@@ -215,8 +282,8 @@ class DirectReader:
         got = 0
         while got < want:
             n = response.readinto(out[got:want])
-            if not n:
-                raise DirectReadError(f"the response ended after {got} of {want} bytes")
+            if not n:  # a connection cut short: sent again
+                raise _Transient(f"the response ended after {got} of {want} bytes")
             got += n
         # Reused only once the body is read to its end (not so: a 200 longer than the range).
         return got, response.isclosed()
@@ -266,6 +333,22 @@ class DirectReader:
             conn.close()
 
 
+def _check_status(response: http.client.HTTPResponse) -> None:
+    """Raises unless the response is a 200 or 206: ``_Transient`` for a status worth
+    retrying (throttling, 5xx, 408), else DirectReadError."""
+    status = response.status
+    if status in (200, 206):
+        return
+    text = f"HTTP {status} {response.reason}"
+    if status in RETRY_HTTP_STATUSES:
+        raise _Transient(text)
+    raise DirectReadError(text)
+
+
+def _describe(error: BaseException) -> str:
+    return str(error) if isinstance(error, DirectReadError) else f"{type(error).__name__}: {error}"
+
+
 def _once(resolve: Callable[[], Any]) -> Callable[[], Any]:
     """``resolve()``, called on the first use only (credentials: None means anonymous)."""
     lock = threading.Lock()
@@ -290,7 +373,11 @@ def _proxied(url: str) -> bool:
 
 
 def s3_reader(
-    bucket: str, region: str, endpoint: str | None, timeout_s: float | None
+    bucket: str,
+    region: str,
+    endpoint: str | None,
+    timeout_s: float | None,
+    backoff: Backoff | None = None,
 ) -> DirectReader | None:
     """A reader of an S3 bucket, or None (botocore missing, or a proxy in the way).
 
@@ -335,10 +422,12 @@ def s3_reader(
         return email.utils.parsedate_to_datetime(modified).timestamp() if modified else None
 
     stat = (object_path, stamps)
-    return DirectReader(base, object_path, authorize, timeout_s, stat)
+    return DirectReader(base, object_path, authorize, timeout_s, stat, backoff)
 
 
-def gcs_reader(bucket: str, endpoint: str | None, timeout_s: float | None) -> DirectReader | None:
+def gcs_reader(
+    bucket: str, endpoint: str | None, timeout_s: float | None, backoff: Backoff | None = None
+) -> DirectReader | None:
     """A reader of a GCS bucket (JSON API media downloads), or None.
 
     Over HTTPS, requests carry google-auth's application-default credentials
@@ -366,7 +455,7 @@ def gcs_reader(bucket: str, endpoint: str | None, timeout_s: float | None) -> Di
 
     stat = (metadata_path, stamps)
     if base.startswith("http://"):
-        return DirectReader(base, object_path, None, timeout_s, stat)
+        return DirectReader(base, object_path, None, timeout_s, stat, backoff)
     try:
         import google.auth
         import google.auth.exceptions
@@ -393,4 +482,4 @@ def gcs_reader(bucket: str, endpoint: str | None, timeout_s: float | None) -> Di
                 credentials.refresh(google.auth.transport.requests.Request())
             credentials.apply(headers)
 
-    return DirectReader(base, object_path, authorize, timeout_s, stat)
+    return DirectReader(base, object_path, authorize, timeout_s, stat, backoff)

@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,6 +131,14 @@ class LocalStorage:
             pass
         except OSError as e:
             raise self._error("delete", key, e) from e
+
+    def plan_restore(self, nbytes: int) -> None:
+        """Nothing to size: chunk files are read straight into the restored arrays."""
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Deletes ``keys`` one by one (a file system has no batch delete)."""
+        for key in keys:
+            self.delete(key)
 
     def delete_prefix(self, prefix: str) -> None:
         """Removes the directory tree; retries while another process still writes into it.

@@ -16,16 +16,9 @@ never overwrites a key that existed before the call, but two writers racing
 for the same key can both succeed when one's write and read-back fit between
 the other's check and write; the stored object is then the later write.
 
-Endpoints. S3 takes ``endpoint`` or ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
-and puts it in the kvstore spec. TensorStore's ``gcs`` spec and context have no
-endpoint member (checked against tensorstore 0.1.86): its driver reads the
-process-wide ``TENSORSTORE_GCS_HTTP_URL`` environment variable (or the
-``--tensorstore_gcs_http_url`` absl flag) each time it opens a driver. An
-explicit ``endpoint`` or the ``STORAGE_EMULATOR_HOST`` that Google's client
-libraries honour is therefore copied into ``TENSORSTORE_GCS_HTTP_URL`` when the
-storage is opened -- a process-wide side effect, logged when it redirects an
-earlier endpoint -- so one process should use one GCS endpoint. Without either,
-opening a ``gs://`` root changes nothing in the environment.
+Each cloud is a subclass (``_s3.py``, ``_gcs.py``) supplying its endpoint, spec
+members, credentials, direct reader and (S3) botocore client; the backend table in
+:mod:`jaxckpt.storage` maps each scheme to its class.
 """
 
 from __future__ import annotations
@@ -33,12 +26,11 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-import os
-import re
 import threading
+import time
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import tensorstore as ts
@@ -46,95 +38,58 @@ import tensorstore as ts
 from jaxckpt import _pools as pools
 from jaxckpt.errors import StorageError
 from jaxckpt.storage._base import PreconditionFailed
-from jaxckpt.storage._http import DirectReader, DirectReadError, gcs_reader, s3_reader
+from jaxckpt.storage._http import DirectReader, DirectReadError
 from jaxckpt.storage._options import DIRECT_PART_BYTES, ObjectStoreOptions
 from jaxckpt.storage._ranged import RangedReader, ShortObjectError
-from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
-from jaxckpt.storage._tsenv import aws_credentials, bound_stalls, resolve_gcs_endpoint
-from jaxckpt.storage._uri import RootURI, parse_root
+from jaxckpt.storage._retry import elapsed_note, tensorstore_transient
+from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition
+from jaxckpt.storage._tsenv import bound_stalls
+from jaxckpt.storage._tserror import duration, no_value_generation, storage_error
+from jaxckpt.storage._uri import RootURI
 
-__all__ = ["ObjectStorage", "open_object_storage"]
+__all__ = ["ObjectStorage"]
 
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _PROBE_PREFIX = ".jaxckpt-probe/"
 _CREATE_ATTEMPTS = 3
-_CREATE_TIMEOUT_S = 300.0
-"""botocore's connect and read timeout of a create-only PUT when ``timeout_s`` is None."""
-_MAX_DETAIL = 400
-_PAYLOAD = re.compile(r"\s*\[[A-Za-z0-9_.-]+='.*?'\]", re.DOTALL)
-
-# absl status code names (as TensorStore prefixes its messages) -> errno.
-_STATUS_ERRNO = {
-    "NOT_FOUND": errno.ENOENT,
-    "PERMISSION_DENIED": errno.EACCES,
-    "UNAUTHENTICATED": errno.EACCES,
-    "INVALID_ARGUMENT": errno.EINVAL,
-    "FAILED_PRECONDITION": errno.EIO,
-    "DEADLINE_EXCEEDED": errno.ETIMEDOUT,
-    "UNAVAILABLE": errno.EHOSTUNREACH,
-    "ABORTED": errno.EIO,
-    "RESOURCE_EXHAUSTED": errno.EDQUOT,
-}
-
-
-@functools.cache
-def _no_value_generation() -> bytes:
-    """TensorStore's encoding of "the key does not exist" as a generation.
-
-    The byte string is internal to TensorStore and changed between releases
-    (``b"\\x05"`` before 0.1.8x, ``b"\\x02"`` in 0.1.86), so it is read from the
-    in-memory driver, which reports exactly this generation for missing keys.
-    """
-    store = ts.KvStore.open({"driver": "memory"}).result()
-    return store.read("missing").result().stamp.generation
-
-
-def _duration(seconds: float) -> str:
-    return f"{round(seconds * 1e6)}us"
+_OWN_RETRIES = 0
+"""TensorStore's retries of the requests this class sends itself: none, so that every
+retry is this class's (full jitter, bounded by the deadline)."""
 
 
 class ObjectStorage:
-    """A checkpoint root in a GCS or S3 bucket, accessed through TensorStore.
+    """A checkpoint root in a bucket, accessed through TensorStore: the shared base of
+    one class per cloud (:class:`~jaxckpt.storage._s3.S3Storage`,
+    :class:`~jaxckpt.storage._gcs.GcsStorage`), which supply the endpoint, the
+    TensorStore driver and spec members, credentials and the direct reader.
 
-    Use :func:`jaxckpt.storage.open_storage` (or :func:`open_object_storage`)
-    rather than constructing this directly.
+    Use :func:`jaxckpt.storage.open_storage` rather than constructing these directly.
     """
 
+    scheme: ClassVar[str]
+    """The URI scheme of this cloud's roots."""
+    driver: ClassVar[str]
+    """TensorStore's kvstore driver (and the prefix of its context resources)."""
+
     def __init__(self, root: RootURI, options: ObjectStoreOptions) -> None:
-        scheme = root.scheme
-        if scheme not in ("gs", "s3"):
-            raise StorageError(errno.EINVAL, f"not an object-store root: {root.uri!r}")
-        options.check_scheme(scheme)
-        self._scheme = scheme
+        if root.scheme != self.scheme:
+            raise StorageError(errno.EINVAL, f"not a {self.scheme}:// root: {root.uri!r}")
+        options.check_scheme(root.scheme)
+        self._scheme = root.scheme
         self._bucket = root.bucket
         self._prefix = root.prefix
         self._options = options
         bound_stalls(options.timeout_s)
-        self._driver = "gcs" if scheme == "gs" else "s3"
+        self._driver = self.driver
+        self._backoff = options.backoff()
+        self._endpoint: str | None = None
         self._extra: dict[str, Any] = {}
-        if scheme == "s3":
-            self._endpoint = (
-                options.endpoint
-                or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL")
-                or None
-            )
-            region = (
-                options.region
-                or os.environ.get("AWS_REGION")
-                or os.environ.get("AWS_DEFAULT_REGION")
-                or "us-east-1"
-            )
-            self._extra["aws_region"] = region
-            if self._endpoint:
-                self._extra["endpoint"] = self._endpoint.rstrip("/")
-        else:
-            self._endpoint = resolve_gcs_endpoint(options.endpoint)
+        """Members of this cloud's kvstore spec beyond driver, bucket and path."""
         # The condition sent with create-only writes; an instance attribute so
         # that tests can simulate a server that ignores conditions.
-        self._if_absent = _no_value_generation()
+        self._if_absent = no_value_generation()
         self._enforced: bool | None = None
         self._bucket_checked = False
         self._probe_lock = threading.Lock()
@@ -148,12 +103,30 @@ class ObjectStorage:
         with self._open_lock:
             if self._store is None:
                 spec = {"driver": self._driver, "bucket": self._bucket, "path": "", **self._extra}
-                context = ts.Context(self.context_spec())
+                context = ts.Context(self.context_spec(retries=_OWN_RETRIES))
                 try:
                     self._store = ts.KvStore.open(spec, context=context).result()
                 except (ValueError, NotImplementedError) as e:
                     raise self._error("open", "", e) from e
+                self._opened(self._store)
             return self._store
+
+    def _opened(self, store: ts.KvStore) -> None:
+        """Called once the kvstore is open, before its first request."""
+
+    def _direct_reader(self) -> DirectReader | None:
+        """The bucket's reader of ``ObjectStoreOptions.direct_reads``, if it can have one."""
+        return None
+
+    @functools.cached_property
+    def _s3_creates(self) -> S3Creates | None:
+        """The store's own create-only PUTs and batch deletes (S3, through botocore),
+        resolved on first use; None: TensorStore's conditions and one delete per key."""
+        return None
+
+    def _credentials(self) -> dict[str, Any]:
+        """TensorStore context resources for this cloud's credentials."""
+        return {}
 
     # -- naming and errors -------------------------------------------------
 
@@ -177,34 +150,51 @@ class ObjectStorage:
         name = self._name(prefix) if prefix else self._prefix
         return f"{name}/" if name else ""
 
-    def _error(self, action: str, name: str, exc: BaseException) -> StorageError:
-        where = f"{self._scheme}://{self._bucket}/{name}"
-        if isinstance(exc, TimeoutError):
-            detail = f"no answer within {self._options.timeout_s} s"
-            return StorageError(errno.ETIMEDOUT, f"cannot {action} {where}: {detail}")
-        # TensorStore appends the HTTP response body and headers as [name='value']
-        # payloads (S3 XML, GCS JSON): drop them, the status text says what failed.
-        detail = _PAYLOAD.sub("", str(exc)).strip()
-        if len(detail) > _MAX_DETAIL:
-            detail = detail[:_MAX_DETAIL] + " …"
-        code = detail.split(":", 1)[0]
-        # A missing key is not an error for TensorStore, so NOT_FOUND means the bucket.
-        if "NoSuchBucket" in detail or code == "NOT_FOUND":
-            detail = f"bucket {self._bucket!r} does not exist or is not accessible ({detail})"
-        if self._endpoint:
-            detail += f" [endpoint {self._endpoint}]"
-        # TensorStore drops the "INVALID_ARGUMENT: " prefix (bad bucket names, specs).
-        default = errno.EINVAL if action == "open" else errno.EIO
-        return StorageError(_STATUS_ERRNO.get(code, default), f"cannot {action} {where}: {detail}")
+    def _error(self, action: str, name: str, exc: BaseException, note: str = "") -> StorageError:
+        return storage_error(
+            action,
+            f"{self._scheme}://{self._bucket}/{name}",
+            exc,
+            bucket=self._bucket,
+            endpoint=self._endpoint,
+            timeout_s=self._options.timeout_s,
+            note=note,
+        )
 
-    def _wait(self, future: ts.Future[_T], action: str, name: str) -> _T:
-        try:
-            return future.result(timeout=self._options.timeout_s)
-        except TimeoutError as e:
-            future.cancel()
-            raise self._error(action, name, e) from e
-        except (ValueError, NotImplementedError) as e:
-            raise self._error(action, name, e) from e
+    def _call(
+        self,
+        action: str,
+        name: str,
+        start: Callable[[], ts.Future[_T]],
+        first: ts.Future[_T] | None = None,
+    ) -> _T:
+        """One request's result (``start`` sends it; ``first``: already sent), retried
+        while it fails transiently, with full-jitter backoff until the deadline.
+
+        Each attempt may go ``timeout_s`` without an answer (then it is cancelled and
+        retried: a repeated write or delete is harmless, and a create-only write
+        checks what it finds, see :meth:`_create`).
+        """
+        started, retry = time.monotonic(), 0
+        future = start() if first is None else first
+        while True:
+            try:
+                return future.result(timeout=self._options.timeout_s)
+            except TimeoutError as e:
+                future.cancel()
+                failure: BaseException = e
+            except (ValueError, NotImplementedError) as e:
+                if not tensorstore_transient(e):
+                    raise self._error(action, name, e) from e
+                failure = e
+            delay = self._backoff.delay(retry, started)
+            if delay is None:
+                note = elapsed_note(retry + 1, started)
+                raise self._error(action, name, failure, note) from failure
+            retry += 1
+            _log.debug("%s %s: %s; retry %d in %.2f s", action, name, failure, retry, delay)
+            time.sleep(delay)
+            future = start()
 
     def _check_bucket(self, action: str, name: str) -> None:
         """Raises StorageError about ``action`` on ``name`` unless the bucket exists.
@@ -215,7 +205,7 @@ class ObjectStorage:
         if self._bucket_checked:
             return
         probe = self._name(f"{_PROBE_PREFIX}bucket-check")
-        self._wait(self._kv.list(ts.KvStore.KeyRange(probe, probe + "\0")), action, name)
+        self._call(action, name, lambda: self._kv.list(ts.KvStore.KeyRange(probe, probe + "\0")))
         self._bucket_checked = True
 
     # -- Storage protocol --------------------------------------------------
@@ -257,22 +247,15 @@ class ObjectStorage:
                     ahead_bytes=ahead,
                     timeout_s=self._options.timeout_s,
                     error=self._error,
+                    call=self._call,
                     direct=self._direct_reader() if self._options.direct_reads else None,
                     direct_part_bytes=self._options.read_part_bytes or DIRECT_PART_BYTES,
                 )
             return self._reader
 
-    def _direct_reader(self) -> DirectReader | None:
-        """The bucket's reader of ``ObjectStoreOptions.direct_reads``, if it can have one."""
-        timeout = self._options.timeout_s
-        if self._scheme == "s3":
-            region = str(self._extra["aws_region"])
-            return s3_reader(self._bucket, region, self._endpoint, timeout)
-        return gcs_reader(self._bucket, self._endpoint, timeout)
-
     def read(self, key: str) -> bytes | None:
         name = self._name(key)
-        result = self._wait(self._kv.read(name), "read", name)
+        result = self._call("read", name, lambda: self._kv.read(name))
         if result.state != "value":
             self._check_bucket("read", name)
             return None
@@ -301,15 +284,14 @@ class ObjectStorage:
         """The bytes an object has in ``[offset, offset + size)`` (it is shorter than that)."""
         name = self._name(key)
         try:
-            future = self._kv.read(name, byte_range=slice(offset, offset + size))
-            result = future.result(timeout=self._options.timeout_s)
-        except ValueError as e:
+            result = self._call(
+                "read", name, lambda: self._kv.read(name, byte_range=slice(offset, offset + size))
+            )
+        except StorageError as e:
             if not any(m in str(e) for m in ("OUT_OF_RANGE", "Unexpected Content-Range")):
-                raise self._error("read", name, e) from e
+                raise
             whole = self.read(key)  # the object is shorter than the range: hand back the rest
             return None if whole is None else whole[offset : offset + size]
-        except TimeoutError as e:
-            raise self._error("read", name, e) from e
         if result.state != "value":
             self._check_bucket("read", name)
             return None
@@ -318,7 +300,8 @@ class ObjectStorage:
     def write(self, key: str, data: bytes, *, exclusive: bool = False) -> None:
         name = self._name(key)
         if not exclusive:
-            self._wait(self._kv.write(name, bytes(data)), "write", name)  # bytes: no copy
+            body = bytes(data)  # bytes: no copy
+            self._call("write", name, lambda: self._kv.write(name, body))
             self._bucket_checked = True  # a plain PUT into a missing bucket fails
             return
         if self._conditions_enforced(name):
@@ -328,10 +311,16 @@ class ObjectStorage:
 
     def start_write(self, key: str, pieces: Sequence[bytes | memoryview]) -> Callable[[], None]:
         name = self._name(key)
-        future = pools.pool("bodies", 1).submit(self._submit_body, name, pieces).result()
+
+        def submit() -> Any:
+            return pools.pool("bodies", 1).submit(self._submit_body, name, pieces).result()
+
+        first = submit()
 
         def wait() -> None:
-            self._wait(future, "write", name)
+            # A retry joins the body again from ``pieces``, which the caller keeps until
+            # this returns: the body itself is not kept while the first attempt is in flight.
+            self._call("write", name, submit, first)
             self._bucket_checked = True
 
         return wait
@@ -369,26 +358,18 @@ class ObjectStorage:
                 created = outcome == CREATED
                 self._bucket_checked = self._bucket_checked or created
                 return created
-        stamp = self._wait(self._kv.write(name, data, if_equal=self._if_absent), "write", name)
+        stamp = self._call(
+            "write", name, lambda: self._kv.write(name, data, if_equal=self._if_absent)
+        )
         self._bucket_checked = self._bucket_checked or bool(stamp.generation)
         return bool(stamp.generation)
-
-    @functools.cached_property
-    def _s3_creates(self) -> S3Creates | None:
-        """S3's own create-only PUTs (botocore), resolved on first use; None elsewhere."""
-        if self._scheme != "s3":
-            return None
-        timeout = self._options.timeout_s or _CREATE_TIMEOUT_S
-        attempts = self._options.max_retries + 1
-        region = str(self._extra["aws_region"])
-        return s3_creates(self._bucket, region, self._endpoint, timeout, attempts)
 
     def _create(self, name: str, data: bytes) -> None:
         for _ in range(_CREATE_ATTEMPTS):
             if self._create_once(name, data):
                 return
             # The condition failed: the key exists, or (S3) the bucket is missing.
-            existing = self._wait(self._kv.read(name), "read", name)
+            existing = self._call("read", name, lambda: self._kv.read(name))
             if existing.state == "value":
                 if bytes(existing.value) == data:
                     # Our own write: it landed, its response was lost, and the
@@ -407,10 +388,10 @@ class ObjectStorage:
 
     def _create_fallback(self, name: str, data: bytes) -> None:
         where = f"{self._scheme}://{self._bucket}/{name}"
-        if self._wait(self._kv.read(name), "read", name).state == "value":
+        if self._call("read", name, lambda: self._kv.read(name)).state == "value":
             raise PreconditionFailed(where)
-        self._wait(self._kv.write(name, data, if_equal=self._if_absent), "write", name)
-        stored = self._wait(self._kv.read(name), "read", name)
+        self._call("write", name, lambda: self._kv.write(name, data, if_equal=self._if_absent))
+        stored = self._call("read", name, lambda: self._kv.read(name))
         if stored.state != "value" or bytes(stored.value) != data:
             raise PreconditionFailed(where)
 
@@ -441,7 +422,7 @@ class ObjectStorage:
             try:
                 enforced = not self._create_once(name, b"2")
             finally:
-                self._wait(self._kv.write(name, None), "write", for_name)
+                self._call("write", for_name, lambda: self._kv.write(name, None))
         except StorageError as e:
             raise StorageError(e.errno, f"{e.strerror} (while writing {for_name})") from e
         if not enforced:
@@ -472,8 +453,37 @@ class ObjectStorage:
 
     def delete(self, key: str) -> None:
         name = self._name(key)
-        self._wait(self._kv.write(name, None), "delete", name)
+        self._call("delete", name, lambda: self._kv.write(name, None))
         self._check_bucket("delete", name)
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Deletes ``keys`` (missing ones are not errors): on S3 by ``DeleteObjects``
+        requests of up to 1,000 keys; elsewhere one request per key, all in flight."""
+        names = [self._name(key) for key in keys]
+        if names:
+            self._delete_names(names)
+            self._check_bucket("delete", names[0])
+
+    def _delete_names(self, names: Sequence[str]) -> None:
+        if not names:
+            return
+        creates = self._s3_creates
+        if creates is not None:
+            try:
+                creates.delete(names)
+                return
+            except Exception as e:  # botocore's errors, and the keys S3 refused
+                if not refuses_condition(e):
+                    raise self._error("delete", getattr(e, "key", names[0]), e) from e
+                _log.warning(
+                    "%s refuses DeleteObjects (%s); deleting one by one", self._endpoint, e
+                )
+        # Deleted one by one (TensorStore's delete_range trusts the server's listing,
+        # and an emulator that ignores ranges turns it into "delete the bucket"); the
+        # requests run concurrently, and each is retried on its own.
+        futures = [(name, self._kv.write(name, None)) for name in names]
+        for name, future in futures:
+            self._call("delete", name, functools.partial(self._kv.write, name, None), future)
 
     def _list_names(self, directory: str) -> list[str]:
         if directory:
@@ -481,20 +491,13 @@ class ObjectStorage:
             key_range = ts.KvStore.KeyRange(directory, end)
         else:
             key_range = ts.KvStore.KeyRange()
-        found = self._wait(self._kv.list(key_range), "list", directory)
+        found = self._call("list", directory, lambda: self._kv.list(key_range))
         # Filter again: some emulators ignore the range and list the whole bucket.
         names = (raw.decode("utf-8") for raw in found)
         return [n for n in names if n.startswith(directory) and not n.endswith("/")]
 
     def delete_prefix(self, prefix: str) -> None:
-        directory = self._dir(prefix)
-        names = self._list_names(directory)
-        # Deleted one by one (TensorStore's delete_range trusts the server's
-        # listing, and an emulator that ignores ranges turns it into "delete
-        # the bucket"); the requests still run concurrently.
-        futures = [(name, self._kv.write(name, None)) for name in names]
-        for name, future in futures:
-            self._wait(future, "delete", name)
+        self._delete_names(self._list_names(self._dir(prefix)))
 
     def list(self, prefix: str) -> list[str]:
         directory = self._dir(prefix)
@@ -505,48 +508,19 @@ class ObjectStorage:
         path = self._dir(prefix)
         return {"driver": self._driver, "bucket": self._bucket, "path": path, **self._extra}
 
-    def context_spec(self) -> dict[str, Any]:
+    def context_spec(self, *, retries: int | None = None) -> dict[str, Any]:
+        """TensorStore's context for this root's I/O: for zarr arrays, which only
+        TensorStore retries, as many retries as fit in the retry deadline
+        (:meth:`Backoff.tensorstore_retries`); ``retries`` for requests retried here."""
         o = self._options
-        retries = {
-            "max_retries": o.max_retries,
-            "initial_delay": _duration(o.initial_delay_s),
-            "max_delay": _duration(o.max_delay_s),
+        retry = {
+            "max_retries": self._backoff.tensorstore_retries() if retries is None else retries,
+            "initial_delay": duration(o.initial_delay_s),
+            "max_delay": duration(o.max_delay_s),
         }
         spec: dict[str, Any] = {
-            f"{self._driver}_request_retries": retries,
+            f"{self._driver}_request_retries": retry,
             f"{self._driver}_request_concurrency": {"limit": o.request_concurrency},
         }
-        if self._scheme == "s3":
-            spec.update(aws_credentials())
+        spec.update(self._credentials())
         return spec
-
-
-def open_object_storage(
-    uri: str, options: ObjectStoreOptions | None = None, **kwargs: Any
-) -> ObjectStorage:
-    """Opens a ``gs://bucket/prefix`` or ``s3://bucket/prefix`` root.
-
-    Opening sends no request; the first operation does.
-
-    Args:
-      uri: the root; the prefix may be empty (checked by
-        :func:`~jaxckpt.storage._uri.parse_root`).
-      options: the root's options; None: the defaults.
-      **kwargs: fields of :class:`ObjectStoreOptions`, replacing those of ``options``.
-
-    Returns:
-      An :class:`ObjectStorage` implementing :class:`jaxckpt.storage.Storage`.
-
-    Raises:
-      TypeError: an unknown option.
-      ValueError: an invalid option value.
-      StorageError: a malformed URI or bucket name (``EINVAL``).
-
-    >>> storage = open_object_storage("s3://my-bucket/run1", region="eu-west-1")
-    >>> storage.uri
-    's3://my-bucket/run1'
-    >>> storage.kvstore_spec("step_1/")["path"]
-    'run1/step_1/'
-    """
-    base = options or ObjectStoreOptions()
-    return ObjectStorage(parse_root(uri), base.replace(**kwargs) if kwargs else base)

@@ -11,6 +11,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from jaxckpt.storage._retry import Backoff
+
+DEFAULT_RETRY_DEADLINE_S = 120.0
+"""``retry_deadline_s`` of a root opened without a manager (a manager's follows its
+``save_timeout_s``): a CLI command against a dead endpoint fails within minutes."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ObjectStoreOptions:
@@ -22,11 +28,20 @@ class ObjectStoreOptions:
         ``STORAGE_EMULATOR_HOST`` (GCS), else the public service.
       region: S3 region; None uses ``AWS_REGION``, ``AWS_DEFAULT_REGION``, then
         ``us-east-1``. Not valid for GCS.
-      max_retries: attempts per request on transient errors (TensorStore's
-        ``*_request_retries.max_retries``).
-      initial_delay_s: first backoff delay between attempts.
-      max_delay_s: largest backoff delay; with the defaults a dead endpoint
-        fails after about 16 s.
+      retry_deadline_s: how long one request is retried while the store
+        throttles (S3 ``503 SlowDown``, ``429``) or fails transiently (5xx,
+        timeouts, dropped connections), counted from its first attempt: a
+        store that throttles for a minute slows a save down instead of failing
+        it. None: the manager's ``save_timeout_s``
+        (``CheckpointOptions.storage_kwargs``), or :data:`DEFAULT_RETRY_DEADLINE_S`
+        for a root opened on its own (the CLI). Every request path retries
+        this way (:mod:`jaxckpt.storage._retry`).
+      max_retries: the most retries of one request; None: as many as
+        ``retry_deadline_s`` allows.
+      initial_delay_s: the window of the first retry's delay: retry ``n`` waits
+        a uniform random time below ``min(max_delay_s, initial_delay_s * 2**n)``
+        (full jitter), so throttled clients do not come back in waves.
+      max_delay_s: the largest window.
       request_concurrency: concurrent HTTP requests per TensorStore context.
       timeout_s: the longest one request may go without progress, and the
         deadline of one metadata operation (read, write, list, delete of a
@@ -64,7 +79,8 @@ class ObjectStoreOptions:
 
     endpoint: str | None = None
     region: str | None = None
-    max_retries: int = 5
+    retry_deadline_s: float | None = None
+    max_retries: int | None = None
     initial_delay_s: float = 0.5
     max_delay_s: float = 8.0
     request_concurrency: int = 32
@@ -80,7 +96,7 @@ class ObjectStoreOptions:
             raise ValueError("region must be a non-empty string or None")
         for name in ("max_retries", "request_concurrency", "read_part_bytes", "read_ahead_bytes"):
             value = getattr(self, name)
-            if value is None and name in ("read_part_bytes", "read_ahead_bytes"):
+            if value is None and name != "request_concurrency":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -93,6 +109,9 @@ class ObjectStoreOptions:
             )
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")
+        deadline = self.retry_deadline_s
+        if deadline is not None and (isinstance(deadline, bool) or not deadline > 0):
+            raise ValueError(f"retry_deadline_s must be > 0 or None, got {deadline!r}")
 
     @classmethod
     def from_mapping(
@@ -121,6 +140,16 @@ class ObjectStoreOptions:
     def replace(self, **changes: Any) -> ObjectStoreOptions:
         """A copy with ``changes`` applied (and checked)."""
         return dataclasses.replace(self, **changes)
+
+    def backoff(self) -> Backoff:
+        """The retry schedule of every request to this root."""
+        deadline = self.retry_deadline_s
+        return Backoff(
+            initial_s=self.initial_delay_s,
+            max_s=self.max_delay_s,
+            deadline_s=DEFAULT_RETRY_DEADLINE_S if deadline is None else deadline,
+            max_retries=self.max_retries,
+        )
 
     def budget(self, restore_bytes: int) -> tuple[int, int]:
         """``(part_bytes, ahead_bytes)`` of a restore of ``restore_bytes``."""

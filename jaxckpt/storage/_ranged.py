@@ -24,7 +24,12 @@ With a :class:`~jaxckpt.storage._http.DirectReader` (the default on S3 and GCS),
 parts are instead read by its own HTTP connections straight into the buffer
 (no response copy, so no budget: parts of ``direct_part_bytes``, the first on
 the calling thread, the others on the process's GET threads). A part that
-fails there is read again through TensorStore as above.
+fails there is read again through TensorStore as above; one that the store
+throttled until the retry deadline fails the read.
+
+A part whose TensorStore read fails transiently (throttling, 5xx, a dropped
+connection) is read again on the calling thread, with the root's backoff
+(``call``), outside the budget: at most one such part per reading thread.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -43,7 +49,8 @@ import tensorstore as ts
 from jaxckpt import _pools as pools
 from jaxckpt.errors import StorageError
 from jaxckpt.storage._buffers import aligned_empty
-from jaxckpt.storage._http import DirectReader, DirectReadError
+from jaxckpt.storage._http import DirectReader, DirectReadError, StoreUnavailableError
+from jaxckpt.storage._retry import tensorstore_transient
 
 _log = logging.getLogger(__name__)
 
@@ -54,6 +61,15 @@ _SHORT_MARKERS = ("OUT_OF_RANGE", "Unexpected Content-Range")
 
 class ShortObjectError(Exception):
     """The object is shorter than the size it was read with (the caller reads it whole)."""
+
+
+class _Again(Exception):
+    """A part's read failed transiently: the reading thread reads it again (with backoff)."""
+
+
+Call = Callable[[str, str, Callable[[], Any]], Any]
+"""``call(action, name, start)``: the result of the request ``start`` sends, retried with
+backoff while it fails transiently (``ObjectStorage._call``)."""
 
 
 def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:
@@ -145,6 +161,8 @@ class RangedReader:
         flight (at least one part; small objects count their own size).
       timeout_s: the longest wait for one part, or for room in the budget.
       error: turns a TensorStore failure into a :class:`StorageError`.
+      call: sends a request and retries it while it fails transiently; None:
+        one attempt.
       direct: reads parts over its own connections into the buffer (while
         it is enabled); TensorStore reads what fails there.
       direct_part_bytes: the largest part of a direct read (the first part
@@ -160,6 +178,7 @@ class RangedReader:
         ahead_bytes: int,
         timeout_s: float | None,
         error: Callable[[str, str, BaseException], StorageError],
+        call: Call | None = None,
         direct: DirectReader | None = None,
         direct_part_bytes: int = 64 << 20,
     ) -> None:
@@ -171,6 +190,7 @@ class RangedReader:
         self.ahead_bytes = ahead_bytes
         self._timeout = timeout_s
         self._error = error
+        self._call = call
         self._earlier_peak = 0  # of the budgets set_budget replaced
 
     @property
@@ -215,7 +235,8 @@ class RangedReader:
                     budget.release(hi - lo)
                     raise
                 placed.append(self._when_done(requests, name, buffer, lo, hi, budget))
-            return buffer if self._all_found(name, placed, True) else None
+            again = self._read_again(name, buffer, offset)
+            return buffer if self._all_found(name, placed, True, again) else None
         finally:
             for request in list(requests.values()):
                 request.cancel()  # returns the budget of a part still in flight
@@ -233,14 +254,47 @@ class RangedReader:
         found = self._direct_part_into(direct, name, buffer, offset, *first)
         return buffer if self._all_found(name, others, found) else None
 
-    def _all_found(self, name: str, parts: list[Future[bool]], found: bool) -> bool:
-        """Waits for every part (each within the timeout); whether all found the object."""
+    def _all_found(
+        self,
+        name: str,
+        parts: list[Future[bool]],
+        found: bool,
+        again: Callable[[int, int], bool] | None = None,
+    ) -> bool:
+        """Waits for every part (each within the timeout); whether all found the object.
+
+        A part that failed transiently (``_Again``) is read again by ``again(lo, hi)``.
+        """
         for part in parts:
             try:
                 found = part.result(timeout=self._timeout) and found
             except FutureTimeout as e:
                 raise self._error("read", name, TimeoutError()) from e
+            except _Again as e:
+                if again is None:
+                    raise self._error("read", name, e.__cause__ or e) from e
+                lo, hi = e.args
+                found = again(lo, hi) and found
         return found
+
+    def _read_again(self, name: str, buffer: np.ndarray, offset: int) -> Callable[[int, int], bool]:
+        """Reads part ``[lo, hi)`` through TensorStore with backoff, into ``buffer``."""
+
+        def again(lo: int, hi: int) -> bool:
+            def start() -> Any:
+                return self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
+
+            if self._call is None:
+                return self._place(start(), name, buffer, lo, hi, timeout=self._timeout)
+            try:
+                result = self._call("read", name, start)
+            except StorageError as e:
+                if any(m in str(e) for m in _SHORT_MARKERS):
+                    raise ShortObjectError(name) from e
+                raise
+            return self._put(result, name, buffer, lo, hi)
+
+        return again
 
     def _direct_part_into(
         self, direct: DirectReader, name: str, buffer: np.ndarray, offset: int, lo: int, hi: int
@@ -248,6 +302,8 @@ class RangedReader:
         """Reads ``[lo, hi)`` into ``buffer`` directly, else through TensorStore."""
         try:
             got = direct.read_into(name, offset + lo, buffer[lo:hi].data)
+        except StoreUnavailableError as e:
+            raise self._error("read", name, e) from e
         except DirectReadError as e:
             _log.debug(
                 "direct read of %s [%d, %d) failed (%s); reading it through TensorStore",
@@ -256,8 +312,7 @@ class RangedReader:
                 offset + hi,
                 e,
             )
-            request = self._kv.read(name, byte_range=slice(offset + lo, offset + hi))
-            return self._place(request, name, buffer, lo, hi, timeout=self._timeout)
+            return self._read_again(name, buffer, offset)(lo, hi)
         if got is None:
             return False
         if got < hi - lo:
@@ -309,7 +364,16 @@ class RangedReader:
         except (ValueError, NotImplementedError) as e:
             if any(m in str(e) for m in _SHORT_MARKERS):
                 raise ShortObjectError(name) from e
+            if self._call is not None and tensorstore_transient(e):
+                raise _Again(lo, hi) from e
             raise self._error("read", name, e) from e
+        return self._put(result, name, buffer, lo, hi)
+
+    @staticmethod
+    def _put(
+        result: ts.KvStore.ReadResult, name: str, buffer: np.ndarray, lo: int, hi: int
+    ) -> bool:
+        """Copies a part's response into ``buffer``; False if the object is missing."""
         if result.state != "value":
             return False
         value = result.value

@@ -9,6 +9,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
 from typing import Any
 
 _log = logging.getLogger(__name__)
@@ -25,16 +29,34 @@ _CURL_SPEED_ENV = "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES"
 _CURL_MARKER_ENV = "JAXCKPT_CURL_LIMITS_PID"
 
 
+_TOKEN_ENV = "GOOGLE_AUTH_TOKEN_FOR_TESTING"
+PLAIN_HTTP_TOKEN = "jaxckpt-anonymous"
+"""The placeholder bearer token TensorStore sends to a plain-HTTP GCS endpoint (an emulator)."""
+
+
 def resolve_gcs_endpoint(explicit: str | None) -> str | None:
-    """Points TensorStore's GCS driver at ``explicit`` or ``STORAGE_EMULATOR_HOST``."""
+    """Points TensorStore's GCS driver at ``explicit`` or ``STORAGE_EMULATOR_HOST``.
+
+    A plain-HTTP endpoint (an emulator) gets no real credentials, as Google's client
+    libraries do with ``STORAGE_EMULATOR_HOST`` and as the direct reads do: TensorStore
+    has no anonymous mode, so its fixed-token provider (``GOOGLE_AUTH_TOKEN_FOR_TESTING``,
+    read once per process on its first GCS request) is given a placeholder, and a real
+    token never travels unencrypted. A token the user set is kept. (Without it,
+    TensorStore also probes for a metadata server before its first request.)
+    """
     endpoint = explicit
     if endpoint is None:
         host = os.environ.get("STORAGE_EMULATOR_HOST")
         if host:
             endpoint = host if "://" in host else f"http://{host}"
     if endpoint is None:
-        return os.environ.get(_GCS_URL_ENV) or None
+        endpoint = os.environ.get(_GCS_URL_ENV) or None
+        if endpoint is not None and endpoint.startswith("http://"):
+            os.environ.setdefault(_TOKEN_ENV, PLAIN_HTTP_TOKEN)
+        return endpoint
     endpoint = endpoint.rstrip("/")
+    if endpoint.startswith("http://"):
+        os.environ.setdefault(_TOKEN_ENV, PLAIN_HTTP_TOKEN)
     current = os.environ.get(_GCS_URL_ENV)
     if current != endpoint:
         if current:
@@ -45,6 +67,46 @@ def resolve_gcs_endpoint(explicit: str | None) -> str | None:
             )
         os.environ[_GCS_URL_ENV] = endpoint
     return endpoint
+
+
+_AUTH_LINE = b"google_auth_provider.cc"
+_primed = threading.Lock()
+_primed_pid: list[int] = []
+
+
+def quiet_gcs_auth(first_request: Callable[[], object]) -> None:
+    """Runs this process's first TensorStore GCS request with stderr (fd 2) captured,
+    and writes back everything but TensorStore's credential lookup lines.
+
+    TensorStore picks its GCS credentials once per process, on the first request, and
+    logs the choice on stderr from C++: ``Using GOOGLE_AUTH_TOKEN_FOR_TESTING`` with an
+    emulator, ``Could not find the credentials file ...`` with no credentials at all.
+    Neither says anything to a ``jaxckpt`` user, and neither its context nor its
+    flags turn them off (tensorstore 0.1.86), so they are taken out at the source: the
+    lookup runs here, once, and other output of that moment is kept, only delayed.
+    Failures of the request are left to the caller's own request.
+    """
+    with _primed:
+        if _primed_pid == [os.getpid()]:
+            return
+        _primed_pid[:] = [os.getpid()]
+        sys.stderr.flush()
+        with tempfile.TemporaryFile() as captured:
+            saved = os.dup(2)
+            os.dup2(captured.fileno(), 2)
+            try:
+                first_request()
+            except Exception as e:  # reported by the caller's own request
+                _log.debug("first GCS request failed: %s", e)
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+            captured.seek(0)
+            lines = captured.read().splitlines(keepends=True)
+        kept = b"".join(line for line in lines if _AUTH_LINE not in line)
+        if kept:
+            os.write(2, kept)
 
 
 def bound_stalls(timeout_s: float | None) -> None:

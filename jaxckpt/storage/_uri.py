@@ -1,7 +1,11 @@
 """Root URIs: what a checkpoint root may be called, checked and normalised in one place.
 
 A root is a local path (``~`` expanded, made absolute), a ``file://`` URI (the
-same, after the scheme), or ``gs://BUCKET[/PREFIX]`` / ``s3://BUCKET[/PREFIX]``.
+same, after the scheme; ``file:/abs/path`` and ``file:///abs/path`` both mean
+``/abs/path``), or ``gs://BUCKET[/PREFIX]`` / ``s3://BUCKET[/PREFIX]``. A cloud
+scheme with one slash or none (``gs:/bucket``, ``s3:bucket``) is a typo, refused
+with the spelling that works: taken as a path it would checkpoint into
+``./gs:/bucket`` on local disk.
 An object-store root must stay inside its bucket and prefix: the prefix is
 split on ``/`` and every segment must be non-empty and neither ``.`` nor
 ``..`` (HTTP clients normalise dot segments in request paths, not in listings,
@@ -19,6 +23,13 @@ Traceback (most recent call last):
 ...
 jaxckpt.errors.StorageError: [Errno 22] invalid checkpoint root 's3://home/../victim/run': \
 the prefix may not contain '..' segments
+>>> parse_root("gs:/bucket/run")
+Traceback (most recent call last):
+...
+jaxckpt.errors.StorageError: [Errno 22] invalid checkpoint root 'gs:/bucket/run': \
+'gs:' needs two slashes after it: use 'gs://bucket/run'
+>>> parse_root("file:/tmp/run").uri
+'/tmp/run'
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _GCS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 _IP_ADDRESS = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# A known scheme with fewer than two slashes after its colon ("gs:/b", "s3:b", "file:/p").
+_SHORT_SCHEME = re.compile(r"^(gs|s3|gcs|file):(?!//)(/?)", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +98,9 @@ def parse_root(root: str | os.PathLike[str]) -> RootURI:
         raise _invalid(text, "it contains control characters")
     if text.startswith("file://"):
         return _local(text, text[len("file://") :])
+    short = _SHORT_SCHEME.match(text)
+    if short is not None:
+        return _short_scheme(text, short)
     match = _SCHEME.match(text)
     if match is None:
         return _local(text, text)
@@ -94,6 +110,17 @@ def parse_root(root: str | os.PathLike[str]) -> RootURI:
     bucket, _, prefix = text[match.end() :].partition("/")
     _check_bucket(text, scheme, bucket)
     return RootURI(scheme=scheme, bucket=bucket, prefix=_check_prefix(text, prefix))
+
+
+def _short_scheme(text: str, match: re.Match[str]) -> RootURI:
+    """``file:/abs/path`` is ``/abs/path``; anything else with one slash or none is refused."""
+    scheme, rest = match.group(1).lower(), text[match.end() :]
+    if scheme == "file":
+        if not match.group(2):
+            raise _invalid(text, "use file:///ABSOLUTE/PATH, file:/ABSOLUTE/PATH or a plain path")
+        return _local(text, "/" + rest)
+    fixed = f"{'gs' if scheme == 'gcs' else scheme}://{rest}"
+    raise _invalid(text, f"'{match.group(1)}:' needs two slashes after it: use {fixed!r}")
 
 
 def _local(text: str, path: str) -> RootURI:

@@ -8,7 +8,9 @@ module level, so a benchmark pays nothing for it. ``tests/conftest.py`` calls
 :func:`isolate_cloud_env` at import time and starts the servers once per
 session through fixtures.
 
-* S3: ``moto_server`` from the virtual environment.
+* S3: moto's server, started through this file (``python -P servers.py moto
+  HOST``) so that its conditional writes are atomic, as S3's are (see
+  :func:`_run_moto`); ``moto-unpatched`` runs ``moto_server`` as released.
 * GCS: ``gcp-storage-emulator``, started through this file (``python -P servers.py
   gcs-emulator HOST``) so that three gaps in it can be patched to behave as
   real GCS does (see :func:`_run_gcs_emulator`); ``gcs-emulator-unpatched``
@@ -159,8 +161,14 @@ MOTO_KEY_BUFFER_BYTES = 4 << 30
 """Objects up to this size stay in moto's memory."""
 
 
-def start_moto(log_dir: Path, *, unauthenticated_requests: int | None = None) -> Server:
-    """Starts ``moto_server`` on a loopback port it picks, with bucket :data:`BUCKET`.
+def start_moto(
+    log_dir: Path,
+    *,
+    unauthenticated_requests: int | None = None,
+    patched: bool = True,
+    key_buffer_bytes: int = MOTO_KEY_BUFFER_BYTES,
+) -> Server:
+    """Starts moto's S3 server on a loopback port it picks, with bucket :data:`BUCKET`.
 
     Objects are kept in memory, as in the GCS emulator: moto spills an object
     over 5 MiB to a temporary file by default, and reads that file whole for
@@ -172,12 +180,18 @@ def start_moto(log_dir: Path, *, unauthenticated_requests: int | None = None) ->
         access key of every request after this many (its
         ``INITIAL_NO_AUTH_ACTION_COUNT``); the start-up probe and the bucket's
         creation take two of them.
+      patched: serialise the writes of each key (:func:`_run_moto`); False runs
+        ``moto_server`` as released.
+      key_buffer_bytes: larger objects are spilled to temporary files.
     """
-    binary = str(Path(sys.executable).parent / "moto_server")
-    env = dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(MOTO_KEY_BUFFER_BYTES))
+    env = dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(key_buffer_bytes))
     if unauthenticated_requests is not None:
         env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(unauthenticated_requests)
-    server = _spawn("moto", [binary, "-H", "127.0.0.1", "-p", "0"], "/", log_dir, env)
+    if patched:
+        argv = [sys.executable, "-P", __file__, "moto", "127.0.0.1"]
+    else:
+        argv = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", "0"]
+    server = _spawn("moto", argv, "/", log_dir, env)
     try:
         s3_client(server.endpoint).create_bucket(Bucket=server.bucket)
     except BaseException:
@@ -427,10 +441,53 @@ def _run_gcs_emulator(host: str) -> None:
     _serve_gcs_emulator(host, "patched gcp-storage-emulator")
 
 
+def _run_moto(host: str) -> None:
+    """Runs moto's S3 server with the writes of each key serialised.
+
+    moto 5.2.5 answers ``PutObject`` with ``If-None-Match: *`` (and a
+    ``CompleteMultipartUpload`` with it) by looking the key up and then storing
+    the object, without a lock, in a threaded server: two writers racing for one
+    key could both be told they created it (2 of 20 races of 16 writers, with
+    bodies large enough to be spilled to disk). S3 decides the condition
+    atomically, and the commit protocol's create-only records (markers, epochs)
+    rely on that. Every PUT and POST of an object therefore runs under a lock
+    of its (bucket, key) here: conditional writes of one key take turns, a plain
+    write cannot land between another's check and store, and writes of
+    different keys still run in parallel.
+    """
+    import collections
+    import threading
+
+    from moto import server
+    from moto.s3.responses import S3Response
+
+    guard = threading.Lock()
+    locks: collections.defaultdict[tuple[str, str], threading.Lock] = collections.defaultdict(
+        threading.Lock
+    )
+
+    def serialised(method: Any) -> Any:
+        def run(self: Any, *args: Any) -> Any:
+            key = (str(self.bucket_name), str(args[-1]))  # both methods take key_name last
+            with guard:
+                lock = locks[key]
+            with lock:
+                return method(self, *args)
+
+        return run
+
+    S3Response._key_response_put = serialised(S3Response._key_response_put)
+    S3Response._key_response_post = serialised(S3Response._key_response_post)
+    server.main(["-H", host, "-p", "0"])
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("gcs-emulator", "gcs-emulator-unpatched"):
-        sys.exit(f"usage: {sys.argv[0]} gcs-emulator[-unpatched] HOST")
-    if sys.argv[1] == "gcs-emulator":
+    modes = ("gcs-emulator", "gcs-emulator-unpatched", "moto")
+    if len(sys.argv) != 3 or sys.argv[1] not in modes:
+        sys.exit(f"usage: {sys.argv[0]} {{{','.join(modes)}}} HOST")
+    if sys.argv[1] == "moto":
+        _run_moto(sys.argv[2])
+    elif sys.argv[1] == "gcs-emulator":
         _run_gcs_emulator(sys.argv[2])
     else:
         _serve_gcs_emulator(sys.argv[2], "gcp-storage-emulator (as released)")

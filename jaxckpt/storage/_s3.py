@@ -1,0 +1,70 @@
+"""``s3://bucket/prefix`` roots: :class:`ObjectStorage` on TensorStore's ``s3`` driver.
+
+The endpoint is ``endpoint``, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
+(S3-compatible stores: moto, MinIO), and goes into the kvstore spec with the
+region. Create-only PUTs (``If-None-Match: *``) and batched deletes
+(``DeleteObjects``) go through botocore when it is installed and finds
+credentials (:mod:`jaxckpt.storage._s3create`); direct reads are signed by it.
+
+>>> from jaxckpt.storage import open_storage
+>>> storage = open_storage("s3://my-bucket/run1", region="eu-west-1")
+>>> type(storage).__name__, storage.uri
+('S3Storage', 's3://my-bucket/run1')
+>>> storage.kvstore_spec("step_1/")["path"]
+'run1/step_1/'
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from jaxckpt.storage._http import DirectReader, s3_reader
+from jaxckpt.storage._object import ObjectStorage
+from jaxckpt.storage._options import ObjectStoreOptions
+from jaxckpt.storage._s3create import S3Creates, s3_creates
+from jaxckpt.storage._tsenv import aws_credentials
+from jaxckpt.storage._uri import RootURI
+
+__all__ = ["S3Storage"]
+
+_CREATE_TIMEOUT_S = 300.0
+"""botocore's connect and read timeout of a create-only PUT when ``timeout_s`` is None."""
+
+
+class S3Storage(ObjectStorage):
+    """A checkpoint root in an S3 (or S3-compatible) bucket."""
+
+    scheme = "s3"
+    driver = "s3"
+
+    def __init__(self, root: RootURI, options: ObjectStoreOptions) -> None:
+        super().__init__(root, options)
+        self._endpoint = (
+            options.endpoint
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or None
+        )
+        self._region = (
+            options.region
+            or os.environ.get("AWS_REGION")
+            or os.environ.get("AWS_DEFAULT_REGION")
+            or "us-east-1"
+        )
+        self._extra["aws_region"] = self._region
+        if self._endpoint:
+            self._extra["endpoint"] = self._endpoint.rstrip("/")
+
+    def _direct_reader(self) -> DirectReader | None:
+        timeout = self._options.timeout_s
+        return s3_reader(self._bucket, self._region, self._endpoint, timeout, self._backoff)
+
+    @functools.cached_property
+    def _s3_creates(self) -> S3Creates | None:
+        timeout = self._options.timeout_s or _CREATE_TIMEOUT_S
+        return s3_creates(self._bucket, self._region, self._endpoint, timeout, self._backoff)
+
+    def _credentials(self) -> dict[str, Any]:
+        return aws_credentials()

@@ -1,0 +1,205 @@
+"""save(process_state=...): each process's own state, committed with the step.
+
+Checked here: bytes, str and JSON values round trip and are None where none was saved
+(older steps too); the size bound and unsupported values are refused naming the limit
+or the fix; a bytes leaf in the state tree points at ``process_state=``; a damaged record
+is a ``CorruptCheckpointError``; the state goes through a local tier and its promotion
+and through ``jaxckpt cp`` (byte for byte and recompressed); and with 2 real JAX
+processes (each with a local tier, every step promoted) each process gets its own bytes
+back in a fresh group, while a single process reads both with ``process_states`` and is
+told clearly when it asks for "its own" of a 2-process step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import harness
+import numpy as np
+import procstate_child
+import pytest
+from benchkit import servers
+
+import jaxckpt
+from jaxckpt import _procstate
+from jaxckpt._commit import CommitProtocol
+from jaxckpt._layout import manifest_name
+from jaxckpt.cli import main as cli_main
+from jaxckpt.storage import open_storage
+
+CHILD = Path(__file__).with_name("procstate_child.py")
+
+pytestmark = pytest.mark.timeout(240)
+
+GRAIN_LIKE = {"next_index": 17, "parents": [{"seed": 3}], "name": "it"}
+
+
+def _manager(root: Path, **kwargs) -> jaxckpt.CheckpointManager:
+    return jaxckpt.CheckpointManager(root, gc_on_open=False, **kwargs)
+
+
+def test_values_round_trip_and_none_where_none_was_saved(tmp_path):
+    with _manager(tmp_path) as mgr:
+        assert mgr.restored_process_state is None  # before any restore
+        mgr.save(1, {"x": np.arange(3)})  # an older-style step: no process state
+        mgr.save(2, {"x": np.arange(3)}, process_state=b"\x00\xffbytes")
+        mgr.save(3, {"x": np.arange(3)}, process_state="text é")
+        mgr.save(4, {"x": np.arange(3)}, process_state=GRAIN_LIKE)
+        mgr.wait()
+    mgr = _manager(tmp_path, read_only=True)
+    expected = {1: None, 2: b"\x00\xffbytes", 3: "text é", 4: GRAIN_LIKE}
+    for step, value in expected.items():
+        assert mgr.restore(step)["x"].tolist() == [0, 1, 2]
+        assert mgr.restored_process_state == value
+        assert type(mgr.restored_process_state) is type(value)
+        assert mgr.process_states(step) == [value]
+    mgr.restore()
+    assert (mgr.restored_step, mgr.restored_process_state) == (4, GRAIN_LIKE)
+    with pytest.raises(jaxckpt.StepNotFoundError):
+        mgr.process_states(9)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+def test_steps_of_every_older_format_have_no_process_state(tmp_path, version):
+    fixture = Path(__file__).with_name("fixtures") / version / "root"
+    root = shutil.copytree(fixture, tmp_path / "root")
+    mgr = _manager(root, read_only=True)
+    for step in mgr.steps():
+        mgr.restore(step)
+        assert mgr.restored_step == step and mgr.restored_process_state is None
+        assert mgr.process_states(step) == [None] * _num_processes(root, step)
+
+
+def _num_processes(root: Path, step: int) -> int:
+    protocol = CommitProtocol(open_storage(str(root)))
+    return protocol.require_marker(step).num_processes
+
+
+def test_refused_values_name_the_limit_or_the_fix(tmp_path):
+    big = b"x" * (_procstate.MAX_PROCESS_STATE_BYTES + 1)
+    with _manager(tmp_path) as mgr:
+        with pytest.raises(jaxckpt.CheckpointError, match="MAX_PROCESS_STATE_BYTES=1,048,576"):
+            mgr.save(1, {"x": np.arange(3)}, process_state=big)
+        with pytest.raises(jaxckpt.UnsupportedLeafError, match="bytes, str or JSON"):
+            mgr.save(1, {"x": np.arange(3)}, process_state={"it": object()})
+        with pytest.raises(jaxckpt.UnsupportedLeafError, match=r"save\(process_state=\.\.\.\)"):
+            mgr.save(1, {"x": np.arange(3), "data_iter": b"state"})
+        assert mgr.save(1, {"x": np.arange(3)}, process_state=big[:-1])  # exactly the limit
+        mgr.wait()
+    assert _manager(tmp_path, read_only=True).process_states(1) == [big[:-1]]
+
+
+def test_a_damaged_record_is_corrupt(tmp_path):
+    with _manager(tmp_path) as mgr:
+        mgr.save(1, {"x": np.arange(3)}, process_state=b"abc")
+    record = _procstate.encode(b"abc", step=1, process=0)
+    assert _procstate.decode(record, "r") == b"abc"
+    for forged in ({**record, "data": "YWJk"}, {**record, "size": 4}, {"kind": "pickle"}):
+        with pytest.raises(jaxckpt.CorruptCheckpointError, match="step 1: process_state"):
+            _procstate.decode(forged, "step 1: process_state of process 0")
+    # the part is covered by the marker: a changed byte in it fails the step's checksums
+    protocol = CommitProtocol(open_storage(str(tmp_path)))
+    marker = protocol.require_marker(1)
+    path = tmp_path / marker.location.key(manifest_name(0))
+    path.write_bytes(path.read_bytes().replace(b'"crc32c":', b'"crc32C":', 1))
+    with pytest.raises(jaxckpt.CorruptCheckpointError, match=r"manifest/0\.json"):
+        _manager(tmp_path, read_only=True).process_states(1)
+
+
+def test_local_tier_promotion_and_cp_carry_it(tmp_path):
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    with _manager(durable, local_root=str(local)) as mgr:
+        mgr.save(5, {"x": np.arange(4.0)}, process_state=GRAIN_LIKE)
+        assert mgr.wait_durable(5, timeout_s=60) == 5
+        mgr.restore(5)  # the local copy, the nearest
+        assert mgr.restored_process_state == GRAIN_LIKE
+    plain = _manager(durable, read_only=True)  # the promoted copy only
+    plain.restore(5)
+    assert plain.restored_process_state == GRAIN_LIKE
+    for compress in ((), ("--compress=zstd",)):
+        root = tmp_path / f"cp{len(compress)}"
+        assert cli_main(["cp", f"{durable}:5", str(root), *compress]) == 0
+        copied = _manager(root, read_only=True)
+        assert copied.restore(5)["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert copied.restored_process_state == GRAIN_LIKE
+
+
+# ------------------------------------------------------------------ two real processes
+
+
+def _group(tmp_path: Path, mode: str, *extra: str) -> list[list[str]]:
+    """Runs a group of 2 children (on nodes ``node0``, ``node1``) to the end; their
+    stdout lines, by process."""
+    for _ in range(3):  # the coordinator's port may be taken before process 0 binds it
+        port = servers.free_port()
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-u",
+                    str(CHILD),
+                    f"--coordinator=127.0.0.1:{port}",
+                    "--num-processes=2",
+                    f"--process-id={i}",
+                    f"--root={tmp_path / 'durable'}",
+                    f"--mode={mode}",
+                    *extra,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=harness.child_env(JAX_PLATFORMS="cpu", JAXCKPT_NODE_ID=f"node{i}"),
+            )
+            for i in range(2)
+        ]
+        try:
+            outs = [p.communicate(timeout=150) for p in procs]
+        finally:
+            for p in procs:
+                harness.kill(p)
+        if all(p.returncode == 0 for p in procs):
+            return [out.splitlines() for out, _ in outs]
+        if "address already in use" not in outs[0][1].lower():
+            pytest.fail("\n".join(f"process {i}: {err[-3000:]}" for i, (_, err) in enumerate(outs)))
+        time.sleep(0.5)
+    pytest.fail("no free coordinator port in 3 attempts")
+
+
+def test_two_processes_each_get_their_own_state_back(tmp_path):
+    local = f"--local-root={tmp_path / 'local'}"
+    saved = _group(tmp_path, "save", local)
+    assert all("SAVED" in lines for lines in saved), saved
+    restored = _group(tmp_path, "restore", local)  # fresh processes, from the local tiers
+    everyone_bytes = [procstate_child.state_of(p, 2) for p in (0, 1)]
+    everyone = ",".join(b.hex() for b in everyone_bytes)
+    for process, lines in enumerate(restored):
+        assert "RESTORED 2" in lines, lines
+        assert f"OWN {procstate_child.state_of(process, 2).hex()}" in lines, lines
+        assert f"ALL {everyone}" in lines, lines
+    # one process reads the durable copy that 2 processes saved
+    mgr = _manager(tmp_path / "durable", read_only=True)
+    assert mgr.process_states(1) == [procstate_child.state_of(p, 1) for p in (0, 1)]
+    mgr.restore(2)
+    with pytest.raises(jaxckpt.CheckpointError, match=r"saved by 2 processes.*process_states\(2\)"):
+        _ = mgr.restored_process_state
+    archive = tmp_path / "archive"  # recompressed: one part of chunks, every state kept
+    assert cli_main(["cp", f"{tmp_path / 'durable'}:2", str(archive), "--compress=zstd"]) == 0
+    assert _manager(archive, read_only=True).process_states(2) == everyone_bytes
+
+
+def test_a_lost_local_root_gets_its_state_back_from_its_peer(tmp_path):
+    local = f"--local-root={tmp_path / 'local'}"
+    saved = _group(tmp_path, "save", local, "--replicas")
+    assert all("SAVED" in lines for lines in saved), saved
+    assert not _manager(tmp_path / "durable", read_only=True).steps()  # local only
+    shutil.rmtree(tmp_path / "local1")  # process 1's node lost its disk
+    restored = _group(tmp_path, "restore", local, "--replicas")
+    everyone = ",".join(procstate_child.state_of(p, 2).hex() for p in (0, 1))
+    for process, lines in enumerate(restored):
+        assert "RESTORED 2" in lines, lines
+        assert f"OWN {procstate_child.state_of(process, 2).hex()}" in lines, lines
+        assert f"ALL {everyone}" in lines, lines  # gathered from the local tiers
