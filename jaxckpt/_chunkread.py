@@ -115,6 +115,9 @@ def read_regions(
                     future.start(pool, storage)
                 else:
                     record = records.get(leaf.name or "", {}).get(key)
+                    if record is None:  # before any read: never walk a grid the manifest lacks
+                        where = _location(storage, loc, leaf, key, None)
+                        raise CorruptCheckpointError(f"{where}: not listed in the manifest")
                     future = pool.submit(
                         storage.read_buffer,
                         f"{loc.array_prefix(leaf.name or '')}{key}",
@@ -224,15 +227,17 @@ def _place(
     leaf, region = requests[i].leaf, requests[i].region
     dtype = leaf.numpy_dtype
     record = records.get(leaf.name or "", {}).get(key)
-    where = f"{storage.uri.rstrip('/')}/{loc.arrays_prefix}"
-    location = f"step {loc.step}: {leaf.path_text}: chunk {key} of {where}{leaf.name}"
-    if record is not None and record.pack is not None:
-        location += f" (in pack {record.pack} at byte {record.offset})"
+    location = _location(storage, loc, leaf, key, record)
     data = future.result()  # a StorageError names the object
     if data is None:
         raise CorruptCheckpointError(f"{location}: missing")
     if record is None:
         raise CorruptCheckpointError(f"{location}: not listed in the manifest")
+    full = math.prod(leaf.chunk_shape) * dtype.itemsize + TRAILER_BYTES
+    if record.size != full:  # a whole chunk (an edge chunk is padded), never reshaped otherwise
+        raise CorruptCheckpointError(
+            f"{location}: recorded as {record.size} bytes, not the {full} of a whole chunk"
+        )
     problem = chunk_problem(data, record)
     if problem is not None:
         name = f"{loc.array_prefix(leaf.name or '')}{key}"
@@ -257,6 +262,17 @@ def _place(
         dst.append(slice(lo - rlo, hi - rlo))
     out[tuple(dst)] = chunk[tuple(src)]
     return len(data)
+
+
+def _location(
+    storage: Storage, loc: StepLocation, leaf: SavedLeaf, key: str, record: ChunkRecord | None
+) -> str:
+    """The chunk, for messages: step, tree path, chunk key, array (and pack)."""
+    where = f"{storage.uri.rstrip('/')}/{loc.arrays_prefix}"
+    location = f"step {loc.step}: {leaf.path_text}: chunk {key} of {where}{leaf.name}"
+    if record is not None and record.pack is not None:
+        location += f" (in pack {record.pack} at byte {record.offset})"
+    return location
 
 
 def _extent(region: Region) -> tuple[int, ...]:

@@ -116,7 +116,9 @@ class CommitProtocol:
     def take_epoch(self, commit_keys: Sequence[str] | None = None) -> EpochRecord:
         """Makes this protocol the root's writer with a new epoch; fences older writers.
         ``commit_keys``: a listing of ``commits/`` just taken, for the first try only."""
-        first = [None if commit_keys is None else marker_refs_of(commit_keys)]
+        first = [self.marker_refs() if commit_keys is None else marker_refs_of(commit_keys)]
+        for newest in first[0][-1:]:  # a newer format's marker: UnsupportedFormatError, no epoch
+            self.read_ref(newest)
         record = self.epochs.take(lambda e: self.visible_refs(e, first.pop() if first else None))
         self.epoch = record.epoch
         self.hints.taken(record.epoch)  # the first commit raises its hint in its batch

@@ -17,6 +17,7 @@ import numpy as np
 from jaxckpt import _pools as pools
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._layout import TREE_FILE, StepLocation, is_manifest_name, manifest_name, new_attempt
+from jaxckpt._names import joined_key
 from jaxckpt._records import (
     TRAILER_BYTES,
     ChunkRecord,
@@ -25,6 +26,7 @@ from jaxckpt._records import (
     chunk_problem,
     crc32c,
 )
+from jaxckpt._treerecord import parse_tree, read_checked
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
 from jaxckpt.storage import Storage, tensorstore_backed
 
@@ -43,6 +45,7 @@ def copy_step(
       compress: None copies chunks byte for byte (each checked against the
         manifest); ``"zstd"`` re-encodes them with a zstd codec for archival.
     """
+    read_checked(src, marker)  # every record checked (names, shapes, grids) before any write
     loc = StepLocation(marker.step, new_attempt(dst.write_epoch()))
     dst.begin_save(loc)
     try:
@@ -99,7 +102,15 @@ def _copy_objects(
                 f"{src.uri}/{key} does not match its manifest record ({problem}, read twice); "
                 "not copied"
             )
-        dst.write(new + key[len(old) :], bytes(data) if not isinstance(data, bytes) else data)
+        dst.write(target(key), bytes(data) if not isinstance(data, bytes) else data)
+
+    def target(key: str) -> str:  # never outside the destination attempt, whatever was listed
+        if not key.startswith(old):
+            raise CorruptCheckpointError(f"{src.uri}/{key} is not under {old}; not copied")
+        return joined_key(new, key[len(old) :], f"{src.uri}/{key}")
+
+    for key in keys:  # every name checked before anything is written
+        target(key)
 
     with pools.borrow("copy", 16) as pool:
         list(pool.map(one, keys))
@@ -162,7 +173,9 @@ def copy_part(
         group = src.storage.read(marker.location.key("zarr.json"))
         if group is not None:
             dst.storage.write(loc.key("zarr.json"), group)
-        dst.write_tree(loc, src.read_step_file(marker, TREE_FILE))
+        tree = src.read_step_file(marker, TREE_FILE)
+        parse_tree(tree, src.where(marker.location.tree_key), step=marker.step)
+        dst.write_tree(loc, tree)
     return _copy_step_raw(src, dst, marker, loc, manifest_name(process))
 
 

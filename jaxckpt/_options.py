@@ -84,9 +84,11 @@ class CheckpointOptions:
         default 64 MiB of chunks plus ``OBJECT_HEADROOM_BYTES`` for their checksums):
         chunks are at most this (less their 4-byte checksum) whatever
         ``chunk_bytes`` says, and a packed save writes at least
-        ``ceil(bytes / max_object_bytes)`` packs. A leaf whose shard cannot be
-        split into chunks that small (a long axis of prime length) is refused
-        by ``save`` with its tree path. A packed save to an object store
+        ``ceil(bytes / max_object_bytes)`` packs. An axis a shard holds whole
+        is split evenly, its last chunk partial (a long axis of prime length is
+        a few chunks); a leaf whose shards split only into far more chunks than
+        their bytes need (a prime axis split across devices, nothing else to
+        split) is refused by ``save`` with its tree path. A packed save to an object store
         holds at most ``objects_in_flight + 1`` packs in host memory beyond
         the snapshot (a local root writes them from the snapshot).
       objects_in_flight: pack objects a packed save uploads at once per process

@@ -54,7 +54,7 @@ from jaxckpt._layout import (
 from jaxckpt._phases import reached, watched
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord
 from jaxckpt._tree import SavedLeaf
-from jaxckpt._tsio import HostArray, chunk_key, chunks_of
+from jaxckpt._tsio import HostArray, chunk_key, chunks_of, whole_chunk
 from jaxckpt.storage import Storage
 
 
@@ -68,7 +68,7 @@ def _chunk_views(arrays: Sequence[HostArray]) -> Iterator[tuple[SavedLeaf, str, 
                     slice(lo - rlo, hi - rlo)
                     for (lo, hi), (rlo, _) in zip(chunk, region, strict=True)
                 )
-                piece = data[local]
+                piece = whole_chunk(data[local], leaf.chunk_shape)  # an edge chunk: padded
                 if sys.byteorder != "little":
                     piece = piece.astype(piece.dtype.newbyteorder("<"))
                 raw = np.require(piece, requirements="C").reshape(-1).view(np.uint8)
@@ -120,7 +120,7 @@ class PackWriter:
         """
         process = jax.process_index()
         total = sum(
-            math.prod(hi - lo for lo, hi in chunk) * data.itemsize + TRAILER_BYTES
+            math.prod(host.leaf.chunk_shape) * data.itemsize + TRAILER_BYTES
             for host in arrays
             for region, data in host.pieces
             for chunk in chunks_of(region, host.leaf.chunk_shape)

@@ -16,6 +16,7 @@ from typing import Any
 import crc32c as _crc32c
 
 from jaxckpt._layout import StepLocation, marker_key, parse_attempt
+from jaxckpt._names import checked_name
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 
 FORMAT = "jaxckpt"
@@ -103,11 +104,39 @@ class ChunkRecord:
 
     @classmethod
     def decode(cls, item: Sequence[Any], what: str) -> ChunkRecord:
+        """A chunk record read from a manifest part, every field checked.
+
+        Raises:
+          CorruptCheckpointError: a malformed record or an unsafe key or pack name.
+        """
+        if not isinstance(item, list) or len(item) not in (3, 5):
+            raise CorruptCheckpointError(f"{what}: malformed chunk record {item!r:.200}")
+        key = checked_name(item[0], "chunk", what)
+        size, crc = _int(item[1], what, "chunk size"), _int(item[2], what, "chunk crc32c")
+        if size < TRAILER_BYTES or crc >= 1 << 32:
+            raise CorruptCheckpointError(f"{what}: malformed chunk record {item!r:.200}")
         if len(item) == 3:
-            return cls(key=item[0], size=item[1], crc32c=item[2])
-        if len(item) == 5:
-            return cls(key=item[0], size=item[1], crc32c=item[2], pack=item[3], offset=item[4])
-        raise CorruptCheckpointError(f"{what}: malformed chunk record {item!r}")
+            return cls(key=key, size=size, crc32c=crc)
+        pack = checked_name(item[3], "pack", what)
+        return cls(key=key, size=size, crc32c=crc, pack=pack, offset=_int(item[4], what, "offset"))
+
+
+MAX_PROCESSES = 1 << 20
+"""The most processes a record may name: readers and copies iterate over them."""
+
+
+def _processes(value: Any, what: str) -> int:
+    count = _int(value, what, "num_processes")
+    if not 1 <= count <= MAX_PROCESSES:
+        raise CorruptCheckpointError(f"{what}: num_processes {count} is not in 1..{MAX_PROCESSES}")
+    return count
+
+
+def _int(value: Any, what: str, name: str) -> int:
+    """A non-negative int field of a record."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CorruptCheckpointError(f"{what}: {name} is not a non-negative integer: {value!r:.80}")
+    return value
 
 
 PLAIN_CODECS = "bytes+crc32c"
@@ -166,21 +195,38 @@ class ManifestPart:
         _require(obj, what, "step", "process", "num_processes", "arrays")
         layout = obj.get("layout", "plain")
         if layout not in LAYOUTS:
-            raise CorruptCheckpointError(f"{what}: unknown layout {layout!r}")
-        arrays = {
-            name: tuple(ChunkRecord.decode(c, what) for c in chunks)
-            for name, chunks in obj["arrays"].items()
+            raise CorruptCheckpointError(f"{what}: unknown layout {layout!r:.80}")
+        arrays_obj, packs_obj = obj["arrays"], obj.get("packs", {})
+        if not isinstance(arrays_obj, dict) or not isinstance(packs_obj, dict):
+            raise CorruptCheckpointError(f"{what}: arrays and packs must be JSON objects")
+        packs = {
+            checked_name(k, "pack", what): _int(v, what, f"size of {k}")
+            for k, v in packs_obj.items()
         }
+        arrays: dict[str, tuple[ChunkRecord, ...]] = {}
+        for name, chunks in arrays_obj.items():
+            checked_name(name, "array", what)
+            if not isinstance(chunks, list):
+                raise CorruptCheckpointError(f"{what}: chunks of {name} are not a list")
+            arrays[name] = tuple(ChunkRecord.decode(c, what) for c in chunks)
+            for c in arrays[name]:
+                if c.pack is not None and (
+                    c.pack not in packs or c.offset + c.size > packs[c.pack]
+                ):
+                    raise CorruptCheckpointError(
+                        f"{what}: chunk {c.key} of {name} lies outside the packs the part lists "
+                        f"({c.pack} at byte {c.offset}, {c.size} bytes)"
+                    )
         state = obj.get("process_state")
         if state is not None and not isinstance(state, dict):
             raise CorruptCheckpointError(f"{what}: malformed process_state")
         return cls(
-            step=obj["step"],
-            process=obj["process"],
-            num_processes=obj["num_processes"],
+            step=_int(obj["step"], what, "step"),
+            process=_int(obj["process"], what, "process"),
+            num_processes=_processes(obj["num_processes"], what),
             arrays=arrays,
             layout=layout,
-            packs={str(k): int(v) for k, v in obj.get("packs", {}).items()},
+            packs=packs,
             plain_codecs=obj.get("codecs") == PLAIN_CODECS,
             process_state=state,
         )
@@ -257,24 +303,44 @@ class CommitMarker:
         attempt = obj.get("attempt")
         if obj["version"] >= 2 and (not isinstance(attempt, str) or not parse_attempt(attempt)):
             raise CorruptCheckpointError(f"{what}: names no valid save attempt")
+        metrics, keep, when = obj.get("metrics", {}), obj.get("keep", False), obj["time"]
+        if not isinstance(metrics, dict) or not isinstance(keep, bool):
+            raise CorruptCheckpointError(f"{what}: malformed metrics or keep field")
+        if isinstance(when, bool) or not isinstance(when, int | float):
+            raise CorruptCheckpointError(f"{what}: time is not a number")
         return cls(
-            step=obj["step"],
-            time=obj["time"],
-            num_processes=obj["num_processes"],
-            files={k: FileDigest(size=s, crc32c=c) for k, (s, c) in obj["files"].items()},
-            nbytes=obj["nbytes"],
-            metrics=obj.get("metrics", {}),
-            keep=obj.get("keep", False),
+            step=_int(obj["step"], what, "step"),
+            time=when,
+            num_processes=_processes(obj["num_processes"], what),
+            files=_digests(obj["files"], "file", what),
+            nbytes=_int(obj["nbytes"], what, "nbytes"),
+            metrics=metrics,
+            keep=keep,
             attempt=attempt if obj["version"] >= 2 else None,
-            epoch=int(obj.get("epoch", 0)),
+            epoch=_int(obj.get("epoch", 0), what, "epoch"),
             version=obj["version"],
         )
+
+
+def _digests(files: Any, kind: str, what: str) -> dict[str, FileDigest]:
+    """A record's ``files`` (``{name: [size, crc32c]}``), every name a safe one of ``kind``."""
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"{what}: files is not a JSON object")
+    out = {}
+    for name, digest in files.items():
+        checked_name(name, kind, what)
+        if not isinstance(digest, list) or len(digest) != 2:
+            raise CorruptCheckpointError(f"{what}: malformed digest of {name}: {digest!r:.80}")
+        out[name] = FileDigest(
+            size=_int(digest[0], what, "size"), crc32c=_int(digest[1], what, "crc32c")
+        )
+    return out
 
 
 def _loads(data: bytes, what: str) -> dict[str, Any]:
     try:
         obj = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{what} is not valid JSON ({e})") from e
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"{what} is not a JSON object")
@@ -354,14 +420,19 @@ class ReplicaIndex:
         body = obj.get("replica")
         if not isinstance(body, dict) or crc32c(dumps(body)) != obj.get("crc32c"):
             raise CorruptCheckpointError(f"{what} is damaged (it fails its checksum)")
-        files = {n: FileDigest(size=s, crc32c=c) for n, (s, c) in body["files"].items()}
-        return cls(
-            step=body["step"],
-            process=body["process"],
-            attempt=body["attempt"],
-            num_processes=body["num_processes"],
-            files=files,
-            metrics=body["metrics"],
-            keep=body["keep"],
-            promote=body.get("promote"),
-        )
+        try:
+            attempt = body["attempt"]
+            if not isinstance(attempt, str) or parse_attempt(attempt) is None:
+                raise CorruptCheckpointError(f"{what}: names no valid save attempt")
+            return cls(
+                step=_int(body["step"], what, "step"),
+                process=_int(body["process"], what, "process"),
+                attempt=attempt,
+                num_processes=_processes(body["num_processes"], what),
+                files=_digests(body["files"], "key", what),
+                metrics=body["metrics"],
+                keep=body["keep"],
+                promote=body.get("promote"),
+            )
+        except (KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"{what}: malformed replica index ({e!r})") from e

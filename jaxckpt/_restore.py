@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from jaxckpt._tree import (
     path_str,
     unflatten_saved,
 )
+from jaxckpt._treerecord import read_checked, rebuild
 from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region, region_of
 from jaxckpt.errors import CorruptCheckpointError, StorageError
 from jaxckpt.storage import tensorstore_backed
@@ -50,28 +50,23 @@ class LoadedStep:
     """Every manifest part says its arrays use jaxckpt's codec chain (``ManifestPart``)."""
     process_states: Mapping[int, Any] = field(default_factory=dict)
     """The ``process_state`` records of the parts read, by process (see ``_procstate``)."""
+    structure: Any = None
+    """The saved containers (``_tree.structure_of``); None in older records."""
 
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
     """Reads and checks the tree record and every manifest part of a step."""
-    raw_tree, parts = protocol.read_step(marker)
-    assert raw_tree is not None
-    tree = json.loads(raw_tree)
-    chunks: dict[str, list[ChunkRecord]] = {}
-    layouts = set()
-    for part in parts:
-        layouts.add(part.layout)
-        for name, records in part.arrays.items():
-            chunks.setdefault(name, []).extend(records)
+    step = read_checked(protocol, marker)
     return LoadedStep(
         marker=marker,
-        leaves=tuple(SavedLeaf.from_json(x) for x in tree["leaves"]),
-        chunks={k: tuple(v) for k, v in chunks.items()},
-        user_metadata=tree.get("metadata"),
-        versions=tree.get("versions") or {},
-        layout="packed" if "packed" in layouts else "plain",
-        plain_codecs=bool(parts) and all(p.plain_codecs for p in parts),
-        process_states={p.process: p.process_state for p in parts if p.process_state},
+        leaves=step.tree.leaves,
+        chunks=step.chunks,
+        user_metadata=step.tree.metadata,
+        versions=step.tree.versions,
+        layout=step.layout,
+        plain_codecs=step.plain_codecs,
+        structure=step.tree.structure,
+        process_states=step.process_states,
     )
 
 
@@ -115,6 +110,8 @@ class StepReader:
             if partial or rename is not None:
                 raise ValueError("partial= and rename= need a target")
             values = self._read_all(loaded, list(leaves), [None] * len(leaves), agreement)
+            if loaded.structure is not None:  # every container, empty ones included
+                return rebuild(loaded.structure, values)
             return unflatten_saved(leaves, values)
         flat, treedef = flatten(target)
         targets = [t for _, t in flat]

@@ -122,7 +122,8 @@ def _select(step: StepView, patterns: Sequence[str] | None) -> list[_Tensor]:
         seen[name] = view.leaf.path_text
         tensors.append(_Tensor(name=name, view=view, dtype=dtype, nbytes=view.nbytes))
     if not tensors:
-        raise ExportError(f"step {step.step} of {step.root}: no array leaf matches {patterns}")
+        wanted = " or ".join(repr(p) for p in patterns or ())  # a list would read as a path
+        raise ExportError(f"step {step.step} of {step.root}: no array leaf matches {wanted or '*'}")
     return tensors
 
 

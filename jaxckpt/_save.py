@@ -40,7 +40,7 @@ from jaxckpt._promote import PromotionRequest, request_promotion, withdraw
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, CommitMarker, ManifestPart, json_record
 from jaxckpt._telemetry import SaveRecorder
 from jaxckpt._tier import Tier
-from jaxckpt._tree import SavedLeaf, describe_state
+from jaxckpt._tree import SavedLeaf, describe_state, structure_of
 from jaxckpt._tsio import ArrayWriter, HostArray, chunk_key, chunks_of
 from jaxckpt._versions import writer_versions
 from jaxckpt.errors import (
@@ -170,7 +170,7 @@ class SaveSession:
         self._tier.revive(self._root)  # an own tier removed under this job is recreated
         leaves, values = describe_state(state, chunk_bytes=self._options.stored_chunk_bytes)
         _check_object_bound(leaves, self._options.max_object_bytes, step)
-        tree = _tree_record(step, leaves, metadata)
+        tree = _tree_record(step, leaves, metadata, state)
         checkpointer = self._ensure_checkpointer()
         attempt = new_attempt(self._protocol.write_epoch())
         if not self._per_host:  # one attempt for the job
@@ -521,13 +521,14 @@ class SaveSession:
             listener.committed(marker)
 
 
-def _tree_record(step: int, leaves: Sequence[SavedLeaf], metadata: Any) -> bytes:
+def _tree_record(step: int, leaves: Sequence[SavedLeaf], metadata: Any, state: Any) -> bytes:
     try:
         return json_record(
             step=step,
             leaves=[x.to_json() for x in leaves],
             metadata=metadata,
             versions=dict(writer_versions()),
+            structure=structure_of(state, leaves),
         )
     except (TypeError, ValueError) as e:
         raise CheckpointError(

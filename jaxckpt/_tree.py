@@ -13,7 +13,6 @@ import hashlib
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -22,9 +21,10 @@ import numpy as np
 
 from jaxckpt._mismatch import SHOWN, Mismatch, mismatch_message
 from jaxckpt._records import path_text
+from jaxckpt._treerecord import VALUE_TYPES as VALUE_TYPES
+from jaxckpt._treerecord import SavedLeaf as SavedLeaf
+from jaxckpt._treerecord import np_dtype as np_dtype
 from jaxckpt.errors import TreeMismatchError, UnsupportedLeafError
-
-VALUE_TYPES = (bool, int, float, str, type(None))
 
 
 def _is_leaf(x: Any) -> bool:
@@ -170,70 +170,55 @@ def describe_sharding(sharding: Any) -> dict[str, Any]:
     return {"type": type(sharding).__name__, "devices": len(sharding.device_set)}
 
 
-@dataclass(frozen=True, kw_only=True)
-class SavedLeaf:
-    """One leaf of a saved tree, as recorded in ``tree.json``."""
+def structure_of(state: Any, leaves: Sequence[SavedLeaf] | None = None) -> Any:
+    """The containers of ``state`` as JSON: ``None`` for a leaf (``None`` values included),
+    ``[kind, [[path entry, child], ...]]`` for a container, in flatten order.
 
-    path: list[list[Any]]
-    kind: str
-    name: str | None = None
-    shape: tuple[int, ...] = ()
-    dtype: str | None = None
-    chunk_shape: tuple[int, ...] = ()
-    sharding: dict[str, Any] | None = None
-    key_impl: str | None = None
-    value: Any = None
+    ``kind`` is ``list`` or ``tuple`` for those exact types, ``dict`` for every
+    other container (dicts, named tuples, dataclasses, optax states: a restore
+    without a target gives them back as dicts, keyed by key or attribute name).
+    ``leaves``: ``describe_state(state)``'s, whose paths are reused (a save's
+    blocking time: ~30 ms for 9,000 leaves, a walk of the treedef).
 
-    @property
-    def path_text(self) -> str:
-        return path_text(self.path)
+    >>> structure_of([{}, (), None])
+    ['list', [[['s', 0], ['dict', []]], [['s', 1], ['tuple', []]], [['s', 2], None]]]
+    """
+    treedef = jax.tree_util.tree_structure(state, is_leaf=_is_leaf)
+    if leaves is None:
+        paths = [encode_path(p) for p, _ in flatten(state)[0]]
+    else:
+        paths = [leaf.path for leaf in leaves]
+    seen = [0]
 
-    @property
-    def numpy_dtype(self) -> np.dtype:
-        """The numpy dtype of an array leaf (``bfloat16`` included)."""
-        assert self.dtype is not None, f"{self.path_text} is not an array leaf"
-        return np_dtype(self.dtype)
+    def walk(node: Any, depth: int) -> Any:
+        if node.num_nodes == 1 and node.num_leaves == 1:
+            seen[0] += 1
+            return None
+        kind, aux = node.node_data()
+        items = []
+        for i, child in enumerate(node.children()):
+            entry = paths[seen[0]][depth] if child.num_leaves else _empty_entry(kind, aux, i)
+            items.append([entry, walk(child, depth + 1)])
+        name = "list" if kind is list else "tuple" if kind is tuple else "dict"
+        if name == "dict" and items and all(entry[0] in ("s", "f") for entry, _ in items):
+            name = "list"  # a custom sequence node: a list, as restores always gave
+        return [name, items]
 
-    @property
-    def nbytes(self) -> int:
-        if self.dtype is None:
-            return 0
-        return int(np.prod(self.shape, dtype=np.int64)) * self.numpy_dtype.itemsize
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"path": self.path, "kind": self.kind}
-        if self.kind == "value":
-            out["value"] = self.value
-        else:
-            out.update(
-                name=self.name,
-                shape=list(self.shape),
-                dtype=self.dtype,
-                chunk_shape=list(self.chunk_shape),
-                sharding=self.sharding,
-            )
-            if self.key_impl is not None:
-                out["key_impl"] = self.key_impl
-        return out
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> SavedLeaf:
-        return cls(
-            path=obj["path"],
-            kind=obj["kind"],
-            name=obj.get("name"),
-            shape=tuple(obj.get("shape", ())),
-            dtype=obj.get("dtype"),
-            chunk_shape=tuple(obj.get("chunk_shape", ())),
-            sharding=obj.get("sharding"),
-            key_impl=obj.get("key_impl"),
-            value=obj.get("value"),
-        )
+    structure = walk(treedef, 0)
+    return structure if seen[0] == len(paths) else None  # never a record that misleads
 
 
-def np_dtype(name: str) -> np.dtype:
-    """The numpy dtype for a saved dtype name (``bfloat16`` included)."""
-    return np.dtype(jax.numpy.dtype(name))
+def _empty_entry(kind: type, aux: Any, i: int) -> list[Any]:
+    """The path entry of child ``i`` of a node of type ``kind``, when it holds no leaf."""
+    if kind in (list, tuple):
+        return ["s", i]
+    if issubclass(kind, dict):
+        keys = aux[1] if isinstance(aux, tuple) and len(aux) == 2 and callable(aux[0]) else aux
+        key = list(keys)[i]
+        return ["d", key if isinstance(key, str | int) else str(key)]
+    if hasattr(kind, "_fields"):  # a named tuple
+        return ["a", kind._fields[i]]
+    return ["f", i]
 
 
 def unflatten_saved(leaves: Sequence[SavedLeaf], values: Sequence[Any]) -> Any:
@@ -436,23 +421,68 @@ def _describe_saved(leaf: SavedLeaf) -> str:
 
 
 def chunk_shape_for(
-    shard_shape: Sequence[int], itemsize: int, target_bytes: int
+    shard_shape: Sequence[int],
+    itemsize: int,
+    target_bytes: int,
+    shape: Sequence[int] | None = None,
 ) -> tuple[int, ...]:
-    """The largest chunk shape that tiles ``shard_shape`` and fits ``target_bytes``.
+    """A chunk shape that tiles ``shard_shape`` and fits ``target_bytes``, in few chunks.
 
     Axes are split from the outermost in, by their smallest divisors, so a
-    chunk is a contiguous run of rows whenever possible.
+    chunk is a contiguous run of rows whenever possible. An axis the shard
+    holds whole (``shard_shape[i] == shape[i]``: one writer per chunk whatever
+    the split) may instead be split evenly with a partial edge chunk, which
+    zarr allows, when the divisors would take more than twice as many chunks: a
+    long axis of prime length becomes a few chunks, not one per row. An axis
+    split across shards whose divisors would give far more chunks than needed
+    is kept whole and an inner axis split instead, when that takes fewer.
 
     >>> chunk_shape_for((1024, 1024), 4, 1 << 20)
     (256, 1024)
     >>> chunk_shape_for((0, 3), 4, 1 << 20)
     (1, 3)
+    >>> chunk_shape_for((8209, 2048), 4, 64 << 20, shape=(8209, 2048))  # prime: 2 chunks
+    (4105, 2048)
+    >>> chunk_shape_for((8209, 2048), 4, 64 << 20, shape=(16418, 2048))  # sharded rows
+    (8209, 1024)
     """
-    chunk = [max(1, int(d)) for d in shard_shape]
-    for axis in range(len(chunk)):
-        while chunk[axis] > 1 and math.prod(chunk) * itemsize > target_bytes:
-            chunk[axis] //= _smallest_divisor(chunk[axis])
-    return tuple(chunk)
+    shard = [max(1, int(d)) for d in shard_shape]
+    full = shard_shape if shape is None else shape
+    whole = [shape is not None and int(s) == int(d) for s, d in zip(shard_shape, full, strict=True)]
+    return tuple(_split(shard, shard, 0, itemsize, target_bytes, whole))
+
+
+def _count(chunk: Sequence[int], shard: Sequence[int]) -> int:
+    return math.prod(-(-s // c) for s, c in zip(shard, chunk, strict=True))
+
+
+def _split(
+    chunk: list[int],
+    shard: Sequence[int],
+    axis: int,
+    itemsize: int,
+    target: int,
+    whole: Sequence[bool],
+) -> list[int]:
+    """``chunk`` with ``axis`` and the axes inside it split until it fits ``target``."""
+    if axis == len(chunk) or math.prod(chunk) * itemsize <= target:
+        return chunk
+    n = chunk[axis]
+    split = list(chunk)
+    while split[axis] > 1 and math.prod(split) * itemsize > target:
+        split[axis] //= _smallest_divisor(split[axis])
+    if whole[axis]:  # even pieces, the last one partial, if the divisors take far more
+        rows = max(1, target // (math.prod(chunk) // n * itemsize))
+        pieces = -(-n // min(n, rows))
+        if 2 * pieces < -(-n // split[axis]):
+            split[axis] = -(-n // pieces)
+    best = _split(split, shard, axis + 1, itemsize, target, whole)
+    ideal = -(-math.prod(shard) * itemsize // target)
+    if axis + 1 < len(chunk) and _count(best, shard) > 2 * ideal:
+        kept = _split(list(chunk), shard, axis + 1, itemsize, target, whole)
+        if math.prod(kept) * itemsize <= target and _count(kept, shard) < _count(best, shard):
+            best = kept
+    return best
 
 
 def _smallest_divisor(n: int) -> int:
@@ -497,13 +527,29 @@ def _describe_array(
     shape = tuple(int(d) for d in np.shape(value))
     dtype = np.dtype(value.dtype)
     shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
+    chunk = chunk_shape_for(shard_shape, dtype.itemsize, chunk_bytes, shape)
+    count = _count(chunk, shard_shape)
+    ideal = -(-math.prod(shard_shape) * dtype.itemsize // chunk_bytes)
+    if count > max(TOO_MANY_CHUNKS, 16 * ideal):  # e.g. a long prime axis split across devices
+        raise UnsupportedLeafError(
+            f"cannot save leaf {path_text(parts)}: its shards {tuple(shard_shape)} split into "
+            f"{count:,} chunks of {chunk} to fit chunk_bytes={chunk_bytes:,} ({ideal:,} would "
+            "do if an axis had smaller divisors); shard it along an axis whose length has "
+            "small divisors, or raise chunk_bytes"
+        )
     return SavedLeaf(
         path=parts,
         kind=kind,
         name=name,
         shape=shape,
         dtype=dtype.name,
-        chunk_shape=chunk_shape_for(shard_shape, dtype.itemsize, chunk_bytes),
+        chunk_shape=chunk,
         sharding=describe_sharding(sharding),
         key_impl=key_impl,
     )
+
+
+TOO_MANY_CHUNKS = 1024
+"""A shard split into more chunks than this and 16 times what its bytes need is refused
+(only an axis split across devices with no small divisor, and no other axis to split,
+gets there: an axis a shard holds whole is split evenly, see :func:`chunk_shape_for`)."""

@@ -3,8 +3,9 @@
 Each array leaf is one zarr v3 array with an uncompressed ``bytes`` codec and
 a ``crc32c`` codec, so every stored chunk is ``raw little-endian bytes ||
 crc32c(raw)``, which any zarr reader verifies (restores check it in ``_chunkread``). Chunks tile
-each shard exactly, so every chunk has exactly one writer: the process that
-owns the shard's ``replica_id == 0`` copy.
+each shard exactly (or end in a partial edge chunk, stored padded, on an axis a shard holds
+whole), so every chunk has exactly one writer: the process that owns the shard's
+``replica_id == 0`` copy.
 """
 
 from __future__ import annotations
@@ -104,6 +105,17 @@ def chunks_of(region: Region, chunk_shape: Sequence[int]) -> Iterator[Region]:
         )
 
 
+def whole_chunk(piece: np.ndarray, chunk_shape: Sequence[int]) -> np.ndarray:
+    """``piece`` (a chunk's region of the data) as the whole chunk zarr stores: an edge
+    chunk that the array's end cuts short is padded with the fill value (zeros) to
+    ``chunk_shape``, as zarr v3 stores every chunk of a regular grid."""
+    if piece.shape == tuple(chunk_shape):
+        return piece
+    padded = np.zeros(tuple(chunk_shape), piece.dtype)
+    padded[tuple(slice(0, n) for n in piece.shape)] = piece
+    return padded
+
+
 def chunk_key(chunk: Region, chunk_shape: Sequence[int]) -> str:
     if not chunk:
         return "c"
@@ -187,7 +199,7 @@ class ArrayWriter:
                     piece = np.require(data[local], requirements="C")
                     target = store[tuple(slice(lo, hi) for lo, hi in chunk)]
                     fut = target.write(piece, can_reference_source_data_indefinitely=True)
-                    size, crc = _stored_digest(piece)
+                    size, crc = _stored_digest(whole_chunk(piece, leaf.chunk_shape))
                     key = chunk_key(chunk, leaf.chunk_shape)
                     chunk_records.append(ChunkRecord(key=key, size=size, crc32c=crc))
                     if first:  # this process's first chunk, whichever array it is in

@@ -279,3 +279,57 @@ def test_canonical_json_does_not_depend_on_key_order() -> None:
 )
 def test_path_text_reads_like_keystr(parts: list[list[Any]], text: str) -> None:
     assert R.path_text(parts) == text
+
+
+# -- names read from records --------------------------------------------------------
+
+ESCAPES = ["../../OUTSIDE.bin", "/etc/passwd", "a/../../b", "a//b", ".", "", "a\\b", "a\0b"]
+
+
+@pytest.mark.parametrize("name", ESCAPES)
+def test_a_replica_index_naming_a_file_outside_its_replica_is_corrupt(name: str) -> None:
+    index = R.ReplicaIndex(
+        step=3,
+        process=1,
+        attempt=ATTEMPT,
+        num_processes=2,
+        files={"tree.json": R.FileDigest(size=1, crc32c=2), name: R.FileDigest(size=1, crc32c=2)},
+    )
+    with pytest.raises(CorruptCheckpointError, match=f"{WHERE}: unsafe key name"):
+        R.ReplicaIndex.from_bytes(index.to_bytes(), WHERE)
+
+
+@pytest.mark.parametrize("name", [*ESCAPES, "manifest/x.json", "packs/0.0.bin", "tree.json/x"])
+def test_a_marker_naming_an_unexpected_file_is_corrupt(name: str) -> None:
+    files = {name: R.FileDigest(size=1, crc32c=2), "tree.json": R.FileDigest(size=1, crc32c=2)}
+    with pytest.raises(CorruptCheckpointError, match=f"{WHERE}: unsafe file name"):
+        R.CommitMarker.from_bytes(marker(files=files).to_bytes(), WHERE)
+
+
+@pytest.mark.parametrize(
+    ("item", "says"),
+    [
+        (["c/../../x", 8, 1], "unsafe chunk name"),
+        (["c/0/1", 8, 1, "packs/../../x.bin", 0], "unsafe pack name"),
+        (["c/0/1", 8, 1, "packs/0.0.bin/../x", 0], "unsafe pack name"),
+        (["c/0/1", "8", 1], "chunk size is not a non-negative integer"),
+        (["c/0/1", 8, 1 << 32], "malformed chunk record"),
+        (["c/0/1", 8, 1, "packs/0.0.bin", -1], "offset is not a non-negative integer"),
+        ({"key": "c/0"}, "malformed chunk record"),
+    ],
+)
+def test_a_chunk_record_is_checked_field_by_field(item: Any, says: str) -> None:
+    with pytest.raises(CorruptCheckpointError, match=f"^{re.escape(WHERE)}: {says}"):
+        R.ChunkRecord.decode(item, WHERE)
+
+
+@pytest.mark.parametrize("name", ["../w", "a/b", "..", ""])
+def test_a_manifest_array_name_must_be_one_safe_segment(name: str) -> None:
+    part = R.ManifestPart(step=1, process=0, num_processes=1, arrays={name: ()})
+    with pytest.raises(CorruptCheckpointError, match="unsafe array name"):
+        R.ManifestPart.from_bytes(part.to_bytes(), WHERE)
+
+
+def test_a_record_nested_past_the_parser_s_depth_is_corrupt() -> None:
+    with pytest.raises(CorruptCheckpointError, match="is not valid JSON"):
+        R.load_json_record(b"[" * 100_000 + b"]" * 100_000, WHERE)
