@@ -28,14 +28,13 @@ from jaxckpt._agree import Agreement
 from jaxckpt._layout import check_step
 from jaxckpt._metadata import StepMetadata, step_metadata
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._peertier import join_tiers
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt._procstate import ProcessStateAccess
 from jaxckpt._promotion import open_promotion
 from jaxckpt._retention import Retention
 from jaxckpt._save import SaveSession
 from jaxckpt._telemetry import SaveStats
-from jaxckpt._tier import Tier, open_tiers
+from jaxckpt._tier import Tier, join_tiers, open_tiers
 from jaxckpt._tree import PathMap
 from jaxckpt._verify import VerifyReport, verify_step
 from jaxckpt.errors import CheckpointError

@@ -238,7 +238,7 @@ def _candidates(
     step: int | None,
     *,
     primary: bool,
-    listed: Callable[[Tier], dict[int, MarkerRef]] = Tier.refs,
+    listed: Callable[[Tier], dict[int, MarkerRef]] = lambda tier: tier.refs(),
 ) -> tuple[list[dict[int, MarkerRef | None]], list[int]]:
     """Per tier, the steps this host may read there (with their marker keys where
     this host listed them); and the candidates, newest first.
