@@ -147,7 +147,8 @@ _PLACEHOLDER = "jaxckpt-orbax-placeholder"
 
 
 class _OwnSaveFailures(logging.Filter):
-    """Shortens Orbax's log of a failed background save of a jaxckpt step to one line.
+    """Shortens Orbax's log of a failed background save of a jaxckpt step to one line,
+    and drops its INFO lines that name the placeholder (a path that does not exist).
 
     Orbax logs the failure with its traceback (22-44 lines) and stores the
     exception, which jaxckpt re-raises as ``SaveFailedError``; the record then
@@ -157,6 +158,8 @@ class _OwnSaveFailures(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
+        if _PLACEHOLDER in record.getMessage() and record.levelno < logging.WARNING:
+            return False  # Orbax's INFO lines about a save name the placeholder, no real path
         if "Handler Commit operations" not in text or _PLACEHOLDER not in text:
             return True
         error = record.exc_info[1] if record.exc_info else None
@@ -232,6 +235,11 @@ def step_path_class(writer: StepWriter) -> type[atomicity_types.TemporaryPath]:
     return StepPath
 
 
+def _already_met(*, key: str, timeout_ms: int) -> None:
+    """Orbax's barriers after the write and after the commit: the session's ``write``
+    already met every process after both (its agreements, which carry failures)."""
+
+
 def make_checkpointer(
     writer: StepWriter,
     *,
@@ -255,6 +263,7 @@ def make_checkpointer(
         async_options=ocp.options.AsyncOptions(
             timeout_secs=max(1, int(timeout_s)),
             create_directories_asynchronously=False,
+            barrier_sync_fn=_already_met,
         ),
         file_options=ocp.options.FileOptions(skip_sync_file_validations=True),
         checkpoint_metadata_store=NoopMetadataStore(),

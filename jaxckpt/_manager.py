@@ -12,32 +12,76 @@ restore goes manager → :func:`jaxckpt._select.restore` →
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import os
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 from jaxckpt import _select
 from jaxckpt._agree import Agreement
-from jaxckpt._layout import check_step as _check_step
+from jaxckpt._layout import check_step
 from jaxckpt._metadata import StepMetadata, step_metadata
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._peertier import join_tiers
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt._procstate import ProcessStateAccess
 from jaxckpt._promotion import open_promotion
 from jaxckpt._retention import Retention
 from jaxckpt._save import SaveSession
 from jaxckpt._telemetry import SaveStats
-from jaxckpt._tier import Tier, open_tiers
+from jaxckpt._tier import Tier, join_tiers, open_tiers
 from jaxckpt._tree import PathMap
 from jaxckpt._verify import VerifyReport, verify_step
 from jaxckpt.errors import CheckpointError
 
 log = logging.getLogger("jaxckpt")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _check_step(step: object) -> int:
+    """``step`` as a step id: any integer (a Python int, a numpy integer, an integer
+    scalar ``jax.Array`` such as ``state.step``), from 0 to 2**63 - 1.
+
+    Raises:
+      ValueError: anything else (a bool, a float, a non-scalar array, out of range).
+    """
+    if isinstance(step, jax.Array):
+        if step.ndim != 0 or not np.issubdtype(step.dtype, np.integer):
+            raise ValueError(
+                f"step must be an integer scalar, got an array {step.dtype}{step.shape}"
+            )
+        step = int(step)
+    elif not isinstance(step, (bool, int)) and hasattr(step, "__index__"):
+        step = operator.index(step)  # numpy integers
+    return check_step(step)
+
+
+def _collective(kind: str) -> Callable[[_F], _F]:
+    """Runs a collective method in its own operation of the manager's agreement (keys by
+    the operation, and for a save by the step): hosts that failed at different points
+    of one operation meet again at the next."""
+
+    def wrap(method: _F) -> _F:
+        @functools.wraps(method)
+        def run(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+            key = None
+            if kind == "save":
+                try:
+                    key = _check_step(args[0] if args else kwargs["step"])
+                except (ValueError, KeyError, IndexError):
+                    key = None  # the method raises it
+            with self._agreement.operation(kind, key):
+                return method(self, *args, **kwargs)
+
+        return run  # type: ignore[return-value]
+
+    return wrap
 
 
 class CheckpointManager(ProcessStateAccess):
@@ -88,6 +132,7 @@ class CheckpointManager(ProcessStateAccess):
         self._promotion.start(on_promoted=retention.committed)
         fallback, guard = opts.fallback_on_corrupt, retention.restoring
         self._select = _select.Selection(self._tiers, self._agreement, fallback, guard)
+        session.corrupt = self._select.corrupt  # a save replaces a step found corrupt
 
     @property
     def root(self) -> str:
@@ -104,6 +149,7 @@ class CheckpointManager(ProcessStateAccess):
         """This writer's epoch (None for a read-only manager)."""
         return self._protocol.epoch
 
+    @_collective("save")
     def save(
         self,
         step: int,
@@ -117,12 +163,12 @@ class CheckpointManager(ProcessStateAccess):
     ) -> bool:
         """Starts an asynchronous save of ``state`` as ``step``.
 
-        Returns once the state is copied to host memory; the caller may then
-        donate or overwrite its buffers. When the policy says save, waits for the
-        previous save first; when it declines, returns False at once.
+        Returns once the state is in host memory (its buffers may then be donated). When
+        the policy says save, waits for the previous save first; else returns False.
 
         Args:
-          step: the step number (a non-negative int, unique under the root).
+          step: the step number, unique under the root: a non-negative integer (an
+            ``int``, a numpy integer or an integer scalar ``jax.Array`` such as ``state.step``).
           state: a pytree of arrays and int/float/bool/str/None values.
           force: save even when the save policy says not now.
           metadata: JSON-serialisable user metadata stored with the step.
@@ -141,7 +187,8 @@ class CheckpointManager(ProcessStateAccess):
         """
         self._session.check_writable()
         says = self._session.policy_says_save
-        if not force and not says(_check_step(step), self.preempted, self.latest_step):
+        step = _check_step(step)
+        if not force and not says(step, self.preempted, self.latest_step):
             self._session.check_background()  # a finished failed save still surfaces, at once
             return False
         self.wait()
@@ -153,6 +200,7 @@ class CheckpointManager(ProcessStateAccess):
         """True once SIGTERM/SIGINT or JAX's preemption notice came (``policy.OnPreemption``)."""
         return self._watcher is not None and self._watcher.preempted(step)
 
+    @_collective("wait")
     def wait(self) -> None:
         """Blocks until the in-flight save is committed.
 
@@ -183,8 +231,7 @@ class CheckpointManager(ProcessStateAccess):
           timeout_s: how long to wait; None means ``save_timeout_s``.
 
         Raises:
-          PromotionError: the step cannot be promoted (a damaged local copy, a
-            fenced job, or it is neither local nor durable).
+          PromotionError: it cannot be promoted (damaged local copy, fenced, nowhere).
           PromotionTimeoutError: not durable within ``timeout_s``.
           CheckpointError: the manager has no local tier.
         """
@@ -192,24 +239,22 @@ class CheckpointManager(ProcessStateAccess):
         timeout = self.options.save_timeout_s if timeout_s is None else timeout_s
         return self._promotion.wait_durable(step, timeout)
 
+    @_collective("steps")
     def steps(self, tier: str | None = None) -> list[int]:
-        """Committed steps, ascending (the primary's view, on every process).
-
-        On several processes this is collective: call it on every process.
+        """Committed steps, ascending (the primary's view; collective: call it on every process).
 
         Args:
-          tier: with a local tier, ``"local"`` or ``"durable"`` lists one tier;
-            None lists every restorable step of either.
+          tier: ``"local"`` or ``"durable"`` lists one tier; None: every restorable step.
         """
         return self._select.steps(tier)
 
+    @_collective("latest")
     def latest_step(self) -> int | None:
-        """The newest committed step of any tier, or None (reads the newest markers only).
-
-        On several processes this is collective: call it on every process.
-        """
+        """The newest committed step of any tier, or None (reads the newest markers only;
+        collective: call it on every process)."""
         return self._select.latest()
 
+    @_collective("restore")
     def restore(
         self,
         step: int | None = None,
@@ -222,25 +267,19 @@ class CheckpointManager(ProcessStateAccess):
         """Restores a committed step (the newest by default); ``restored_step`` then says
         which (older than ``latest_step()`` when the newest was corrupt).
 
-        On several processes this is collective: every process restores the
-        same step and attempt, the primary's choice.
+        Collective on several processes: all restore the primary's choice of step.
 
         Args:
           step: the step to restore; None means the newest committed step, falling
             back to older steps if it is corrupt (``fallback_on_corrupt``).
-          target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (with shardings)
-            giving the structure, dtypes and shardings of the result. Without it,
-            arrays come back as numpy arrays in the saved nesting. Numpy results
-            are read-only (usually views of the buffers read, to avoid a copy);
-            ``np.array(x)`` gives a writable copy.
-          partial: ``target`` may name a subset of the saved paths; only those are
-            read (saved leaves outside it are never opened, so they may even be
-            damaged). Without it, a target that lacks saved paths is an error.
-          rename: maps saved tree paths to the target's (model surgery): a mapping
-            ``{saved prefix: new prefix}`` of paths as ``jax.tree_util.keystr`` (and
-            ``jaxckpt inspect``) writes them, e.g. ``{"['params']['encoder']":
-            "['params']['enc']"}``, or a function from a saved path to its new path
-            or ``None`` to skip the leaf.
+          target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (with shardings) giving
+            the structure, dtypes and shardings of the result. Without it, arrays come
+            back as read-only numpy arrays (views of the buffers read) in the saved nesting.
+          partial: ``target`` may name a subset of the saved paths; only those are read
+            (others are never opened). Without it, a target lacking saved paths is an error.
+          rename: maps saved tree paths (as ``jax.tree_util.keystr`` writes them) to the
+            target's: ``{saved prefix: new prefix}``, e.g. ``{"['params']['encoder']":
+            "['params']['enc']"}``, or a function of a saved path (None: skip the leaf).
           allow_lossy_cast: ``target`` may convert to dtypes that lose values (float32 ->
             float16); None: ``options.allow_lossy_cast``. Lossless casts always happen.
 
@@ -261,13 +300,15 @@ class CheckpointManager(ProcessStateAccess):
 
     def metadata(self, step: int) -> StepMetadata:
         """The user metadata and a description of the saved tree of ``step``."""
-        return step_metadata(self._select.holder(_check_step(step)).protocol, step)
+        step = _check_step(step)
+        return step_metadata(self._select.holder(step).protocol, step)
 
     def verify(
         self, step: int, *, on_progress: Callable[[int], None] | None = None
     ) -> VerifyReport:
         """Re-reads every chunk of ``step`` and checks it against the manifest."""
-        tier = self._select.holder(_check_step(step))
+        step = _check_step(step)
+        tier = self._select.holder(step)
         return verify_step(tier.protocol, tier.context, step, on_progress=on_progress)
 
     def explain(self) -> dict[int, tuple[str, ...]]:
@@ -287,7 +328,8 @@ class CheckpointManager(ProcessStateAccess):
           WriterFencedError: another process took over the root.
         """
         self._session.check_writable()
-        if _check_step(step) in self._session.current_steps():
+        step = _check_step(step)
+        if step in self._session.current_steps():
             raise CheckpointError(f"step {step} is being saved; wait() before deleting it")
         self._promotion.withdraw(step)  # never promote a deleted step
         self._retention.delete(step)
@@ -298,8 +340,7 @@ class CheckpointManager(ProcessStateAccess):
         """Removes partial, orphaned and fenced attempts; returns their steps.
 
         Args:
-          older_than_s: attempts of the current epoch younger than this are kept
-            (default ``gc_grace_s``); this manager's own in-flight save always is.
+          older_than_s: keep younger attempts of this epoch (default ``gc_grace_s``).
           force: also remove damaged commit markers and their steps' data.
         """
         self._session.check_writable()
@@ -307,11 +348,11 @@ class CheckpointManager(ProcessStateAccess):
         grace = self.options.gc_grace_s if older_than_s is None else older_than_s
         return self._tiers[0].garbage_collect(grace, force=force)
 
+    @_collective("close")
     def close(self) -> None:
         """Waits for the in-flight save and releases resources. Idempotent.
 
-        After a ``KeyboardInterrupt`` in ``wait()`` it still waits for the
-        in-flight save: it returns once the step committed, or raises.
+        After a ``KeyboardInterrupt`` in ``wait()`` it still waits: it returns once committed.
 
         Raises:
           SaveFailedError: the in-flight save failed and did not commit.

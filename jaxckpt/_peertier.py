@@ -27,10 +27,15 @@ placement (:mod:`jaxckpt._placement`). It does two things:
   one corrupt replica costs one step, not every local step. The restore
   selection then finds the step on every process's local tier.
 
-:func:`join_tiers` opens it, as the local tier's ``peers`` (a tier without
-replicas has :class:`~jaxckpt._tier.NoReplicas`, which does nothing); the
-save session replicates through it and the restore selection heals through
-it, and the session closes it with the manager.
+It also keeps the replicas this process holds for others (``replicas/``):
+a step's go with the step (:meth:`Peers.delete`), and those of steps this
+root no longer holds go with garbage collection (:meth:`Peers.collect`).
+
+:func:`open_replicas` decides, once, when the local tier is opened, whether
+it has a :class:`Peers` or :class:`NoReplicas` (which does nothing): the
+tier's ``peers``. ``_tier.join_tiers`` joins them to the job once the
+epochs are taken; the save session replicates through them, the restore
+selection heals through them, and the session closes them with the manager.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 
@@ -52,6 +57,7 @@ from jaxckpt._layout import (
     is_held_manifest_name,
     is_temp_key,
     new_attempt,
+    parse_replica_step,
     replica_holdings,
     replica_index_key,
     replica_prefix,
@@ -59,11 +65,13 @@ from jaxckpt._layout import (
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._peer import PeerClient, PeerServer, connect, new_secret
 from jaxckpt._phases import reached
-from jaxckpt._placement import Placement, node_id, place
+from jaxckpt._placement import Held, Placement, fallback, heal_target, node_id, place
 from jaxckpt._promote import PromotionRequest, request_promotion
 from jaxckpt._records import FileDigest, ReplicaIndex
-from jaxckpt._tier import Tier, take_epochs
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError, PeerError
+
+if TYPE_CHECKING:
+    from jaxckpt._tier import Tier
 
 log = logging.getLogger("jaxckpt")
 
@@ -74,134 +82,146 @@ MIN_FRAME_BYTES = 256 << 20
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
-Held = tuple[int, int, str]
-"""A replica a process holds: (step, source process, attempt)."""
+class Replicas(Protocol):
+    """A tier's copies on other nodes, and the copies it holds for them (``local_replicas``)."""
+
+    def join(self, agreement: Agreement, durable: Tier) -> None:
+        """Connects to the peers (collective; once, after the tiers' epochs are taken)."""
+
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
+        """Sends this process's part of ``loc`` to its holders (before its local marker)."""
+
+    def heal(self, step: int | None) -> None:
+        """Brings back, before a restore, a step whose parts are spread over the peers."""
+
+    def collect(self) -> list[int]:
+        """Removes the replicas held here that are stale; returns their steps."""
+        ...
+
+    def delete(self, step: int) -> None:
+        """Removes the replicas of ``step`` held here (the step is deleted)."""
+
+    def close(self) -> None:
+        """Stops serving this process's replicas."""
 
 
-def heal_target(
-    reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
-    step: int | None,
-    durable: int | None,
-    *,
-    below: int | None = None,
-) -> int | None:
-    """The step to heal, from every process's (own steps, replicas held) report.
+class NoReplicas:
+    """The replicas of a tier that has none (``local_replicas=1``, read-only, durable)."""
 
-    The newest step older than ``below`` (or ``step``) whose every process's
-    part is on some process (its own, or a replica), that some process lacks
-    on its own root, and that is not older than the newest ``durable`` step;
-    else None.
-
-    >>> heal_target([([1, 2], []), ([1], [(2, 0, "a")]), ([1], [(2, 1, "b")])], None, 1)
-    >>> heal_target([([1, 2], [(2, 2, "c")]), ([1], [(2, 0, "a")]), ([1], [(2, 1, "b")])], None, 1)
-    2
-    """
-    complete, everywhere = _coverage(reports)
-    if below is not None:
-        complete = {s for s in complete if s < below}
-    target = step if step is not None else max(complete, default=None)
-    if target is None or target not in complete or target in everywhere:
+    def join(self, agreement: Agreement, durable: Tier) -> None:
         return None
-    return None if durable is not None and target < durable else target
+
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
+        return None
+
+    def heal(self, step: int | None) -> None:
+        return None
+
+    def collect(self) -> list[int]:
+        return []
+
+    def delete(self, step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
 
 
-def _coverage(
-    reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
-) -> tuple[set[int], set[int]]:
-    """The steps complete in the union of the local tiers, and those every process holds."""
-    parts: dict[int, set[int]] = {}
-    everywhere: set[int] | None = None
-    for process, (own, held) in enumerate(reports):
-        own = set(own)
-        for s in own:
-            parts.setdefault(s, set()).add(process)
-        for s, source, _ in held:
-            parts.setdefault(s, set()).add(source)
-        everywhere = own if everywhere is None else everywhere & own
-    complete = {s for s, ps in parts.items() if len(ps) == len(reports)}
-    return complete, everywhere or set()
-
-
-def fallback(
-    reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
-    failed: int,
-    durable: int | None,
-    *,
-    asked: bool,
-) -> tuple[int | None, str]:
-    """After healing step ``failed`` failed: the next step to heal (None: no more) and
-    what the restore does instead, said in words for the log.
-
-    >>> reports = [([2, 3], [(2, 1, "a"), (3, 1, "a")]), ([], [(2, 0, "a"), (3, 0, "a")])]
-    >>> fallback(reports, 3, None, asked=False)
-    (2, 'healing step 2 instead, the next newest step complete across the local tiers')
-    >>> fallback([([2, 3], []), ([2], [(3, 0, "a")])], 3, None, asked=False)
-    (None, 'the restore reads step 2, which every process holds on its local tier')
-    >>> fallback(reports, 3, 1, asked=True)
-    (None, 'the restore of step 3 reads the durable root if it holds the step')
-    """
-    if asked:
-        return None, f"the restore of step {failed} reads the durable root if it holds the step"
-    nxt = heal_target(reports, None, durable, below=failed)
-    if nxt is not None:
-        return (
-            nxt,
-            f"healing step {nxt} instead, the next newest step complete across the local tiers",
-        )
-    complete, everywhere = _coverage(reports)
-    older = max((s for s in complete if s < failed), default=None)
-    if older is not None and older in everywhere and (durable is None or older >= durable):
-        return None, f"the restore reads step {older}, which every process holds on its local tier"
-    if durable is not None:
-        return None, f"the restore reads the durable root (its newest step is {durable})"
-    return None, (
-        "no older step is complete across the local tiers and nothing is durable: "
-        "there is no step to restore"
-    )
+def open_replicas(local: Tier, options: CheckpointOptions) -> Replicas:
+    """The replicas of the own tier ``local``: :class:`Peers` with ``local_replicas > 1``
+    on a writable manager, else :class:`NoReplicas` (writes nothing; see ``Peers.join``)."""
+    if options.local_replicas > 1 and not options.read_only:
+        return Peers(local, options)
+    return NoReplicas()
 
 
 class Peers:
-    """This process's side of the peer-replicated local tier (collective to open).
+    """This process's side of the peer-replicated local tier.
+
+    Opened with its tier, it keeps the replicas held there (:meth:`collect`,
+    :meth:`delete`); :meth:`join` (collective) connects it to the other processes
+    before it replicates or heals.
 
     Args:
-      tiers: the manager's tiers (local first, the durable root last).
-      agreement: the manager's (the secret, the nodes and the addresses).
-      options: ``local_replicas``, ``peer_timeout_s``, ``peer_host``.
-
-    Raises:
-      PlacementError: fewer nodes than ``local_replicas``.
+      local: the own tier whose parts are replicated and which holds others' replicas.
+      options: ``local_replicas``, ``peer_timeout_s``, ``peer_host``, ``max_object_bytes``.
     """
 
-    def __init__(
-        self, tiers: Sequence[Tier], agreement: Agreement, options: CheckpointOptions
-    ) -> None:
-        self._local, self._durable = tiers[0], tiers[-1]
-        self._agreement = agreement
+    placement: Placement
+    """Which processes hold whose parts (set by :meth:`join`)."""
+    addresses: list[str]
+    """Every process's listener (set by :meth:`join`)."""
+
+    def __init__(self, local: Tier, options: CheckpointOptions) -> None:
+        self._local = local
+        self._options = options
         self._timeout_s = options.peer_timeout_s
+        self._max_bytes = max(options.max_object_bytes, MIN_FRAME_BYTES)
         self.me = jax.process_index()
+        self._server: PeerServer | None = None
+
+    def join(self, agreement: Agreement, durable: Tier) -> None:
+        """Agrees on the nodes, the placement and the job's secret, opens this process's
+        listener and gathers every process's address (collective).
+
+        Raises:
+          PlacementError: fewer nodes than ``local_replicas``.
+        """
+        self._durable, self._agreement = durable, agreement
         nodes = agreement.gather("peer-nodes", node_id())
-        self.placement: Placement = place(nodes, options.local_replicas)
+        self.placement = place(nodes, self._options.local_replicas)
         primary = self.me == agreement.primary
         self._secret = bytes.fromhex(
             agreement.agree("peer-secret", new_secret().hex() if primary else None)
         )
-        self._max_bytes = max(options.max_object_bytes, MIN_FRAME_BYTES)
-        self._server = PeerServer(
+        self._server = server = PeerServer(
             self._local.storage,
             self._secret,
-            host=bind_host(options),
+            host=bind_host(self._options),
             timeout_s=self._timeout_s,
             max_bytes=self._max_bytes,
         )
         try:
-            self.addresses: list[str] = agreement.gather("peer-addresses", self._server.address)
+            self.addresses = agreement.gather("peer-addresses", server.address)
         except BaseException:
-            self._server.close()
+            server.close()
             raise
 
     def close(self) -> None:
         """Closes the listener (the manager's ``close``)."""
-        self._server.close()
+        if self._server is not None:
+            self._server.close()
+
+    def collect(self) -> list[int]:
+        """Removes the replicas of steps older than the tier's newest step that it does
+        not hold itself (their save failed here, or retention deleted them before the
+        replicas came); returns their steps. A replica of a newer step may be in flight."""
+        storage = self._local.storage
+        steps = {s for k in storage.list(REPLICAS) if (s := parse_replica_step(k)) is not None}
+        own = set(self._local.visible())
+        stale = sorted(s for s in steps - own if s < max(own, default=-1))
+        for step in stale:
+            log.info("removing replicas of step %d under %s (not held here)", step, storage.uri)
+            storage.delete_prefix(replica_prefix(step))
+        return stale
+
+    def delete(self, step: int) -> None:
+        """Removes the replicas of other processes' parts of ``step`` held here."""
+        self._local.storage.delete_prefix(replica_prefix(step))
 
     def _connect(self, process: int) -> Any:
         return connect(
@@ -451,18 +471,6 @@ class Peers:
                 log.warning(
                     "step %d: could not restore a replica on %s: %s", step, self._where(holder), e
                 )
-
-
-def join_tiers(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointOptions) -> None:
-    """Takes the tiers' epochs (``_tier.take_epochs``) and, with ``local_replicas > 1`` on a
-    writable manager, connects the local tier to its peers (collective).
-
-    Raises:
-      PlacementError: fewer nodes than ``local_replicas``.
-    """
-    take_epochs(tiers, agreement, options)
-    if options.local_replicas > 1 and not options.read_only:
-        tiers[0].peers = Peers(tiers, agreement, options)
 
 
 def bind_host(options: CheckpointOptions) -> str:

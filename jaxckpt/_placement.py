@@ -15,13 +15,15 @@ part lives on its own node and on ``k - 1`` other nodes, chosen by one rule:
 
 The rule is deterministic (every process computes the same answer from the
 gathered node names) and pure: this module imports neither jax nor numpy.
+So is the choice of the step to heal from what every process holds
+(:func:`heal_target`, :func:`fallback`; see ``_peertier``).
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from jaxckpt.errors import PlacementError
@@ -92,3 +94,89 @@ class Placement:
 def place(nodes: Sequence[str], copies: int) -> Placement:
     """The placement of ``copies`` copies of each part over the processes' ``nodes``."""
     return Placement(tuple(nodes), copies)
+
+
+Held = tuple[int, int, str]
+"""A replica a process holds: (step, source process, attempt)."""
+
+
+def heal_target(
+    reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
+    step: int | None,
+    durable: int | None,
+    *,
+    below: int | None = None,
+) -> int | None:
+    """The step to heal, from every process's (own steps, replicas held) report.
+
+    The newest step older than ``below`` (or ``step``) whose every process's
+    part is on some process (its own, or a replica), that some process lacks
+    on its own root, and that is not older than the newest ``durable`` step;
+    else None.
+
+    >>> heal_target([([1, 2], []), ([1], [(2, 0, "a")]), ([1], [(2, 1, "b")])], None, 1)
+    >>> heal_target([([1, 2], [(2, 2, "c")]), ([1], [(2, 0, "a")]), ([1], [(2, 1, "b")])], None, 1)
+    2
+    """
+    complete, everywhere = _coverage(reports)
+    if below is not None:
+        complete = {s for s in complete if s < below}
+    target = step if step is not None else max(complete, default=None)
+    if target is None or target not in complete or target in everywhere:
+        return None
+    return None if durable is not None and target < durable else target
+
+
+def _coverage(
+    reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
+) -> tuple[set[int], set[int]]:
+    """The steps complete in the union of the local tiers, and those every process holds."""
+    parts: dict[int, set[int]] = {}
+    everywhere: set[int] | None = None
+    for process, (own, held) in enumerate(reports):
+        own = set(own)
+        for s in own:
+            parts.setdefault(s, set()).add(process)
+        for s, source, _ in held:
+            parts.setdefault(s, set()).add(source)
+        everywhere = own if everywhere is None else everywhere & own
+    complete = {s for s, ps in parts.items() if len(ps) == len(reports)}
+    return complete, everywhere or set()
+
+
+def fallback(
+    reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
+    failed: int,
+    durable: int | None,
+    *,
+    asked: bool,
+) -> tuple[int | None, str]:
+    """After healing step ``failed`` failed: the next step to heal (None: no more) and
+    what the restore does instead, said in words for the log.
+
+    >>> reports = [([2, 3], [(2, 1, "a"), (3, 1, "a")]), ([], [(2, 0, "a"), (3, 0, "a")])]
+    >>> fallback(reports, 3, None, asked=False)
+    (2, 'healing step 2 instead, the next newest step complete across the local tiers')
+    >>> fallback([([2, 3], []), ([2], [(3, 0, "a")])], 3, None, asked=False)
+    (None, 'the restore reads step 2, which every process holds on its local tier')
+    >>> fallback(reports, 3, 1, asked=True)
+    (None, 'the restore of step 3 reads the durable root if it holds the step')
+    """
+    if asked:
+        return None, f"the restore of step {failed} reads the durable root if it holds the step"
+    nxt = heal_target(reports, None, durable, below=failed)
+    if nxt is not None:
+        return (
+            nxt,
+            f"healing step {nxt} instead, the next newest step complete across the local tiers",
+        )
+    complete, everywhere = _coverage(reports)
+    older = max((s for s in complete if s < failed), default=None)
+    if older is not None and older in everywhere and (durable is None or older >= durable):
+        return None, f"the restore reads step {older}, which every process holds on its local tier"
+    if durable is not None:
+        return None, f"the restore reads the durable root (its newest step is {durable})"
+    return None, (
+        "no older step is complete across the local tiers and nothing is durable: "
+        "there is no step to restore"
+    )

@@ -257,7 +257,8 @@ class Promotion:
                 with self._lock:
                     self._awaiting.discard(step)
         if self._processes > 1:
-            lost = sorted({s for host in self._agreement.gather("lost", lost) for s in host})
+            reported = self._agreement.reports("lost", lost or None).values()  # only losers
+            lost = sorted({s for host in reported for s in host})
         if lost:
             raise SaveFailedError(
                 f"steps {lost} were committed under {self.local.where()} but can no longer "

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,7 +27,7 @@ from typing import Any, NoReturn, Protocol
 
 import jax
 
-from jaxckpt import _handler, _pools, _procstate, policy
+from jaxckpt import _atexit, _handler, _pools, _procstate, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import Listing
@@ -37,17 +36,24 @@ from jaxckpt._options import CheckpointOptions
 from jaxckpt._pack import PackWriter
 from jaxckpt._phases import reached, watched
 from jaxckpt._promote import PromotionRequest, request_promotion, withdraw
-from jaxckpt._records import TRAILER_BYTES, ChunkRecord, CommitMarker, ManifestPart, json_record
+from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart
+from jaxckpt._savehelp import (
+    check_object_bound,
+    fence_error,
+    listing_and_announce,
+    replace_corrupt,
+    split_held,
+    tree_record,
+)
 from jaxckpt._telemetry import SaveRecorder
 from jaxckpt._tier import Tier
-from jaxckpt._tree import SavedLeaf, describe_state, structure_of
-from jaxckpt._tsio import ArrayWriter, HostArray, chunk_key, chunks_of
-from jaxckpt._versions import writer_versions
+from jaxckpt._tree import SavedLeaf, describe_state
+from jaxckpt._tsio import ArrayWriter, HostArray
 from jaxckpt.errors import (
     CheckpointError,
     SaveFailedError,
     SaveTimeoutError,
-    UnsupportedLeafError,
+    StepAlreadyExistsError,
     WriterFencedError,
 )
 
@@ -75,6 +81,8 @@ class Inflight:
     """The root's listing taken by ``save`` (its begin phase checks against it)."""
     announced: bool = False
     """``save`` wrote the pending record while it took ``listing``."""
+    agreement: Agreement | None = None
+    """The save's background part agrees through this (None: one process)."""
     written: dict[str, bytes] = field(default_factory=dict)
     """The records this process wrote for the attempt, by name: its commit does not read
     them back."""
@@ -129,6 +137,9 @@ class SaveSession:
         self._inflight: Inflight | None = None
         self._checkpointer: Any = None
         self._last_saved: tuple[int | None, float | None] | None = None
+        self._background: Agreement | None = None  # the last save's background agreement
+        self.corrupt: set[int] = set()
+        """Steps a restore found corrupt on every host: a save of one replaces it."""
         self.fenced: WriterFencedError | None = None
         """Set once a newer writer took over: nothing more commits."""
         self.closed = False
@@ -165,40 +176,61 @@ class SaveSession:
         request: Callable[[int], PromotionRequest | None],
         process_state: Any = None,
     ) -> None:
-        """Starts the save of ``step`` (see ``CheckpointManager.save``)."""
-        own_state = _procstate.encode(process_state, step=step, process=jax.process_index())
-        self._tier.revive(self._root)  # an own tier removed under this job is recreated
-        leaves, values = describe_state(state, chunk_bytes=self._options.stored_chunk_bytes)
-        _check_object_bound(leaves, self._options.max_object_bytes, step)
-        tree = _tree_record(step, leaves, metadata, state)
-        checkpointer = self._ensure_checkpointer()
-        attempt = new_attempt(self._protocol.write_epoch())
-        if not self._per_host:  # one attempt for the job
-            attempt = self._agreement.agree("attempt", attempt)
-        elif jax.process_count() > 1:  # every local copy holds the primary's tree record
-            tree = self._agreement.agree("tree", tree.decode()).encode()
-        loc = StepLocation(step, attempt)
-        listing, announced = self._listing_and_announce(loc)  # begin_save's checks reuse it
+        """Starts the save of ``step`` (see ``CheckpointManager.save``).
+
+        Every process's local checks (its tier, its leaves, the step's absence and
+        the fence where this process looks) are agreed before any collective: when
+        one fails, every process raises, naming it, and none enters Orbax's save.
+        """
+        if self._background is not None:  # every process waited for it before this save
+            self._agreement.forget(self._background)
+            self._background = None
+        prepared: tuple[Any, Any, bytes, StepLocation, Listing | None, bool] | None = None
+        failure: Exception | None = None
+        own_state = None
+        try:
+            own_state = _procstate.encode(process_state, step=step, process=jax.process_index())
+            prepared = self._prepare(step, state, metadata)
+        except Exception as e:
+            failure = e
+        announced = prepared is not None and prepared[5]
+        try:
+            self._agreement.settle(
+                "checks", failure, what=f"save of step {step} under {self._root}"
+            )
+            assert prepared is not None
+            leaves, values, tree, loc, listing, announced = prepared
+            if not self._per_host:  # one attempt for the job: the primary's
+                loc = StepLocation(step, self._agreement.agree("attempt", loc.attempt))
+            elif jax.process_count() > 1:  # every local copy holds the primary's tree record
+                tree = self._agreement.agree("tree", tree.decode()).encode()
+            promotion = request(step)
+        except BaseException:
+            if prepared is not None and (announced or self._per_host):
+                with contextlib.suppress(Exception):  # else collected as a stale attempt
+                    self._protocol.storage.delete(prepared[3].pending_key)
+            raise
         self.start(
             Inflight(
                 loc=loc,
                 tree=tree,
                 metrics=metrics,
                 keep=keep,
-                request=request(step),
+                request=promotion,
                 listing=listing,
                 announced=announced,
+                agreement=self._agreement.detached(),
                 process_state=own_state,
             )
         )
         try:
-            checkpointer.save(
+            self._checkpointer.save(
                 _handler.orbax_step_path(step),
                 args=_handler.SaveArgs(step=step, leaves=leaves, values=values),
             )
         except Exception as e:
             self.end(failed=True)
-            fenced = _fence_error(e) or self._fenced_now(step)
+            fenced = fence_error(e) or self._fenced_now(step)
             if fenced is not None:
                 self.fenced = fenced
                 raise fenced from e
@@ -208,36 +240,42 @@ class SaveSession:
         self.recorder.blocked(step)
         self._last_saved = (step, time.monotonic())
 
-    def _listing_and_announce(self, loc: StepLocation) -> tuple[Listing, bool]:
-        """The step's listing, and whether this process announced the attempt meanwhile.
-
-        The primary of a shared tier writes the attempt's pending record while
-        the listing is taken (a round trip less before the data), unless a crash
-        test watches the phases (then ``begin`` writes it after its checks, in order).
+    def _prepare(
+        self, step: int, state: Any, metadata: Any
+    ) -> tuple[Any, Any, bytes, StepLocation, Listing | None, bool]:
+        """This process's checks and preparation of ``step``'s save, before any collective:
+        its leaves and tree record, and, where this process begins the attempt (the
+        primary of a shared tier; every host of its own tier), the step's absence, the
+        fence and the pending record. Returns ``(leaves, values, tree, location, listing,
+        announced)``; on a shared tier the location's attempt is agreed afterwards.
 
         Raises:
-          StepAlreadyExistsError: the step is committed (the record is removed again).
+          StepAlreadyExistsError, WriterFencedError, UnsupportedLeafError, CheckpointError.
         """
-        announce = self._primary and not self._per_host and not watched()
-        with _pools.borrow("announce", 1) as pool:
-            announcing = pool.submit(self._protocol.announce, loc) if announce else None
+        self._tier.revive(self._root)  # an own tier removed under this job is recreated
+        leaves, values = describe_state(state, chunk_bytes=self._options.stored_chunk_bytes)
+        check_object_bound(leaves, self._options.max_object_bytes, step)
+        tree = tree_record(step, leaves, metadata, state)
+        self._ensure_checkpointer()
+        loc = StepLocation(step, new_attempt(self._protocol.write_epoch()))
+        listing, announced = None, False
+        if self._per_host or self._primary:  # only the primary looks at a shared tier
+            announce = not self._per_host and not watched()
             try:
-                listing = self._protocol.step_listing(loc.step)
-                self._protocol.check_absent(loc.step, listing)
-                if announcing is not None:
-                    announcing.result()
+                listing, announced = listing_and_announce(self._protocol, loc, announce=announce)
+            except StepAlreadyExistsError:
+                if not replace_corrupt(self._protocol, step, self.corrupt, self._root):
+                    raise
+                listing, announced = listing_and_announce(self._protocol, loc, announce=announce)
+            try:
+                self._protocol.begin_save(loc, listing, announced=announced)
             except BaseException:
-                self._retract_announcement(loc, announcing)
+                if announced:
+                    with contextlib.suppress(Exception):
+                        self._protocol.storage.delete(loc.pending_key)
                 raise
-        return listing, announce
-
-    def _retract_announcement(self, loc: StepLocation, announcing: Future[None] | None) -> None:
-        """Removes a pending record written for an attempt that never starts."""
-        if announcing is None:
-            return
-        with contextlib.suppress(Exception):  # else collected as a stale partial attempt
-            announcing.result()
-            self._protocol.storage.delete(loc.pending_key)
+            announced = True
+        return leaves, values, tree, loc, listing, announced
 
     def _ensure_checkpointer(self) -> Any:
         if self._checkpointer is None:
@@ -292,7 +330,7 @@ class SaveSession:
     def _raise_failed(self, e: Exception) -> NoReturn:
         inflight = self.end(failed=True)
         step = inflight.step if inflight else None
-        fenced = _fence_error(e) or self._fenced_now(step)
+        fenced = fence_error(e) or self._fenced_now(step)
         if fenced is not None:
             self.fenced = fenced
             raise fenced from e
@@ -350,6 +388,8 @@ class SaveSession:
                     f"{self._inflight.loc} is still in flight; wait() before the next save"
                 )
             self._inflight = inflight
+            self._background = inflight.agreement
+        _atexit.track(self)
         self.recorder.started(inflight.step)
 
     def current(self) -> Inflight | None:
@@ -369,6 +409,7 @@ class SaveSession:
         """Forgets the in-flight save; a failed attempt of a single process is removed."""
         with self._lock:
             inflight, self._inflight = self._inflight, None
+        _atexit.untrack(self)
         if inflight is not None and failed:
             self.recorder.failed(inflight.step)
             if self._per_host or (self._primary and jax.process_count() == 1):
@@ -394,14 +435,43 @@ class SaveSession:
     # -- StepWriter ----------------------------------------------------------
 
     def begin(self, step: int) -> None:
-        inflight = self._expect(step)
-        self._protocol.begin_save(inflight.loc, inflight.listing, announced=inflight.announced)
+        """Orbax's create: nothing left to do (``save`` began the attempt, agreed)."""
+        self._expect(step)
 
     def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None:
+        """Writes this process's part, agrees that every process wrote its own, and
+        commits (the primary of a shared tier; each host of its own tier): a process
+        that fails makes every process's save fail at once, naming it."""
         inflight = self._expect(step)
-        loc = inflight.loc
-        if self._per_host and not self._primary:
-            self._protocol.begin_save(loc)  # this host's own local root
+        what = f"save of step {step} under {self._root}"
+        failure: Exception | None = None
+        extra: list[str] = []
+        try:
+            extra = self._write(inflight, arrays)
+        except Exception as e:
+            failure = e
+        agreement = inflight.agreement or self._agreement
+        try:
+            agreement.settle("written", failure, what=what)
+        except CheckpointError:
+            if self._primary and not self._per_host:  # every process is done with it
+                with contextlib.suppress(Exception):  # else collected as a stale attempt
+                    self._protocol.abandon(inflight.loc)
+            raise
+        failure = None
+        try:
+            if self._per_host:  # every host wrote (and replicated) its part: commit it
+                self._commit_local(inflight, extra)
+            elif self._primary:
+                self._commit_shared(inflight)
+        except Exception as e:
+            failure = e
+        agreement.settle("committed", failure, what=what)
+
+    def _write(self, inflight: Inflight, arrays: Sequence[HostArray]) -> list[str]:
+        """Writes this process's part (and replicates it to its peers: a local tier);
+        returns the extra files its local marker lists."""
+        step, loc = inflight.step, inflight.loc
         # The primary's small records go out beside the chunks, and a packed save's
         # manifest part beside its last packs (a round trip less each), unless a crash
         # test watches the phases: then each in order, so that every phase's
@@ -434,7 +504,7 @@ class SaveSession:
             request = None if inflight.request is None else inflight.request.to_bytes()
             replicas = self._tier.peers
             replicas.replicate(loc, metrics=inflight.metrics, keep=inflight.keep, request=request)
-            self._commit_local(inflight, extra)
+        return extra
 
     def _write_manifest(
         self,
@@ -446,7 +516,7 @@ class SaveSession:
         """Writes this process's manifest part (``packs`` None: the plain layout) and, on a
         local tier, its held part; returns the part and the extra files the marker lists."""
         loc = inflight.loc
-        records, held = _split_held(records, arrays)
+        records, held = split_held(records, arrays)
 
         def manifest_part(
             records: dict[str, tuple[ChunkRecord, ...]], state: dict[str, Any] | None = None
@@ -499,11 +569,21 @@ class SaveSession:
             inflight.written[TREE_FILE] = inflight.tree
 
     def commit(self, step: int) -> None:
-        inflight = self._expect(step)
-        if self._per_host:  # committed in write(); Orbax's barrier passed: every host has
-            with self._lock:
-                self._inflight = None
-            return
+        """Orbax's finalize: the step is committed (in ``write``, agreed by every host)."""
+        self._expect(step)
+        with self._lock:
+            self._inflight = None
+        _atexit.untrack(self)
+
+    def finish_at_exit(self) -> None:
+        """At interpreter exit: waits (bounded) for the save in flight, logging one line."""
+        inflight = self.current()
+        if inflight is not None and not self.closed:
+            _atexit.finish(self.wait, inflight.step, self._root)
+
+    def _commit_shared(self, inflight: Inflight) -> None:
+        """The primary commits a shared tier's attempt: every part is written (agreed)."""
+        step = inflight.step
         marker = self._protocol.commit(
             inflight.loc,
             num_processes=jax.process_count(),
@@ -512,76 +592,8 @@ class SaveSession:
             written=inflight.written,
         )
         self.recorder.committed(step, inflight.nbytes)
-        with self._lock:
-            self._inflight = None
         self._notify(marker)
 
     def _notify(self, marker: CommitMarker) -> None:
         for listener in self._listeners:
             listener.committed(marker)
-
-
-def _tree_record(step: int, leaves: Sequence[SavedLeaf], metadata: Any, state: Any) -> bytes:
-    try:
-        return json_record(
-            step=step,
-            leaves=[x.to_json() for x in leaves],
-            metadata=metadata,
-            versions=dict(writer_versions()),
-            structure=structure_of(state, leaves),
-        )
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(
-            f"step {step}: metadata and non-array leaves must be JSON-serialisable: {e}"
-        ) from e
-
-
-def _fence_error(e: BaseException) -> WriterFencedError | None:
-    """The WriterFencedError behind ``e`` (Orbax wraps background errors), if any."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, WriterFencedError):
-            return cur
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
-    return None
-
-
-def _split_held(
-    records: dict[str, tuple[ChunkRecord, ...]], arrays: Sequence[HostArray]
-) -> tuple[dict[str, tuple[ChunkRecord, ...]], dict[str, tuple[ChunkRecord, ...]]]:
-    """Splits chunk records into this host's own (``replica_id == 0``) and ``held`` ones."""
-    held_keys: dict[str, set[str]] = {}
-    for host in arrays:
-        if host.held and host.leaf.name is not None:
-            shape = host.leaf.chunk_shape
-            held_keys[host.leaf.name] = {
-                chunk_key(c, shape) for region in host.held for c in chunks_of(region, shape)
-            }
-    if not held_keys:
-        return records, {}
-    own: dict[str, tuple[ChunkRecord, ...]] = {}
-    held: dict[str, tuple[ChunkRecord, ...]] = {}
-    for name, chunks in records.items():
-        keys = held_keys.get(name, set())
-        own[name] = tuple(c for c in chunks if c.key not in keys)
-        if mine := tuple(c for c in chunks if c.key in keys):
-            held[name] = mine
-    return own, held
-
-
-def _check_object_bound(leaves: Sequence[SavedLeaf], max_object_bytes: int, step: int) -> None:
-    """Refuses a leaf with a chunk (and its checksum) over ``max_object_bytes``: its shard
-    has no divisor that splits it that small (e.g. a long axis of prime length)."""
-    for leaf in leaves:
-        if leaf.dtype is None:
-            continue
-        size = math.prod(leaf.chunk_shape) * leaf.numpy_dtype.itemsize + TRAILER_BYTES
-        if size > max_object_bytes:
-            raise UnsupportedLeafError(
-                f"step {step}: {leaf.path_text}: its shards (chunks {leaf.chunk_shape}) cannot be "
-                f"split into objects of at most max_object_bytes={max_object_bytes:,} bytes "
-                f"(the smallest chunk is {size:,}); raise max_object_bytes or shard the leaf "
-                "along an axis whose length has small divisors"
-            )

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 
 from jaxckpt import errors
-from jaxckpt._agree import Agreement
+from jaxckpt._agree import Agreement, failure
 from jaxckpt._commit import brief
 from jaxckpt._layout import MarkerRef
 from jaxckpt._procstate import RestoredStates
@@ -76,6 +76,8 @@ class Selection:
         self._primary = jax.process_index() == agreement.primary
         self._fallback = fallback
         self._guard = guard
+        self.corrupt: set[int] = set()
+        """Steps a restore found corrupt (agreed by every host): a save may replace them."""
 
     def restore(
         self,
@@ -124,7 +126,10 @@ class Selection:
                     states = RestoredStates(s, marker.num_processes, loaded.process_states)
                     log.info("restored step %d from the %s copy (%s)", s, tier.name, tier.uri)
                     break
-                except (*_MISSING, CorruptCheckpointError) as e:
+                except Exception as e:  # agreed below: every host raises or falls back
+                    if not isinstance(e, (*_MISSING, CorruptCheckpointError)):
+                        error = e
+                        break  # a storage error, say: no other copy is tried
                     error = _deleted_meanwhile(tier, marker, e)
                     if n + 1 < len(nearest):
                         log.warning(
@@ -135,15 +140,19 @@ class Selection:
                             e,
                             nearest[n + 1][0].name,
                         )
-            failure = _agreed_failure(agreement, tiers, s, error)
-            if failure is None:
+            agreed = _agreed_failure(agreement, tiers, s, error)
+            if agreed is None:
                 return s, restored, states
-            corrupt = isinstance(failure, CorruptCheckpointError)
+            if not isinstance(agreed, (*_MISSING, CorruptCheckpointError)):
+                raise agreed
+            corrupt = isinstance(agreed, CorruptCheckpointError)
+            if corrupt:
+                self.corrupt.add(s)
             older = None if corrupt and not self._fallback else candidates.after(s)
             if older is None:
-                raise failure
+                raise agreed
             if corrupt:  # a missing step (deleted since the listing) is skipped silently
-                log.warning("step %d is corrupt (%s); falling back to step %d", s, failure, older)
+                log.warning("step %d is corrupt (%s); falling back to step %d", s, agreed, older)
             s = older
 
     def steps(self, tier: str | None = None) -> list[int]:
@@ -229,7 +238,7 @@ def _candidates(
     step: int | None,
     *,
     primary: bool,
-    listed: Callable[[Tier], dict[int, MarkerRef]] = Tier.refs,
+    listed: Callable[[Tier], dict[int, MarkerRef]] = lambda tier: tier.refs(),
 ) -> tuple[list[dict[int, MarkerRef | None]], list[int]]:
     """Per tier, the steps this host may read there (with their marker keys where
     this host listed them); and the candidates, newest first.
@@ -298,17 +307,35 @@ def _deleted_meanwhile(
 
 
 def _agreed_failure(
-    agreement: Agreement, tiers: Sequence[Tier], step: int, error: CheckpointError | None
-) -> CheckpointError | None:
-    """None when every host restored ``step``; else the error every host raises:
-    corrupt if any host found it corrupt (from every copy it has), else missing."""
-    failed = None
+    agreement: Agreement, tiers: Sequence[Tier], step: int, error: Exception | None
+) -> Exception | None:
+    """None when every host restored ``step``; else the error every host raises: another
+    failure (a storage error, say) as it is, naming the host; else corrupt if any host
+    found it corrupt (from every copy it has), else missing. Only failing hosts report."""
+    report = None
     if error is not None:
-        failed = "corrupt" if isinstance(error, CorruptCheckpointError) else "missing"
-    kinds = agreement.gather("restore-failed", failed)
-    if not any(kinds):
+        kind = "corrupt" if isinstance(error, CorruptCheckpointError) else "missing"
+        kind = kind if isinstance(error, (*_MISSING, CorruptCheckpointError)) else "other"
+        report = [kind, type(error).__name__, str(error)]
+    try:
+        reports = agreement.reports("restore-failed", report)
+    except CheckpointError as e:  # a process never came: this one's own error says more
+        if error is not None:
+            raise error from e
+        raise
+    if not reports:
         return None
     where = " or ".join(t.uri for t in tiers)
+    others = {p: r[1:] for p, r in reports.items() if r[0] == "other"}
+    if others:
+        if error is not None and (
+            jax.process_count() == 1 or not isinstance(error, CheckpointError)
+        ):
+            return error  # one process: its own error as it is; not ours: as it is
+        agreed = failure(others, f"restore of step {step} under {where}", first=jax.process_index())
+        agreed.__cause__ = error
+        return agreed
+    kinds = {r[0] for r in reports.values()}
     if "corrupt" in kinds:
         if isinstance(error, CorruptCheckpointError):
             return error

@@ -8,6 +8,7 @@ sharing an in-memory key-value store that blocks like the coordination service's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -18,15 +19,19 @@ import jax
 import pytest
 from jax._src import distributed
 
-from jaxckpt._agree import Agreement
-from jaxckpt.errors import CheckpointError
+from jaxckpt._agree import Agreement, AgreementTimeoutError
+from jaxckpt.errors import CheckpointError, StepAlreadyExistsError, StorageError
 
 
 class FakeKV:
     """The coordination service's key-value calls that ``Agreement`` uses."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int) -> None:
+        self.n = n
         self.values: dict[str, str] = {}
+        self.arrived: dict[str, int] = {}
+        self.failed: set[str] = set()
+        self.dir_gets = 0
         self.timeouts_ms: list[int] = []
         self._cv = threading.Condition()
 
@@ -48,13 +53,35 @@ class FakeKV:
             for k in [k for k in self.values if k.startswith(key)]:
                 del self.values[k]
 
+    def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+        self.dir_gets += 1
+        with self._cv:
+            return sorted((k, v) for k, v in self.values.items() if k.startswith(prefix))
+
+    def wait_at_barrier(self, barrier_id: str, timeout_ms: int) -> None:
+        """Returns once ``n`` callers arrived. Like the service's: a barrier that timed out
+        for one caller fails for every caller, those waiting and those arriving later."""
+        self.timeouts_ms.append(timeout_ms)
+        with self._cv:
+            self.arrived[barrier_id] = self.arrived.get(barrier_id, 0) + 1
+            self._cv.notify_all()
+            done = self._cv.wait_for(
+                lambda: barrier_id in self.failed or self.arrived[barrier_id] >= self.n,
+                timeout=timeout_ms / 1000,
+            )
+            if not done:
+                self.failed.add(barrier_id)
+                self._cv.notify_all()
+            if barrier_id in self.failed:
+                raise RuntimeError(f"DEADLINE_EXCEEDED: barrier {barrier_id}")
+
 
 class Job:
     """``n`` processes as threads: ``run(fn)`` calls ``fn(process_index)`` on each."""
 
     def __init__(self, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
         self.n = n
-        self.kv = FakeKV()
+        self.kv = FakeKV(n)
         self._local = threading.local()
         monkeypatch.setattr(jax, "process_count", lambda: n)
         monkeypatch.setattr(jax, "process_index", lambda: self._local.index)
@@ -135,7 +162,7 @@ def test_a_primary_that_never_decides_times_a_process_out_naming_it(
     started = time.monotonic()
     (error,) = j.run(lambda i: Agreement("root", timeout_s=0.3).agree("step", i), only={1}).values()
     assert isinstance(error, CheckpointError)
-    assert "process 1: no decision 'step' from the primary within 0.3s" in str(error)
+    assert "process 1: no decision 'step' from the primary (process 0) within 0.3s" in str(error)
     assert 0.3 <= time.monotonic() - started < 10
     assert j.kv.timeouts_ms == [300]
 
@@ -162,8 +189,8 @@ def test_a_process_that_never_arrives_times_the_gather_out_naming_it(
     j = job(3)
     results = j.run(lambda i: Agreement("root", timeout_s=0.3).gather("crc", i), only={0, 1})
     for i in (0, 1):
-        assert isinstance(results[i], CheckpointError)
-        assert f"process {i}: no 'crc' from process 2 within 0.3s" in str(results[i])
+        assert isinstance(results[i], AgreementTimeoutError)
+        assert f"process {i}: no 'crc' from processes [2] within 0.3s" in str(results[i])
     assert set(j.kv.timeouts_ms) == {300}
 
 
@@ -189,5 +216,121 @@ def test_close_keeps_the_keys_when_a_process_never_closes(
         (result,) = j.run(lambda i: Agreement("root", timeout_s=0.3).close(), only={0}).values()
     assert result is None  # bounded, and not an error: the keys are only left behind
     assert "agreement keys jaxckpt/root/ kept: a process did not close" in caplog.text
-    assert "jaxckpt/root/step/0" in j.kv.values
+    assert "jaxckpt/root/open/step.0" in j.kv.values
     assert Agreement("x", timeout_s=2.5).timeout_s == 2.5
+
+
+def test_reports_read_only_what_processes_reported(job: Callable[[int], Job]) -> None:
+    j = job(4)
+    results = j.run(lambda i: Agreement("root").reports("failed", "disk" if i == 2 else None))
+    assert results == {key: {2: "disk"} for key in range(4)}
+    assert len([k for k in j.kv.values if "/v/" in k]) == 1  # only the reporter's value
+
+
+def test_settle_raises_the_failing_processs_error_on_every_process_naming_it(
+    job: Callable[[int], Job],
+) -> None:
+    j = job(3)
+
+    def save(i: int) -> None:
+        error = StorageError("PUT s3://b/r/x: 403 Forbidden") if i == 1 else None
+        Agreement("root").settle("checks", error, what="save of step 5")
+
+    results = j.run(save)
+    for i in range(3):  # the failing process names itself too
+        assert isinstance(results[i], StorageError)
+        assert str(results[i]) == (
+            "save of step 5 failed on process 1: PUT s3://b/r/x: 403 Forbidden"
+        )
+    assert j.run(lambda i: Agreement("ok").settle("checks", None, what="x")) == dict.fromkeys(
+        range(3), None
+    )
+
+
+def test_settle_names_every_failing_process(job: Callable[[int], Job]) -> None:
+    j = job(3)
+
+    def save(i: int) -> None:
+        error = StepAlreadyExistsError(f"step 5 exists ({i})") if i else None
+        Agreement("root").settle("checks", error, what="save of step 5")
+
+    error = j.run(save)[0]
+    assert isinstance(error, StepAlreadyExistsError)
+    assert (
+        str(error) == "save of step 5 failed on process 1 (and on processes [2]): step 5 exists (1)"
+    )
+
+
+def test_operations_meet_again_after_processes_failed_at_different_points(
+    job: Callable[[int], Job],
+) -> None:
+    """A per-process counter would leave process 1 one agreement behind for good."""
+    j = job(2)
+
+    def run(i: int) -> list[Any]:
+        a = Agreement("root", timeout_s=0.5)
+        with contextlib.suppress(CheckpointError), a.operation("save", 1):
+            a.agree("attempt", "a1")
+            if i == 0:  # process 1 failed before this agreement
+                a.agree("tree", "t1")
+        with a.operation("save", 2):
+            return [a.agree("attempt", f"a2-{i}"), a.gather("written", i)]
+
+    assert j.run(run) == {key: ["a2-0", [0, 1]] for key in range(2)}
+
+
+def test_finished_operations_keys_are_deleted_at_the_next_barrier(
+    job: Callable[[int], Job],
+) -> None:
+    j = job(2)
+
+    def run(i: int) -> None:
+        a = Agreement("root")
+        with a.operation("save", 1):
+            a.agree("attempt", "a1")
+        with a.operation("save", 2):
+            a.settle("checks", None, what="save of step 2")
+            a.agree("attempt", "a2")
+
+    j.run(run)
+    assert sorted(j.kv.values) == [  # save 1's keys went at save 2's barrier
+        "jaxckpt/root/save-2.0/attempt.1",
+        "jaxckpt/root/save-2.0/checks.0/a/0",
+        "jaxckpt/root/save-2.0/checks.0/a/1",
+    ]
+
+
+def test_coordination_calls_per_process_do_not_grow_with_processes(
+    job: Callable[[int], Job],
+) -> None:
+    """A gather is a set, a barrier and one directory read whatever the count of processes."""
+    for n in (2, 8):
+        j = job(n)
+        j.run(lambda i: Agreement("root").gather("crc", i))
+        assert j.kv.dir_gets == n  # one each
+        assert len(j.kv.timeouts_ms) == n  # one barrier each, no per-process gets
+
+
+def test_a_failure_reaches_a_process_that_arrives_after_the_failing_one_left(
+    job: Callable[[int], Job],
+) -> None:
+    """The failing process waits briefly; the barrier then fails for everyone, and each
+    process reads the reports: a slow process raises the named failure at once."""
+    j = job(3)
+    took: dict[int, float] = {}
+
+    def save(i: int) -> None:
+        if i == 2:
+            time.sleep(1.5)  # still writing when process 1 gives up waiting
+        start = time.monotonic()
+        error = StorageError("PUT x: 403 Forbidden") if i == 1 else None
+        try:
+            Agreement("root", timeout_s=60).settle("written", error, what="save of step 5")
+        finally:
+            took[i] = time.monotonic() - start
+
+    results = j.run(save)
+    for i in range(3):
+        assert isinstance(results[i], StorageError), results
+        assert "save of step 5 failed on process 1: PUT x: 403 Forbidden" in str(results[i])
+    assert took[2] < 0.5 and max(took.values()) < 5, took

@@ -171,9 +171,9 @@ def test_external_promotion_one_sidecar_per_host_and_a_wiped_local_tier(tmp_path
 
 
 def test_a_failed_multi_host_save_is_never_promoted(tmp_path: Path) -> None:
-    """Process 1 is SIGKILLed before its local commit of step 2; process 0 committed
-    its own part locally, then its save times out: it withdraws its request of
-    step 2 (the other part will never come), so no promoter waits for it."""
+    """Process 1 is SIGKILLed before its local commit of step 2; process 0 wrote its
+    own part, then its save times out waiting for process 1's: it never commits step 2
+    locally nor requests its promotion, so no promoter waits for it."""
     root, local = str(tmp_path / "durable"), tmp_path / "local"
     pause = {mh.child.PAUSE_ENV: "data_written", "JAXCKPT_PAUSE_S": "300"}
     with mh.spawn(
@@ -197,8 +197,8 @@ def test_a_failed_multi_host_save_is_never_promoted(tmp_path: Path) -> None:
     (failed,) = survivor.said("FAILED")
     assert failed.split()[1] == "SaveTimeoutError", survivor.report()
     local0 = CommitProtocol(open_storage(f"{local}0"))
-    assert sorted(local0.committed()) == list(STEPS)  # process 0's part of step 2 ...
-    assert sorted(read_requests(local0)) == [STEPS[0]]  # ... is not to be promoted
+    assert sorted(local0.committed()) == [STEPS[0]]  # every host's part comes first
+    assert sorted(read_requests(local0)) == [STEPS[0]]  # step 2 is not to be promoted
     local1 = CommitProtocol(open_storage(f"{local}1"))
     assert sorted(local1.committed()) == [STEPS[0]]
 

@@ -98,13 +98,13 @@ def test_retention_deletes_a_steps_replicas_and_gc_the_stale_ones(tmp_path):
     assert not tier.storage.list(replica_prefix(2))
     # gc: replicas of steps not held here and older than the newest held (0) go;
     # a newer one (4) may be a replication in flight and stays, as do those of held steps
-    assert tier.collect_replicas() == [0]
+    assert tier.peers.collect() == [0]
     assert {k.split("/")[1] for k in tier.storage.list("replicas/")} == {
         f"{s:012d}" for s in (1, 3, 4)
     }
     # a local tier without replicas never touches replicas/
     plain = open_tier(local, CheckpointOptions(local_root=local), "local")
-    assert plain.collect_replicas() == []
+    assert plain.peers.collect() == []
 
 
 def test_promoter_metrics_report_replica_bytes_and_replication_lag(tmp_path):

@@ -81,3 +81,18 @@ def test_orbax_errors_of_other_checkpointers_keep_their_traceback(tmp_path, capl
             )
     (record,) = [r for r in caplog.records if "Handler Commit" in r.getMessage()]
     assert record.exc_info is not None and record.exc_info[1] is not None
+
+
+def test_no_log_line_of_a_save_names_the_orbax_placeholder(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Orbax logs its INFO lines about a save with the directory it was handed, a
+    placeholder that never exists: they are dropped, every other line is kept."""
+    with caplog.at_level(logging.DEBUG):
+        with jaxckpt.CheckpointManager(tmp_path / "run") as mgr:
+            mgr.save(1, {"w": np.arange(4.0)})
+        assert any(r.name == "absl" for r in caplog.records)  # Orbax did log
+    named = [
+        r.getMessage() for r in caplog.records if "jaxckpt-orbax-placeholder" in r.getMessage()
+    ]
+    assert named == []
