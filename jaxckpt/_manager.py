@@ -22,7 +22,7 @@ import jax
 
 from jaxckpt import _select
 from jaxckpt._agree import Agreement
-from jaxckpt._layout import check_step as _check_step
+from jaxckpt._keys import check_step as _check_step
 from jaxckpt._metadata import StepMetadata, step_metadata
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._peertier import join_tiers

@@ -28,7 +28,7 @@ from jaxckpt import _gc, _owner, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import EpochReader
-from jaxckpt._layout import (
+from jaxckpt._keys import (
     COMMITS,
     REPLICAS,
     ROOT_RECORD,
