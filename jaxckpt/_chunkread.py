@@ -30,7 +30,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import _pools as pools
-from jaxckpt._layout import PACK_ALIGNMENT, PACK_UPLOADS, StepLocation
+from jaxckpt._keys import PACK_ALIGNMENT, PACK_UPLOADS, StepLocation
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
 from jaxckpt._reread import reread_chunk
 from jaxckpt._tree import SavedLeaf
@@ -110,7 +110,7 @@ def read_regions(
             for cell in _cells(request.region, leaf.chunk_shape):
                 key = chunk_key(cell, leaf.chunk_shape)
                 future: _Result
-                if (i, cell) in spans:  # packed: a slice of one ranged read
+                if (i, cell) in spans:  # a byte range of a larger object: a slice of one read
                     future = spans[(i, cell)]
                     future.start(pool, storage)
                 else:
@@ -118,11 +118,7 @@ def read_regions(
                     if record is None:  # before any read: never walk a grid the manifest lacks
                         where = _location(storage, loc, leaf, key, None)
                         raise CorruptCheckpointError(f"{where}: not listed in the manifest")
-                    future = pool.submit(
-                        storage.read_buffer,
-                        f"{loc.array_prefix(leaf.name or '')}{key}",
-                        record.size if record is not None else None,
-                    )
+                    future = pool.submit(record.address(loc, leaf.name or "").read, storage)
                 inflight.append((i, cell, key, future))
                 inflight_bytes += math.prod(leaf.chunk_shape) * itemsize
                 while inflight_bytes > window_bytes and inflight:
@@ -182,30 +178,29 @@ def _spans(
     """Packed chunks, in read order, grouped into ranged reads of adjacent byte ranges,
     each at most the packed bytes over ``workers`` (within the span bounds)."""
     needed = [
-        (i, cell, record)
+        (i, cell, record.address(loc, request.leaf.name or ""))
         for i, request in enumerate(requests)
         for cell in _cells(request.region, request.leaf.chunk_shape)
         if (record := records.get(request.leaf.name or "", {}).get(
             chunk_key(cell, request.leaf.chunk_shape)
-        )) is not None and record.pack is not None
+        )) is not None and not record.whole_object
     ]  # fmt: skip
-    total = sum(record.size for _, _, record in needed)
+    total = sum(address.size for _, _, address in needed)
     limit = span_limit(total, workers)
     out: dict[tuple[int, Region], _Slice] = {}
     span: _Span | None = None
-    for i, cell, record in needed:
-        assert record.pack is not None
-        key = loc.key(record.pack)
-        end = record.offset + record.size
+    for i, cell, address in needed:
+        key = address.key
+        end = address.offset + address.size
         if (  # adjacent: at most the alignment padding in between
             span is None
             or span.key != key
-            or not 0 <= record.offset - (span.offset + span.size) < PACK_ALIGNMENT
+            or not 0 <= address.offset - (span.offset + span.size) < PACK_ALIGNMENT
             or end - span.offset > limit
         ):
-            span = _Span(key, record.offset)
+            span = _Span(key, address.offset)
         span.size = end - span.offset
-        out[(i, cell)] = _Slice(span, record.offset, record.size)
+        out[(i, cell)] = _Slice(span, address.offset, address.size)
     return out
 
 
@@ -240,8 +235,8 @@ def _place(
         )
     problem = chunk_problem(data, record)
     if problem is not None:
-        name = f"{loc.array_prefix(leaf.name or '')}{key}"
-        data, problem = reread_chunk(storage, loc, name, record, problem, where=location)
+        address = record.address(loc, leaf.name or "")
+        data, problem = reread_chunk(storage, loc, address, record, problem, where=location)
         if data is None:
             raise CorruptCheckpointError(f"{location}: {problem}")
     chunk = np.frombuffer(data, dtype=dtype, count=(len(data) - TRAILER_BYTES) // dtype.itemsize)
@@ -270,8 +265,8 @@ def _location(
     """The chunk, for messages: step, tree path, chunk key, array (and pack)."""
     where = f"{storage.uri.rstrip('/')}/{loc.arrays_prefix}"
     location = f"step {loc.step}: {leaf.path_text}: chunk {key} of {where}{leaf.name}"
-    if record is not None and record.pack is not None:
-        location += f" (in pack {record.pack} at byte {record.offset})"
+    if record is not None:
+        location += record.inside()
     return location
 
 

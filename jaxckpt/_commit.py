@@ -1,6 +1,6 @@
 """The commit-marker protocol. Imports no jax, so listing tools start fast.
 
-Keys come from :mod:`jaxckpt._layout`; epochs and visibility from
+Keys come from :mod:`jaxckpt._keys`; epochs and visibility from
 :mod:`jaxckpt._fence`; garbage collection lives in :mod:`jaxckpt._gc`.
 
 A save of step *s* is one *attempt* with its own prefix: ``pending`` record,
@@ -25,7 +25,7 @@ from typing import TypeVar
 from jaxckpt import _pools as pools
 from jaxckpt._fence import EpochReader, EpochRecord, Epochs, Listing
 from jaxckpt._hints import Hints
-from jaxckpt._layout import (
+from jaxckpt._keys import (
     COMMITS,
     PENDING,
     ROOT_RECORD,
@@ -501,14 +501,8 @@ class CommitProtocol:
         for part in parts:
             for name, chunks in part.arrays.items():
                 for chunk in chunks:
-                    key = (
-                        loc.array_prefix(name) + chunk.key
-                        if chunk.pack is None
-                        else loc.key(chunk.pack)
-                    )
-                    if key not in present or (
-                        chunk.pack is not None and chunk.pack not in part.packs
-                    ):
+                    key = chunk.address(loc, name).key
+                    if key not in present or not part.lists_object(chunk):
                         raise CheckpointError(
                             f"cannot commit step {loc.step}: chunk {chunk.key} of {name} "
                             f"({self.where(key)}) is missing"

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxckpt import _pools as pools
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import TREE_FILE, StepLocation, is_manifest_name, manifest_name, new_attempt
+from jaxckpt._keys import TREE_FILE, StepLocation, is_manifest_name, manifest_name, new_attempt
 from jaxckpt._names import joined_key
 from jaxckpt._records import (
     TRAILER_BYTES,
@@ -131,7 +131,7 @@ def _copy_step_raw(
     """
     here = marker.location
     chunks: dict[str, ChunkRecord] = {}
-    packed: dict[str, list[ChunkRecord]] = {}  # pack object key -> the chunks inside it
+    packed: dict[str, list[ChunkRecord]] = {}  # a larger object's key -> the chunks inside it
     names = [n for n in marker.files if is_manifest_name(n)]
     if part_name is not None:
         names = [part_name]
@@ -139,10 +139,11 @@ def _copy_step_raw(
     for part in parts:
         for name, records in part.arrays.items():
             for c in records:
-                if c.pack is None:
-                    chunks[here.array_prefix(name) + c.key] = c
+                address = c.address(here, name)
+                if address.whole:
+                    chunks[address.key] = c
                 else:
-                    packed.setdefault(here.key(c.pack), []).append(c)
+                    packed.setdefault(address.key, []).append(c)
     listed = set(src.storage.list(here.arrays_prefix))
     if part_name is not None:  # not the chunks of another part (a local tier's held one)
         listed = {k for k in listed if k.endswith("zarr.json")}
@@ -225,7 +226,7 @@ def _copy_step_compressed(
             target_spec["store_data_equal_to_fill_value"] = True  # every chunk is an object
             target = ts.open(target_spec, create=True, open=True, context=dst_ctx).result()
             keys = [c.key for c in loaded.chunks.get(leaf.name, ())]
-            if loaded.layout == "packed":  # chunks are byte ranges of packs: read them checked
+            if not loaded.format.zarr_arrays:  # chunks are byte ranges: read them checked
                 _transcode_packed(src, loaded, leaf, target, keys)
             else:
                 source_spec: dict[str, Any] = {

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from jaxckpt._layout import WRITERS, MarkerRef, epoch_key, parse_epoch_key
+from jaxckpt._keys import WRITERS, MarkerRef, epoch_key, parse_epoch_key
 from jaxckpt._records import dumps, load_json_record
 from jaxckpt.errors import CheckpointError, StorageError
 from jaxckpt.storage import PreconditionFailed, Storage

@@ -1,7 +1,7 @@
 """The time floor of one save and one restore per layout, on a far-away object store.
 
 Behind ``jaxckpt plan --devices --leaves``. Pure: no jax, no I/O; every size and
-count it uses is the one the layouts use (``_layout``, ``storage._options``,
+count it uses is the one the layouts use (``_keys``, ``storage._options``,
 :class:`jaxckpt.CheckpointOptions`).
 
 The link (:class:`Link`): each TCP connection carries at most
@@ -137,7 +137,7 @@ def _in_flight(requests: int, *limits: int) -> int:
 def _spans(share: ProcessShare) -> int:
     """Ranged reads of a packed restore: runs of adjacent chunks of one pack, each about the
     bytes over ``objects_in_flight`` (within ``MIN_SPAN_BYTES`` and ``MAX_SPAN_BYTES``)."""
-    from jaxckpt._layout import PACK_ALIGNMENT
+    from jaxckpt._keys import PACK_ALIGNMENT
     from jaxckpt._records import TRAILER_BYTES
     from jaxckpt.storage._options import span_limit
 

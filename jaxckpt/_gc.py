@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import Epochs
-from jaxckpt._layout import (
+from jaxckpt._keys import (
     ATTEMPTS,
     COMMITS,
     LEGACY_STEPS,

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxckpt import _select
 from jaxckpt._agree import Agreement
-from jaxckpt._layout import check_step
+from jaxckpt._keys import check_step
 from jaxckpt._metadata import StepMetadata, step_metadata
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jaxckpt._records import TRAILER_BYTES
+from jaxckpt.formats import FORMATS
+from jaxckpt.formats import NAMES_TEXT as FORMAT_NAMES
 from jaxckpt.storage import ObjectStoreOptions, parse_root
 
 if TYPE_CHECKING:
@@ -148,8 +150,8 @@ class CheckpointOptions:
             )
         if self.objects_in_flight < 1:
             raise ValueError(f"objects_in_flight must be positive, got {self.objects_in_flight}")
-        if self.layout not in ("plain", "packed"):
-            raise ValueError(f"layout must be 'plain' or 'packed', got {self.layout!r}")
+        if self.layout not in FORMATS:
+            raise ValueError(f"layout must be {FORMAT_NAMES}, got {self.layout!r}")
         if self.promotion not in ("background", "external"):
             raise ValueError(
                 f"promotion must be 'background' or 'external', got {self.promotion!r}"

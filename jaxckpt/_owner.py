@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from jaxckpt._layout import TIER_RECORD
+from jaxckpt._keys import TIER_RECORD
 from jaxckpt._records import json_record, load_json_record
 from jaxckpt.errors import CorruptCheckpointError, LocalRootInUseError
 from jaxckpt.storage import PreconditionFailed, Storage

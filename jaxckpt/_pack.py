@@ -7,7 +7,7 @@ concatenates the chunks it owns into pack objects
 (``attempts/<step>/<attempt>/packs/<process>.<k>.bin``): enough of them that
 ``objects_in_flight`` (16) upload at once, none under ``MIN_PACK_BYTES`` (4
 MiB), and as many more as keep each within ``max_object_bytes`` (64 MiB + 64
-KiB), whatever the number of leaves (:func:`jaxckpt._layout.pack_count`). A
+KiB), whatever the number of leaves (:func:`jaxckpt._keys.pack_count`). A
 pack holds whole chunks and starts a new one when the next chunk would take it
 over the cap, so two consecutive packs hold more than the cap: a process's
 packs per step are at most ``objects_in_flight + 2 × ceil(bytes /
@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from jaxckpt import _pools as pools
-from jaxckpt._layout import (
+from jaxckpt._keys import (
     MIN_PACK_BYTES,
     PACK_ALIGNMENT,
     PACK_UPLOADS,
@@ -55,6 +55,7 @@ from jaxckpt._phases import reached, watched
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord
 from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import HostArray, chunk_key, chunks_of, whole_chunk
+from jaxckpt.formats import Planned, Written
 from jaxckpt.storage import Storage
 
 
@@ -100,6 +101,12 @@ class PackWriter:
 
     def _upload(self, key: str, pieces: list[bytes | memoryview]) -> None:
         self._storage.start_write(key, pieces)()
+
+    def write_step(
+        self, loc: StepLocation, arrays: Sequence[HostArray], *, planned: Planned | None = None
+    ) -> Written:
+        """:class:`jaxckpt.formats.StepWriter` for the packed format: :meth:`write`."""
+        return Written(*self.write(loc, arrays, planned=planned))
 
     def write(
         self,

@@ -51,7 +51,7 @@ import jax
 
 from jaxckpt import _pools
 from jaxckpt._agree import Agreement
-from jaxckpt._layout import (
+from jaxckpt._keys import (
     REPLICAS,
     StepLocation,
     is_held_manifest_name,

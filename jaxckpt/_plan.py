@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from jaxckpt.formats import FORMATS
 from jaxckpt.policy import daly_interval
 
 __all__ = ["PlanResult", "plan"]
@@ -148,7 +149,7 @@ def plan(
 
 # -- objects and requests per checkpoint, per layout ---------------------------
 
-LAYOUT_NAMES = ("plain", "packed")
+LAYOUT_NAMES = tuple(FORMATS)  # every data format (jaxckpt.formats)
 RECORDS_PER_STEP = 6
 """The step's records besides the manifest parts: pending, tree, two zarr group records, the
 latest hint and the marker (written by the primary process)."""
@@ -187,7 +188,7 @@ def process_share(
     ``chunk_bytes``, ``max_object_bytes`` and ``objects_in_flight`` default to
     :class:`jaxckpt.CheckpointOptions`'s, whose ``stored_chunk_bytes`` bounds the
     chunks; packs are counted by the packed layout's own
-    :func:`jaxckpt._layout.pack_count`.
+    :func:`jaxckpt._keys.pack_count`.
 
     >>> s = process_share(checkpoint_bytes=16 * (16 << 20), leaves=16, devices=8)
     >>> s.processes, s.chunks, s.chunk_bytes == 2 << 20, s.packs, s.objects_in_flight
@@ -203,7 +204,7 @@ def process_share(
     ]:
         _count(name, count)
     _positive("checkpoint_bytes", checkpoint_bytes)
-    from jaxckpt._layout import pack_count
+    from jaxckpt._keys import pack_count
     from jaxckpt._options import CheckpointOptions
 
     default = CheckpointOptions()
@@ -277,7 +278,7 @@ def object_plan(
 
     * plain: one object per chunk, ``leaves × devices × chunks per shard``, plus
       one ``zarr.json`` per leaf;
-    * packed: :func:`jaxckpt._layout.pack_count` pack objects per process
+    * packed: :func:`jaxckpt._keys.pack_count` pack objects per process
       (``objects_in_flight`` of them, fewer for a small state, more as
       ``max_object_bytes`` needs);
     * both: the step's records — pending record, tree record, two zarr group

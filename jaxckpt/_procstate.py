@@ -219,6 +219,6 @@ class ProcessStateAccess:
           CheckpointError: the step is only on local tiers of a job of another size.
           CorruptCheckpointError: a record fails its checksum.
         """
-        from jaxckpt._layout import check_step
+        from jaxckpt._keys import check_step
 
         return read_process_states(self._select, self._agreement, check_step(step))

@@ -34,7 +34,7 @@ from jaxckpt import policy
 from jaxckpt._backoff import Backoff
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._decision import retention_decision
-from jaxckpt._layout import (
+from jaxckpt._keys import (
     PENDING,
     PROMOTE,
     StepLocation,

@@ -25,7 +25,7 @@ import jax
 
 from jaxckpt import policy
 from jaxckpt._agree import Agreement
-from jaxckpt._layout import new_attempt
+from jaxckpt._keys import new_attempt
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._promote import (
     FAILED,

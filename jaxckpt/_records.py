@@ -11,19 +11,26 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c
 
-from jaxckpt._layout import StepLocation, marker_key, parse_attempt
+from jaxckpt._keys import StepLocation, marker_key, parse_attempt
 from jaxckpt._names import checked_name
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from jaxckpt.formats import FORMATS, DataFormat, format_named
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from jaxckpt.storage import Storage
 
 FORMAT = "jaxckpt"
-LAYOUTS = ("plain", "packed")
-"""Data formats inside an attempt: one object per zarr chunk, or a few pack objects."""
+LAYOUTS = tuple(FORMATS)
+"""Data formats inside an attempt (:mod:`jaxckpt.formats`): one object per zarr chunk, or a
+few pack objects."""
 FORMAT_VERSION = 2
-"""2: save attempts under their own prefix, markers name attempt and epoch (see _layout)."""
+"""2: save attempts under their own prefix, markers name attempt and epoch (see _keys)."""
 PACKED_VERSION = 3
 """The version of a manifest part of a packed step (chunks inside pack objects, see _pack).
 
@@ -83,6 +90,24 @@ class FileDigest:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ChunkAddress:
+    """Where a chunk's stored bytes lie: ``size`` bytes at ``offset`` of object ``key``."""
+
+    key: str
+    """The storage key of the object that holds the chunk (relative to the root)."""
+    offset: int
+    size: int
+    whole: bool
+    """The object is this chunk alone (read it whole), not a byte range of a larger one."""
+
+    def read(self, storage: Storage) -> bytes | np.ndarray | None:
+        """The chunk's stored bytes (None when the object is missing)."""
+        if self.whole:
+            return storage.read_buffer(self.key, self.size)
+        return storage.read_range(self.key, self.offset, self.size)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ChunkRecord:
     """One stored zarr chunk: its key inside the array, size and CRC32C.
 
@@ -96,6 +121,26 @@ class ChunkRecord:
     crc32c: int
     pack: str | None = None
     offset: int = 0
+
+    def address(self, loc: StepLocation, array: str) -> ChunkAddress:
+        """Where this chunk of array ``array`` (its name) of step ``loc`` is stored.
+
+        The one place that answers it for every reader, verifier, copier and exporter.
+        """
+        if self.pack is None:
+            return ChunkAddress(
+                key=loc.array_prefix(array) + self.key, offset=0, size=self.size, whole=True
+            )
+        return ChunkAddress(key=loc.key(self.pack), offset=self.offset, size=self.size, whole=False)
+
+    @property
+    def whole_object(self) -> bool:
+        """The chunk is an object of its own (not a byte range of a pack)."""
+        return self.pack is None
+
+    def inside(self) -> str:
+        """For messages: ``" (in pack <name> at byte <offset>)"``, or "" for a whole object."""
+        return "" if self.pack is None else f" (in pack {self.pack} at byte {self.offset})"
 
     def encode(self) -> list[Any]:
         if self.pack is None:
@@ -167,8 +212,21 @@ class ManifestPart:
     that predate it ignore the field."""
 
     def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        format_named(self.layout)  # ValueError: no such format
+
+    @property
+    def format(self) -> DataFormat:
+        """This part's data format (:mod:`jaxckpt.formats`)."""
+        return format_named(self.layout)
+
+    def lists_object(self, chunk: ChunkRecord) -> bool:
+        """Whether the object holding ``chunk`` is one this part says it wrote."""
+        return chunk.pack is None or chunk.pack in self.packs
+
+    @property
+    def objects(self) -> int:
+        """The data objects this part wrote: its packs and its chunks stored whole."""
+        return len(self.packs) + sum(c.pack is None for cs in self.arrays.values() for c in cs)
 
     def to_bytes(self) -> bytes:
         arrays = {name: [c.encode() for c in chunks] for name, chunks in self.arrays.items()}

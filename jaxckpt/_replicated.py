@@ -44,7 +44,7 @@ import numpy as np
 
 from jaxckpt import _pools as pools
 from jaxckpt._agree import Agreement
-from jaxckpt._layout import StepLocation
+from jaxckpt._keys import StepLocation
 from jaxckpt._phases import reached
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem
 from jaxckpt._tree import SavedLeaf
@@ -259,14 +259,11 @@ class Exchange:
         whole = part.whole(record)
         with_trailer = part.hi == record.size - TRAILER_BYTES
         size = part.hi - part.lo + (TRAILER_BYTES if with_trailer else 0)
-        if record.pack is not None:
-            data = self._storage.read_range(
-                self._loc.key(record.pack), record.offset + part.lo, size
-            )
-        elif whole:
-            data = self._storage.read_buffer(self._chunk_object(s, record), record.size)
+        address = record.address(self._loc, s.leaf.name or "")
+        if whole and address.whole:
+            data = self._storage.read_buffer(address.key, record.size)
         else:
-            data = self._storage.read_range(self._chunk_object(s, record), part.lo, size)
+            data = self._storage.read_range(address.key, address.offset + part.lo, size)
         where = self._location(s, record)
         if data is None:
             raise CorruptCheckpointError(f"{where}: missing")
@@ -286,15 +283,9 @@ class Exchange:
         buffer[part.dst : part.dst + len(raw)] = raw
         return None if whole else int(_crc32c.crc32c(raw.data))
 
-    def _chunk_object(self, s: SharedLeaf, record: ChunkRecord) -> str:
-        return f"{self._loc.array_prefix(s.leaf.name or '')}{record.key}"
-
     def _location(self, s: SharedLeaf, record: ChunkRecord) -> str:
         text = f"step {self._loc.step}: {s.leaf.path_text}: chunk {record.key} of "
-        text += f"{self._where}{s.leaf.name}"
-        if record.pack is not None:
-            text += f" (in pack {record.pack} at byte {record.offset})"
-        return text
+        return text + f"{self._where}{s.leaf.name}" + record.inside()
 
     def settle(self, error: Exception | None) -> None:
         """Waits for every process's reads (bounded) and checks chunks read in parts.

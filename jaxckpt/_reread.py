@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._layout import StepLocation
-from jaxckpt._records import ChunkRecord, chunk_problem
+from jaxckpt._keys import StepLocation
+from jaxckpt._records import ChunkAddress, ChunkRecord, chunk_problem
 from jaxckpt.storage import Storage, tensorstore_backed
 
 log = logging.getLogger("jaxckpt")
@@ -34,7 +34,7 @@ READS = 3
 def reread_chunk(
     storage: Storage,
     loc: StepLocation,
-    key: str,
+    address: ChunkAddress,
     record: ChunkRecord,
     problem: str,
     *,
@@ -45,8 +45,7 @@ def reread_chunk(
     Args:
       storage: the step's root.
       loc: the step's attempt.
-      key: the chunk object's key under the root (a plain chunk); ignored for a
-        packed chunk (``record.pack`` names its pack object).
+      address: where the chunk is stored (``record.address``).
       record: the chunk's manifest record.
       problem: what the first read found (``checksum mismatch``, a size difference).
       where: the chunk, for messages (step, tree path, chunk key).
@@ -58,7 +57,7 @@ def reread_chunk(
     problems = [problem]
     for how, read in (("again", _read_again), ("through TensorStore", _read_tensorstore)):
         try:
-            data = read(storage, loc, key, record)
+            data = read(storage, loc, address)
         except Exception as e:  # StorageError, a TensorStore ValueError: report it beside
             problems.append(f"cannot read {how}: {e}")
             continue
@@ -78,24 +77,19 @@ def reread_chunk(
 
 
 def _read_again(
-    storage: Storage, loc: StepLocation, key: str, record: ChunkRecord
+    storage: Storage, loc: StepLocation, address: ChunkAddress
 ) -> bytes | np.ndarray | None:
-    if record.pack is not None:
-        return storage.read_range(loc.key(record.pack), record.offset, record.size)
-    return storage.read_buffer(key, record.size)
+    return address.read(storage)
 
 
-def _read_tensorstore(
-    storage: Storage, loc: StepLocation, key: str, record: ChunkRecord
-) -> bytes | None:
+def _read_tensorstore(storage: Storage, loc: StepLocation, address: ChunkAddress) -> bytes | None:
     specs = tensorstore_backed(storage)
     context = ts.Context(specs.context_spec())
     kv = ts.KvStore.open(specs.kvstore_spec(loc.prefix), context=context).result()
     options: dict[str, Any] = {}
-    assert key.startswith(loc.prefix), f"{key} is not under {loc.prefix}"
-    name = key[len(loc.prefix) :]
-    if record.pack is not None:
-        name = record.pack
-        options["byte_range"] = slice(record.offset, record.offset + record.size)
+    assert address.key.startswith(loc.prefix), f"{address.key} is not under {loc.prefix}"
+    name = address.key[len(loc.prefix) :]
+    if not address.whole:
+        options["byte_range"] = slice(address.offset, address.offset + address.size)
     result = kv.read(name, **options).result()
     return bytes(result.value) if result.state == "value" else None

@@ -14,7 +14,7 @@ import tensorstore as ts
 from jaxckpt._agree import Agreement
 from jaxckpt._chunkread import RegionRequest, plain_leaves, read_regions
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import PACK_UPLOADS
+from jaxckpt._keys import PACK_UPLOADS
 from jaxckpt._records import ChunkRecord, CommitMarker
 from jaxckpt._replicated import Exchange, plan
 from jaxckpt._targets import place_keys, resolve_targets, target_sharding, uncommitted
@@ -30,6 +30,7 @@ from jaxckpt._tree import (
 from jaxckpt._treerecord import read_checked, rebuild
 from jaxckpt._tsio import ArrayWriter, Region, check_chunks, full_region, read_region, region_of
 from jaxckpt.errors import CorruptCheckpointError, StorageError
+from jaxckpt.formats import DataFormat, format_named
 from jaxckpt.storage import tensorstore_backed
 
 log = logging.getLogger("jaxckpt")
@@ -45,13 +46,23 @@ class LoadedStep:
     user_metadata: Any
     versions: Mapping[str, str] = field(default_factory=dict)
     layout: str = "plain"
-    """``"packed"`` when the step's chunks live in pack objects (see ``_pack``)."""
+    """The step's data format by name (``"packed"``: its chunks live in pack objects)."""
     plain_codecs: bool = False
     """Every manifest part says its arrays use jaxckpt's codec chain (``ManifestPart``)."""
     process_states: Mapping[int, Any] = field(default_factory=dict)
     """The ``process_state`` records of the parts read, by process (see ``_procstate``)."""
     structure: Any = None
     """The saved containers (``_tree.structure_of``); None in older records."""
+
+    @property
+    def format(self) -> DataFormat:
+        """The step's data format (:mod:`jaxckpt.formats`)."""
+        return format_named(self.layout)
+
+    @property
+    def raw_chunks(self) -> bool:
+        """Every chunk is raw bytes plus a CRC32C trailer (no ``zarr.json`` need be read)."""
+        return self.format.raw_chunks or self.plain_codecs
 
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
@@ -196,7 +207,7 @@ class StepReader:
         and of a step whose manifest parts all say so; otherwise each leaf's
         ``zarr.json`` is read.
         """
-        if loaded.layout == "packed" or loaded.plain_codecs:
+        if loaded.raw_chunks:
             return {leaf.name for leaf in leaves if leaf.name is not None}
         kv = ts.KvStore.open(
             tensorstore_backed(self._protocol.storage).kvstore_spec(

@@ -9,7 +9,7 @@ to Orbax's ``AsyncCheckpointer``, whose handler then calls
 begins, writes and commits the host's own part there (after writing the
 step's promotion request, if it is to be promoted), and ``commit`` only ends
 the session. The session knows the attempt's
-:class:`~jaxckpt._layout.StepLocation`, so every key of the save comes from
+:class:`~jaxckpt._keys.StepLocation`, so every key of the save comes from
 one place. It owns the checkpointer and the wait, failure and fence state;
 a commit notifies its listeners (retention, promotion), never the manager.
 """
@@ -31,9 +31,8 @@ from jaxckpt import _atexit, _handler, _pools, _procstate, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import Listing
-from jaxckpt._layout import TREE_FILE, StepLocation, held_manifest_name, manifest_name, new_attempt
+from jaxckpt._keys import TREE_FILE, StepLocation, held_manifest_name, manifest_name, new_attempt
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._pack import PackWriter
 from jaxckpt._phases import reached, watched
 from jaxckpt._promote import PromotionRequest, request_promotion, withdraw
 from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart
@@ -56,6 +55,8 @@ from jaxckpt.errors import (
     StepAlreadyExistsError,
     WriterFencedError,
 )
+from jaxckpt.formats import StepWriter, format_named
+from jaxckpt.formats.writers import step_writer
 
 log = logging.getLogger("jaxckpt")
 
@@ -123,15 +124,7 @@ class SaveSession:
         self._root = where
         self._primary = jax.process_index() == options.primary_host
         self._listeners = tuple(listeners)
-        self._packer = (
-            PackWriter(
-                tier.storage,
-                max_object_bytes=options.max_object_bytes,
-                uploads=options.objects_in_flight,
-            )
-            if options.layout == "packed"
-            else None
-        )
+        self._writer: StepWriter = step_writer(format_named(options.layout), tier, options)
         self._per_host = tier.own
         self._lock = threading.Lock()
         self._inflight: Inflight | None = None
@@ -486,12 +479,9 @@ class SaveSession:
             def planned(records: dict[str, tuple[ChunkRecord, ...]], packs: dict[str, int]) -> None:
                 manifest.append(pool.submit(self._write_manifest, inflight, arrays, records, packs))
 
-            if self._packer is None:
-                records, packs = self._arrays.write(loc, arrays), None
-            else:
-                records, packs = self._packer.write(
-                    loc, arrays, planned=None if ordered else planned
-                )
+            records, packs = self._writer.write_step(
+                loc, arrays, planned=None if ordered else planned
+            )
             if records_written is not None:
                 records_written.result()
             if manifest:
@@ -526,7 +516,7 @@ class SaveSession:
                 process=jax.process_index(),
                 num_processes=jax.process_count(),
                 arrays=records,
-                layout="plain" if packs is None else "packed",
+                layout=self._options.layout,  # the format this session writes
                 packs=packs or {},
                 plain_codecs=packs is None,  # ArrayWriter's chain: zarr_metadata()
                 process_state=state,

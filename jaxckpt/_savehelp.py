@@ -12,7 +12,7 @@ from typing import Any
 from jaxckpt import _pools
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import Listing
-from jaxckpt._layout import StepLocation
+from jaxckpt._keys import StepLocation
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, json_record
 from jaxckpt._tree import SavedLeaf, structure_of
 from jaxckpt._tsio import HostArray, chunk_key, chunks_of

@@ -34,7 +34,7 @@ import jax
 from jaxckpt import errors
 from jaxckpt._agree import Agreement, failure
 from jaxckpt._commit import brief
-from jaxckpt._layout import MarkerRef
+from jaxckpt._keys import MarkerRef
 from jaxckpt._procstate import RestoredStates
 from jaxckpt._records import CommitMarker
 from jaxckpt._restore import load_step

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 
 from jaxckpt import _pools as pools
-from jaxckpt._layout import StepLocation
+from jaxckpt._keys import StepLocation
 from jaxckpt.errors import StorageError
 from jaxckpt.storage import Storage
 

@@ -31,7 +31,7 @@ from jaxckpt import _gc, _owner, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import EpochReader
-from jaxckpt._layout import COMMITS, ROOT_RECORD, MarkerRef
+from jaxckpt._keys import COMMITS, ROOT_RECORD, MarkerRef
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._peertier import NoReplicas, Replicas, open_replicas
 from jaxckpt._records import CommitMarker

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jaxckpt._layout import manifest_name
+from jaxckpt._keys import manifest_name
 from jaxckpt._names import checked_name
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, load_json_record, path_text
 from jaxckpt.errors import CorruptCheckpointError
+from jaxckpt.formats import step_format
 
 if TYPE_CHECKING:
     from jaxckpt._commit import CommitProtocol
@@ -354,19 +355,19 @@ def read_checked(protocol: CommitProtocol, marker: CommitMarker) -> CheckedStep:
     for part in parts:
         for name, records in part.arrays.items():
             chunks.setdefault(name, []).extend(records)
-    layout = "packed" if any(p.layout == "packed" for p in parts) else "plain"
+    data_format = step_format(p.layout for p in parts)
     plain_codecs = bool(parts) and all(p.plain_codecs for p in parts)
     check_manifest(
         tree.leaves,
         chunks,
-        raw=layout == "packed" or plain_codecs,
+        raw=data_format.raw_chunks or plain_codecs,
         complete=covers_every_process(marker.files, marker.num_processes),
         what=f"step {marker.step} ({protocol.where(marker.location.prefix)})",
     )
     return CheckedStep(
         tree=tree,
         chunks={k: tuple(v) for k, v in chunks.items()},
-        layout=layout,
+        layout=data_format.name,
         plain_codecs=plain_codecs,
         process_states={p.process: p.process_state for p in parts if p.process_state},
     )

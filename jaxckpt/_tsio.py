@@ -24,11 +24,12 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import _pools as pools
-from jaxckpt._layout import StepLocation
+from jaxckpt._keys import StepLocation
 from jaxckpt._phases import reached, watched
 from jaxckpt._records import TRAILER_BYTES, ChunkRecord, chunk_problem, dumps
 from jaxckpt._reread import reread_chunk
 from jaxckpt._tree import SavedLeaf
+from jaxckpt.formats import Planned, Written
 from jaxckpt.storage import Storage, tensorstore_backed
 
 Region = tuple[tuple[int, int], ...]
@@ -169,6 +170,15 @@ class ArrayWriter:
         self._storage.write(loc.arrays_prefix + "zarr.json", dumps(group))
         self._storage.write(loc.key("zarr.json"), dumps(group))
 
+    def write_step(
+        self, loc: StepLocation, arrays: Sequence[HostArray], *, planned: Planned | None = None
+    ) -> Written:
+        """:class:`jaxckpt.formats.StepWriter` for the plain format: :meth:`write`, no packs.
+
+        ``planned`` is never called: the records are known when every chunk is written.
+        """
+        return Written(self.write(loc, arrays), None)
+
     def write(
         self, loc: StepLocation, arrays: Sequence[HostArray]
     ) -> dict[str, tuple[ChunkRecord, ...]]:
@@ -273,7 +283,7 @@ def check_chunks(
     chunk that fails its check is read again before it is reported (``_reread``).
     """
     assert leaf.name is not None
-    if any(c.pack is not None for c in chunks):
+    if not all(c.whole_object for c in chunks):  # byte ranges of larger objects
         yield from _check_packed_chunks(storage, loc, leaf, chunks, window=window)
         return
     kv = ts.KvStore.open(
@@ -318,9 +328,7 @@ def _check_packed_chunks(
     window: int,
 ) -> Iterator[tuple[ChunkRecord, str | None, int]]:
     def read(chunk: ChunkRecord) -> bytes | np.ndarray | None:
-        if chunk.pack is None:
-            raise ValueError(f"chunk {chunk.key} of a packed step names no pack object")
-        return storage.read_range(loc.key(chunk.pack), chunk.offset, chunk.size)
+        return chunk.address(loc, leaf.name or "").read(storage)
 
     with pools.borrow("check", window) as pool:
         for chunk, fut in _windowed(chunks, lambda c: pool.submit(read, c), window):
@@ -345,6 +353,6 @@ def _recheck(
     problem = chunk_problem(data, chunk)
     if problem is None:
         return None
-    key = f"{loc.array_prefix(leaf.name or '')}{chunk.key}"
+    address = chunk.address(loc, leaf.name or "")
     where = f"step {loc.step}: {leaf.path_text}: chunk {chunk.key}"
-    return reread_chunk(storage, loc, key, chunk, problem, where=where)[1] or None
+    return reread_chunk(storage, loc, address, chunk, problem, where=where)[1] or None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import tensorstore as ts
 
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import is_held_manifest_name, is_manifest_name
+from jaxckpt._keys import is_held_manifest_name, is_manifest_name
 from jaxckpt._reader import dotted_path
 from jaxckpt._restore import LoadedStep, load_step
 from jaxckpt._tree import SavedLeaf
@@ -80,7 +80,7 @@ def verify_step(
     for leaf in loaded.leaves:
         if leaf.kind == "value" or leaf.name is None:
             continue
-        if loaded.layout == "plain":  # a packed step keeps its array metadata in tree.json
+        if loaded.format.zarr_arrays:  # else the arrays' metadata is in tree.json only
             problems.extend(_check_array_metadata(protocol, loaded, leaf))
         chunks = loaded.chunks.get(leaf.name, ())
         expected = expected_chunk_count(leaf)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxckpt.errors import CheckpointError
+from jaxckpt.formats import step_format
 
 __all__ = [
     "ZARR_EXTRA_DTYPES",
@@ -251,10 +252,10 @@ def reference_manifest(
         }
         refs[f"{leaf.name}/zarr.json"] = json.dumps(meta, sort_keys=True)
         for c in loaded.chunks.get(leaf.name, ()):
-            if c.pack is None:
-                refs[f"{leaf.name}/{c.key}"] = [protocol.where(loc.array_prefix(leaf.name) + c.key)]
-            else:
-                refs[f"{leaf.name}/{c.key}"] = [protocol.where(loc.key(c.pack)), c.offset, c.size]
+            address = c.address(loc, leaf.name)
+            url = protocol.where(address.key)
+            ref = [url] if address.whole else [url, address.offset, address.size]
+            refs[f"{leaf.name}/{c.key}"] = ref
     return {"version": 1, "refs": refs}
 
 
@@ -291,13 +292,13 @@ def open_group(
       ZarrUnavailableError: zarr, or gcsfs/s3fs for an object store, is missing.
     """
     protocol, marker = _committed(root, step, endpoint, region)
-    packed = any(part.layout == "packed" for part in protocol.read_manifest(marker))
+    zarr_arrays = step_format(p.layout for p in protocol.read_manifest(marker)).zarr_arrays
     register_dtypes()
     import zarr
 
     uri = protocol.where(marker.location.arrays_prefix).rstrip("/")
     url, storage_options = fsspec_url(uri, endpoint=endpoint, region=region)
-    if packed:
+    if not zarr_arrays:  # chunks are byte ranges: through a reference manifest
         from fsspec.implementations.reference import ReferenceFileSystem
 
         spec = reference_manifest(root, marker.step, endpoint=endpoint, region=region)

@@ -272,7 +272,7 @@ def check_root(root: Root, result: RoundResult) -> None:
     """Invariants 1-3 of the module docstring, with fresh processes and managers."""
     import jaxckpt
     from jaxckpt._commit import CommitProtocol
-    from jaxckpt._layout import ROOT_RECORD
+    from jaxckpt._keys import ROOT_RECORD
     from jaxckpt.storage import open_storage
 
     protocol = CommitProtocol(open_storage(root.uri))
@@ -392,7 +392,7 @@ def check_newest_writer(root: Root, result: RoundResult, listed: list[int]) -> N
 
 def check_keys(result: RoundResult, protocol: Any) -> None:
     """Nothing under attempts/, pending/, commits/ that the visible markers do not name."""
-    from jaxckpt._layout import ATTEMPTS, COMMITS, LEGACY_STEPS, PENDING, latest_hint_key
+    from jaxckpt._keys import ATTEMPTS, COMMITS, LEGACY_STEPS, PENDING, latest_hint_key
 
     markers = protocol.committed()
     # The newest epoch's hint is the only other object gc keeps under commits/.

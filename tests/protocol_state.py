@@ -1,7 +1,7 @@
 """What a step looks like on storage at each phase of the commit protocol.
 
 The only test module that reads the raw on-storage state of an uncommitted
-step. Keys come from ``jaxckpt._layout`` (``StepLocation``, ``manifest_name``,
+step. Keys come from ``jaxckpt._keys`` (``StepLocation``, ``manifest_name``,
 the key parsers), never from literals, so a layout change is ported by changing
 the *reads* below; the per-phase post-conditions further down are written in
 terms of those reads only.
@@ -42,7 +42,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxckpt._layout import (
+from jaxckpt._keys import (
     ATTEMPTS,
     PENDING,
     ROOT_RECORD,

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import ATTEMPTS, LEGACY_STEPS, parse_data_key
+from jaxckpt._keys import ATTEMPTS, LEGACY_STEPS, parse_data_key
 from jaxckpt.storage import Storage, open_storage
 
 

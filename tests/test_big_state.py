@@ -23,7 +23,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import PACK_ALIGNMENT
+from jaxckpt._keys import PACK_ALIGNMENT
 from jaxckpt._records import TRAILER_BYTES
 from jaxckpt.storage import open_storage
 

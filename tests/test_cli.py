@@ -22,7 +22,7 @@ import jaxckpt
 from jaxckpt import cli
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._gc import scan
-from jaxckpt._layout import StepLocation, new_attempt
+from jaxckpt._keys import StepLocation, new_attempt
 from jaxckpt._records import json_record
 from jaxckpt.storage import open_storage
 

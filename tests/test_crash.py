@@ -50,7 +50,7 @@ import protocol_state as state
 import pytest
 
 import jaxckpt
-from jaxckpt._layout import pack_name
+from jaxckpt._keys import pack_name
 from jaxckpt._phases import PHASES
 from jaxckpt.storage import Storage, open_storage
 

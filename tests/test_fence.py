@@ -16,7 +16,7 @@ import pytest
 
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import EpochReader, EpochRecord, Epochs
-from jaxckpt._layout import MarkerRef, epoch_key, marker_key
+from jaxckpt._keys import MarkerRef, epoch_key, marker_key
 from jaxckpt.errors import StorageError, WriterFencedError
 from jaxckpt.storage import PreconditionFailed, Storage, open_storage
 

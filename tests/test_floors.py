@@ -9,7 +9,7 @@ import pytest
 
 from jaxckpt import cli as jaxckpt_cli
 from jaxckpt._floors import Link, floors
-from jaxckpt._layout import pack_count
+from jaxckpt._keys import pack_count
 from jaxckpt._plan import process_share
 
 MiB, KiB = 1 << 20, 1 << 10

@@ -17,7 +17,7 @@ import pytest
 
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._gc import Attempt, collect, is_live, scan
-from jaxckpt._layout import (
+from jaxckpt._keys import (
     TEMP_GRACE_S,
     StepLocation,
     latest_hint_key,

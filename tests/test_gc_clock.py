@@ -10,7 +10,7 @@ import numpy as np
 
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import StepLocation, new_attempt
+from jaxckpt._keys import StepLocation, new_attempt
 from jaxckpt._records import json_record
 from jaxckpt.storage import open_storage
 

@@ -1,4 +1,4 @@
-"""``_layout``: every storage key jaxckpt builds, and its parser, round-trip and sort.
+"""``_keys``: every storage key jaxckpt builds, and its parser, round-trip and sort.
 
 Pure string functions: no storage, no jax. The format-1 keys are checked too,
 since roots written before writer epochs are still read.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxckpt import _layout as L
+from jaxckpt import _keys as L
 
 
 def test_attempt_ids_carry_their_epoch_and_start_time_and_never_repeat() -> None:

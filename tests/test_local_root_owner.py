@@ -22,7 +22,7 @@ from benchkit import servers
 import jaxckpt
 from jaxckpt import policy
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import TIER_RECORD, WRITERS
+from jaxckpt._keys import TIER_RECORD, WRITERS
 from jaxckpt._promote import read_requests
 from jaxckpt.storage import open_storage
 

@@ -25,7 +25,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import ROOT_RECORD, TIER_RECORD
+from jaxckpt._keys import ROOT_RECORD, TIER_RECORD
 from jaxckpt.storage import open_storage
 
 STEPS = 40

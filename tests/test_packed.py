@@ -26,7 +26,7 @@ from trees import assert_tree_bitexact, sample_state
 import jaxckpt
 from jaxckpt import cli
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import MAX_PACKS, pack_count
+from jaxckpt._keys import MAX_PACKS, pack_count
 from jaxckpt._records import ChunkRecord, ManifestPart, load_json_record
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 from jaxckpt.storage import LocalStorage, open_storage

@@ -37,7 +37,7 @@ import test_multihost as mh
 
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import REPLICAS, parse_replica_index_key
+from jaxckpt._keys import REPLICAS, parse_replica_index_key
 from jaxckpt.storage import open_storage
 
 pytestmark = pytest.mark.timeout(300)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxckpt import CorruptCheckpointError
-from jaxckpt._layout import replica_index_key, replica_prefix
+from jaxckpt._keys import replica_index_key, replica_prefix
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._peertier import heal_target
 from jaxckpt._records import FileDigest, ReplicaIndex

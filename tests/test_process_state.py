@@ -27,7 +27,7 @@ from benchkit import servers
 import jaxckpt
 from jaxckpt import _procstate
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import manifest_name
+from jaxckpt._keys import manifest_name
 from jaxckpt.cli import main as cli_main
 from jaxckpt.storage import open_storage
 

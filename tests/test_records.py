@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxckpt import _records as R
-from jaxckpt._layout import StepLocation, marker_key, new_attempt
+from jaxckpt._keys import StepLocation, marker_key, new_attempt
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
 
 WHERE = "s3://bucket/run/commits/000000000007.e2.json"

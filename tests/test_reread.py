@@ -23,7 +23,7 @@ from rootpaths import step_key
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt._layout import marker_key
+from jaxckpt._keys import marker_key
 from jaxckpt._safetensors import read_safetensors
 from jaxckpt.storage import LocalStorage
 

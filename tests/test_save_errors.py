@@ -15,7 +15,7 @@ import pytest
 from absl import logging as absl_logging
 
 import jaxckpt
-from jaxckpt._layout import ATTEMPTS
+from jaxckpt._keys import ATTEMPTS
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 _spec = importlib.util.spec_from_file_location(

@@ -20,7 +20,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import COMMITS, latest_hint_key
+from jaxckpt._keys import COMMITS, latest_hint_key
 from jaxckpt.storage import Storage, open_storage
 
 

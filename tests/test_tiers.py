@@ -30,7 +30,7 @@ from trees import assert_tree_bitexact
 import jaxckpt
 from jaxckpt import policy
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import ATTEMPTS, parse_data_key
+from jaxckpt._keys import ATTEMPTS, parse_data_key
 from jaxckpt._promote import read_requests
 from jaxckpt.storage import open_storage
 

@@ -29,7 +29,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import ATTEMPTS, COMMITS, PENDING, StepLocation, new_attempt
+from jaxckpt._keys import ATTEMPTS, COMMITS, PENDING, StepLocation, new_attempt
 from jaxckpt._records import json_record
 from jaxckpt.storage import open_storage
 

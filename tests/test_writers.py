@@ -26,7 +26,7 @@ import jaxckpt
 from jaxckpt import _restore, cli
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._gc import scan
-from jaxckpt._layout import marker_key, parse_marker_key
+from jaxckpt._keys import marker_key, parse_marker_key
 from jaxckpt.storage import Storage, open_storage
 
 CHILD = Path(__file__).with_name("writer_child.py")

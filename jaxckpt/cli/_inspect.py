@@ -8,10 +8,12 @@ import math
 from typing import Any
 
 from jaxckpt._commit import TREE_FILE, CommitProtocol
-from jaxckpt._records import CommitMarker, load_json_record, path_text
+from jaxckpt._records import CommitMarker
+from jaxckpt._treerecord import parse_tree
 from jaxckpt._versions import versions_text
 from jaxckpt.cli._common import command, dotted, integer, itemsize, open_root, source_and_step
 from jaxckpt.cli._output import human_bytes, json_out, local_time, print_table
+from jaxckpt.formats import step_format
 
 
 def register(sub: Any) -> None:
@@ -26,15 +28,12 @@ def _stored_bytes(
 ) -> tuple[dict[str, int], str, int]:
     """Stored bytes per array, the step's layout and its number of data objects."""
     sizes: dict[str, int] = {}
-    layout, objects = "plain", 0
-    for part in protocol.read_manifest(marker):
-        if part.layout == "packed":
-            layout = "packed"
-            objects += len(part.packs)
+    parts = protocol.read_manifest(marker)
+    for part in parts:
         for name, chunks in part.arrays.items():
             sizes[name] = sizes.get(name, 0) + sum(c.size for c in chunks)
-            objects += sum(c.pack is None for c in chunks)
-    return sizes, layout, objects
+    layout = step_format(part.layout for part in parts).name
+    return sizes, layout, sum(part.objects for part in parts)
 
 
 def _describe_sharding(sharding: dict[str, Any] | None) -> str:
@@ -58,25 +57,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     root, step = source_and_step(args.parser, args.root, args.step)
     protocol = open_root(root)
     marker = protocol.marker_or_latest(step)
-    tree = load_json_record(protocol.read_step_file(marker, TREE_FILE), TREE_FILE)
+    tree = parse_tree(
+        protocol.read_step_file(marker, TREE_FILE),
+        protocol.where(marker.location.tree_key),
+        step=marker.step,
+    )
     stored, layout, objects = _stored_bytes(protocol, marker)
     leaves: list[dict[str, Any]] = []
-    for leaf in tree["leaves"]:
-        is_value = leaf["kind"] == "value"
-        shape = None if is_value else list(leaf["shape"])
+    for leaf in tree.leaves:
+        is_value = leaf.kind == "value"
+        shape = None if is_value else list(leaf.shape)
         leaves.append(
             {
-                "path": dotted(leaf["path"], leaf.get("name")),
-                "keystr": path_text(leaf["path"]),
-                "kind": leaf["kind"],
+                "path": dotted(leaf.path, leaf.name),
+                "keystr": leaf.path_text,
+                "kind": leaf.kind,
                 "shape": shape,
-                "dtype": leaf.get("dtype"),
-                "sharding": leaf.get("sharding"),
-                "chunk_shape": leaf.get("chunk_shape"),
-                "key_impl": leaf.get("key_impl"),
-                "nbytes": 0 if is_value else math.prod(shape or []) * itemsize(leaf["dtype"]),
-                "stored_bytes": stored.get(leaf.get("name") or "", 0),
-                "value": leaf.get("value"),
+                "dtype": leaf.dtype,
+                "sharding": leaf.sharding,
+                "chunk_shape": None if is_value else list(leaf.chunk_shape),
+                "key_impl": leaf.key_impl,
+                "nbytes": 0 if is_value else math.prod(shape or []) * itemsize(leaf.dtype or ""),
+                "stored_bytes": stored.get(leaf.name or "", 0),
+                "value": leaf.value,
             }
         )
     if args.json:
@@ -88,8 +91,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "nbytes": marker.nbytes,
                 "keep": marker.keep,
                 "metrics": dict(marker.metrics),
-                "metadata": tree.get("metadata"),
-                "versions": tree.get("versions"),
+                "metadata": tree.metadata,
+                "versions": dict(tree.versions) or None,
                 "attempt": marker.attempt,
                 "epoch": marker.epoch,
                 "layout": layout,
@@ -105,14 +108,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{human_bytes(marker.nbytes)} stored), {len(leaves) - len(arrays)} values"
         + (", pinned" if marker.keep else "")
     )
-    print(f"written by: {versions_text(tree.get('versions'))}")
+    print(f"written by: {versions_text(dict(tree.versions) or None)}")
     print(f"layout: {layout} ({objects:,} data objects)")
     if marker.attempt is not None:
         print(f"attempt: {marker.attempt} (writer epoch {marker.epoch})")
     if marker.metrics:
         print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in marker.metrics.items()))
-    if tree.get("metadata") is not None:
-        print(f"metadata: {json.dumps(tree['metadata'])}")
+    if tree.metadata is not None:
+        print(f"metadata: {json.dumps(tree.metadata)}")
     rows = [["PATH", "KIND", "SHAPE", "DTYPE", "SHARDING", "BYTES"]]
     for x in leaves:
         if x["kind"] == "value":

@@ -9,7 +9,7 @@ from typing import Any
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._decision import retention_decision
 from jaxckpt._gc import scan
-from jaxckpt._layout import REPLICAS, is_held_manifest_name, is_manifest_name, replica_holdings
+from jaxckpt._keys import REPLICAS, is_held_manifest_name, is_manifest_name, replica_holdings
 from jaxckpt._records import CommitMarker
 from jaxckpt.cli._common import add_retention_flags, command, integer, open_root, retention
 from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, print_table

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from jaxckpt._commit import CommitProtocol
-from jaxckpt._layout import REPLICAS, replica_holdings, replica_index_key
+from jaxckpt._keys import REPLICAS, replica_holdings, replica_index_key
 from jaxckpt._promote import FAILED, PROMOTED, PromotionResult, read_requests
 from jaxckpt._records import ReplicaIndex
 from jaxckpt.errors import CheckpointError

@@ -70,7 +70,7 @@ def register(sub: Any) -> None:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from jaxckpt import policy
-    from jaxckpt._layout import PROMOTE, TIER_RECORD
+    from jaxckpt._keys import PROMOTE, TIER_RECORD
     from jaxckpt._owner import refusal
     from jaxckpt._promote import PROMOTED, Promoter, PromotionResult, archive_once
     from jaxckpt.cli._metrics import PromoterMetrics

@@ -53,7 +53,7 @@ def fill(root: str, steps: int) -> None:
 
     import jaxckpt
     from jaxckpt._commit import CommitProtocol
-    from jaxckpt._layout import latest_hint_key
+    from jaxckpt._keys import latest_hint_key
     from jaxckpt.storage import open_storage
 
     with jaxckpt.CheckpointManager(root) as mgr:

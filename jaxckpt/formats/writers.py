@@ -1,0 +1,36 @@
+"""Each data format's writer: the one place a save turns a format into a :class:`StepWriter`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from jaxckpt._pack import PackWriter
+from jaxckpt.formats import FORMATS, PACKED, PLAIN, DataFormat, StepWriter
+
+if TYPE_CHECKING:
+    from jaxckpt._options import CheckpointOptions
+    from jaxckpt._tier import Tier
+
+
+def _plain(tier: Tier, options: CheckpointOptions) -> StepWriter:
+    return tier.arrays  # the tier's TensorStore context and in-flight bound (``_tsio``)
+
+
+def _packed(tier: Tier, options: CheckpointOptions) -> StepWriter:
+    return PackWriter(
+        tier.storage, max_object_bytes=options.max_object_bytes, uploads=options.objects_in_flight
+    )
+
+
+WRITERS: Mapping[str, Callable[[Tier, CheckpointOptions], StepWriter]] = {
+    PLAIN.name: _plain,
+    PACKED.name: _packed,
+}
+"""Every format's writer factory, by format name."""
+assert set(WRITERS) == set(FORMATS), "every data format needs a writer"
+
+
+def step_writer(data_format: DataFormat, tier: Tier, options: CheckpointOptions) -> StepWriter:
+    """The writer of ``data_format`` for one tier's saves."""
+    return WRITERS[data_format.name](tier, options)
