@@ -20,11 +20,12 @@ def state() -> dict[str, object]:
     return {"w": np.arange(8 * 2**20, dtype=np.float32), "step": STEP}
 
 
-root, how = sys.argv[1], sys.argv[2]
-mgr = jaxckpt.CheckpointManager(root)
-mgr.save(STEP, state())
-print("SAVED", flush=True)
-if how == "sys_exit":
-    sys.exit(0)
-if how == "del":
-    del mgr
+if __name__ == "__main__":  # the suite imports every module of tests/ for doctests
+    root, how = sys.argv[1], sys.argv[2]
+    mgr = jaxckpt.CheckpointManager(root)
+    mgr.save(STEP, state())
+    print("SAVED", flush=True)
+    if how == "sys_exit":
+        sys.exit(0)
+    if how == "del":
+        del mgr
