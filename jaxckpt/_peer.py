@@ -18,9 +18,12 @@ authenticated peer did not send is refused and the connection closed. Requests:
 ``put`` (write a key), ``get`` (read one), ``list`` (the keys under a prefix)
 and ``delete`` (a prefix), each on a safe key under the one prefix the server
 serves (``replicas/``); any other key is a refused request, never a failed
-connection. Every socket operation has a timeout, so a dead or stalled peer is
-an error, never a hang; an ``accept()`` that fails (no file descriptors left)
-is logged and retried with a back-off, never the end of the listener.
+connection. A ``put`` to a local root is written to a hidden temp file beside
+its key as it arrives and renamed to the key once its MAC is checked, so the
+listener's memory does not grow with the frame's size. Every socket operation
+has a timeout, so a dead or stalled peer is an error, never a hang; an
+``accept()`` that fails (no file descriptors left) is logged and retried with a
+back-off, never the end of the listener.
 Imports neither jax nor numpy.
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import errno
 import hmac
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -36,6 +40,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
+from uuid import uuid4
 
 from jaxckpt._peerwire import (
     DIGEST_BYTES,
@@ -48,7 +53,8 @@ from jaxckpt._peerwire import (
     recv_exact,
 )
 from jaxckpt.errors import PeerAuthError, PeerError
-from jaxckpt.storage import Storage
+from jaxckpt.storage import LocalStorage, Storage
+from jaxckpt.storage._local import _fsync_dir, _makedirs_durable
 
 log = logging.getLogger("jaxckpt")
 
@@ -120,6 +126,7 @@ class PeerServer:
         max_handshakes: int = MAX_HANDSHAKES,
     ) -> None:
         self._storage = storage
+        self._root = storage.uri if isinstance(storage, LocalStorage) else None
         self._secret = secret
         self._timeout_s = timeout_s
         self._handshake_s = min(handshake_timeout_s or HANDSHAKE_TIMEOUT_S, timeout_s)
@@ -242,11 +249,25 @@ class PeerServer:
             return
         conn.settimeout(self._timeout_s)
         while not self._closed.is_set():
-            frame = session.recv(conn, self._max_bytes)
-            if frame is None:
+            header = session.recv_header(conn, self._max_bytes)
+            if header is None:
                 return  # the client is done
-            reply, data = self._answer(*frame)
+            reply, data = self._take(session, conn, header)
             session.send(conn, reply, data)
+
+    def _take(
+        self, session: Session, conn: socket.socket, header: dict[str, Any]
+    ) -> tuple[dict[str, Any], bytes]:
+        """Receives the payload of the request ``header`` and answers it: a ``put`` to a
+        local root streams to a file, any other payload is held (a refused one dropped)."""
+        key = header.get("key")
+        refused = key_refusal(key, self._prefix) is not None
+        if header.get("op") == "put" and not refused and self._root is not None:
+            assert isinstance(key, str)
+            return _put_streamed(self._root, key, session, conn, header)
+        pieces: list[bytes] = []
+        session.recv_payload(conn, header, _drop if refused else pieces.append)
+        return self._answer(header, pieces)
 
     def _authenticate(self, conn: socket.socket, addr: Any) -> Session | None:
         deadline = time.monotonic() + self._handshake_s
@@ -297,6 +318,87 @@ class PeerServer:
         except Exception as e:  # a failed request is an answer; the connection goes on
             return {"error": f"{op} {key!r} failed: {type(e).__name__}: {e}"}, b""
         return {"error": f"unknown request {op!r}"}, b""
+
+
+def _drop(piece: bytes) -> None:
+    """The payload of a refused request: received (to stay in step) and dropped."""
+
+
+def _put_streamed(
+    root: str, key: str, session: Session, conn: socket.socket, header: dict[str, Any]
+) -> tuple[dict[str, Any], bytes]:
+    """Receives a ``put``'s payload into a hidden temp file beside ``key`` under ``root``
+    as it arrives, then, its MAC checked, fsyncs it and renames it to ``key``.
+
+    Memory stays at one piece whatever the frame's size. The temp file is named like
+    a create-only write's (``.<name>.<time>-<hex>.tmp``): no reader takes it for a
+    replica (a replica is the files its index names), it is removed when the frame
+    fails, and one a crash left is removed by ``Peers.collect`` once stale.
+
+    Raises:
+      PeerAuthError, OSError: the frame failed (the connection ends; no file is placed).
+    """
+    path = os.path.join(root, *key.split("/"))
+    directory, name = os.path.split(path)
+    sink = _FileSink(os.path.join(directory, f".{name}.{int(time.time())}-{uuid4().hex}.tmp"))
+    try:
+        session.recv_payload(conn, header, sink.write)
+    except BaseException:
+        sink.discard()
+        raise
+    sink.place(path)
+    if sink.error is not None:
+        return {"error": f"put {key!r} failed: {type(sink.error).__name__}: {sink.error}"}, b""
+    return {"ok": True}, b""
+
+
+class _FileSink:
+    """The temp file a streamed ``put`` is written to; a failed write is kept in ``error``
+    (the rest of the payload is still received, so the connection stays in step)."""
+
+    def __init__(self, tmp: str) -> None:
+        self.tmp = tmp
+        self.error: OSError | None = None
+        self._fd: int | None = None
+        try:
+            _makedirs_durable(os.path.dirname(tmp))
+            self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as e:
+            self.error = e
+
+    def write(self, piece: bytes) -> None:
+        if self._fd is None:
+            return
+        view = memoryview(piece)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as e:
+            self.error = e
+            self.discard()
+
+    def place(self, path: str) -> None:
+        """Fsyncs the temp file and renames it to ``path`` (durably); a failure is kept
+        in ``error`` and the temp file removed."""
+        if self._fd is None:
+            return
+        try:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self.tmp, path)
+            _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            self.error = e
+            self.discard()
+
+    def discard(self) -> None:
+        if self._fd is not None:
+            with suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with suppress(OSError):
+            os.unlink(self.tmp)
 
 
 class PeerClient:

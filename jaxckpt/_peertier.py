@@ -55,6 +55,7 @@ from jaxckpt._keys import (
     REPLICAS,
     StepLocation,
     is_held_manifest_name,
+    is_stale_temp_key,
     is_temp_key,
     new_attempt,
     parse_replica_step,
@@ -209,9 +210,17 @@ class Peers:
     def collect(self) -> list[int]:
         """Removes the replicas of steps older than the tier's newest step that it does
         not hold itself (their save failed here, or retention deleted them before the
-        replicas came); returns their steps. A replica of a newer step may be in flight."""
+        replicas came), and the temp files of received frames left by a crash (older
+        than ``TEMP_GRACE_S``); returns the steps. A replica of a newer step may be in
+        flight."""
         storage = self._local.storage
-        steps = {s for k in storage.list(REPLICAS) if (s := parse_replica_step(k)) is not None}
+        keys = storage.list(REPLICAS)
+        now = time.time()
+        for key in keys:  # a frame that a crash cut while it streamed in
+            if is_stale_temp_key(key, now):
+                log.info("removing %s/%s (a replica file whose receipt was cut)", storage.uri, key)
+                storage.delete(key)
+        steps = {s for k in keys if (s := parse_replica_step(k)) is not None}
         own = set(self._local.visible())
         stale = sorted(s for s in steps - own if s < max(own, default=-1))
         for step in stale:

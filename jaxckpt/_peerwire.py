@@ -14,9 +14,10 @@ unnoticed. A *frame* is::
 The header's tag is checked before its size is believed: a frame that did not
 come from the peer that made the handshake (an on-path relay injecting a
 ``put``) is refused before a byte of its payload is read. The payload is
-received in pieces of at most ``PIECE_BYTES`` as they arrive, so memory follows
-the bytes received, never a size a header claims, and the payload is bounded by
-the receiver's ``max_bytes``. The transport authenticates and protects the
+received in pieces of at most ``PIECE_BYTES`` and handed on as they arrive
+(:meth:`Session.recv_payload`; the listener streams a ``put`` to a file), so
+memory never follows a size a header claims, and the payload is bounded by the
+receiver's ``max_bytes``. The transport authenticates and protects the
 integrity of what it carries; it does not encrypt it.
 Imports neither jax nor numpy.
 """
@@ -29,7 +30,7 @@ import json
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxckpt.errors import PeerAuthError, PeerError
@@ -134,6 +135,23 @@ class Session:
           PeerError: a length over the bounds or a malformed header.
           OSError: the connection failed or timed out.
         """
+        header = self.recv_header(sock, max_bytes)
+        if header is None:
+            return None
+        pieces: list[bytes] = []
+        self.recv_payload(sock, header, pieces.append)
+        return header, pieces
+
+    def recv_header(self, sock: socket.socket, max_bytes: int) -> dict[str, Any] | None:
+        """Receives one frame's header (its tag checked, its ``size`` at most ``max_bytes``);
+        None if the other side closed the connection before a frame began. The payload
+        must be received next, by :meth:`recv_payload`.
+
+        Raises:
+          PeerAuthError: the tag does not match (not from this session's peer, or altered).
+          PeerError: a length over the bounds or a malformed header.
+          OSError: the connection failed or timed out.
+        """
         try:
             length_bytes = recv_exact(sock, 4)
         except Closed:
@@ -155,18 +173,30 @@ class Session:
         size = header["size"]
         if size > max_bytes:
             raise PeerError(f"frame payload of {size} bytes exceeds the bound of {max_bytes}")
+        return header
+
+    def recv_payload(
+        self, sock: socket.socket, header: dict[str, Any], write: Callable[[bytes], object]
+    ) -> None:
+        """Receives the payload of the frame whose header was just received, handing each
+        piece (at most ``PIECE_BYTES``) to ``write`` as it arrives; returns once the
+        payload's tag is checked. What ``write`` took is not authentic until then.
+
+        Raises:
+          PeerAuthError: the payload's tag does not match.
+          OSError: the connection failed or timed out (or ``write`` failed).
+        """
+        seq = (self._received - 1).to_bytes(8, "big")
         mac = hmac.new(self._recv_key, b"p" + seq, hashlib.sha256)
-        pieces: list[bytes] = []
-        left = size
+        left = header["size"]
         while left:
             piece = recv_exact(sock, min(left, PIECE_BYTES))
             mac.update(piece)
-            pieces.append(piece)
+            write(piece)
             left -= len(piece)
         if not hmac.compare_digest(recv_exact(sock, DIGEST_BYTES), mac.digest()):
             what = f"{header.get('op', 'reply')} {header.get('key', '')!r}".strip()
             raise PeerAuthError(f"the payload of {what} fails its MAC")
-        return header, pieces
 
 
 def _header(raw: bytes) -> dict[str, Any]:
