@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import shutil
 import signal
 import subprocess
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import multihost_child as child
 import numpy as np
 import protocol_state as state
 import pytest
@@ -57,10 +57,6 @@ from jaxckpt._records import ManifestPart
 from jaxckpt.storage import open_storage
 
 CHILD_PATH = Path(__file__).with_name("multihost_child.py")
-_spec = importlib.util.spec_from_file_location("jaxckpt_multihost_child", CHILD_PATH)
-assert _spec is not None and _spec.loader is not None
-child = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(child)
 
 ARRAYS = [*child.SHARDED, *child.REPLICATED, *child.HOST, *child.BIG]
 STEPS = (1, 2)

@@ -10,10 +10,8 @@ be reported.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,18 +25,11 @@ from jaxckpt._keys import marker_key
 from jaxckpt._safetensors import read_safetensors
 from jaxckpt.storage import LocalStorage
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
 
 def _load_faultproxy():
-    spec = importlib.util.spec_from_file_location(
-        "jaxckpt_scripts_faultproxy", SCRIPTS / "faultproxy.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    import faultproxy  # scripts/ is on the suite's pythonpath
+
+    return faultproxy
 
 
 faultproxy = _load_faultproxy()

@@ -3,28 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import faultproxy
 import numpy as np
 import pytest
 from absl import logging as absl_logging
 
 import jaxckpt
 from jaxckpt._keys import ATTEMPTS
-
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-_spec = importlib.util.spec_from_file_location(
-    "jaxckpt_scripts_faultproxy", SCRIPTS / "faultproxy.py"
-)
-assert _spec is not None and _spec.loader is not None
-faultproxy = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = faultproxy
-_spec.loader.exec_module(faultproxy)
 
 CHILD = """
 import sys
