@@ -54,7 +54,7 @@ from jaxckpt._peerwire import (
 )
 from jaxckpt.errors import PeerAuthError, PeerError
 from jaxckpt.storage import LocalStorage, Storage
-from jaxckpt.storage._local import _fsync_dir, _makedirs_durable
+from jaxckpt.storage._durable import fsync_dir, makedirs_durable
 
 log = logging.getLogger("jaxckpt")
 
@@ -361,7 +361,7 @@ class _FileSink:
         self.error: OSError | None = None
         self._fd: int | None = None
         try:
-            _makedirs_durable(os.path.dirname(tmp))
+            makedirs_durable(os.path.dirname(tmp))
             self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except OSError as e:
             self.error = e
@@ -387,7 +387,7 @@ class _FileSink:
             os.close(self._fd)
             self._fd = None
             os.replace(self.tmp, path)
-            _fsync_dir(os.path.dirname(path))
+            fsync_dir(os.path.dirname(path))
         except OSError as e:
             self.error = e
             self.discard()

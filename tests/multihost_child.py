@@ -278,9 +278,11 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"UNEXPECTED commit of step {steps[1]}")
         os._exit(1)
     manager.close()
-    if jax.process_index() == args.primary_host:  # the agreement cleaned up after itself
-        from jax._src import distributed
+    from jax._src import distributed
 
+    # The last process to close removes the agreement's keys: look once every one has.
+    distributed.global_state.client.wait_at_barrier("multihost-child-closed", 120_000)
+    if jax.process_index() == args.primary_host:  # the agreement cleaned up after itself
         left = distributed.global_state.client.key_value_dir_get("jaxckpt/")
         _say(f"AGREEMENT KEYS LEFT {len(left)}")
     _say("DONE")

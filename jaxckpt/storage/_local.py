@@ -15,6 +15,8 @@ import numpy as np
 from jaxckpt.errors import StorageError
 from jaxckpt.storage._base import PreconditionFailed
 from jaxckpt.storage._buffers import aligned_empty, pread_into
+from jaxckpt.storage._durable import fsync_dir as _fsync_dir
+from jaxckpt.storage._durable import makedirs_durable as _makedirs_durable
 
 _RMTREE_ATTEMPTS = 8  # a zombie writer may create files while its attempt is removed
 _RMTREE_RACES = 10_000  # walks restarted because another remover took an entry first
@@ -253,28 +255,6 @@ def _write_file(path: str, data: bytes | Sequence[bytes | memoryview]) -> None:
 
 _IOV_MAX = 1024
 """The most buffers one ``writev`` takes (Linux's IOV_MAX)."""
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _makedirs_durable(path: str) -> None:
-    """Creates ``path`` and its parents, fsyncing each new directory's parent."""
-    if os.path.isdir(path):
-        return
-    parent = os.path.dirname(path)
-    if parent != path:
-        _makedirs_durable(parent)
-    try:
-        os.mkdir(path)
-    except FileExistsError:
-        return
-    _fsync_dir(parent)
 
 
 def _written() -> None:
