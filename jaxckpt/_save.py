@@ -11,7 +11,8 @@ step's promotion request, if it is to be promoted), and ``commit`` only ends
 the session. The session knows the attempt's
 :class:`~jaxckpt._keys.StepLocation`, so every key of the save comes from
 one place. It owns the checkpointer and the wait, failure and fence state;
-a commit notifies its listeners (retention, promotion), never the manager.
+the writing of each step is a :class:`~jaxckpt._stepwrite.StepWrite`. A
+commit notifies its listeners (retention, promotion), never the manager.
 """
 
 from __future__ import annotations
@@ -21,38 +22,30 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
 import jax
 
-from jaxckpt import _atexit, _handler, _pools, _procstate, policy
+from jaxckpt import _atexit, _handler, _procstate, policy
 from jaxckpt._agree import Agreement
 from jaxckpt._commit import CommitProtocol
 from jaxckpt._fence import Listing
-from jaxckpt._keys import TREE_FILE, StepLocation, held_manifest_name, manifest_name, new_attempt
+from jaxckpt._keys import StepLocation
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._phases import reached, watched
-from jaxckpt._promote import PromotionRequest, request_promotion, withdraw
-from jaxckpt._records import ChunkRecord, CommitMarker, ManifestPart
+from jaxckpt._promote import PromotionRequest, withdraw
+from jaxckpt._records import CommitMarker
 from jaxckpt._savehelp import (
-    check_object_bound,
     fence_error,
-    listing_and_announce,
-    replace_corrupt,
-    split_held,
-    tree_record,
 )
+from jaxckpt._stepwrite import Inflight, StepWrite, prepare_step
 from jaxckpt._telemetry import SaveRecorder
 from jaxckpt._tier import Tier
-from jaxckpt._tree import SavedLeaf, describe_state
+from jaxckpt._tree import SavedLeaf
 from jaxckpt._tsio import ArrayWriter, HostArray
 from jaxckpt.errors import (
     CheckpointError,
     SaveFailedError,
     SaveTimeoutError,
-    StepAlreadyExistsError,
     WriterFencedError,
 )
 from jaxckpt.formats import StepWriter, format_named
@@ -65,34 +58,6 @@ class CommitListener(Protocol):
     """Told after each commit of this process (retention, promotion)."""
 
     def committed(self, marker: CommitMarker) -> None: ...
-
-
-@dataclass
-class Inflight:
-    """The one save in flight: where it goes and what its marker will carry."""
-
-    loc: StepLocation
-    tree: bytes
-    metrics: dict[str, float] | None
-    keep: bool
-    nbytes: int = 0
-    request: PromotionRequest | None = None
-    """Local tier: the promotion request, written before the local marker."""
-    listing: Listing | None = None
-    """The root's listing taken by ``save`` (its begin phase checks against it)."""
-    announced: bool = False
-    """``save`` wrote the pending record while it took ``listing``."""
-    agreement: Agreement | None = None
-    """The save's background part agrees through this (None: one process)."""
-    written: dict[str, bytes] = field(default_factory=dict)
-    """The records this process wrote for the attempt, by name: its commit does not read
-    them back."""
-    process_state: dict[str, Any] | None = None
-    """This process's ``process_state`` record, carried in its manifest part."""
-
-    @property
-    def step(self) -> int:
-        return self.loc.step
 
 
 class SaveSession:
@@ -183,7 +148,17 @@ class SaveSession:
         own_state = None
         try:
             own_state = _procstate.encode(process_state, step=step, process=jax.process_index())
-            prepared = self._prepare(step, state, metadata)
+            prepared = prepare_step(
+                self._tier,
+                self._options,
+                step,
+                state,
+                metadata,
+                begins=self._per_host or self._primary,
+                corrupt=self.corrupt,
+                root=self._root,
+                ready=self._ensure_checkpointer,
+            )
         except Exception as e:
             failure = e
         announced = prepared is not None and prepared[5]
@@ -232,43 +207,6 @@ class SaveSession:
             raise SaveFailedError(f"save of step {step} under {self._root} failed: {e}") from e
         self.recorder.blocked(step)
         self._last_saved = (step, time.monotonic())
-
-    def _prepare(
-        self, step: int, state: Any, metadata: Any
-    ) -> tuple[Any, Any, bytes, StepLocation, Listing | None, bool]:
-        """This process's checks and preparation of ``step``'s save, before any collective:
-        its leaves and tree record, and, where this process begins the attempt (the
-        primary of a shared tier; every host of its own tier), the step's absence, the
-        fence and the pending record. Returns ``(leaves, values, tree, location, listing,
-        announced)``; on a shared tier the location's attempt is agreed afterwards.
-
-        Raises:
-          StepAlreadyExistsError, WriterFencedError, UnsupportedLeafError, CheckpointError.
-        """
-        self._tier.revive(self._root)  # an own tier removed under this job is recreated
-        leaves, values = describe_state(state, chunk_bytes=self._options.stored_chunk_bytes)
-        check_object_bound(leaves, self._options.max_object_bytes, step)
-        tree = tree_record(step, leaves, metadata, state)
-        self._ensure_checkpointer()
-        loc = StepLocation(step, new_attempt(self._protocol.write_epoch()))
-        listing, announced = None, False
-        if self._per_host or self._primary:  # only the primary looks at a shared tier
-            announce = not self._per_host and not watched()
-            try:
-                listing, announced = listing_and_announce(self._protocol, loc, announce=announce)
-            except StepAlreadyExistsError:
-                if not replace_corrupt(self._protocol, step, self.corrupt, self._root):
-                    raise
-                listing, announced = listing_and_announce(self._protocol, loc, announce=announce)
-            try:
-                self._protocol.begin_save(loc, listing, announced=announced)
-            except BaseException:
-                if announced:
-                    with contextlib.suppress(Exception):
-                        self._protocol.storage.delete(loc.pending_key)
-                raise
-            announced = True
-        return leaves, values, tree, loc, listing, announced
 
     def _ensure_checkpointer(self) -> Any:
         if self._checkpointer is None:
@@ -432,131 +370,19 @@ class SaveSession:
         self._expect(step)
 
     def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None:
-        """Writes this process's part, agrees that every process wrote its own, and
-        commits (the primary of a shared tier; each host of its own tier): a process
-        that fails makes every process's save fail at once, naming it."""
+        """Orbax's write: this process's part of the step, then its agreed commit
+        (see :meth:`StepWrite.run`)."""
         inflight = self._expect(step)
-        what = f"save of step {step} under {self._root}"
-        failure: Exception | None = None
-        extra: list[str] = []
-        try:
-            extra = self._write(inflight, arrays)
-        except Exception as e:
-            failure = e
-        agreement = inflight.agreement or self._agreement
-        try:
-            agreement.settle("written", failure, what=what)
-        except CheckpointError:
-            if self._primary and not self._per_host:  # every process is done with it
-                with contextlib.suppress(Exception):  # else collected as a stale attempt
-                    self._protocol.abandon(inflight.loc)
-            raise
-        failure = None
-        try:
-            if self._per_host:  # every host wrote (and replicated) its part: commit it
-                self._commit_local(inflight, extra)
-            elif self._primary:
-                self._commit_shared(inflight)
-        except Exception as e:
-            failure = e
-        agreement.settle("committed", failure, what=what)
-
-    def _write(self, inflight: Inflight, arrays: Sequence[HostArray]) -> list[str]:
-        """Writes this process's part (and replicates it to its peers: a local tier);
-        returns the extra files its local marker lists."""
-        step, loc = inflight.step, inflight.loc
-        # The primary's small records go out beside the chunks, and a packed save's
-        # manifest part beside its last packs (a round trip less each), unless a crash
-        # test watches the phases: then each in order, so that every phase's
-        # post-condition holds when it is announced.
-        ordered = watched()
-        if ordered:
-            self._write_records(inflight)
-        with _pools.borrow("records", 2) as pool:
-            records_written = None if ordered else pool.submit(self._write_records, inflight)
-            manifest: list[Future[tuple[ManifestPart, list[str]]]] = []
-
-            def planned(records: dict[str, tuple[ChunkRecord, ...]], packs: dict[str, int]) -> None:
-                manifest.append(pool.submit(self._write_manifest, inflight, arrays, records, packs))
-
-            records, packs = self._writer.write_step(
-                loc, arrays, planned=None if ordered else planned
-            )
-            if records_written is not None:
-                records_written.result()
-            if manifest:
-                part, extra = manifest[0].result()
-            else:
-                part, extra = self._write_manifest(inflight, arrays, records, packs)
-        reached("manifest_written", step)
-        inflight.nbytes = part.nbytes
-        if self._per_host:
-            request = None if inflight.request is None else inflight.request.to_bytes()
-            replicas = self._tier.peers
-            replicas.replicate(loc, metrics=inflight.metrics, keep=inflight.keep, request=request)
-        return extra
-
-    def _write_manifest(
-        self,
-        inflight: Inflight,
-        arrays: Sequence[HostArray],
-        records: dict[str, tuple[ChunkRecord, ...]],
-        packs: dict[str, int] | None,
-    ) -> tuple[ManifestPart, list[str]]:
-        """Writes this process's manifest part (``packs`` None: the plain layout) and, on a
-        local tier, its held part; returns the part and the extra files the marker lists."""
-        loc = inflight.loc
-        records, held = split_held(records, arrays)
-
-        def manifest_part(
-            records: dict[str, tuple[ChunkRecord, ...]], state: dict[str, Any] | None = None
-        ) -> ManifestPart:
-            return ManifestPart(
-                step=loc.step,
-                process=jax.process_index(),
-                num_processes=jax.process_count(),
-                arrays=records,
-                layout=self._options.layout,  # the format this session writes
-                packs=packs or {},
-                plain_codecs=packs is None,  # ArrayWriter's chain: zarr_metadata()
-                process_state=state,
-            )
-
-        extra = []
-        if held:  # a local tier's replicas of other hosts' shards, for this host's restores
-            name = held_manifest_name(jax.process_index())
-            inflight.written[name] = self._protocol.write_manifest_part(
-                loc, manifest_part(held), name=name
-            )
-            extra.append(name)
-        part = manifest_part(records, inflight.process_state)
-        inflight.written[manifest_name(part.process)] = self._protocol.write_manifest_part(
-            loc, part
-        )
-        return part, extra
-
-    def _commit_local(self, inflight: Inflight, extra: Sequence[str]) -> None:
-        """Commits this host's part on its own local root; the promotion request first."""
-        if inflight.request is not None:
-            request_promotion(self._protocol, inflight.request)
-            reached("promotion_requested", inflight.step)
-        marker = self._protocol.commit(
-            inflight.loc,
-            num_processes=jax.process_count(),
-            metrics=inflight.metrics,
-            keep=inflight.keep,
-            processes=[jax.process_index()],
-            extra=extra,
-            written=inflight.written,
-        )
-        self.recorder.committed(inflight.step, inflight.nbytes)
-        self._notify(marker)
-
-    def _write_records(self, inflight: Inflight) -> None:
-        if self._primary or self._per_host:
-            self._arrays.write_group(inflight.loc)
-            self._protocol.write_tree(inflight.loc, inflight.tree)
-            inflight.written[TREE_FILE] = inflight.tree
+        StepWrite(
+            self._tier,
+            self._writer,
+            self._options,
+            inflight.agreement or self._agreement,
+            primary=self._primary,
+            recorder=self.recorder,
+            notify=self._notify,
+            root=self._root,
+        ).run(inflight, arrays)
 
     def commit(self, step: int) -> None:
         """Orbax's finalize: the step is committed (in ``write``, agreed by every host)."""
@@ -570,19 +396,6 @@ class SaveSession:
         inflight = self.current()
         if inflight is not None and not self.closed:
             _atexit.finish(self.wait, inflight.step, self._root)
-
-    def _commit_shared(self, inflight: Inflight) -> None:
-        """The primary commits a shared tier's attempt: every part is written (agreed)."""
-        step = inflight.step
-        marker = self._protocol.commit(
-            inflight.loc,
-            num_processes=jax.process_count(),
-            metrics=inflight.metrics,
-            keep=inflight.keep,
-            written=inflight.written,
-        )
-        self.recorder.committed(step, inflight.nbytes)
-        self._notify(marker)
 
     def _notify(self, marker: CommitMarker) -> None:
         for listener in self._listeners:
