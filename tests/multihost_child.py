@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         except jaxckpt.CheckpointError as e:
             _say(f"FAILED {type(e).__name__} {time.monotonic() - start:.1f}")
             print(f"error: {e}", file=sys.stderr, flush=True)
-            os._exit(0)  # a peer is dead: skip the shutdown barriers
+            _exit_with_a_dead_peer()
         _say("UNEXPECTED restore")
         os._exit(1)
     elif args.mode == "policy":
@@ -273,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         except jaxckpt.CheckpointError as e:
             _say(f"FAILED {type(e).__name__} {time.monotonic() - start:.1f}")
             print(f"error: {e}", file=sys.stderr, flush=True)
-            # A peer is dead: skip the shutdown barriers of Orbax and jax.distributed.
-            os._exit(0)
+            _exit_with_a_dead_peer()
         _say(f"UNEXPECTED commit of step {steps[1]}")
         os._exit(1)
     manager.close()
@@ -430,6 +429,24 @@ def _check_array(name: str, array: Any, sharding: Any, step: int) -> int:
             np.asarray(shard.data), full[shard.index], err_msg=f"{name} {shard.index}"
         )
     return len(shards)
+
+
+def _exit_with_a_dead_peer() -> None:
+    """Exits 0 without the shutdown barriers of Orbax and jax.distributed (a peer is dead).
+    Process 0 hosts the coordination service: it first waits (bounded) until every other
+    surviving process has reported, else its exit kills them before they can."""
+    import jax
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    client.key_value_set(f"child-exited/{jax.process_index()}", "1")
+    if jax.process_index() == 0:
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            if len(client.key_value_dir_get("child-exited/")) >= jax.process_count() - 1:
+                break
+            time.sleep(0.1)
+    os._exit(0)
 
 
 if __name__ == "__main__":
