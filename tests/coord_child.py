@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
+from jaxgroup import join_group
 
 
 def _say(text: str) -> None:
@@ -70,19 +70,10 @@ def main() -> int:
     p.add_argument("--mode", choices=("count", "fail_save", "fail_check", "fail_restore", "resume"))
     p.add_argument("--save-timeout", type=float, default=60.0)
     args = p.parse_args()
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    join_group(args.coordinator, args.num_processes, args.process_id)
 
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        coordinator_bind_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=60,
-    )
     jax.devices()  # the CPU backend takes the real client; jaxckpt reads it at call time
     from jax._src import distributed
 

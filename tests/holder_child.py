@@ -17,11 +17,11 @@ Then ``DONE``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
+from jaxgroup import join_group
 
 
 def _say(text: str) -> None:
@@ -39,20 +39,11 @@ def main() -> int:
     p.add_argument("--peer-timeout", type=float, required=True)
     p.add_argument("--steps", default="1,2,3,4")
     args, _ = p.parse_known_args()
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    join_group(args.coordinator, args.num_processes, args.process_id)
 
     import jax
     from jax.experimental import multihost_utils
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        coordinator_bind_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=60,
-    )
     import jaxckpt
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))

@@ -19,10 +19,10 @@ onto the mesh in a fresh group and prints ``RESTORED s``, ``OWN <hex>`` (this pr
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import numpy as np
+from jaxgroup import join_group
 
 
 def state_of(process: int, step: int) -> bytes:
@@ -40,21 +40,12 @@ def main() -> int:
     parser.add_argument("--local-root")
     parser.add_argument("--replicas", action="store_true")
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    join_group(args.coordinator, args.num_processes, args.process_id)
 
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        coordinator_bind_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=60,
-    )
     import jaxckpt
 
     me = jax.process_index()
