@@ -13,8 +13,8 @@ from typing import Any
 
 from jaxckpt import CheckpointManager
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._procstate import RestoredStates
 from jaxckpt.errors import StepNotFoundError
+from jaxckpt.records._procstate import RestoredStates
 
 DISABLED = "(checkpointing disabled)"
 

@@ -1,13 +1,13 @@
 """CheckpointManager: the public entry point; it builds the parts and delegates to them.
 
-The manager holds its tiers (:mod:`jaxckpt._tier`, nearest first), the save
-session (:mod:`jaxckpt._save`), retention (:mod:`jaxckpt._retention`),
-promotion (:mod:`jaxckpt._promotion`), the agreement among hosts and the
-preemption watcher. A save goes manager → :class:`~jaxckpt._save.SaveSession`
-→ Orbax AsyncCheckpointer → :class:`~jaxckpt._handler.ZarrHandler` →
-``SaveSession.write`` → :class:`~jaxckpt._tsio.ArrayWriter` → TensorStore; a
-restore goes manager → :func:`jaxckpt._select.restore` →
-:class:`~jaxckpt._restore.StepReader`.
+The manager holds its tiers (:mod:`jaxckpt.tiers._tier`, nearest first), the save
+session (:mod:`jaxckpt.saving._session`), retention (:mod:`jaxckpt.tiers._retention`),
+promotion (:mod:`jaxckpt.tiers._promotion`), the agreement among hosts and the
+preemption watcher. A save goes manager → :class:`~jaxckpt.saving._session.SaveSession`
+→ Orbax AsyncCheckpointer → :class:`~jaxckpt.saving._handler.ZarrHandler` →
+``SaveSession.write`` → :class:`~jaxckpt.formats._tsio.ArrayWriter` → TensorStore; a
+restore goes manager → :func:`jaxckpt.restoring._select.restore` →
+:class:`~jaxckpt.restoring._stepreader.StepReader`.
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from jaxckpt import _select
-from jaxckpt._agree import Agreement
-from jaxckpt._keys import check_step
-from jaxckpt._metadata import StepMetadata, step_metadata
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
-from jaxckpt._procstate import ProcessStateAccess
-from jaxckpt._promotion import open_promotion
-from jaxckpt._retention import Retention
-from jaxckpt._save import SaveSession
-from jaxckpt._telemetry import SaveStats
-from jaxckpt._tier import Tier, join_tiers, open_tiers
 from jaxckpt._tree import PathMap
-from jaxckpt._verify import VerifyReport, verify_step
+from jaxckpt.commit._agree import Agreement
 from jaxckpt.errors import CheckpointError
+from jaxckpt.records._keys import check_step
+from jaxckpt.records._metadata import StepMetadata, step_metadata
+from jaxckpt.records._procstate import ProcessStateAccess
+from jaxckpt.restoring import _select
+from jaxckpt.saving._session import SaveSession
+from jaxckpt.saving._telemetry import SaveStats
+from jaxckpt.tiers._promotion import open_promotion
+from jaxckpt.tiers._retention import Retention
+from jaxckpt.tiers._tier import Tier, join_tiers, open_tiers
+from jaxckpt.tools._verify import VerifyReport, verify_step
 
 log = logging.getLogger("jaxckpt")
 

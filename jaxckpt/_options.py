@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from jaxckpt._records import TRAILER_BYTES
 from jaxckpt.formats import FORMATS
 from jaxckpt.formats import NAMES_TEXT as FORMAT_NAMES
+from jaxckpt.records._step import TRAILER_BYTES
 from jaxckpt.storage import ObjectStoreOptions, parse_root
 
 if TYPE_CHECKING:

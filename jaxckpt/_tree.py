@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxckpt._mismatch import SHOWN, Mismatch, mismatch_message
-from jaxckpt._records import path_text
-from jaxckpt._treerecord import VALUE_TYPES as VALUE_TYPES
-from jaxckpt._treerecord import SavedLeaf as SavedLeaf
-from jaxckpt._treerecord import np_dtype as np_dtype
 from jaxckpt.errors import TreeMismatchError, UnsupportedLeafError
+from jaxckpt.records._step import path_text
+from jaxckpt.records._tree import VALUE_TYPES as VALUE_TYPES
+from jaxckpt.records._tree import SavedLeaf as SavedLeaf
+from jaxckpt.records._tree import np_dtype as np_dtype
+from jaxckpt.restoring._mismatch import SHOWN, Mismatch, mismatch_message
 
 
 def _is_leaf(x: Any) -> bool:

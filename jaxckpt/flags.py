@@ -77,8 +77,8 @@ if TYPE_CHECKING:
 
     from jaxckpt import CheckpointManager
     from jaxckpt._options import CheckpointOptions
-    from jaxckpt._preflight import ResumeReport
     from jaxckpt.policy import RetentionPolicy, SavePolicy
+    from jaxckpt.restoring._preflight import ResumeReport
 
 CheckpointFlagError: type[Exception]
 """A ``checkpoint_*`` flag is missing or inconsistent (an ``absl.app.UsageError``, a
@@ -299,7 +299,7 @@ def preflight_from_flags(
     fv = _fv(flag_values)
     if not fv.checkpoint_preflight_steps:
         return None
-    from jaxckpt._preflight import check_resume
+    from jaxckpt.restoring._preflight import check_resume
 
     return check_resume(
         step_fn,

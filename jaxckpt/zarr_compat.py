@@ -174,7 +174,7 @@ def _committed(
     root: str | os.PathLike[str], step: int | None, endpoint: str | None, region: str | None
 ) -> tuple[Any, Any]:
     """The root's commit protocol and the marker of ``step`` (None: the latest)."""
-    from jaxckpt._commit import CommitProtocol
+    from jaxckpt.commit._protocol import CommitProtocol
     from jaxckpt.storage import open_storage
 
     options: dict[str, Any] = {}
@@ -227,8 +227,8 @@ def reference_manifest(
     """
     import json
 
-    from jaxckpt._restore import load_step
-    from jaxckpt._tsio import zarr_metadata
+    from jaxckpt.formats._tsio import zarr_metadata
+    from jaxckpt.restoring._stepreader import load_step
 
     protocol, marker = _committed(root, step, endpoint, region)
     loaded = load_step(protocol, marker)

@@ -216,7 +216,7 @@ def check_round(root: Root, result: RoundResult, writers: list[Writer]) -> None:
 
 def check_writers(root: Root, result: RoundResult, writers: list[Writer]) -> None:
     """What the writers' own output must show."""
-    from jaxckpt._fence import EpochReader
+    from jaxckpt.commit._fence import EpochReader
     from jaxckpt.storage import open_storage
 
     newest_epoch = EpochReader(open_storage(root.uri)).newest()
@@ -271,8 +271,8 @@ def check_writers(root: Root, result: RoundResult, writers: list[Writer]) -> Non
 def check_root(root: Root, result: RoundResult) -> None:
     """Invariants 1-3 of the module docstring, with fresh processes and managers."""
     import jaxckpt
-    from jaxckpt._commit import CommitProtocol
-    from jaxckpt._keys import ROOT_RECORD
+    from jaxckpt.commit._protocol import CommitProtocol
+    from jaxckpt.records._keys import ROOT_RECORD
     from jaxckpt.storage import open_storage
 
     protocol = CommitProtocol(open_storage(root.uri))
@@ -369,7 +369,7 @@ def check_visibility(root: Root, result: RoundResult, protocol: Any, listed: lis
 
 def check_newest_writer(root: Root, result: RoundResult, listed: list[int]) -> None:
     """The steps the root's newest writer committed are listed (its retention aside)."""
-    from jaxckpt._fence import EpochReader
+    from jaxckpt.commit._fence import EpochReader
     from jaxckpt.storage import open_storage
 
     newest = EpochReader(open_storage(root.uri)).newest()
@@ -392,7 +392,7 @@ def check_newest_writer(root: Root, result: RoundResult, listed: list[int]) -> N
 
 def check_keys(result: RoundResult, protocol: Any) -> None:
     """Nothing under attempts/, pending/, commits/ that the visible markers do not name."""
-    from jaxckpt._keys import ATTEMPTS, COMMITS, LEGACY_STEPS, PENDING, latest_hint_key
+    from jaxckpt.records._keys import ATTEMPTS, COMMITS, LEGACY_STEPS, PENDING, latest_hint_key
 
     markers = protocol.committed()
     # The newest epoch's hint is the only other object gc keeps under commits/.

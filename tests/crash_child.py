@@ -14,7 +14,7 @@ is written in the background); with ``--delete`` it then deletes that step and
 prints ``DELETED s``. Step ``s`` holds :func:`host_state` ``(seed, s, mb)``,
 so the parent can recompute exactly what a step must contain.
 
-``JAXCKPT_PAUSE_AT`` (see ``jaxckpt/_phases.py``) pauses at the first save or
+``JAXCKPT_PAUSE_AT`` (see ``jaxckpt/commit/_phases.py``) pauses at the first save or
 delete that reaches the phase. ``--arm OP:STEP`` narrows that to one
 operation: the variable is removed at start-up and put back just before that
 save or delete, so a single process can commit a few steps and then pause in

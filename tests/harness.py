@@ -1,7 +1,7 @@
 """Child processes for the tests that pause, kill and outlive writers.
 
 The crash, multi-host, tier, writer and training tests all run real processes
-and stop them at a named point of the protocol. ``jaxckpt/_phases.py`` is how a
+and stop them at a named point of the protocol. ``jaxckpt/commit/_phases.py`` is how a
 child announces those points: with ``JAXCKPT_PAUSE_AT=<phase>[,...]`` it prints
 ``JAXCKPT_PHASE <phase> <step>`` to stderr and pauses; with
 ``JAXCKPT_RESUME_DIR`` it also creates ``<dir>/<phase>-<step>.reached`` and

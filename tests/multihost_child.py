@@ -80,7 +80,7 @@ REPLICATED: dict[str, tuple[tuple[int, ...], Any]] = {
     "count": ((), np.int32),
 }
 HOST: dict[str, tuple[tuple[int, ...], Any]] = {"host": ((3,), np.int32)}
-# Replicated leaves above the exchange threshold (jaxckpt._replicated.MIN_BYTES),
+# Replicated leaves above the exchange threshold (jaxckpt.restoring._readonce.MIN_BYTES),
 # always restored replicated (P()), so each is read once over all processes: big
 # is saved replicated (one 1.5 MiB chunk, read in parts), wide sharded on 'data'
 # (one 1 MiB chunk per row of the mesh).
@@ -134,7 +134,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--exchange-min-bytes",
         type=int,
         default=None,
-        help="jaxckpt._replicated.MIN_BYTES (a huge value: every process reads what it needs)",
+        help="jaxckpt.restoring._readonce.MIN_BYTES (huge: every process reads what it needs)",
     )
     p.add_argument(
         "--exchange-part-bytes", type=int, default=None, help="..._replicated.PART_BYTES"
@@ -203,14 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     assert jax.local_device_count() == args.devices, jax.local_devices()
 
     import jaxckpt
-    import jaxckpt._replicated
+    import jaxckpt.restoring._readonce
 
     for name, (shape, spec) in BIG.items():
         BIG[name] = ((shape[0] * args.scale, *shape[1:]), spec)
     if args.exchange_min_bytes is not None:
-        jaxckpt._replicated.MIN_BYTES = args.exchange_min_bytes
+        jaxckpt.restoring._readonce.MIN_BYTES = args.exchange_min_bytes
     if args.exchange_part_bytes is not None:
-        jaxckpt._replicated.PART_BYTES = args.exchange_part_bytes
+        jaxckpt.restoring._readonce.PART_BYTES = args.exchange_part_bytes
     mesh = _mesh(jax, args.mesh, args.num_processes * args.devices)
     save_policy = _DisagreeingPolicy(args.primary_host) if args.mode == "policy" else None
     if args.leaves:
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 def _probe_wrong_secret(manager: Any) -> None:
     """Connects to process 1's peer listener with a wrong secret; it must turn us away."""
     import jaxckpt
-    from jaxckpt._peer import connect, new_secret
+    from jaxckpt.tiers._transport import connect, new_secret
 
     address = manager._tiers[0].peers.addresses[1]
     try:

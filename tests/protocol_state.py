@@ -1,7 +1,7 @@
 """What a step looks like on storage at each phase of the commit protocol.
 
 The only test module that reads the raw on-storage state of an uncommitted
-step. Keys come from ``jaxckpt._keys`` (``StepLocation``, ``manifest_name``,
+step. Keys come from ``jaxckpt.records._keys`` (``StepLocation``, ``manifest_name``,
 the key parsers), never from literals, so a layout change is ported by changing
 the *reads* below; the per-phase post-conditions further down are written in
 terms of those reads only.
@@ -42,7 +42,9 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxckpt._keys import (
+from jaxckpt.commit._phases import PHASES
+from jaxckpt.errors import CorruptCheckpointError
+from jaxckpt.records._keys import (
     ATTEMPTS,
     PENDING,
     ROOT_RECORD,
@@ -58,9 +60,7 @@ from jaxckpt._keys import (
     parse_marker_key,
     parse_pending_key,
 )
-from jaxckpt._phases import PHASES
-from jaxckpt._records import TRAILER_BYTES, CommitMarker, FileDigest, json_record
-from jaxckpt.errors import CorruptCheckpointError
+from jaxckpt.records._step import TRAILER_BYTES, CommitMarker, FileDigest, json_record
 from jaxckpt.storage import Storage
 
 SAVE_PHASES = tuple(p for p in PHASES if p != "delete_retracted")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._keys import ATTEMPTS, LEGACY_STEPS, parse_data_key
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._keys import ATTEMPTS, LEGACY_STEPS, parse_data_key
 from jaxckpt.storage import Storage, open_storage
 
 

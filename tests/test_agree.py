@@ -18,7 +18,7 @@ import jax
 import pytest
 from jax._src import distributed
 
-from jaxckpt._agree import Agreement, AgreementTimeoutError
+from jaxckpt.commit._agree import Agreement, AgreementTimeoutError
 from jaxckpt.errors import CheckpointError, StepAlreadyExistsError, StorageError
 
 

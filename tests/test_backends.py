@@ -15,8 +15,8 @@ from rootpaths import chunk_path, data_objects, data_steps
 from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._records import json_record
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._step import json_record
 from jaxckpt.storage import open_storage
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -128,7 +128,8 @@ def test_partial_step_is_invisible_and_garbage_collected(storage_root, layout):
 
 @pytest.mark.parametrize("layout", ["plain", "packed"])
 def test_background_failure_keeps_earlier_steps(storage_root, monkeypatch, layout):
-    from jaxckpt import _pack, _tsio
+    from jaxckpt.formats import _packed as _pack
+    from jaxckpt.formats import _tsio
 
     mgr = jaxckpt.CheckpointManager(storage_root, layout=layout)
     mgr.save(1, {"w": jnp.arange(8.0)})
@@ -167,7 +168,7 @@ def test_delete_and_retention(storage_root, layout):
 def test_orbax_never_sees_the_root_uri_and_its_placeholder_is_never_created(storage_root, layout):
     import os
 
-    from jaxckpt import _handler
+    from jaxckpt.saving import _handler
 
     placeholder = _handler.orbax_step_path(1)
     with jaxckpt.CheckpointManager(storage_root, layout=layout) as mgr:

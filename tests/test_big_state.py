@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._keys import PACK_ALIGNMENT
-from jaxckpt._records import TRAILER_BYTES
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._keys import PACK_ALIGNMENT
+from jaxckpt.records._step import TRAILER_BYTES
 from jaxckpt.storage import open_storage
 
 LEAVES = 24

@@ -14,8 +14,8 @@ from rootpaths import step_dir
 
 import jaxckpt
 from jaxckpt import zarr_compat
-from jaxckpt._commit import CommitProtocol
 from jaxckpt._tree import chunk_shape_for
+from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.storage import open_storage
 
 

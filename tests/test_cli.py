@@ -20,10 +20,10 @@ from rootpaths import data_steps, step_dir
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._gc import scan
-from jaxckpt._keys import StepLocation, new_attempt
-from jaxckpt._records import json_record
+from jaxckpt.commit._gc import scan
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._keys import StepLocation, new_attempt
+from jaxckpt.records._step import json_record
 from jaxckpt.storage import open_storage
 
 STEPS = (1, 2, 5, 10, 20, 30)
@@ -424,7 +424,7 @@ def test_cp_copies_and_commits_every_step(capsys, saved_root, tmp_path):
 
 @pytest.mark.usefixtures("plain_by_default")
 def test_cp_one_step_with_zstd_restores_like_any_other(capsys, saved_root, tmp_path, monkeypatch):
-    from jaxckpt import _restore
+    from jaxckpt.restoring import _stepreader as _restore
 
     codec_checks: list[int] = []
     plain_leaves = _restore.plain_leaves

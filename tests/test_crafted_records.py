@@ -23,11 +23,11 @@ import pytest
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._copy import _copy_objects
-from jaxckpt._records import FileDigest, ManifestPart, crc32c, dumps
+from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from jaxckpt.records._step import FileDigest, ManifestPart, crc32c, dumps
 from jaxckpt.storage import open_storage
+from jaxckpt.tools._copy import _copy_objects
 
 Edit = Callable[[dict[str, Any]], None]
 

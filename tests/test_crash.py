@@ -2,7 +2,7 @@
 
 Each test starts ``tests/crash_child.py`` in a fresh process, lets it commit a
 few steps, and kills it with SIGKILL either while it is paused at a named
-phase of the protocol (``JAXCKPT_PAUSE_AT``, see ``jaxckpt/_phases.py``) or,
+phase of the protocol (``JAXCKPT_PAUSE_AT``, see ``jaxckpt/commit/_phases.py``) or,
 while it saves in a loop, a seeded random fraction of the way through a seeded
 random phase (``JAXCKPT_TRACE`` and ``crash_child.py --end-in``: a kernel timer
 whose SIGALRM, with no handler, ends it as SIGKILL does). Storage must first show
@@ -50,8 +50,8 @@ import protocol_state as state
 import pytest
 
 import jaxckpt
-from jaxckpt._keys import pack_name
-from jaxckpt._phases import PHASES
+from jaxckpt.commit._phases import PHASES
+from jaxckpt.records._keys import pack_name
 from jaxckpt.storage import Storage, open_storage
 
 CHILD_PATH = Path(__file__).with_name("crash_child.py")
@@ -445,12 +445,12 @@ def test_a_watched_packed_save_announces_data_started_before_its_other_packs_lan
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A traced save does each phase's action before it announces the phase, in order
-    (``jaxckpt._phases.watched``): at data_started, only the first pack is durable.
+    (``jaxckpt.commit._phases.watched``): at data_started, only the first pack is durable.
 
     The first pack's upload is slowed, so the others land first unless the writer waits
     for it before it starts them (as the plain layout's writer waits for its first chunk).
     """
-    from jaxckpt import _pack
+    from jaxckpt.formats import _packed as _pack
 
     root = CrashRoot(uri=str(tmp_path / "root"))
     storage = root.storage()

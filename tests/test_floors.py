@@ -8,9 +8,9 @@ import math
 import pytest
 
 from jaxckpt import cli as jaxckpt_cli
-from jaxckpt._floors import Link, floors
-from jaxckpt._keys import pack_count
-from jaxckpt._plan import process_share
+from jaxckpt.formats._floors import Link, floors
+from jaxckpt.planning._costs import process_share
+from jaxckpt.records._keys import pack_count
 
 MiB, KiB = 1 << 20, 1 << 10
 CONN, RTT, HOST = 85e6, 0.020, 1.25e9  # the defaults: AWS's guidance, a 10 Gb/s NIC

@@ -31,7 +31,7 @@ def fixture(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path]
 
 
 def test_there_is_a_fixture_for_every_format_version():
-    from jaxckpt._records import PACKED_VERSION
+    from jaxckpt.records._step import PACKED_VERSION
 
     # v3 is layout 2 with packed data (manifest parts of version 3, layout="packed").
     assert [p.name for p in VERSIONS] == [f"v{v}" for v in range(1, PACKED_VERSION + 1)]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 import jaxckpt
-from jaxckpt._keys import StepLocation, new_attempt
-from jaxckpt._records import LAYOUTS, ChunkRecord, ManifestPart
 from jaxckpt.formats import FORMATS, PACKED, PLAIN, format_named, step_format
 from jaxckpt.formats.writers import WRITERS
+from jaxckpt.records._keys import StepLocation, new_attempt
+from jaxckpt.records._step import LAYOUTS, ChunkRecord, ManifestPart
 
 LOC = StepLocation(step=7, attempt=new_attempt(1))
 

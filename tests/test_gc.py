@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._gc import Attempt, collect, is_live, scan
-from jaxckpt._keys import (
+from jaxckpt.commit._gc import Attempt, collect, is_live, scan
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._keys import (
     TEMP_GRACE_S,
     StepLocation,
     latest_hint_key,
     marker_key,
     new_attempt,
 )
-from jaxckpt._records import CommitMarker, FileDigest, json_record
+from jaxckpt.records._step import CommitMarker, FileDigest, json_record
 from jaxckpt.storage import open_storage
 
 GRACE_S = 3600.0

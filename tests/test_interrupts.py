@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _pack, _tsio, policy
+from jaxckpt import policy
 from jaxckpt import storage as _storage
+from jaxckpt.formats import _packed as _pack
+from jaxckpt.formats import _tsio
 
 HOLD_S = 20.0
 PROMPT_S = 5.0  # "about a second", with room for a loaded machine

@@ -12,9 +12,9 @@ MODULES = modules()
 
 def test_the_graph_sees_module_and_function_level_imports():
     edges = graph()
-    assert "jaxckpt._tier" in edges["jaxckpt._manager"]  # module level
-    assert "jaxckpt._copy" in edges["jaxckpt._promote"]  # inside a function only
-    assert "jaxckpt.errors" in edges["jaxckpt._select"]  # from jaxckpt import errors
+    assert "jaxckpt.tiers._tier" in edges["jaxckpt._manager"]  # module level
+    assert "jaxckpt.tools._copy" in edges["jaxckpt.tiers._promoter"]  # inside a function only
+    assert "jaxckpt.errors" in edges["jaxckpt.restoring._select"]  # from jaxckpt import errors
     assert "jaxckpt" in edges["jaxckpt.flags"]  # from jaxckpt import CheckpointManager
 
 
@@ -40,16 +40,32 @@ def test_the_manager_layer_imports_downwards_only():
     """tier ← select, save, retention, promotion ← manager: nothing below imports above."""
     edges = graph()
     above = {
-        "jaxckpt._tier": {
-            "jaxckpt._select",
-            "jaxckpt._save",
-            "jaxckpt._retention",
-            "jaxckpt._promotion",
+        "jaxckpt.tiers._tier": {
+            "jaxckpt.restoring._select",
+            "jaxckpt.saving._session",
+            "jaxckpt.tiers._retention",
+            "jaxckpt.tiers._promotion",
         },
-        "jaxckpt._save": {"jaxckpt._retention", "jaxckpt._promotion", "jaxckpt._select"},
-        "jaxckpt._retention": {"jaxckpt._save", "jaxckpt._promotion", "jaxckpt._select"},
-        "jaxckpt._promotion": {"jaxckpt._save", "jaxckpt._retention", "jaxckpt._select"},
-        "jaxckpt._select": {"jaxckpt._save", "jaxckpt._retention", "jaxckpt._promotion"},
+        "jaxckpt.saving._session": {
+            "jaxckpt.tiers._retention",
+            "jaxckpt.tiers._promotion",
+            "jaxckpt.restoring._select",
+        },
+        "jaxckpt.tiers._retention": {
+            "jaxckpt.saving._session",
+            "jaxckpt.tiers._promotion",
+            "jaxckpt.restoring._select",
+        },
+        "jaxckpt.tiers._promotion": {
+            "jaxckpt.saving._session",
+            "jaxckpt.tiers._retention",
+            "jaxckpt.restoring._select",
+        },
+        "jaxckpt.restoring._select": {
+            "jaxckpt.saving._session",
+            "jaxckpt.tiers._retention",
+            "jaxckpt.tiers._promotion",
+        },
     }
     for module, forbidden in above.items():
         assert not edges[module] & forbidden, (module, sorted(edges[module] & forbidden))

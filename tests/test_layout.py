@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxckpt import _keys as L
+from jaxckpt.records import _keys as L
 
 
 def test_attempt_ids_carry_their_epoch_and_start_time_and_never_repeat() -> None:

@@ -6,9 +6,9 @@ import numpy as np
 from trees import assert_tree_bitexact
 
 import jaxckpt
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._restore import load_step
 from jaxckpt._tree import MAX_NAME_CHARS, array_names
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.restoring._stepreader import load_step
 from jaxckpt.storage import open_storage
 
 

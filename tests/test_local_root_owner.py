@@ -21,10 +21,10 @@ from benchkit import servers
 
 import jaxckpt
 from jaxckpt import policy
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._keys import TIER_RECORD, WRITERS
-from jaxckpt._promote import read_requests
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._keys import TIER_RECORD, WRITERS
 from jaxckpt.storage import open_storage
+from jaxckpt.tiers._promoter import read_requests
 
 
 def job(root: str, local: Path, **kwargs: object) -> jaxckpt.CheckpointManager:

@@ -371,7 +371,7 @@ def test_newer_format_version_is_refused(root):
     marker = json.loads(pathlib.Path(path).read_text())
     marker["version"] = 99
     marker.pop("marker_crc32c")
-    from jaxckpt._records import crc32c, dumps
+    from jaxckpt.records._step import crc32c, dumps
 
     marker["marker_crc32c"] = crc32c(dumps(marker))
     pathlib.Path(path).write_bytes(dumps(marker))
@@ -381,7 +381,7 @@ def test_newer_format_version_is_refused(root):
 
 @pytest.mark.usefixtures("plain_by_default")
 def test_background_failure_surfaces_on_wait_and_step_is_not_listed(root, monkeypatch):
-    from jaxckpt import _tsio
+    from jaxckpt.formats import _tsio
 
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"w": jnp.arange(8.0)})
@@ -402,7 +402,7 @@ def test_background_failure_surfaces_on_wait_and_step_is_not_listed(root, monkey
 
 @pytest.mark.usefixtures("plain_by_default")
 def test_background_failure_surfaces_on_close(root, monkeypatch):
-    from jaxckpt import _tsio
+    from jaxckpt.formats import _tsio
 
     mgr = jaxckpt.CheckpointManager(root)
     monkeypatch.setattr(_tsio.ArrayWriter, "write", lambda *a: 1 / 0)
@@ -416,7 +416,7 @@ def test_background_failure_surfaces_on_close(root, monkeypatch):
 
 @pytest.mark.usefixtures("plain_by_default")
 def test_background_failure_surfaces_on_next_save(root, monkeypatch):
-    from jaxckpt import _tsio
+    from jaxckpt.formats import _tsio
 
     mgr = jaxckpt.CheckpointManager(root)
     monkeypatch.setattr(_tsio.ArrayWriter, "write", lambda *a: 1 / 0)
@@ -545,7 +545,7 @@ def test_public_api_names():
 
 @pytest.mark.usefixtures("plain_by_default")
 def test_declined_save_surfaces_a_finished_background_failure(root, monkeypatch):
-    from jaxckpt import _tsio
+    from jaxckpt.formats import _tsio
 
     mgr = jaxckpt.CheckpointManager(root, save_policy=policy.EveryNSteps(10))
     monkeypatch.setattr(_tsio.ArrayWriter, "write", lambda *a: 1 / 0)

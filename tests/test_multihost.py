@@ -52,8 +52,8 @@ from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._records import ManifestPart
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._step import ManifestPart
 from jaxckpt.storage import open_storage
 
 CHILD_PATH = Path(__file__).with_name("multihost_child.py")

@@ -33,9 +33,9 @@ from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._promote import read_requests
+from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.storage import open_storage
+from jaxckpt.tiers._promoter import read_requests
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = mh.STEPS

@@ -25,10 +25,10 @@ from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._keys import MAX_PACKS, pack_count
-from jaxckpt._records import ChunkRecord, ManifestPart, load_json_record
+from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from jaxckpt.records._keys import MAX_PACKS, pack_count
+from jaxckpt.records._step import ChunkRecord, ManifestPart, load_json_record
 from jaxckpt.storage import LocalStorage, open_storage
 
 
@@ -66,7 +66,7 @@ def test_pack_count_is_bounded_and_packs_are_filled_in_order(
     ]
     # The cap adds packs beyond MAX_PACKS: bytes over the cap, rounded up.
     assert pack_count(10**9, min_pack_bytes=100, max_object_bytes=10**6) == 1000
-    from jaxckpt import _pack
+    from jaxckpt.formats import _packed as _pack
 
     root = str(tmp_path / "root")
     state = many_leaves(40, 1)  # 40 x 260 stored bytes
@@ -96,7 +96,7 @@ def test_pack_count_is_bounded_and_packs_are_filled_in_order(
 def test_no_pack_exceeds_max_object_bytes_and_packs_upload_at_once(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    from jaxckpt import _pack
+    from jaxckpt.formats import _packed as _pack
 
     if kind == "s3":
         server: servers.Server = request.getfixturevalue("s3_server")

@@ -1,4 +1,4 @@
-"""The peer transport (jaxckpt._peer) over real loopback sockets."""
+"""The peer transport (jaxckpt.tiers._transport) over real loopback sockets."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import pytest
 
 from jaxckpt import PeerAuthError, PeerError
-from jaxckpt._peer import PeerServer, connect, new_secret
 from jaxckpt.storage import open_storage
+from jaxckpt.tiers._transport import PeerServer, connect, new_secret
 
 
 @pytest.fixture

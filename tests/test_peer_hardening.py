@@ -26,9 +26,9 @@ import harness
 import pytest
 
 from jaxckpt import PeerError
-from jaxckpt._peer import PeerClient, PeerServer, connect, new_secret
-from jaxckpt._peerwire import HELLO, NONCE_BYTES, recv_exact
 from jaxckpt.storage import open_storage
+from jaxckpt.tiers._transport import PeerClient, PeerServer, connect, new_secret
+from jaxckpt.tiers._wire import HELLO, NONCE_BYTES, recv_exact
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "replicas/000000000001/0/a/x.bin"
@@ -49,7 +49,7 @@ def conn_threads() -> int:
 
 CHILD = """
 import logging, os, resource, sys
-from jaxckpt._peer import PeerServer
+from jaxckpt.tiers._transport import PeerServer
 from jaxckpt.storage import open_storage
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 server = PeerServer(open_storage(sys.argv[1]), bytes.fromhex(sys.argv[2]), timeout_s=10.0,

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from jaxckpt import PeerError
-from jaxckpt._keys import TEMP_GRACE_S, is_stale_temp_key, is_temp_key, replica_holdings
-from jaxckpt._peer import PeerServer, connect, new_secret
-from jaxckpt._peertier import Peers
-from jaxckpt._peerwire import Session
+from jaxckpt.records._keys import TEMP_GRACE_S, is_stale_temp_key, is_temp_key, replica_holdings
 from jaxckpt.storage import open_storage
+from jaxckpt.tiers._peers import Peers
+from jaxckpt.tiers._transport import PeerServer, connect, new_secret
+from jaxckpt.tiers._wire import Session
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "replicas/000000000001/0/a/x.bin"
@@ -34,7 +34,7 @@ FRAME_BYTES = 128 << 20
 
 CHILD = """
 import sys
-from jaxckpt._peer import PeerServer
+from jaxckpt.tiers._transport import PeerServer
 from jaxckpt.storage import open_storage
 server = PeerServer(open_storage(sys.argv[1]), bytes.fromhex(sys.argv[2]), timeout_s=60.0)
 def peak():

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from jaxckpt import CorruptCheckpointError
-from jaxckpt._keys import replica_index_key, replica_prefix
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._peertier import heal_target
-from jaxckpt._records import FileDigest, ReplicaIndex
-from jaxckpt._tier import open_tier
+from jaxckpt.records._keys import replica_index_key, replica_prefix
+from jaxckpt.records._step import FileDigest, ReplicaIndex
+from jaxckpt.tiers._peers import heal_target
+from jaxckpt.tiers._tier import open_tier
 
 A = "e1-1700000000-abcdef"
 
@@ -109,8 +109,8 @@ def test_retention_deletes_a_steps_replicas_and_gc_the_stale_ones(tmp_path):
 
 def test_promoter_metrics_report_replica_bytes_and_replication_lag(tmp_path):
     import jaxckpt
-    from jaxckpt._commit import CommitProtocol
     from jaxckpt.cli._metrics import PromoterMetrics
+    from jaxckpt.commit._protocol import CommitProtocol
     from jaxckpt.storage import open_storage
 
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")

@@ -1,11 +1,11 @@
-"""The replica placement rule (jaxckpt._placement) as pure tables."""
+"""The replica placement rule (jaxckpt.tiers._placement) as pure tables."""
 
 from __future__ import annotations
 
 import pytest
 
 from jaxckpt import PlacementError
-from jaxckpt._placement import NODE_ENV, node_id, place
+from jaxckpt.tiers._placement import NODE_ENV, node_id, place
 
 
 @pytest.mark.parametrize(

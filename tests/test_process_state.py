@@ -25,10 +25,10 @@ import pytest
 from benchkit import servers
 
 import jaxckpt
-from jaxckpt import _procstate
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._keys import manifest_name
 from jaxckpt.cli import main as cli_main
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records import _procstate
+from jaxckpt.records._keys import manifest_name
 from jaxckpt.storage import open_storage
 
 CHILD = Path(__file__).with_name("procstate_child.py")

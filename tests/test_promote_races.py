@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _copy, _promote, policy
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._promote import GONE, PROMOTED, Promoter, read_requests
+from jaxckpt import policy
+from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.storage import open_storage
+from jaxckpt.tiers import _promoter as _promote
+from jaxckpt.tiers._promoter import GONE, PROMOTED, Promoter, read_requests
+from jaxckpt.tools import _copy
 
 
 def requested(local: Path, root: str, steps: list[int]) -> tuple[CommitProtocol, CommitProtocol]:

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import _copy, cli
-from jaxckpt._commit import CommitProtocol
+from jaxckpt import cli
+from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.storage import open_storage
+from jaxckpt.tools import _copy
 
 
 def _prune(root: str, keep_last: int) -> None:

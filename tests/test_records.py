@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jaxckpt import _records as R
-from jaxckpt._keys import StepLocation, marker_key, new_attempt
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
+from jaxckpt.records import _step as R
+from jaxckpt.records._keys import StepLocation, marker_key, new_attempt
 
 WHERE = "s3://bucket/run/commits/000000000007.e2.json"
 ATTEMPT = new_attempt(2, now=1_700_000_000)

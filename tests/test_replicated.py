@@ -1,4 +1,4 @@
-"""The pure parts of reading replicated leaves once (``jaxckpt._replicated``).
+"""The pure parts of reading replicated leaves once (``jaxckpt.restoring._readonce``).
 
 The exchange itself needs several processes: ``tests/test_multihost.py`` (g).
 """
@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxckpt._records import ChunkRecord
-from jaxckpt._replicated import _Meta, _reassemble, _stream_records, crc32c_combine, plan
 from jaxckpt._tree import SavedLeaf
-from jaxckpt._tsio import chunk_key
+from jaxckpt.formats._tsio import chunk_key
+from jaxckpt.records._step import ChunkRecord
+from jaxckpt.restoring._readonce import _Meta, _reassemble, _stream_records, crc32c_combine, plan
 
 
 @settings(max_examples=60, deadline=None)

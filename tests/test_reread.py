@@ -21,9 +21,9 @@ from rootpaths import step_key
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt._keys import marker_key
-from jaxckpt._safetensors import read_safetensors
+from jaxckpt.records._keys import marker_key
 from jaxckpt.storage import LocalStorage
+from jaxckpt.tools._safetensors import read_safetensors
 
 
 def _load_faultproxy():

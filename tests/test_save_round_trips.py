@@ -116,7 +116,7 @@ def test_a_commit_refuses_when_a_record_or_pack_it_wrote_is_gone(
 ) -> None:
     """What the commit does not read back it still finds in the attempt's listing: gone
     (a collection of the attempt meanwhile), the step is not committed."""
-    from jaxckpt._commit import CommitProtocol
+    from jaxckpt.commit._protocol import CommitProtocol
 
     root = str(tmp_path / "ckpt")
     original = CommitProtocol.commit

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._keys import COMMITS, latest_hint_key
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._keys import COMMITS, latest_hint_key
 from jaxckpt.storage import Storage, open_storage
 
 
@@ -122,7 +122,7 @@ def test_a_writable_open_lists_commits_once(
 ) -> None:
     """The epoch records every visible step, so one listing of commits/ is needed: only one."""
     fill(scale_root, 30)
-    from jaxckpt import _tier
+    from jaxckpt.tiers import _tier
 
     counts: Counter[str] = Counter()
     opened = _tier.open_storage

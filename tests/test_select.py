@@ -70,7 +70,7 @@ def test_the_caller_learns_which_step_restore_restored(tmp_path, caplog):
 
 @pytest.mark.parametrize("tiered", [False, True])
 def test_restore_reaches_the_step_reader_in_two_calls(tmp_path, monkeypatch, tiered):
-    from jaxckpt import _restore
+    from jaxckpt.restoring import _stepreader as _restore
 
     kwargs = {"local_root": str(tmp_path / "local")} if tiered else {}
     with jaxckpt.CheckpointManager(str(tmp_path / "root"), **kwargs) as mgr:

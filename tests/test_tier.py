@@ -9,10 +9,10 @@ import pytest
 
 import jaxckpt
 from jaxckpt import policy
-from jaxckpt._agree import Agreement
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._retention import Retention
-from jaxckpt._tier import open_tier, open_tiers
+from jaxckpt.commit._agree import Agreement
+from jaxckpt.tiers._retention import Retention
+from jaxckpt.tiers._tier import open_tier, open_tiers
 
 
 def saved(root: Path, steps: range) -> None:

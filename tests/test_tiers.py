@@ -29,10 +29,10 @@ from trees import assert_tree_bitexact
 
 import jaxckpt
 from jaxckpt import policy
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._keys import ATTEMPTS, parse_data_key
-from jaxckpt._promote import read_requests
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._keys import ATTEMPTS, parse_data_key
 from jaxckpt.storage import open_storage
+from jaxckpt.tiers._promoter import read_requests
 
 CHILD = str(Path(__file__).with_name("tier_child.py"))
 TIMEOUT_S = 120.0

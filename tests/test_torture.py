@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._keys import ATTEMPTS, COMMITS, PENDING, StepLocation, new_attempt
-from jaxckpt._records import json_record
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._keys import ATTEMPTS, COMMITS, PENDING, StepLocation, new_attempt
+from jaxckpt.records._step import json_record
 from jaxckpt.storage import open_storage
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"

@@ -23,10 +23,11 @@ import writer_child as child
 from rootpaths import marker_path, step_dir
 
 import jaxckpt
-from jaxckpt import _restore, cli
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._gc import scan
-from jaxckpt._keys import marker_key, parse_marker_key
+from jaxckpt import cli
+from jaxckpt.commit._gc import scan
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.records._keys import marker_key, parse_marker_key
+from jaxckpt.restoring import _stepreader as _restore
 from jaxckpt.storage import Storage, open_storage
 
 CHILD = Path(__file__).with_name("writer_child.py")
@@ -113,7 +114,7 @@ def test_two_processes_saving_one_step_commit_exactly_one_writers_data(
 
 
 def test_older_writer_is_fenced_and_the_committed_step_is_the_newer_ones(root: str) -> None:
-    from jaxckpt import _tsio
+    from jaxckpt.formats import _tsio
 
     old = jaxckpt.CheckpointManager(root, chunk_bytes=4096)
     old.save(1, child.state(1))
@@ -345,7 +346,7 @@ def _await_main_thread_in(function: str, timeout_s: float = 60.0) -> None:
 
 @pytest.mark.usefixtures("plain_by_default")
 def test_close_after_ctrl_c_in_wait_commits_or_raises(root: str) -> None:
-    from jaxckpt import _tsio
+    from jaxckpt.formats import _tsio
 
     write = _tsio.ArrayWriter.write
     interrupted = threading.Event()

@@ -8,7 +8,7 @@ Opens ``CheckpointManager(ROOT, local_root=LOCAL_ROOT, promotion="external",
 local_retention=KeepLast(1))``, saves steps ``S..S+K-1`` (step ``s`` holds
 :func:`state` ``(s)``), prints ``COMMITTED s`` once each local commit is
 done, then ``READY`` and sleeps until it is SIGKILLed. ``--arm-last`` sets
-``JAXCKPT_PAUSE_AT`` for the last save only (see ``jaxckpt._phases``), so the
+``JAXCKPT_PAUSE_AT`` for the last save only (see ``jaxckpt.commit._phases``), so the
 test can kill it inside that save.
 """
 

@@ -6,14 +6,19 @@ import argparse
 import time
 from typing import Any
 
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._decision import retention_decision
-from jaxckpt._gc import scan
-from jaxckpt._keys import REPLICAS, is_held_manifest_name, is_manifest_name, replica_holdings
-from jaxckpt._records import CommitMarker
 from jaxckpt.cli._common import add_retention_flags, command, integer, open_root, retention
 from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, print_table
+from jaxckpt.commit._gc import scan
+from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import NotACheckpointRootError
+from jaxckpt.records._keys import (
+    REPLICAS,
+    is_held_manifest_name,
+    is_manifest_name,
+    replica_holdings,
+)
+from jaxckpt.records._step import CommitMarker
+from jaxckpt.tiers._keep import retention_decision
 
 DEFAULT_LIMIT = 50
 

@@ -6,9 +6,6 @@ import argparse
 import time
 from typing import Any
 
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._decision import retention_decision
-from jaxckpt._records import CommitMarker
 from jaxckpt.cli._common import (
     add_retention_flags,
     command,
@@ -19,7 +16,10 @@ from jaxckpt.cli._common import (
     split_source,
 )
 from jaxckpt.cli._output import ago, err, human_bytes, human_duration, print_table
+from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError
+from jaxckpt.records._step import CommitMarker
+from jaxckpt.tiers._keep import retention_decision
 
 
 def register(sub: Any) -> None:
@@ -88,7 +88,7 @@ def _delete(protocol: CommitProtocol, marker: CommitMarker) -> bool:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from jaxckpt._gc import TEMP_GRACE_S, collect, is_live, scan
+    from jaxckpt.commit._gc import TEMP_GRACE_S, collect, is_live, scan
 
     protocol = open_root(args.root)
     now = time.time()
@@ -123,7 +123,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    from jaxckpt._copy import copy_step
+    from jaxckpt.tools._copy import copy_step
 
     src_uri, only = split_source(args.src)
     src = open_root(src_uri)

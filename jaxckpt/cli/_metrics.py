@@ -6,11 +6,11 @@ import logging
 import time
 from typing import Any
 
-from jaxckpt._commit import CommitProtocol
-from jaxckpt._keys import REPLICAS, replica_holdings, replica_index_key
-from jaxckpt._promote import FAILED, PROMOTED, PromotionResult, read_requests
-from jaxckpt._records import ReplicaIndex
+from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError
+from jaxckpt.records._keys import REPLICAS, replica_holdings, replica_index_key
+from jaxckpt.records._step import ReplicaIndex
+from jaxckpt.tiers._promoter import FAILED, PROMOTED, PromotionResult, read_requests
 
 log = logging.getLogger("jaxckpt")
 

@@ -1,10 +1,10 @@
 """``jaxckpt plan``: what a checkpoint interval costs, and Daly's optimal one.
 
 With ``--devices`` and ``--leaves``, also each layout's objects and request cost per
-checkpoint (:func:`jaxckpt._plan.object_plan`) and the time floor of one save and one
-restore on a far-away store (:mod:`jaxckpt._floors`, which states the model).
+checkpoint (:func:`jaxckpt.planning._costs.object_plan`) and the time floor of one save and one
+restore on a far-away store (:mod:`jaxckpt.formats._floors`, which states the model).
 With ``--processes``, instead, one save and one restore at cluster scale
-(:mod:`jaxckpt.cli._scaleplan`, :mod:`jaxckpt._scalemodel`).
+(:mod:`jaxckpt.cli._scaleplan`, :mod:`jaxckpt.planning._scale`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def register(sub: Any) -> None:
         type=int,
         help="packs uploading and reads in flight (default CheckpointOptions.objects_in_flight)",
     )
-    # The time floors of one save and one restore (with --devices/--leaves); see jaxckpt._floors.
+    # The time floors of one save and one restore (with --devices/--leaves);
+    # see jaxckpt.formats._floors.
     p.add_argument(
         "--conn-mbps", type=float, default=85.0, help="MB/s per connection (default 85, AWS)"
     )
@@ -100,7 +101,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from jaxckpt._plan import plan
+    from jaxckpt.planning._costs import plan
 
     if args.processes is not None:
         try:
@@ -180,8 +181,8 @@ def _link_dict(link: Any) -> dict[str, float]:
 
 
 def _floors(args: argparse.Namespace, checkpoint_bytes: float) -> tuple[Any, dict[str, Any]]:
-    from jaxckpt._floors import floors
-    from jaxckpt._plan import process_share
+    from jaxckpt.formats._floors import floors
+    from jaxckpt.planning._costs import process_share
 
     share = process_share(
         checkpoint_bytes=checkpoint_bytes,
@@ -196,7 +197,7 @@ def _floors(args: argparse.Namespace, checkpoint_bytes: float) -> tuple[Any, dic
 
 
 def _link(args: argparse.Namespace) -> Any:
-    from jaxckpt._floors import Link
+    from jaxckpt.formats._floors import Link
 
     extra = {} if args.connections is None else {"connections": args.connections}
     return Link(
@@ -212,7 +213,7 @@ def _layouts(args: argparse.Namespace, checkpoint_bytes: float, checkpoints: int
         return {}
     if args.devices is None or args.leaves is None:
         raise ValueError("--devices and --leaves go together")
-    from jaxckpt._plan import object_plan
+    from jaxckpt.planning._costs import object_plan
 
     return object_plan(
         checkpoint_bytes=checkpoint_bytes,

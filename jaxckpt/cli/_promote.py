@@ -70,11 +70,11 @@ def register(sub: Any) -> None:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from jaxckpt import policy
-    from jaxckpt._keys import PROMOTE, TIER_RECORD
-    from jaxckpt._owner import refusal
-    from jaxckpt._promote import PROMOTED, Promoter, PromotionResult, archive_once
     from jaxckpt.cli._metrics import PromoterMetrics
+    from jaxckpt.records._keys import PROMOTE, TIER_RECORD
+    from jaxckpt.records._owner import refusal
     from jaxckpt.storage import open_storage
+    from jaxckpt.tiers._promoter import PROMOTED, Promoter, PromotionResult, archive_once
 
     if args.metrics_port is not None and not args.watch:
         err("--metrics-port needs --watch")

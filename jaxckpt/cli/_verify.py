@@ -37,8 +37,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     import tensorstore as ts
 
-    from jaxckpt._verify import verify_step
     from jaxckpt.storage import tensorstore_backed
+    from jaxckpt.tools._verify import verify_step
 
     context = ts.Context(tensorstore_backed(protocol.storage).context_spec())
     reports = []

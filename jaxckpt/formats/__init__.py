@@ -8,7 +8,7 @@ A step's chunks are stored in one of two formats (``CheckpointOptions.layout``):
   (``_pack.PackWriter``); the arrays' metadata is in ``tree.json`` only.
 
 Either way a chunk's stored bytes are ``raw || crc32c(raw)``, and where they lie
-is answered by :meth:`jaxckpt._records.ChunkRecord.address` (object key, offset,
+is answered by :meth:`jaxckpt.records._step.ChunkRecord.address` (object key, offset,
 size) for every reader, verifier, copier and exporter. Code that must know what
 a format *can do* asks its :class:`DataFormat` here (from :data:`FORMATS` by
 name), never compares names. A new format is one more object in :data:`FORMATS`

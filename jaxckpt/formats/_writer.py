@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from jaxckpt._keys import StepLocation
-    from jaxckpt._records import ChunkRecord
+    from jaxckpt.records._keys import StepLocation
+    from jaxckpt.records._step import ChunkRecord
 
 
 class Written(NamedTuple):

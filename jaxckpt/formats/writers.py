@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from jaxckpt._pack import PackWriter
 from jaxckpt.formats import FORMATS, PACKED, PLAIN, DataFormat, StepWriter
+from jaxckpt.formats._packed import PackWriter
 
 if TYPE_CHECKING:
     from jaxckpt._options import CheckpointOptions
-    from jaxckpt._tier import Tier
+    from jaxckpt.tiers._tier import Tier
 
 
 def _plain(tier: Tier, options: CheckpointOptions) -> StepWriter:

@@ -162,7 +162,7 @@ class ObjectStoreOptions:
 
 MAX_SPAN_BYTES = 32 << 20
 """A restore fetches adjacent chunks of one pack object by one ranged read of at most this
-(``jaxckpt._chunkread``; here so that ``jaxckpt plan`` can read it without jax)."""
+(``jaxckpt.formats._chunkread``; here so that ``jaxckpt plan`` can read it without jax)."""
 MIN_SPAN_BYTES = 1 << 20
 """... and does not make spans shorter than this to put more reads in flight."""
 

@@ -72,7 +72,7 @@ def drop_cache(files: list[str]) -> None:
     """fsync and POSIX_FADV_DONTNEED every file, so that reads go to the disk.
 
     A file gone since the listing is skipped: a committed step's pending record
-    is removed in the background after the save returns (``jaxckpt._tidy``)."""
+    is removed in the background after the save returns (``jaxckpt.commit._tidy``)."""
     for path in files:
         try:
             fd = os.open(path, os.O_RDONLY)

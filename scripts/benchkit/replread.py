@@ -3,7 +3,7 @@
 Saves one step from 2 processes x 2 CPU devices with ``tests/multihost_child.py``
 (small sharded leaves plus two replicated ones, ``big`` and ``wide``, whose rows
 ``--scale`` multiplies), then restores it onto 2 x 2 and onto 4 x 1, each once
-with the exchange (``jaxckpt._replicated``) and once with every process reading
+with the exchange (``jaxckpt.restoring._readonce``) and once with every process reading
 all it needs (``--exchange-min-bytes`` huge: the behaviour before), side by side
 in one run, on a local directory and on a loopback S3 server (moto). Bytes are
 counted in each child's storage read path (array data only: chunk objects and
@@ -83,7 +83,7 @@ def _said(out: str, prefix: str) -> str:
 def measure(root: str, scale: str) -> tuple[int, list[dict[str, Any]]]:
     """Saves one step to ``root`` and restores it four ways; the step's bytes and the rows."""
     run_group(root, "save", 2, 2, "--mesh=2x2", "--steps=1", scale)
-    from jaxckpt._commit import CommitProtocol
+    from jaxckpt.commit._protocol import CommitProtocol
     from jaxckpt.storage import open_storage
 
     stored = CommitProtocol(open_storage(root)).require_marker(1).nbytes

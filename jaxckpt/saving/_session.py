@@ -1,0 +1,404 @@
+"""The save session: the in-flight save, the Orbax checkpointer and the save's outcome.
+
+:meth:`SaveSession.save` checks the step, describes the state and hands it
+to Orbax's ``AsyncCheckpointer``, whose handler then calls
+:meth:`SaveSession.begin` (primary host, blocking part),
+:meth:`SaveSession.write` (every host, background thread) and
+:meth:`SaveSession.commit` (primary host, after the barrier). On a local tier
+(``per_host``) every host is the writer of its own local root: ``write``
+begins, writes and commits the host's own part there (after writing the
+step's promotion request, if it is to be promoted), and ``commit`` only ends
+the session. The session knows the attempt's
+:class:`~jaxckpt.records._keys.StepLocation`, so every key of the save comes from
+one place. It owns the checkpointer and the wait, failure and fence state;
+the writing of each step is a :class:`~jaxckpt.saving._stepwrite.StepWrite`. A
+commit notifies its listeners (retention, promotion), never the manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, Protocol
+
+import jax
+
+from jaxckpt import policy
+from jaxckpt._options import CheckpointOptions
+from jaxckpt._tree import SavedLeaf
+from jaxckpt.commit._agree import Agreement
+from jaxckpt.commit._fence import Listing
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.errors import (
+    CheckpointError,
+    SaveFailedError,
+    SaveTimeoutError,
+    WriterFencedError,
+)
+from jaxckpt.formats import StepWriter, format_named
+from jaxckpt.formats._tsio import ArrayWriter, HostArray
+from jaxckpt.formats.writers import step_writer
+from jaxckpt.records import _procstate
+from jaxckpt.records._keys import StepLocation
+from jaxckpt.records._step import CommitMarker
+from jaxckpt.saving import _atexit, _handler
+from jaxckpt.saving._helpers import (
+    fence_error,
+)
+from jaxckpt.saving._stepwrite import Inflight, StepWrite, prepare_step
+from jaxckpt.saving._telemetry import SaveRecorder
+from jaxckpt.tiers._promoter import PromotionRequest, withdraw
+from jaxckpt.tiers._tier import Tier
+
+log = logging.getLogger("jaxckpt")
+
+
+class CommitListener(Protocol):
+    """Told after each commit of this process (retention, promotion)."""
+
+    def committed(self, marker: CommitMarker) -> None: ...
+
+
+class SaveSession:
+    """The in-flight save of one manager, shared with the Orbax handler.
+
+    Args:
+      tier: the tier saves commit to (the nearest).
+      options: the manager's options.
+      agreement: the manager's (the attempt, the tree record).
+      where: the manager's root, for messages.
+      listeners: told after each commit of this process.
+    """
+
+    def __init__(
+        self,
+        tier: Tier,
+        options: CheckpointOptions,
+        agreement: Agreement,
+        where: str,
+        *,
+        listeners: Sequence[CommitListener] = (),
+    ) -> None:
+        self._tier = tier
+        self._protocol: CommitProtocol = tier.protocol
+        self._arrays: ArrayWriter = tier.arrays
+        self.recorder = SaveRecorder()
+        self._options = options
+        self._agreement = agreement
+        self._root = where
+        self._primary = jax.process_index() == options.primary_host
+        self._listeners = tuple(listeners)
+        self._writer: StepWriter = step_writer(format_named(options.layout), tier, options)
+        self._per_host = tier.own
+        self._lock = threading.Lock()
+        self._inflight: Inflight | None = None
+        self._checkpointer: Any = None
+        self._last_saved: tuple[int | None, float | None] | None = None
+        self._background: Agreement | None = None  # the last save's background agreement
+        self.corrupt: set[int] = set()
+        """Steps a restore found corrupt on every host: a save of one replaces it."""
+        self.fenced: WriterFencedError | None = None
+        """Set once a newer writer took over: nothing more commits."""
+        self.closed = False
+
+    # -- the manager's side ------------------------------------------------------
+
+    def policy_says_save(
+        self, step: int, preempted: Callable[[int], bool], latest: Callable[[], int | None]
+    ) -> bool:
+        """Whether the save policy saves ``step`` now (the primary's answer)."""
+        save_policy = self._options.save_policy
+        if save_policy is None:
+            return True
+        if self._last_saved is None:
+            self._last_saved = (latest(), None)
+        last_step, last_time = self._last_saved
+        ctx = policy.SaveContext(
+            step=step,
+            now=time.monotonic(),
+            last_saved_step=last_step,
+            last_save_time=last_time,
+            preempted=preempted(step),
+            blocking_seconds=tuple(s.blocking_s for s in self.recorder.history()[-8:]),
+        )
+        return bool(self._agreement.agree("save", save_policy.should_save(ctx)))
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metadata: Any,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: Callable[[int], PromotionRequest | None],
+        process_state: Any = None,
+    ) -> None:
+        """Starts the save of ``step`` (see ``CheckpointManager.save``).
+
+        Every process's local checks (its tier, its leaves, the step's absence and
+        the fence where this process looks) are agreed before any collective: when
+        one fails, every process raises, naming it, and none enters Orbax's save.
+        """
+        if self._background is not None:  # every process waited for it before this save
+            self._agreement.forget(self._background)
+            self._background = None
+        prepared: tuple[Any, Any, bytes, StepLocation, Listing | None, bool] | None = None
+        failure: Exception | None = None
+        own_state = None
+        try:
+            own_state = _procstate.encode(process_state, step=step, process=jax.process_index())
+            prepared = prepare_step(
+                self._tier,
+                self._options,
+                step,
+                state,
+                metadata,
+                begins=self._per_host or self._primary,
+                corrupt=self.corrupt,
+                root=self._root,
+                ready=self._ensure_checkpointer,
+            )
+        except Exception as e:
+            failure = e
+        announced = prepared is not None and prepared[5]
+        try:
+            self._agreement.settle(
+                "checks", failure, what=f"save of step {step} under {self._root}"
+            )
+            assert prepared is not None
+            leaves, values, tree, loc, listing, announced = prepared
+            if not self._per_host:  # one attempt for the job: the primary's
+                loc = StepLocation(step, self._agreement.agree("attempt", loc.attempt))
+            elif jax.process_count() > 1:  # every local copy holds the primary's tree record
+                tree = self._agreement.agree("tree", tree.decode()).encode()
+            promotion = request(step)
+        except BaseException:
+            if prepared is not None and (announced or self._per_host):
+                with contextlib.suppress(Exception):  # else collected as a stale attempt
+                    self._protocol.storage.delete(prepared[3].pending_key)
+            raise
+        self.start(
+            Inflight(
+                loc=loc,
+                tree=tree,
+                metrics=metrics,
+                keep=keep,
+                request=promotion,
+                listing=listing,
+                announced=announced,
+                agreement=self._agreement.detached(),
+                process_state=own_state,
+            )
+        )
+        try:
+            self._checkpointer.save(
+                _handler.orbax_step_path(step),
+                args=_handler.SaveArgs(step=step, leaves=leaves, values=values),
+            )
+        except Exception as e:
+            self.end(failed=True)
+            fenced = fence_error(e) or self._fenced_now(step)
+            if fenced is not None:
+                self.fenced = fenced
+                raise fenced from e
+            if isinstance(e, CheckpointError):
+                raise
+            raise SaveFailedError(f"save of step {step} under {self._root} failed: {e}") from e
+        self.recorder.blocked(step)
+        self._last_saved = (step, time.monotonic())
+
+    def _ensure_checkpointer(self) -> Any:
+        if self._checkpointer is None:
+            self._checkpointer = _handler.make_checkpointer(
+                self,
+                timeout_s=self._options.save_timeout_s,
+                primary_host=self._options.primary_host,
+                per_host=self._per_host,
+                writer_nice=self._options.writer_nice,
+            )
+        return self._checkpointer
+
+    def wait(self) -> None:
+        """Blocks until the in-flight save is committed (see ``CheckpointManager.wait``)."""
+        if self.fenced is not None:
+            raise self.fenced
+        if self._checkpointer is None:
+            return
+        try:
+            self._checkpointer.wait_until_finished()
+        except Exception as e:
+            self._raise_failed(e)
+        if not self._primary and self.current() is not None:
+            self.end(failed=False)  # Orbax's final barrier: the primary committed
+        self._await_commit()
+
+    def _await_commit(self) -> None:
+        """Waits until the in-flight save committed or failed.
+
+        Orbax joins its background thread, but a ``KeyboardInterrupt`` during
+        ``Thread.join`` can leave the thread looking finished to later joins
+        (CPython < 3.13), so the session's own state decides, with a deadline.
+        """
+        deadline = time.monotonic() + self._options.save_timeout_s
+        while (inflight := self.current()) is not None:
+            self.check_background()
+            if time.monotonic() > deadline:
+                self._raise_failed(
+                    TimeoutError(f"step {inflight.step} neither committed nor failed")
+                )
+            time.sleep(0.02)
+
+    def check_background(self) -> None:
+        """Raises the background save's failure, if it failed, without waiting."""
+        if self._checkpointer is None:
+            return
+        try:
+            self._checkpointer.check_for_errors()
+        except Exception as e:
+            self._raise_failed(e)
+
+    def _raise_failed(self, e: Exception) -> NoReturn:
+        inflight = self.end(failed=True)
+        step = inflight.step if inflight else None
+        fenced = fence_error(e) or self._fenced_now(step)
+        if fenced is not None:
+            self.fenced = fenced
+            raise fenced from e
+        if isinstance(e, TimeoutError):
+            raise SaveTimeoutError(
+                f"save of step {step} under {self._root} did not commit within "
+                f"{self._options.save_timeout_s:.0f}s: {e}"
+            ) from e
+        raise SaveFailedError(
+            f"background save of step {step} under {self._root} failed: {e}"
+        ) from e
+
+    def _fenced_now(self, step: int | None) -> WriterFencedError | None:
+        """A newer writer took over (its garbage collection may be why a save failed)."""
+        try:
+            self._protocol.check_fence(f"commit step {step}")
+        except WriterFencedError as e:
+            return e
+        except CheckpointError:
+            pass  # the store is failing: report the save's own error
+        return None
+
+    def fence(self, error: WriterFencedError) -> None:
+        """Records that a newer writer took over (found by retention, say)."""
+        self.fenced = error
+
+    def check_writable(self) -> None:
+        """Raises unless this session may start a save or delete now.
+
+        Raises:
+          CheckpointError: the manager is closed or read-only.
+          WriterFencedError: a newer writer took over.
+        """
+        if self.closed:
+            raise CheckpointError(f"the manager of {self._root} is closed")
+        if self._options.read_only:
+            raise CheckpointError(f"the manager of {self._root} is read-only")
+        if self.fenced is not None:
+            raise self.fenced
+
+    def close(self) -> None:
+        """Closes the checkpointer (and the handler's writer thread) and the tier's peers."""
+        self.closed = True
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        self._protocol.tidying.settle(self._options.save_timeout_s)
+        self._tier.peers.close()
+
+    # -- the session --------------------------------------------------------------
+
+    def start(self, inflight: Inflight) -> None:
+        with self._lock:
+            if self._inflight is not None:
+                raise CheckpointError(
+                    f"{self._inflight.loc} is still in flight; wait() before the next save"
+                )
+            self._inflight = inflight
+            self._background = inflight.agreement
+        _atexit.track(self)
+        self.recorder.started(inflight.step)
+
+    def current(self) -> Inflight | None:
+        with self._lock:
+            return self._inflight
+
+    def current_steps(self) -> set[int]:
+        """The step in flight, if any (retention keeps it)."""
+        inflight = self.current()
+        return set() if inflight is None else {inflight.step}
+
+    def listen(self, *listeners: CommitListener) -> None:
+        """Adds components told after each commit of this process."""
+        self._listeners += listeners
+
+    def end(self, *, failed: bool) -> Inflight | None:
+        """Forgets the in-flight save; a failed attempt of a single process is removed."""
+        with self._lock:
+            inflight, self._inflight = self._inflight, None
+        _atexit.untrack(self)
+        if inflight is not None and failed:
+            self.recorder.failed(inflight.step)
+            if self._per_host or (self._primary and jax.process_count() == 1):
+                with contextlib.suppress(Exception):  # leftovers are collected anyway
+                    removed = self._protocol.abandon(inflight.loc)  # kept if committed here
+                    # A failed save is never promoted; on several hosts also when this
+                    # host committed its part (another host's part may never come).
+                    several = jax.process_count() > 1
+                    if (removed or several) and inflight.request is not None:
+                        withdraw(self._protocol, inflight.step)
+        return inflight
+
+    def _expect(self, step: int) -> Inflight:
+        inflight = self.current()
+        if inflight is None or inflight.step != step:
+            raise CheckpointError(f"no save of step {step} is in flight under {self._where}")
+        return inflight
+
+    @property
+    def _where(self) -> str:
+        return self._protocol.storage.uri
+
+    # -- StepWriter ----------------------------------------------------------
+
+    def begin(self, step: int) -> None:
+        """Orbax's create: nothing left to do (``save`` began the attempt, agreed)."""
+        self._expect(step)
+
+    def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None:
+        """Orbax's write: this process's part of the step, then its agreed commit
+        (see :meth:`StepWrite.run`)."""
+        inflight = self._expect(step)
+        StepWrite(
+            self._tier,
+            self._writer,
+            self._options,
+            inflight.agreement or self._agreement,
+            primary=self._primary,
+            recorder=self.recorder,
+            notify=self._notify,
+            root=self._root,
+        ).run(inflight, arrays)
+
+    def commit(self, step: int) -> None:
+        """Orbax's finalize: the step is committed (in ``write``, agreed by every host)."""
+        self._expect(step)
+        with self._lock:
+            self._inflight = None
+        _atexit.untrack(self)
+
+    def finish_at_exit(self) -> None:
+        """At interpreter exit: waits (bounded) for the save in flight, logging one line."""
+        inflight = self.current()
+        if inflight is not None and not self.closed:
+            _atexit.finish(self.wait, inflight.step, self._root)
+
+    def _notify(self, marker: CommitMarker) -> None:
+        for listener in self._listeners:
+            listener.committed(marker)

@@ -1,0 +1,497 @@
+"""The peer-replicated local tier: each process's local part on ``local_replicas`` nodes.
+
+With ``local_replicas=k > 1`` a tiered manager holds a :class:`Peers`: a
+listener of its own (:mod:`jaxckpt.tiers._transport`) serving ``replicas/`` of this
+process's local root, the addresses and nodes of every process, the job's
+secret (all three through the coordination service, at open) and the
+placement (:mod:`jaxckpt.tiers._placement`). It does two things:
+
+* **replicate** (the background part of a save, after this process's part is
+  durable on its own local root and before its local marker): every file of
+  the part's attempt goes to each of the ``k - 1`` holders, who store it under
+  ``replicas/<step>/<process>/<attempt>/`` of their own local root (checked
+  against its CRC32C on arrival), then the replica's index (every file's size
+  and CRC32C), which makes the replica complete. The local commit waits for
+  every holder's acknowledgement; a dead or stalled holder fails the save
+  after ``peer_timeout_s``, and no marker is written.
+* **heal** (before a restore picks its step, on every process together):
+  every process reports the steps it holds on its own root and the replicas
+  it holds; the newest step whose every part is somewhere (the union of the
+  surviving local tiers), that not every process has itself, and that is not
+  older than the newest durable step, is *healed*: each process lacking its
+  part fetches it from a holder (every file checked against the replica's
+  index, the next holder tried when a copy is corrupt) and commits it again on
+  its own local root; holders that lost their replica get it again. When some
+  process finds no intact copy of its part, every process goes on to the next
+  newest complete step (:func:`fallback` says which, and the log says it), so
+  one corrupt replica costs one step, not every local step. The restore
+  selection then finds the step on every process's local tier.
+
+It also keeps the replicas this process holds for others (``replicas/``):
+a step's go with the step (:meth:`Peers.delete`), and those of steps this
+root no longer holds go with garbage collection (:meth:`Peers.collect`).
+
+:func:`open_replicas` decides, once, when the local tier is opened, whether
+it has a :class:`Peers` or :class:`NoReplicas` (which does nothing): the
+tier's ``peers``. ``_tier.join_tiers`` joins them to the job once the
+epochs are taken; the save session replicates through them, the restore
+selection heals through them, and the session closes them with the manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+
+from jaxckpt import _pools
+from jaxckpt._options import CheckpointOptions
+from jaxckpt.commit._agree import Agreement
+from jaxckpt.commit._phases import reached
+from jaxckpt.errors import CheckpointError, CorruptCheckpointError, PeerError
+from jaxckpt.records._keys import (
+    REPLICAS,
+    StepLocation,
+    is_held_manifest_name,
+    is_stale_temp_key,
+    is_temp_key,
+    new_attempt,
+    parse_replica_step,
+    replica_holdings,
+    replica_index_key,
+    replica_prefix,
+)
+from jaxckpt.records._step import FileDigest, ReplicaIndex
+from jaxckpt.tiers._placement import Held, Placement, fallback, heal_target, node_id, place
+from jaxckpt.tiers._promoter import PromotionRequest, request_promotion
+from jaxckpt.tiers._transport import PeerClient, PeerServer, connect, new_secret
+
+if TYPE_CHECKING:
+    from jaxckpt.tiers._tier import Tier
+
+log = logging.getLogger("jaxckpt")
+
+PEER_HOST_ENV = "JAXCKPT_PEER_HOST"
+MIN_FRAME_BYTES = 256 << 20
+"""The least a peer accepts in one frame: a file of a part is at most ``max_object_bytes``
+(a chunk or a pack), but a process's manifest part can be larger."""
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+class Replicas(Protocol):
+    """A tier's copies on other nodes, and the copies it holds for them (``local_replicas``)."""
+
+    def join(self, agreement: Agreement, durable: Tier) -> None:
+        """Connects to the peers (collective; once, after the tiers' epochs are taken)."""
+
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
+        """Sends this process's part of ``loc`` to its holders (before its local marker)."""
+
+    def heal(self, step: int | None) -> None:
+        """Brings back, before a restore, a step whose parts are spread over the peers."""
+
+    def collect(self) -> list[int]:
+        """Removes the replicas held here that are stale; returns their steps."""
+        ...
+
+    def delete(self, step: int) -> None:
+        """Removes the replicas of ``step`` held here (the step is deleted)."""
+
+    def close(self) -> None:
+        """Stops serving this process's replicas."""
+
+
+class NoReplicas:
+    """The replicas of a tier that has none (``local_replicas=1``, read-only, durable)."""
+
+    def join(self, agreement: Agreement, durable: Tier) -> None:
+        return None
+
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
+        return None
+
+    def heal(self, step: int | None) -> None:
+        return None
+
+    def collect(self) -> list[int]:
+        return []
+
+    def delete(self, step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def open_replicas(local: Tier, options: CheckpointOptions) -> Replicas:
+    """The replicas of the own tier ``local``: :class:`Peers` with ``local_replicas > 1``
+    on a writable manager, else :class:`NoReplicas` (writes nothing; see ``Peers.join``)."""
+    if options.local_replicas > 1 and not options.read_only:
+        return Peers(local, options)
+    return NoReplicas()
+
+
+class Peers:
+    """This process's side of the peer-replicated local tier.
+
+    Opened with its tier, it keeps the replicas held there (:meth:`collect`,
+    :meth:`delete`); :meth:`join` (collective) connects it to the other processes
+    before it replicates or heals.
+
+    Args:
+      local: the own tier whose parts are replicated and which holds others' replicas.
+      options: ``local_replicas``, ``peer_timeout_s``, ``peer_host``, ``max_object_bytes``.
+    """
+
+    placement: Placement
+    """Which processes hold whose parts (set by :meth:`join`)."""
+    addresses: list[str]
+    """Every process's listener (set by :meth:`join`)."""
+
+    def __init__(self, local: Tier, options: CheckpointOptions) -> None:
+        self._local = local
+        self._options = options
+        self._timeout_s = options.peer_timeout_s
+        self._max_bytes = max(options.max_object_bytes, MIN_FRAME_BYTES)
+        self.me = jax.process_index()
+        self._server: PeerServer | None = None
+
+    def join(self, agreement: Agreement, durable: Tier) -> None:
+        """Agrees on the nodes, the placement and the job's secret, opens this process's
+        listener and gathers every process's address (collective).
+
+        Raises:
+          PlacementError: fewer nodes than ``local_replicas``.
+        """
+        self._durable, self._agreement = durable, agreement
+        nodes = agreement.gather("peer-nodes", node_id())
+        self.placement = place(nodes, self._options.local_replicas)
+        primary = self.me == agreement.primary
+        self._secret = bytes.fromhex(
+            agreement.agree("peer-secret", new_secret().hex() if primary else None)
+        )
+        self._server = server = PeerServer(
+            self._local.storage,
+            self._secret,
+            host=bind_host(self._options),
+            timeout_s=self._timeout_s,
+            max_bytes=self._max_bytes,
+        )
+        try:
+            self.addresses = agreement.gather("peer-addresses", server.address)
+        except BaseException:
+            server.close()
+            raise
+
+    def close(self) -> None:
+        """Closes the listener (the manager's ``close``)."""
+        if self._server is not None:
+            self._server.close()
+
+    def collect(self) -> list[int]:
+        """Removes the replicas of steps older than the tier's newest step that it does
+        not hold itself (their save failed here, or retention deleted them before the
+        replicas came), and the temp files of received frames left by a crash (older
+        than ``TEMP_GRACE_S``); returns the steps. A replica of a newer step may be in
+        flight."""
+        storage = self._local.storage
+        keys = storage.list(REPLICAS)
+        now = time.time()
+        for key in keys:  # a frame that a crash cut while it streamed in
+            if is_stale_temp_key(key, now):
+                log.info("removing %s/%s (a replica file whose receipt was cut)", storage.uri, key)
+                storage.delete(key)
+        steps = {s for k in keys if (s := parse_replica_step(k)) is not None}
+        own = set(self._local.visible())
+        stale = sorted(s for s in steps - own if s < max(own, default=-1))
+        for step in stale:
+            log.info("removing replicas of step %d under %s (not held here)", step, storage.uri)
+            storage.delete_prefix(replica_prefix(step))
+        return stale
+
+    def delete(self, step: int) -> None:
+        """Removes the replicas of other processes' parts of ``step`` held here."""
+        self._local.storage.delete_prefix(replica_prefix(step))
+
+    def _connect(self, process: int) -> Any:
+        return connect(
+            self.addresses[process],
+            self._secret,
+            timeout_s=self._timeout_s,
+            max_bytes=self._max_bytes,
+        )
+
+    def _where(self, process: int) -> str:
+        return (
+            f"process {process} (node {self.placement.nodes[process]}, {self.addresses[process]})"
+        )
+
+    # -- replication -------------------------------------------------------------
+
+    def replicate(
+        self,
+        loc: StepLocation,
+        *,
+        metrics: dict[str, float] | None,
+        keep: bool,
+        request: bytes | None = None,
+    ) -> None:
+        """Sends this process's part of ``loc`` to every holder; returns once each has
+        acknowledged every file and the index (which carries the promotion ``request``).
+
+        Raises:
+          PeerError: a holder could not be reached, refused, or timed out (named).
+        """
+        holders = self.placement.holders(self.me)
+        reached("replicating", loc.step)
+        start = time.monotonic()
+        with _pools.borrow("peers", len(holders)) as pool:
+            promote = None if request is None else request.decode()
+            futures = [
+                pool.submit(self._push, h, loc, dict(metrics or {}), keep, promote) for h in holders
+            ]
+            sent = [f.result() for f in futures]
+        log.info(
+            "step %d: replicated this process's part (%d bytes) to %s in %.2fs",
+            loc.step,
+            sent[0] if sent else 0,
+            ", ".join(f"process {h}" for h in holders),
+            time.monotonic() - start,
+        )
+
+    def _push(
+        self,
+        holder: int,
+        loc: StepLocation,
+        metrics: dict[str, float],
+        keep: bool,
+        promote: str | None,
+    ) -> int:
+        storage, step = self._local.storage, loc.step
+        assert loc.attempt is not None
+        base = f"{replica_prefix(step, self.me)}{loc.attempt}/"
+        files: dict[str, FileDigest] = {}
+        try:
+            with self._connect(holder) as peer:
+                for key in storage.list(loc.prefix):
+                    if is_temp_key(key):
+                        continue
+                    data = storage.read(key)
+                    if data is None:
+                        raise CheckpointError(f"{self._local.uri}/{key} vanished while replicated")
+                    if len(data) > self._max_bytes:
+                        raise PeerError(
+                            f"{self._local.uri}/{key} is {len(data)} bytes, over the peer "
+                            f"transport's bound of {self._max_bytes} (max_object_bytes)"
+                        )
+                    name = key[len(loc.prefix) :]
+                    peer.put(base + name, data)
+                    files[name] = FileDigest.of(data)
+                index = ReplicaIndex(
+                    step=step,
+                    process=self.me,
+                    attempt=loc.attempt,
+                    num_processes=jax.process_count(),
+                    files=files,
+                    metrics=metrics,
+                    keep=keep,
+                    promote=promote,
+                )
+                peer.put(replica_index_key(step, self.me, loc.attempt), index.to_bytes())
+        except PeerError as e:
+            raise PeerError(
+                f"step {step}: replicating process {self.me}'s part to {self._where(holder)} "
+                f"failed: {e}"
+            ) from e
+        return sum(d.size for d in files.values())
+
+    # -- healing -----------------------------------------------------------------
+
+    def held(self) -> list[Held]:
+        """The complete replicas this process holds (listed; their indexes are read on use)."""
+        return replica_holdings(self._local.storage.list(REPLICAS))
+
+    def heal(self, step: int | None) -> None:
+        """Brings the newest step complete in the union of the local tiers (or ``step``)
+        back onto every process's own local root (collective; see the module docstring).
+
+        When a process finds no intact copy of its part of that step, every process
+        goes on to the next newest complete step (never older than the newest durable
+        one); the log says which step the restore gets instead.
+        """
+        own = self._local.visible()
+        held = self.held()
+        gathered = self._agreement.gather("peer-coverage", [own, held])
+        marker = self._durable.latest() if self.me == self._agreement.primary else None
+        durable = self._agreement.agree("peer-durable", None if marker is None else marker.step)
+        reports = [(list(o), [(int(s), int(p), str(a)) for s, p, a in hs]) for o, hs in gathered]
+        target = heal_target(reports, step, durable)
+        while target is not None:
+            fetched = True
+            if target not in own:
+                sources = [
+                    (p, attempt)
+                    for p, (_, hs) in enumerate(reports)
+                    for s, source, attempt in hs
+                    if s == target and source == self.me
+                ]
+                try:
+                    fetched = self._fetch(target, sources)
+                except CheckpointError as e:  # this process's own root failed: said, agreed
+                    log.warning(
+                        "step %d: fetching process %d's part failed: %s", target, self.me, e
+                    )
+                    fetched = False
+            outcomes = self._agreement.gather(f"peer-healed-{target}", fetched)
+            failed = [p for p, ok in enumerate(outcomes) if not ok]
+            if not failed:
+                self._replenish(target, reports)
+                return
+            nxt, instead = fallback(reports, target, durable, asked=step is not None)
+            log.warning(
+                "step %d cannot be healed: no peer holds an intact copy of the part of "
+                "process%s %s; %s",
+                target,
+                "es" if len(failed) > 1 else "",
+                ", ".join(map(str, failed)),
+                instead,
+            )
+            target = nxt
+
+    def _fetch(self, step: int, sources: Sequence[tuple[int, str]]) -> bool:
+        """Fetches this process's part of ``step`` from the first holder with an intact
+        copy and commits it on the own local root; False (logged) if none has one."""
+        protocol = self._local.protocol
+        for holder, attempt in sources:
+            loc = StepLocation(step, new_attempt(protocol.write_epoch()))
+            try:
+                with self._connect(holder) as peer:
+                    index = self._copy_in(peer, step, attempt, loc)
+                extra = [n for n in index.files if is_held_manifest_name(n)]
+                self._request_again(index)
+                protocol.commit(
+                    loc,
+                    num_processes=index.num_processes,
+                    metrics=index.metrics,
+                    keep=index.keep,
+                    processes=[self.me],
+                    extra=extra,
+                )
+            except (PeerError, CorruptCheckpointError) as e:
+                log.warning(
+                    "the replica of step %d of process %d on %s is unusable (%s); "
+                    "trying the next copy",
+                    step,
+                    self.me,
+                    self._where(holder),
+                    e,
+                )
+                protocol.abandon(loc)
+                continue
+            log.info(
+                "step %d: fetched this process's part from %s and committed it on %s",
+                step,
+                self._where(holder),
+                self._local.uri,
+            )
+            return True
+        log.warning("step %d: no peer holds an intact copy of process %d's part", step, self.me)
+        return False
+
+    def _request_again(self, index: ReplicaIndex) -> None:
+        """A step chosen for promotion and not durable yet is requested again (before its
+        local marker, as a save does), taken over by this job's durable epoch: this
+        process's promoter uploads the part it fetched, once."""
+        epoch = self._durable.protocol.epoch
+        if index.promote is None or epoch is None or self._durable.holds(index.step):
+            return
+        where = f"replica index of step {index.step}"
+        request = PromotionRequest.from_bytes(index.promote.encode(), where)
+        request_promotion(self._local.protocol, request.restamped(epoch, time.time()))
+
+    def _copy_in(
+        self, peer: PeerClient, step: int, attempt: str, loc: StepLocation
+    ) -> ReplicaIndex:
+        key = replica_index_key(step, self.me, attempt)
+        raw = peer.get(key)
+        if raw is None:
+            raise CorruptCheckpointError(f"{peer.peer}: {key} is missing")
+        index = ReplicaIndex.from_bytes(raw, f"{peer.peer}: {key}")
+        if (index.step, index.process, index.attempt) != (step, self.me, attempt):
+            raise CorruptCheckpointError(f"{peer.peer}: {key} names another part")
+        if index.num_processes != jax.process_count():  # another topology: the durable root
+            raise CorruptCheckpointError(
+                f"step {step} was saved by {index.num_processes} processes, not "
+                f"{jax.process_count()}; its replicas do not fit this job"
+            )
+        self._local.protocol.begin_save(loc)
+        base = f"{replica_prefix(step, self.me)}{attempt}/"
+        for name, digest in sorted(index.files.items()):
+            data = peer.get(base + name)
+            if data is None or FileDigest.of(data) != digest:
+                what = "is missing" if data is None else "does not match its checksum"
+                raise CorruptCheckpointError(f"step {step}: {peer.peer}: {base}{name} {what}")
+            self._local.storage.write(loc.key(name), data)
+        return index
+
+    def _replenish(self, step: int, reports: Sequence[Any]) -> None:
+        """Sends this process's part of ``step`` again to holders that lost it."""
+        if not self._local.holds(step):
+            return
+        have = {
+            p
+            for p, (_, hs) in enumerate(reports)
+            for s, src, _ in hs
+            if (s, src) == (step, self.me)
+        }
+        missing = [h for h in self.placement.holders(self.me) if h not in have]
+        if not missing:
+            return
+        marker = self._local.marker(step)
+        for holder in missing:
+            try:
+                self._push(holder, marker.location, dict(marker.metrics), marker.keep, None)
+                log.info(
+                    "step %d: replica of process %d sent again to %s",
+                    step,
+                    self.me,
+                    self._where(holder),
+                )
+            except (PeerError, CheckpointError) as e:
+                log.warning(
+                    "step %d: could not restore a replica on %s: %s", step, self._where(holder), e
+                )
+
+
+def bind_host(options: CheckpointOptions) -> str:
+    """Where the peer listener binds: ``peer_host``, ``JAXCKPT_PEER_HOST``, loopback for a
+    coordinator on loopback, else the address of this host's name."""
+    if options.peer_host:
+        return options.peer_host
+    if os.environ.get(PEER_HOST_ENV):
+        return os.environ[PEER_HOST_ENV]
+    from jax._src import distributed
+
+    coordinator = distributed.global_state.coordinator_address or ""
+    if coordinator.rpartition(":")[0] in _LOOPBACK or not coordinator:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())

@@ -1,0 +1,555 @@
+"""Promotion: copying steps committed on a fast local tier to the durable root.
+
+A tiered :class:`~jaxckpt.CheckpointManager` saves to a local root (one per
+host). For each save its ``promote_policy`` chooses, every host writes a
+*promotion request* ``promote/<step>.json`` into its local root *before* its
+local commit marker, naming the durable root's writer epoch of the job (and,
+on several hosts, the durable attempt agreed at the save). A
+:class:`Promoter` — a thread of the manager (``promotion="background"``) or
+the ``jaxckpt promote`` command / sidecar (``promotion="external"``), one per
+host — copies each requested step (every chunk checked against the local
+manifest) into an attempt of that epoch on the durable root, and the marker
+is written with the same protocol: by the single host's promoter, or on
+several hosts by the primary's once every host's manifest part is there.
+
+The promoter never takes an epoch of its own (that would fence the job): it
+writes as the job, and checks the fence before it begins and before the
+marker, so the promoter of a fenced job stops. A promoter killed mid-upload
+leaves an attempt without a marker (never listed; garbage collection removes
+it) and the request, so the next pass starts the step again.
+
+Requests are promoted newest first; a newer request never cancels an older
+one. Imports no jax.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from jaxckpt import policy
+from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+    WriterFencedError,
+)
+from jaxckpt.records._keys import (
+    PENDING,
+    PROMOTE,
+    StepLocation,
+    manifest_name,
+    parse_attempt,
+    parse_promote_key,
+    promote_key,
+)
+from jaxckpt.records._step import CommitMarker, json_record, load_json_record
+from jaxckpt.tiers._backoff import Backoff
+from jaxckpt.tiers._keep import retention_decision
+
+log = logging.getLogger("jaxckpt")
+
+PROMOTED = "promoted"
+ALREADY_DURABLE = "already durable"
+GONE = "not committed locally"
+WAITING = "local save under way"
+UPLOADED = "part uploaded"
+FENCED = "fenced"
+FAILED = "failed"
+ARCHIVED = "archived"
+RETRY_BACKOFF_S = (1.0, 60.0)
+"""The wait before retrying a step whose promotion failed: the first, and the longest (it
+doubles with each failure in a row, with jitter; see ``_backoff``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromotionRequest:
+    """A local tier's request to make ``step`` durable (``promote/<step>.json``).
+
+    Written by the trainer *before* the step's local commit marker, so a
+    trainer killed right after its local commit still leaves the request; a
+    request whose step has no local marker waits while the local save is
+    under way and is dropped once nothing of it is left.
+
+    Attributes:
+      step: the step committed on the local tier.
+      epoch: the durable root's writer epoch of the job that asked; the copy is
+        committed in that epoch.
+      requested: wall-clock time the request was written.
+      saved: wall-clock time the save of the step started (for time-to-durable).
+      attempt: multi-host: the durable attempt every host uploads its part
+        into (agreed at the save); None: a fresh attempt at promotion time.
+      process: multi-host: the process whose local tier this is (its manifest part).
+      processes: how many processes saved the step (1: single-host).
+      primary: the process whose promoter writes the tree record and commits.
+    """
+
+    step: int
+    epoch: int
+    requested: float
+    saved: float | None = None
+    attempt: str | None = None
+    process: int = 0
+    processes: int = 1
+    primary: int = 0
+
+    def to_bytes(self) -> bytes:
+        fields: dict[str, object] = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "requested": self.requested,
+            "saved": self.saved,
+        }
+        if self.processes > 1:
+            fields.update(
+                attempt=self.attempt,
+                process=self.process,
+                processes=self.processes,
+                primary=self.primary,
+            )
+        return json_record(**fields)
+
+    def restamped(self, epoch: int, now: float) -> PromotionRequest:
+        """This request taken over by the job of ``epoch``; its attempt id is derived
+        from the old one (the same on every host, without talking to them)."""
+        attempt = self.attempt
+        if attempt is not None:
+            attempt = f"e{epoch}-" + attempt.split("-", 1)[1]
+        return replace(self, epoch=epoch, requested=now, attempt=attempt)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> PromotionRequest:
+        obj = load_json_record(data, where)
+        try:
+            saved = obj.get("saved")
+            attempt = obj.get("attempt")
+            request = cls(
+                step=int(obj["step"]),
+                epoch=int(obj["epoch"]),
+                requested=float(obj["requested"]),
+                saved=None if saved is None else float(saved),
+                attempt=None if attempt is None else str(attempt),
+                process=int(obj.get("process", 0)),
+                processes=int(obj.get("processes", 1)),
+                primary=int(obj.get("primary", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"invalid promotion request {where}: {e}") from e
+        if request.processes > 1 and (
+            request.attempt is None or parse_attempt(request.attempt) is None
+        ):
+            raise CorruptCheckpointError(f"invalid promotion request {where}: no valid attempt")
+        return request
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromotionResult:
+    """What one pass did with one requested step.
+
+    Attributes:
+      step: the step.
+      outcome: ``promoted``, ``already durable``, ``not committed locally``
+        (the request is dropped), ``local save under way`` (kept), ``part
+        uploaded`` (multi-host, not the primary: the primary's promoter
+        commits), ``fenced`` (the job's epoch was fenced: nothing written),
+        ``failed``, or ``archived`` (:func:`archive_once`).
+      nbytes: chunk bytes copied.
+      seconds: time spent on the step.
+      durable_time: wall-clock time of the durable commit (``promoted`` only).
+      request: the request that asked for it.
+      error: why it failed or was fenced.
+    """
+
+    step: int
+    outcome: str
+    nbytes: int = 0
+    seconds: float = 0.0
+    durable_time: float | None = None
+    request: PromotionRequest | None = None
+    error: str | None = None
+
+
+def request_promotion(local: CommitProtocol, request: PromotionRequest) -> None:
+    """Writes (or re-stamps) the promotion request of ``request.step`` into the local root."""
+    local.storage.write(promote_key(request.step), request.to_bytes())
+
+
+def read_requests(local: CommitProtocol) -> dict[int, PromotionRequest]:
+    """Every readable promotion request of a local root, by step (an invalid one is logged)."""
+    requests: dict[int, PromotionRequest] = {}
+    for key in local.storage.list(PROMOTE):
+        step = parse_promote_key(key)
+        if step is None:
+            continue
+        data = local.storage.read(key)
+        if data is None:
+            continue  # removed since the listing: promoted meanwhile
+        try:
+            requests[step] = PromotionRequest.from_bytes(data, local.where(key))
+        except CheckpointError as e:
+            log.warning("%s", e)
+    return dict(sorted(requests.items()))
+
+
+def withdraw(local: CommitProtocol, step: int) -> None:
+    """Removes the promotion request of ``step`` (done, or can never succeed)."""
+    local.storage.delete(promote_key(step))
+
+
+class Promoter:
+    """Promotes requested local steps to a durable root; one pass at a time.
+
+    Args:
+      local: the local tier (read; its requests are removed when done).
+      durable: the durable root (an operator protocol: the promoter never
+        takes an epoch; each copy is written in its request's epoch).
+      epoch: write in this epoch instead of each request's (the manager's own
+        background promoter passes the job's epoch).
+      retention: applied to the durable root after each promoted step, in the
+        request's epoch (fence-checked before each deletion).
+      on_result: called with every result (telemetry, metrics).
+      parts_timeout_s: multi-host, the primary's promoter: how long it waits
+        for the other hosts' parts before giving up on this pass (the request
+        stays; the next pass waits again).
+      backoff_s: a step whose promotion failed (the store failed; its request
+        stays) is left alone for ``backoff_s[0]`` seconds, doubling with each
+        failure in a row up to ``backoff_s[1]``, with jitter: passes in between
+        skip it, and each failure is logged once.
+    """
+
+    def __init__(
+        self,
+        local: CommitProtocol,
+        durable: CommitProtocol,
+        *,
+        epoch: int | None = None,
+        retention: policy.RetentionPolicy | None = None,
+        on_result: Callable[[PromotionResult], None] | None = None,
+        parts_timeout_s: float = 300.0,
+        backoff_s: tuple[float, float] = RETRY_BACKOFF_S,
+    ) -> None:
+        self.local = local
+        self.durable = durable
+        self.epoch = epoch
+        self.retention = retention
+        self.parts_timeout_s = parts_timeout_s
+        self._on_result = on_result
+        self._warned_fenced: set[int] = set()
+        self._stop: threading.Event | None = None
+        self.backoff = Backoff(first_s=backoff_s[0], longest_s=backoff_s[1])
+        """The steps left alone after a failure (and, as ``None``, failed passes)."""
+
+    def writer(self, epoch: int) -> CommitProtocol:
+        """A protocol of the durable root that writes (and fence-checks) as ``epoch``."""
+        protocol = CommitProtocol(self.durable.storage)
+        protocol.epoch = epoch
+        return protocol
+
+    def pending(self) -> list[PromotionRequest]:
+        """Requests whose step is not durable yet, newest first.
+
+        Requests of durable steps are removed (a multi-host part whose step
+        another host's promoter committed, a promoter killed after the marker).
+        """
+        durable = self.durable.visible_refs()
+        todo = []
+        for step, request in read_requests(self.local).items():
+            if step in durable:
+                withdraw(self.local, step)
+            else:
+                todo.append(request)
+        return sorted(todo, key=lambda r: r.step, reverse=True)
+
+    def promote_once(self, *, stop: threading.Event | None = None) -> list[PromotionResult]:
+        """Promotes every requested step that is not durable yet, newest first.
+
+        A step that cannot be copied because the store failed keeps its request
+        and is retried after a back-off (passes before then skip it; the failure
+        is logged once); one whose local copy is corrupt or gone loses it
+        (logged). ``stop`` ends the pass between steps.
+        """
+        results = []
+        self._stop = stop
+        for request in self.pending():
+            if stop is not None and stop.is_set():
+                break
+            if not self.backoff.due(request.step):
+                continue
+            try:
+                result = self.promote(request)
+            except CheckpointError as e:  # this step only: the pass goes on with the rest
+                result = PromotionResult(
+                    step=request.step, outcome=FAILED, request=request, error=str(e)
+                )
+            self._note(result)
+            results.append(result)
+            if self._on_result is not None:
+                self._on_result(result)
+        return results
+
+    def _note(self, result: PromotionResult) -> None:
+        """Backs off from a step that failed or was fenced (its request stays), logged once
+        per failure; forgets a step that is done."""
+        step = result.step
+        if result.outcome not in (FAILED, FENCED):
+            self.backoff.succeeded(step)
+            return
+        if (
+            self.local.storage.read(promote_key(step)) is None
+        ):  # its local copy is damaged or gone: said where it was dropped
+            self.backoff.succeeded(step)
+            return
+        delay = self.backoff.failed(step)
+        if result.outcome == FAILED:
+            log.error(
+                "promotion of step %d failed (%d in a row; retried in %.1fs): %s",
+                step,
+                self.backoff.failures(step),
+                delay,
+                result.error,
+            )
+
+    def promote(self, request: PromotionRequest) -> PromotionResult:
+        """Copies one requested step (multi-host: this host's part) to the durable root."""
+        step, start = request.step, time.monotonic()
+        epoch = self.epoch if self.epoch is not None else request.epoch
+        marker = self.local.read_marker(step)
+        if marker is None:
+            return self._not_committed(request)
+        writer = self.writer(epoch)
+        try:
+            if request.processes > 1:
+                nbytes, committed = self._promote_part(
+                    request.restamped(epoch, 0.0), marker, writer
+                )
+                if not committed:
+                    return PromotionResult(
+                        step=step,
+                        outcome=UPLOADED,
+                        nbytes=nbytes,
+                        seconds=time.monotonic() - start,
+                        request=request,
+                    )
+            else:
+                from jaxckpt.tools._copy import copy_step
+
+                nbytes = copy_step(self.local, writer, marker)
+        except StepAlreadyExistsError:
+            withdraw(self.local, step)
+            return PromotionResult(step=step, outcome=ALREADY_DURABLE, request=request)
+        except WriterFencedError as e:
+            if step not in self._warned_fenced:
+                self._warned_fenced.add(step)
+                log.error("promotion of step %d stopped: %s", step, e)
+            return PromotionResult(step=step, outcome=FENCED, request=request, error=str(e))
+        except (CheckpointError, OSError) as e:
+            if not self._still_local(marker):  # deleted meanwhile (local retention): benign
+                log.info("promotion of step %d skipped: deleted from %s", step, self.local.where())
+                withdraw(self.local, step)
+                return PromotionResult(step=step, outcome=GONE, request=request)
+            if not isinstance(e, CorruptCheckpointError):  # retried after a back-off (logged)
+                return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
+            log.error("promotion of step %d failed; its local copy is damaged: %s", step, e)
+            withdraw(self.local, step)
+            return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
+        durable_marker = writer.read_marker(step)
+        withdraw(self.local, step)
+        seconds = time.monotonic() - start
+        log.info(
+            "promoted step %d to %s: %d bytes in %.2fs", step, self.durable.where(), nbytes, seconds
+        )
+        if self.retention is not None:
+            self.apply_retention(writer)
+        return PromotionResult(
+            step=step,
+            outcome=PROMOTED,
+            nbytes=nbytes,
+            seconds=seconds,
+            durable_time=durable_marker.time if durable_marker is not None else time.time(),
+            request=request,
+        )
+
+    def _still_local(self, marker: CommitMarker) -> bool:
+        """Whether ``marker`` is still the local step's commit (True if that cannot be told)."""
+        try:
+            return self.local.still_committed(marker)
+        except CheckpointError:
+            return True
+
+    def _not_committed(self, request: PromotionRequest) -> PromotionResult:
+        """A request without a local marker: its save is under way (the request is
+        written before the marker), or it never committed (a killed trainer whose
+        attempt was collected since) or was deleted: then the request goes."""
+        step = request.step
+        under_way = bool(self.local.storage.list(f"{PENDING}{step}/"))
+        if self.local.read_marker(step) is not None:  # committed between the two reads
+            return self.promote(request)
+        if under_way:
+            return PromotionResult(step=step, outcome=WAITING, request=request)
+        log.warning(
+            "promotion of step %d skipped: not committed under %s", step, self.local.where()
+        )
+        withdraw(self.local, step)
+        return PromotionResult(step=step, outcome=GONE, request=request)
+
+    def _promote_part(
+        self, request: PromotionRequest, marker: CommitMarker, writer: CommitProtocol
+    ) -> tuple[int, bool]:
+        """Multi-host: uploads this host's part into the agreed attempt; the primary's
+        promoter also writes the tree record, waits (bounded) for every part, and
+        commits. Returns the chunk bytes copied and whether this call committed.
+
+        A part is uploaded once: its manifest part is written after its chunks,
+        so a present manifest part means the part is complete.
+        """
+        from jaxckpt.tools._copy import copy_part
+
+        assert request.attempt is not None
+        step = request.step
+        loc = StepLocation(step, request.attempt)
+        primary = request.process == request.primary
+        if primary:
+            writer.begin_save(loc)  # raises if durable already or fenced
+        else:
+            if step in writer.visible_refs():
+                raise StepAlreadyExistsError(f"step {step} is durable under {writer.where()}")
+            writer.check_fence(f"promote step {step}")
+        nbytes = 0
+        if writer.storage.read(loc.key(manifest_name(request.process))) is None:
+            nbytes = copy_part(
+                self.local, writer, marker, loc, process=request.process, records=primary
+            )
+        if not primary:
+            return nbytes, False
+        self._await_parts(writer, loc, request.processes)
+        writer.commit(
+            loc, num_processes=request.processes, metrics=dict(marker.metrics), keep=marker.keep
+        )
+        return nbytes, True
+
+    def _await_parts(self, writer: CommitProtocol, loc: StepLocation, processes: int) -> None:
+        """Waits until every process's manifest part is in the durable attempt."""
+        wanted = {loc.key(manifest_name(p)) for p in range(processes)}
+        deadline = time.monotonic() + self.parts_timeout_s
+        while True:
+            missing = wanted - set(writer.storage.list(loc.prefix + "manifest/"))
+            if not missing:
+                return
+            stopping = self._stop is not None and self._stop.is_set()
+            if stopping or time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"cannot commit {loc} under {writer.where()}: the parts "
+                    f"{sorted(missing)} of other hosts are not uploaded "
+                    f"{'(stopping)' if stopping else f'within {self.parts_timeout_s:.0f}s'}"
+                )
+            time.sleep(0.1)
+
+    def apply_retention(self, writer: CommitProtocol) -> list[int]:
+        """Deletes the durable steps ``retention`` does not keep; returns them."""
+        decision = retention_decision(writer.committed(), self.retention)
+        deleted = []
+        for step in decision.delete:
+            log.info("durable retention: deleting step %d under %s", step, writer.where())
+            try:
+                writer.delete(step)
+            except StepNotFoundError:  # another pruner deleted it meanwhile: benign
+                log.info("durable retention: step %d was already deleted", step)
+                continue
+            deleted.append(step)
+        return deleted
+
+    def watch(
+        self,
+        stop: threading.Event,
+        *,
+        interval_s: float = 5.0,
+        wake: threading.Event | None = None,
+        on_pass: Callable[[list[PromotionResult]], None] | None = None,
+    ) -> None:
+        """Runs :meth:`promote_once` until ``stop`` is set, every ``interval_s``
+        seconds, when a step left alone after a failure is due again, or at once
+        when ``wake`` is set (a new local commit). A failed pass is logged and
+        retried after a back-off, whatever wakes it meanwhile."""
+        while not stop.is_set():
+            if wake is not None:
+                wake.clear()
+            try:
+                results = self.promote_once(stop=stop)
+                self.backoff.succeeded(None)
+            except CheckpointError as e:
+                delay = self.backoff.failed(None)
+                log.error(
+                    "promotion pass from %s failed (retried in %.1fs): %s",
+                    self.local.where(),
+                    delay,
+                    e,
+                )
+                if on_pass is not None:
+                    on_pass([])
+                stop.wait(delay)
+                continue
+            if on_pass is not None:
+                on_pass(results)
+            if results and any(r.outcome == PROMOTED for r in results):
+                continue  # more may have arrived meanwhile
+            due = self.backoff.next_due_s()
+            timeout = interval_s if due is None else min(interval_s, due)
+            if wake is not None:
+                wake.wait(timeout)
+            else:
+                stop.wait(timeout)
+
+
+def archive_once(
+    durable: CommitProtocol,
+    archive: CommitProtocol,
+    *,
+    older_than_s: float,
+    select: policy.RetentionPolicy | None = None,
+    level: int = 3,
+    now: float | None = None,
+) -> list[PromotionResult]:
+    """Re-encodes chosen durable steps with zstd into an archive root (``cp --compress``).
+
+    A durable step is archived when it was committed more than ``older_than_s``
+    seconds ago, ``select`` keeps it (e.g. ``KeepMilestones()``; None: every
+    step) and the archive does not hold it yet. The archive is written as an
+    operator (no epoch of its own), each step committed with the usual marker.
+    """
+    from jaxckpt.tools._copy import copy_step
+
+    now = time.time() if now is None else now
+    committed = durable.committed()
+    chosen = set(committed)
+    if select is not None:
+        infos = [
+            policy.StepInfo(step=s, metrics=dict(m.metrics) or None, pinned=m.keep)
+            for s, m in committed.items()
+        ]
+        chosen = set(select.keep(infos)) | {s for s, m in committed.items() if m.keep}
+    archived = archive.visible_refs()
+    results = []
+    for step in sorted(chosen - set(archived)):
+        marker = committed[step]
+        if now - marker.time < older_than_s:
+            continue
+        start = time.monotonic()
+        try:
+            nbytes = copy_step(durable, archive, marker, compress="zstd", level=level)
+        except StepAlreadyExistsError:
+            continue
+        except (CheckpointError, OSError) as e:
+            log.error("archiving step %d to %s failed: %s", step, archive.where(), e)
+            results.append(PromotionResult(step=step, outcome=FAILED, error=str(e)))
+            continue
+        seconds = time.monotonic() - start
+        log.info(
+            "archived step %d to %s: %d bytes in %.2fs", step, archive.where(), nbytes, seconds
+        )
+        results.append(PromotionResult(step=step, outcome=ARCHIVED, nbytes=nbytes, seconds=seconds))
+    return results

@@ -1,0 +1,126 @@
+"""Importing foreign checkpoints into new steps of a jaxckpt root.
+
+Two sources: safetensors (one file, a Hugging Face shard set with its index, or
+a directory of them, here) and Orbax checkpoints (:mod:`jaxckpt.tools._orbax_import`).
+An imported tree is saved through :class:`jaxckpt.CheckpointManager`, so each
+new step is committed by the same protocol as any save, with every chunk
+checksummed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jaxckpt.errors import CheckpointError, StepAlreadyExistsError
+from jaxckpt.tools._safetensors import read_safetensors, tree_from_names
+
+__all__ = ["ImportResult", "ImportSourceError", "import_safetensors"]
+
+
+class ImportSourceError(CheckpointError, ValueError):
+    """The import source is not a checkpoint jaxckpt can read.
+
+    The message names the path and what was expected. Point the import at a
+    ``.safetensors`` file, a shard index, or an Orbax checkpoint directory; an
+    Orbax item jaxckpt cannot store is named, and ``skip_items`` (``jaxckpt
+    import --skip-item``) leaves it out.
+    """
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportResult:
+    """What an import committed: the root, the step, how many arrays and bytes."""
+
+    root: str
+    step: int
+    arrays: int
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Imported:
+    """One step to commit: its tree and what is stored beside it."""
+
+    tree: Any
+    source: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] | None = None
+    process_state: Any = None
+
+
+def commit_imports(
+    root: str | os.PathLike[str],
+    steps: Sequence[int | None],
+    load: Callable[[int], Imported],
+    storage_options: dict[str, Any],
+) -> list[ImportResult]:
+    """Saves ``load(i)`` as ``steps[i]`` (None: the newest + 1), one step at a time.
+
+    Every step is checked to be free before anything is written; each is
+    committed (and its tree released) before the next is loaded.
+    """
+    import jax
+
+    from jaxckpt import CheckpointManager
+
+    results = []
+    with CheckpointManager(root, storage_options=storage_options) as mgr:
+        existing = set(mgr.steps())
+        taken = sorted({s for s in steps if s is not None} & existing)
+        if taken:
+            others = (
+                f" (and {len(taken) - 1} more of the steps to import)" if len(taken) > 1 else ""
+            )
+            raise StepAlreadyExistsError(
+                f"step {taken[0]} already exists under {mgr.root}{others}; import into another "
+                "step or root"
+            )
+        for i, wanted in enumerate(steps):
+            step = wanted if wanted is not None else max(existing, default=-1) + 1
+            item = load(i)
+            extra = {} if item.process_state is None else {"process_state": item.process_state}
+            metadata = {"imported_from": item.source, **item.metadata}
+            mgr.save(step, item.tree, force=True, metadata=metadata, metrics=item.metrics, **extra)
+            mgr.wait()
+            existing.add(step)
+            arrays = [x for x in jax.tree.leaves(item.tree) if hasattr(x, "dtype")]
+            nbytes = sum(int(getattr(x, "nbytes", 0)) for x in arrays)
+            results.append(
+                ImportResult(root=mgr.root, step=step, arrays=len(arrays), nbytes=nbytes)
+            )
+    return results
+
+
+def import_safetensors(
+    src: str | os.PathLike[str],
+    root: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    **storage_options: Any,
+) -> ImportResult:
+    """Saves the tensors of a safetensors file or shard set as a new committed step.
+
+    Dotted tensor names become nested dicts (``a.b.c`` -> ``{"a": {"b": {"c": ...}}}``),
+    so a checkpoint exported by ``jaxckpt export`` comes back with its dict nesting
+    (list indices come back as dict keys ``"0"``, ``"1"``, ...). The files are
+    memory-mapped; the save copies each tensor once into host memory.
+
+    Args:
+      src: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
+        directory holding either.
+      root: the jaxckpt root (created if needed; local, ``gs://``, ``s3://``).
+      step: the new step; None takes the newest committed step + 1 (0 on an empty root).
+
+    Raises:
+      SafetensorsFormatError: a malformed file (names the file and tensor).
+      StepAlreadyExistsError: ``step`` is already committed under ``root``.
+    """
+    src = os.fspath(src)
+    if not os.path.exists(src):
+        raise ImportSourceError(f"{src} does not exist")
+    tree = tree_from_names(list(read_safetensors(src)))
+    imported = Imported(tree=tree, source=f"safetensors:{os.path.abspath(src)}")
+    return commit_imports(root, [step], lambda _: imported, storage_options)[0]

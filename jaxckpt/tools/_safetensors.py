@@ -1,0 +1,424 @@
+"""safetensors export and import, streamed with bounded memory.
+
+The format (https://github.com/huggingface/safetensors): an 8-byte little-endian
+header length N, N bytes of JSON ``{name: {"dtype", "shape", "data_offsets":
+[begin, end]}, "__metadata__": {str: str}}`` padded with spaces, then the
+tensors' raw little-endian C-order bytes, back to back. The writer here emits
+the header first (every offset is known from shapes and dtypes) and then streams
+each tensor block by block from the checkpoint, so memory stays at about one
+block (:data:`jaxckpt.restoring._lazy.DEFAULT_BLOCK_BYTES`, or one chunk row if larger)
+whatever the checkpoint's size. Checkpoints larger than ``max_shard_bytes`` are
+written as Hugging Face shards, ``model-00001-of-00003.safetensors`` ..., with
+``model.safetensors.index.json`` = ``{"metadata": {"total_size": N},
+"weight_map": {name: file}}``.
+
+Tensor names are the dotted tree paths (``params.dense.kernel``); non-array
+leaves (ints, strings, ...) go into ``__metadata__["jaxckpt.values"]`` as JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import math
+import os
+import struct
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxckpt.errors import CheckpointError
+from jaxckpt.restoring._lazy import DEFAULT_BLOCK_BYTES, LeafView, StepView, dotted_path, open_step
+
+__all__ = [
+    "ExportResult",
+    "export_safetensors",
+    "read_safetensors",
+    "tree_from_names",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size, "5GB"
+_MAX_HEADER = 100 << 20  # safetensors refuses headers above 100 MB
+
+# numpy / zarr dtype name -> safetensors dtype
+_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int16": "I16",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "uint32": "U32",
+    "int32": "I32",
+    "float32": "F32",
+    "uint64": "U64",
+    "int64": "I64",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "complex64": "C64",
+}
+_NUMPY = {v: k for k, v in _DTYPES.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportResult:
+    """What :func:`export_safetensors` wrote.
+
+    Attributes:
+      files: the paths written (shards in order; the index file last if any).
+      tensors: number of tensors.
+      total_size: tensor bytes (the index's ``total_size``).
+      step: the exported step.
+    """
+
+    files: tuple[str, ...]
+    tensors: int
+    total_size: int
+    step: int
+
+
+class ExportError(CheckpointError, ValueError):
+    """A checkpoint cannot be exported as asked.
+
+    The message names the leaf or file. Leave out unsupported leaves with
+    ``leaves=`` (``--leaf`` on the command line), or pick another output path.
+    """
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    view: LeafView
+    dtype: str
+    nbytes: int
+
+
+def _select(step: StepView, patterns: Sequence[str] | None) -> list[_Tensor]:
+    tensors = []
+    seen: dict[str, str] = {}
+    for view in step.arrays():
+        name = view.path
+        if patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            continue
+        dtype = _DTYPES.get(view.leaf.dtype or "")
+        if dtype is None:
+            raise ExportError(
+                f"step {step.step}: {name} has dtype {view.leaf.dtype}, which safetensors "
+                f"cannot store (supported: {', '.join(sorted(_DTYPES))})"
+            )
+        if name in seen:
+            raise ExportError(
+                f"step {step.step}: two leaves have the tensor name {name!r} "
+                f"({seen[name]} and {view.leaf.path_text})"
+            )
+        seen[name] = view.leaf.path_text
+        tensors.append(_Tensor(name=name, view=view, dtype=dtype, nbytes=view.nbytes))
+    if not tensors:
+        wanted = " or ".join(repr(p) for p in patterns or ())  # a list would read as a path
+        raise ExportError(f"step {step.step} of {step.root}: no array leaf matches {wanted or '*'}")
+    return tensors
+
+
+def _shards(tensors: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
+    shards: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def _header(tensors: Sequence[_Tensor], metadata: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {
+            "dtype": t.dtype,
+            "shape": list(t.view.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    if len(raw) > _MAX_HEADER:
+        raise ExportError(f"safetensors header of {len(raw)} bytes exceeds 100 MB; use shards")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _le_bytes(block: np.ndarray) -> np.ndarray:
+    """The block's little-endian C-order bytes as a uint8 array (no copy when possible)."""
+    if block.dtype.byteorder == ">":
+        block = block.astype(block.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+
+
+def _write_file(
+    path: str,
+    tensors: Sequence[_Tensor],
+    metadata: dict[str, str],
+    on_progress: Callable[[int], None] | None,
+    block_bytes: int,
+) -> None:
+    with open(path, "wb") as f:
+        f.write(_header(tensors, metadata))
+        for t in tensors:
+            written = 0
+            for block in t.view.blocks(block_bytes):
+                data = _le_bytes(block)
+                f.write(data.data)
+                written += data.nbytes
+                if on_progress is not None:
+                    on_progress(data.nbytes)
+            if written != t.nbytes:  # a bug, never bad data: every chunk was checked
+                raise AssertionError(f"{t.name}: wrote {written} of {t.nbytes} bytes")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _makedirs(path: str) -> None:
+    """Creates the output directory (and its parents), or says why it cannot."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot create the output directory {path}: {e.strerror or e}") from e
+
+
+def export_safetensors(
+    root: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    leaves: Sequence[str] | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    on_progress: Callable[[int], None] | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    **storage_options: Any,
+) -> ExportResult:
+    """Writes a committed step's arrays as safetensors, sharded when large.
+
+    Args:
+      root: the checkpoint root (local, ``gs://``, ``s3://``).
+      out: a local directory (created with its parents), which receives
+        ``model.safetensors`` or shards plus ``model.safetensors.index.json``;
+        or a path ending in ``.safetensors`` (its directory created), which
+        receives one file whatever its size.
+      step: the step to export; None exports the newest.
+      leaves: glob patterns on dotted paths (``params.*``); None exports every array.
+      max_shard_bytes: the most tensor bytes per shard (one larger tensor gets
+        a shard of its own).
+      on_progress: called with the number of bytes of each block written.
+      block_bytes: the most bytes read into memory at once (at least a chunk row).
+
+    Returns:
+      An :class:`ExportResult`.
+
+    Raises:
+      ExportError: a leaf has a dtype safetensors lacks, two leaves share a
+        name, nothing matches ``leaves``, or ``out`` is not a local path.
+      StepNotFoundError, CorruptCheckpointError: as :func:`jaxckpt.open_step`.
+    """
+    out = os.fspath(out)
+    if "://" in out:
+        raise ExportError(f"export writes to a local path, got {out!r}")
+    if max_shard_bytes < 1:
+        raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    view = open_step(root, step, **storage_options)
+    tensors = _select(view, leaves)
+    metadata = {
+        "format": "flax",
+        "jaxckpt.root": view.root,
+        "jaxckpt.step": str(view.step),
+        "jaxckpt.values": json.dumps(
+            {dotted_path(x): x.value for x in view.leaves if x.kind == "value"}
+        ),
+    }
+    if out.endswith(".safetensors"):
+        plan = [(out, tensors)]
+        index = None
+        _makedirs(os.path.dirname(out) or ".")
+    else:
+        _makedirs(out)
+        shards = _shards(tensors, max_shard_bytes)
+        if len(shards) == 1:
+            plan = [(os.path.join(out, SINGLE_FILE), tensors)]
+            index = None
+        else:
+            n = len(shards)
+            names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+            plan = [(os.path.join(out, nm), s) for nm, s in zip(names, shards, strict=True)]
+            index = os.path.join(out, INDEX_FILE)
+    temps: list[tuple[str, str]] = []
+    path = plan[0][0]
+    try:
+        for path, members in plan:
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            temps.append((tmp, path))
+            _write_file(tmp, members, metadata, on_progress, block_bytes)
+        if index is not None:
+            body = {
+                "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                "weight_map": {
+                    t.name: os.path.basename(path) for path, members in plan for t in members
+                },
+            }
+            tmp = f"{index}.tmp-{uuid.uuid4().hex[:8]}"
+            temps.append((tmp, index))
+            with open(tmp, "w") as f:
+                json.dump(body, f, indent=2)
+                f.write("\n")
+        for tmp, path in temps:  # the output appears only once every file is complete
+            os.replace(tmp, path)
+    except BaseException as e:
+        for tmp, _ in temps:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError):  # name the output, not its temporary name
+            raise ExportError(f"cannot write {path}: {e.strerror or e}") from e
+        raise
+    return ExportResult(
+        files=tuple(path for _, path in temps),
+        tensors=len(tensors),
+        total_size=sum(t.nbytes for t in tensors),
+        step=view.step,
+    )
+
+
+# -------------------------------------------------------------------------------- reading
+
+
+class SafetensorsFormatError(CheckpointError, ValueError):
+    """A file is not a valid safetensors file (or index) and cannot be imported.
+
+    The message names the file and what is wrong with it. Check that the file
+    was fully downloaded; re-export it from its source.
+    """
+
+
+def _safetensors_files(src: str) -> list[str]:
+    if os.path.isdir(src):
+        index = os.path.join(src, INDEX_FILE)
+        if os.path.exists(index):
+            src = index
+        else:
+            found = sorted(
+                os.path.join(src, f) for f in os.listdir(src) if f.endswith(".safetensors")
+            )
+            if not found:
+                raise SafetensorsFormatError(f"{src} has no .safetensors file and no {INDEX_FILE}")
+            return found
+    if src.endswith(".json"):
+        try:
+            with open(src) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SafetensorsFormatError(f"{src} is not a safetensors index ({e})") from e
+        base = os.path.dirname(src)
+        return [os.path.join(base, name) for name in dict.fromkeys(weight_map.values())]
+    return [src]
+
+
+def _open_file(path: str) -> tuple[dict[str, Any], np.memmap | None, int]:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SafetensorsFormatError(f"{path}: too short for a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER, size - 8):
+                raise SafetensorsFormatError(f"{path}: header length {n} is invalid")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise SafetensorsFormatError(f"cannot read {path}: {e.strerror or e}") from e
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SafetensorsFormatError(f"{path}: the header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError(f"{path}: the header is not a JSON object")
+    start = 8 + n
+    data = np.memmap(path, np.uint8, mode="r") if size > start else None
+    return header, data, start
+
+
+def read_safetensors(src: str | os.PathLike[str]) -> Iterator[tuple[str, np.ndarray]]:
+    """Yields ``(name, array)`` for every tensor of a file, shard set or directory.
+
+    Arrays are read-only views of memory-mapped files (bfloat16 and float8 via
+    ml_dtypes), so nothing is read before it is used.
+
+    Raises:
+      SafetensorsFormatError: a file or index is malformed (names the file and tensor).
+    """
+    for path in _safetensors_files(os.fspath(src)):
+        header, data, start = _open_file(path)
+        available = 0 if data is None else data.size - start
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            where = f"{path}: tensor {name!r}"
+            try:
+                dtype = np.dtype(_numpy_dtype(info["dtype"], where))
+                shape = tuple(int(d) for d in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise SafetensorsFormatError(f"{where}: malformed entry ({e})") from e
+            if (
+                not 0 <= begin <= end <= available
+                or end - begin != math.prod(shape) * dtype.itemsize
+            ):
+                raise SafetensorsFormatError(
+                    f"{where}: data_offsets [{begin}, {end}] do not fit shape {list(shape)} "
+                    f"{info['dtype']} in {available} data bytes"
+                )
+            if data is None or begin == end:
+                array = np.zeros(shape, dtype)
+            else:
+                array = data[start + begin : start + end].view(dtype).reshape(shape)
+            yield name, array
+
+
+def _numpy_dtype(name: str, where: str) -> Any:
+    numpy_name = _NUMPY.get(name)
+    if numpy_name is None:
+        raise SafetensorsFormatError(f"{where}: dtype {name} is not supported")
+    if numpy_name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        import ml_dtypes
+
+        return getattr(ml_dtypes, numpy_name)
+    return numpy_name
+
+
+def tree_from_names(items: Iterator[tuple[str, Any]] | Sequence[tuple[str, Any]]) -> dict:
+    """Nests dotted names into dicts: ``a.b.c`` -> ``{"a": {"b": {"c": ...}}}``.
+
+    >>> tree_from_names([("a.b", 1), ("a.c", 2), ("d", 3)])
+    {'a': {'b': 1, 'c': 2}, 'd': 3}
+
+    Raises:
+      SafetensorsFormatError: a name is both a tensor and a prefix of another.
+    """
+    tree: dict[str, Any] = {}
+    for name, value in items:
+        node = tree
+        parts = name.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SafetensorsFormatError(
+                    f"tensor {'.'.join(parts[: i + 1])!r} is also a prefix of {name!r}"
+                )
+            node = child
+        if parts[-1] in node:
+            raise SafetensorsFormatError(f"tensor name {name!r} clashes with another tensor")
+        node[parts[-1]] = value
+    return tree
