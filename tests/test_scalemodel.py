@@ -1,4 +1,5 @@
-"""The cluster-scale model behind ``jaxckpt plan --processes`` (``jaxckpt/planning/_scale.py``)."""
+"""The cluster-scale model behind ``jaxckpt plan --processes`` (``jaxckpt/planning/_scale.py``,
+its counts per process ``_profiles.py``, its stores and constants ``_assumptions.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from jaxckpt import cli
-from jaxckpt.planning._scale import PROFILES, STORES, Linear, PhaseCost, fit_profile, scale_plan
+from jaxckpt.planning._assumptions import STORES
+from jaxckpt.planning._profiles import PROFILES, Linear, fit_profile
+from jaxckpt.planning._scale import PhaseCost, scale_plan
 
 
 def _report(points: dict[int, tuple[int, int, int, int]]) -> dict[str, object]:
