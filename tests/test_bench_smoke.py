@@ -198,7 +198,12 @@ def test_storm_gates_and_deny_rules_drive_the_shared_fault_proxy(
         assert status == 503 and b"SlowDown" in body
         storms("close")  # the next gate ends a storm still running
         assert _status(proxy.endpoint, data)[0] == 404
-        assert storms.throttled == {"save": 1}
+        storms("reopen")  # a restart: its open, then its restore, in one storm
+        storms("restore")
+        assert _status(proxy.endpoint, data)[0] == 503
+        storms("close2")
+        assert _status(proxy.endpoint, data)[0] == 404
+        assert storms.throttled == {"save": 1, "reopen": 1}
 
         proxy.deny(("GET", "/packs/"))
         status, body = _status(proxy.endpoint, data)

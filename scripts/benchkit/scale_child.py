@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     phase("close")
     outcomes.run("close", manager.close)
     phase("reopen")
-    manager = jaxckpt.CheckpointManager(args.root, **options)
+    manager = outcomes.run("reopen", lambda: jaxckpt.CheckpointManager(args.root, **options))
+    if manager is None:
+        raise SystemExit(f"process {args.process_id}: {outcomes.by_phase['reopen']}")
     phase("restore")
     restored = outcomes.run("restore", lambda: manager.restore(target=target))
     if "save2" in phases:
