@@ -189,7 +189,7 @@ def test_storm_gates_and_deny_rules_drive_the_shared_fault_proxy(
     """``bench.py storm`` throttles every request from a stormed gate until the next gate;
     ``bench.py denied`` (and tests/denyproxy.py) deny matching requests until cleared."""
     proxy = faultproxy.FaultProxy(s3_server.endpoint)
-    storms = storm.Storms(proxy, seconds=60.0)
+    storms = storm.Storms(proxy, seconds=60.0, stormed=storm.WITH_OPEN)
     data = f"/{s3_server.bucket}/r/data/0a/1.2/packs/0.0.bin"
     try:
         assert _status(proxy.endpoint, data)[0] == 404  # forwarded: no such key

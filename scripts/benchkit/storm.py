@@ -10,17 +10,18 @@ one after the other, on fresh roots, with the same bytes:
 * ``baseline``: no faults;
 * ``storm``: from the moment every process is about to save (a gate after the
   save's barrier) the proxy answers ``503 SlowDown`` to every request for
-  ``--seconds``; likewise from the moment every process is about to restart
-  (open a fresh manager, then restore).
+  ``--seconds``; likewise from the moment every process is about to restore
+  (with a fresh manager, as after a restart; ``--with-open``: from the moment
+  it is about to open that manager).
 
 In each run the processes first save step 1 (unthrottled), then step 2 (other
 values) in the storm, then a fresh manager restores the newest step, which must
 be step 2 with every byte equal. After each run the parent reads the root
 (read-only, straight to moto) for the committed steps. Reported side by side:
 whether both calls completed on every process, the newest committed step, the
-restored step and whether its bytes are equal, the slowest process's save
-(``save()`` until committed) and restart (open and ``restore()``) seconds, and
-the requests the proxy throttled. The managers run with
+restored step and whether its bytes are equal, the slowest process's seconds
+of ``save()`` until committed, of ``restore()`` and of the fresh manager's open
+plus ``restore()``, and the requests the proxy throttled. The managers run with
 their defaults (``save_timeout_s`` 600 s bounds every request's retries;
 backoff windows of 0.5-8 s) unless ``--save-timeout``/``--max-delay`` say
 otherwise.
@@ -46,27 +47,36 @@ from benchkit import servers
 from benchkit.common import _progress
 from benchkit.group import run_group
 
-STORMED = {"save": "close", "reopen": "close2"}
-"""The gates a storm starts at -- a save (its manager open), and a restart (a fresh
-manager's open, then its restore) -- and the gate that ends it if it still runs
-(the call finished or failed inside it)."""
+STORMED = {"save": "close", "restore": "close2"}
+"""The gates a storm starts at -- a save (its manager open), a restore (a fresh
+manager open) -- and the gate that ends it if it still runs (the call finished
+or failed inside it)."""
+WITH_OPEN = {"save": "close", "reopen": "close2"}
+"""``--with-open``: the second storm covers a whole restart (a fresh manager's open,
+then its restore)."""
 
 
 class Storms:
-    """Starts a storm of ``seconds`` on the proxy at each gate in :data:`STORMED`; the
-    timer or the gate that follows the stormed call ends it."""
+    """Starts a storm of ``seconds`` on the proxy at each gate in ``stormed``
+    (:data:`STORMED`); its timer or the gate that follows the stormed call ends it."""
 
-    def __init__(self, proxy: faultproxy.FaultProxy, seconds: float) -> None:
+    def __init__(
+        self,
+        proxy: faultproxy.FaultProxy,
+        seconds: float,
+        stormed: dict[str, str] | None = None,
+    ) -> None:
         self.proxy, self.seconds = proxy, seconds
+        self.stormed = STORMED if stormed is None else stormed
         self.throttled: dict[str, int] = {}
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._storm: tuple[str, int] | None = None  # the gate, the throttle count before it
 
     def __call__(self, gate: str) -> None:
-        if gate in STORMED or gate in STORMED.values():
+        if gate in self.stormed or gate in self.stormed.values():
             self.calm()
-        if gate in STORMED and self.seconds > 0:
+        if gate in self.stormed and self.seconds > 0:
             with self._lock:
                 self._storm = gate, self.proxy.snapshot()["throttle"]
                 self.proxy.plan = faultproxy.FaultPlan(throttle=1.0)
@@ -96,7 +106,8 @@ def measure(
     """One run (``baseline`` or ``storm``) of ``args.processes`` processes on a fresh root."""
     root = f"s3://{server.bucket}/storm-{kind}-{uuid.uuid4().hex[:8]}"
     proxy = faultproxy.FaultProxy(server.endpoint)
-    storms = Storms(proxy, args.seconds if kind == "storm" else 0.0)
+    stormed = WITH_OPEN if args.with_open else STORMED
+    storms = Storms(proxy, args.seconds if kind == "storm" else 0.0, stormed)
     child_args = ["--mode=storm", f"--leaves={args.leaves}", f"--leaf-kib={args.leaf_kib}"]
     if args.save_timeout is not None:
         child_args.append(f"--save-timeout={args.save_timeout}")
@@ -166,16 +177,16 @@ def render(runs: list[dict[str, Any]]) -> str:
     """The runs side by side, one row each."""
     lines = [
         "| run | storm s | completed | committed steps | restored step | bytes equal "
-        "| save s | open + restore s | throttled save / restart |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| save s | restore s | open + restore s | throttled save / restore |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         s, t = run["summary"], run["throttled"]
         lines.append(
             f"| {run['run']} | {run['storm_s']:g} | {'yes' if s['completed'] else 'NO'} "
             f"| {run['committed']} | {s['restored_step']} | {'yes' if s['bytes_equal'] else 'NO'} "
-            f"| {s['save_s']:.1f} | {s['restart_s']:.1f} "
-            f"| {t.get('save', 0)} / {t.get('reopen', 0)} |"
+            f"| {s['save_s']:.1f} | {s['restore_s']:.1f} | {s['restart_s']:.1f} "
+            f"| {t.get('save', 0)} / {t.get('restore', t.get('reopen', 0))} |"
         )
     return "\n".join(lines)
 
@@ -186,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=2, help="real JAX processes")
     p.add_argument("--leaves", type=int, default=8, help="sharded leaves")
     p.add_argument("--leaf-kib", type=int, default=1024, help="KiB of each leaf per process")
+    p.add_argument(
+        "--with-open", action="store_true", help="storm the restart's open too, not the restore"
+    )
     p.add_argument("--save-timeout", type=float, default=None, help="managers' save_timeout_s")
     p.add_argument("--max-delay", type=float, default=None, help="retries' max_delay_s")
     p.add_argument("--json", type=Path, default=None, help="write the runs here")
