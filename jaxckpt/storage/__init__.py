@@ -11,8 +11,9 @@ Modules, bottom up: ``_base`` (the interface, :class:`PreconditionFailed`),
 ``_buffers`` (aligned buffers, ``pread``), ``_uri`` (root names), ``_options``
 (:class:`ObjectStoreOptions`), ``_retry`` (deadline-bounded full-jitter
 retries), ``_local`` (POSIX roots), ``_http`` (direct ranged GETs), ``_ranged``
-(reads under a memory budget), ``_object`` (the object-store base), ``_s3`` and
-``_gcs`` (one class per cloud). Nothing here imports jaxckpt beyond this package, ``jaxckpt.errors``
+(reads under a memory budget), the object-store base in three layers
+(``_objrequests``: kvstore, names, errors, retries; ``_objcreate``: create-only writes;
+``_object``: the ``Storage`` operations), ``_s3`` and ``_gcs`` (one class per cloud). Nothing here imports jaxckpt beyond this package, ``jaxckpt.errors``
 and ``jaxckpt._pools``.
 
 >>> import tempfile
