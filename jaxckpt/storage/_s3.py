@@ -22,7 +22,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from jaxckpt.storage._http import DirectReader, s3_reader
+from jaxckpt.storage._cloudreads import s3_reader
+from jaxckpt.storage._http import DirectReader
 from jaxckpt.storage._object import ObjectStorage
 from jaxckpt.storage._options import ObjectStoreOptions
 from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
