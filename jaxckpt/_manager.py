@@ -34,9 +34,10 @@ from jaxckpt.records._procstate import ProcessStateAccess
 from jaxckpt.restoring import _select
 from jaxckpt.saving._session import SaveSession
 from jaxckpt.saving._telemetry import SaveStats
+from jaxckpt.tiers._open import join_tiers, open_tiers
 from jaxckpt.tiers._promotion import open_promotion
 from jaxckpt.tiers._retention import Retention
-from jaxckpt.tiers._tier import Tier, join_tiers, open_tiers
+from jaxckpt.tiers._tier import Tier
 from jaxckpt.tools._verify import VerifyReport, verify_step
 
 log = logging.getLogger("jaxckpt")

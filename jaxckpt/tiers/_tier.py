@@ -6,14 +6,16 @@ applies there. A plain manager holds one tier (``"durable"``, the job's shared
 root); a tiered manager holds two, nearest first: ``"local"`` (each host's own
 root) and ``"durable"``. Everything else (the save session, the restore
 selection, retention, promotion) works on tiers and never builds this bundle
-itself; :func:`open_tier` is the one place that does.
+itself; :func:`~jaxckpt.tiers._open.open_tier` is the one place that does.
 
-A tier is one of two kinds (:data:`KINDS`), chosen once when it is opened: an
+A tier is one of two kinds (:data:`~jaxckpt.tiers._open.KINDS`), chosen once when it is opened: an
 :class:`OwnTier` (each host is the only writer of its own root and lists it
 itself; its copies on other nodes are its ``peers``) or a :class:`SharedTier`
 (one root for the whole job: the primary takes its epoch and lists it for
-everyone). Both answer the :class:`Tier` Protocol; a new kind is one more class
-here and its entry in :data:`KINDS`.
+everyone). Both answer the :class:`Tier` Protocol, and what differs between them is
+behaviour of the kind (who takes the epoch, who prunes, which checks a root must
+pass), not a branch on the kind; a new kind is one more class here and its entry in
+``KINDS``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import ClassVar, Protocol
 
 import jax
@@ -39,7 +41,7 @@ from jaxckpt.records import _owner
 from jaxckpt.records._keys import COMMITS, ROOT_RECORD, MarkerRef
 from jaxckpt.records._step import CommitMarker
 from jaxckpt.restoring._stepreader import StepReader
-from jaxckpt.storage import Storage, open_storage, tensorstore_backed
+from jaxckpt.storage import Storage, tensorstore_backed
 from jaxckpt.tiers._peers import NoReplicas, Replicas, open_replicas
 
 log = logging.getLogger("jaxckpt")
@@ -88,6 +90,9 @@ class Tier(Protocol):
         serves: str | None = None,
     ) -> int: ...
     def revive(self, serves: str | None) -> bool: ...
+    def check_served(self, agreement: Agreement, durable: str) -> None: ...
+    def check_alone(self, agreement: Agreement) -> None: ...
+    def prunes(self, *, primary: bool) -> bool: ...
     def collect(self, grace_s: float, commit_keys: list[str] | None = None) -> None: ...
     def garbage_collect(self, grace_s: float, *, force: bool = False) -> list[int]: ...
     def delete(self, step: int) -> None: ...
@@ -292,6 +297,52 @@ class OwnTier(_Root):
         self.protocol.take_epoch()
         return True
 
+    def check_served(self, agreement: Agreement, durable: str) -> None:
+        """Refuses this root if it serves another durable root than ``durable`` (collective:
+        every host raises if any host's local root is another job's; one record read).
+
+        Raises:
+          LocalRootInUseError: a local root records another durable root.
+        """
+        reason = self.refusal(durable)
+        if jax.process_count() > 1:
+            reported = agreement.reports(f"{self.name}-served", reason)
+            reason = reported[min(reported)] if reported else None
+        if reason is not None:
+            raise LocalRootInUseError(reason)
+
+    def check_alone(self, agreement: Agreement) -> None:
+        """Refuses this root if two processes of this job on one machine would share it
+        (collective; nothing is written before it passes).
+
+        Every host is the only writer of its local root: two processes on one
+        machine given the same ``local_root`` (say, one process per GPU with
+        ``local_root="/mnt/nvme/run1"``) would fence each other's epochs there.
+        A path on storage that several machines mount is not detected.
+
+        Raises:
+          CheckpointError: two processes have the same host name and local root.
+        """
+        if jax.process_count() == 1:
+            return
+        uri = self.uri
+        path = uri if "://" in uri else os.path.realpath(uri)
+        first: dict[tuple[str, str], int] = {}
+        for process, (host, where) in enumerate(
+            agreement.gather(f"{self.name}-roots", [socket.gethostname(), path])
+        ):
+            other = first.setdefault((host, where), process)
+            if other != process:
+                raise CheckpointError(
+                    f"local_root {where!r} on host {host}: processes {other} and {process} of "
+                    "this job share it; each process needs a local tier of its own, e.g. "
+                    f'local_root=f"{where}/{{jax.process_index()}}"'
+                )
+
+    def prunes(self, *, primary: bool) -> bool:
+        """True: every host applies retention to its own root."""
+        return True
+
 
 class SharedTier(_Root):
     """The job's one root (``root``): the primary writes its records and lists it for
@@ -339,116 +390,17 @@ class SharedTier(_Root):
         """False: a shared root wiped under its writer is an error, found by its fence."""
         return False
 
+    def check_served(self, agreement: Agreement, durable: str) -> None:
+        """Nothing to check: a shared root serves no other root."""
 
-KINDS: dict[str, Callable[[Storage, CheckpointOptions], Tier]] = {
-    "local": OwnTier,
-    "durable": SharedTier,
-}
-"""The tier kinds by name, nearest first."""
-TIER_NAMES = tuple(KINDS)
+    def check_alone(self, agreement: Agreement) -> None:
+        """Nothing to check: every host shares this root by design."""
 
-
-def open_tier(uri: str | os.PathLike[str], options: CheckpointOptions, name: str) -> Tier:
-    """Opens the root ``uri`` as the tier ``name`` (writes nothing).
-
-    Raises:
-      ValueError / CheckpointError: ``uri`` is not a root the storage layer accepts.
-    """
-    if name not in KINDS:
-        raise ValueError(f"tier name must be one of {TIER_NAMES}, got {name!r}")
-    root = os.fspath(uri)
-    return KINDS[name](open_storage(root, **options.storage_kwargs(root)), options)
+    def prunes(self, *, primary: bool) -> bool:
+        """Whether this host applies retention here: the primary does, for the job."""
+        return primary
 
 
 def reading_tier(storage: Storage) -> Tier:
     """``storage`` as a tier to read outside a manager (``open_step``, the CLI)."""
     return SharedTier(storage, CheckpointOptions())
-
-
-def open_tiers(root: str | os.PathLike[str], options: CheckpointOptions) -> tuple[Tier, ...]:
-    """The manager's tiers, nearest first: ``(durable,)``, or ``(local, durable)`` with
-    ``options.local_root``. Every root is opened (and so validated) before any is written.
-
-    Raises:
-      CheckpointError: ``local_root`` and ``root`` are the same root.
-    """
-    durable = open_tier(root, options, "durable")
-    if options.local_root is None:
-        return (durable,)
-    local = open_tier(options.local_root, options, "local")
-    if local.uri == durable.uri:
-        raise CheckpointError(f"local_root and root are the same root: {durable.uri}")
-    return (local, durable)
-
-
-def join_tiers(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointOptions) -> None:
-    """Opens ``tiers`` as the manager's ``options`` say (collective): read-only, each
-    root must exist; else each is written and its epoch taken, nearest first, and then
-    each joins its peers (an own tier with ``local_replicas > 1``).
-
-    Raises:
-      LocalRootInUseError / CheckpointError: see :func:`require_served` and
-        :func:`require_own_roots`; PlacementError: fewer nodes than ``local_replicas``.
-    """
-    durable = tiers[-1]
-    require_served(agreement, tiers, durable.uri)
-    if options.read_only:
-        for tier in tiers:
-            tier.open_read_only(durable.uri)
-        return
-    require_own_roots(agreement, tiers)
-    primary = jax.process_index() == options.primary_host
-    grace = options.gc_grace_s if options.gc_on_open else None
-    for tier in tiers:  # an own tier records (or checks) the durable root it serves
-        tier.take_epoch(agreement, primary=primary, gc_grace_s=grace, serves=durable.uri)
-    for tier in tiers:  # the local tier's peers connect (collective; see _peertier)
-        tier.peers.join(agreement, durable)
-
-
-def require_served(agreement: Agreement, tiers: Iterable[Tier], durable: str) -> None:
-    """Refuses an own tier that serves another durable root than ``durable`` (collective:
-    every host raises if any host's local root is another job's; reads one record each).
-
-    Raises:
-      LocalRootInUseError: a local root records another durable root.
-    """
-    own = [t for t in tiers if t.own]
-    reasons = [r for t in own if (r := t.refusal(durable))]
-    reason = reasons[0] if reasons else None
-    if jax.process_count() > 1 and own:  # no local tier: nothing to agree
-        reported = agreement.reports("local-served", reason)
-        reason = reported[min(reported)] if reported else None
-    if reason is not None:
-        raise LocalRootInUseError(reason)
-
-
-def require_own_roots(agreement: Agreement, tiers: Iterable[Tier]) -> None:
-    """Refuses an own tier that two processes of this job on one machine would share
-    (collective; nothing is written before it passes).
-
-    Every host is the only writer of its local root: two processes on one
-    machine given the same ``local_root`` (say, one process per GPU with
-    ``local_root="/mnt/nvme/run1"``) would fence each other's epochs there.
-    A path on storage that several machines mount is not detected.
-
-    Raises:
-      CheckpointError: two processes have the same host name and local root.
-    """
-    if jax.process_count() == 1:
-        return
-    for tier in tiers:
-        if not tier.own:
-            continue
-        uri = tier.uri
-        path = uri if "://" in uri else os.path.realpath(uri)
-        first: dict[tuple[str, str], int] = {}
-        for process, (host, where) in enumerate(
-            agreement.gather("local-roots", [socket.gethostname(), path])
-        ):
-            other = first.setdefault((host, where), process)
-            if other != process:
-                raise CheckpointError(
-                    f"local_root {where!r} on host {host}: processes {other} and {process} of "
-                    "this job share it; each process needs a local tier of its own, e.g. "
-                    f'local_root=f"{where}/{{jax.process_index()}}"'
-                )
