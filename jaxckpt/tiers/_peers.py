@@ -67,9 +67,10 @@ from jaxckpt.records._keys import (
     replica_prefix,
 )
 from jaxckpt.records._step import FileDigest, ReplicaIndex
+from jaxckpt.tiers._peerclient import PeerClient, connect
 from jaxckpt.tiers._placement import Held, Placement, fallback, heal_target, node_id, place
 from jaxckpt.tiers._promoter import PromotionRequest, request_promotion
-from jaxckpt.tiers._transport import PeerClient, PeerServer, connect, new_secret
+from jaxckpt.tiers._transport import PeerServer, new_secret
 
 if TYPE_CHECKING:
     from jaxckpt.tiers._tier import Tier
