@@ -50,7 +50,7 @@ from jaxckpt.saving._helpers import (
 )
 from jaxckpt.saving._stepwrite import Inflight, StepWrite, prepare_step
 from jaxckpt.saving._telemetry import SaveRecorder
-from jaxckpt.tiers._promoter import PromotionRequest, withdraw
+from jaxckpt.tiers._requests import PromotionRequest, withdraw
 from jaxckpt.tiers._tier import Tier
 
 log = logging.getLogger("jaxckpt")

@@ -34,7 +34,7 @@ from jaxckpt.records._keys import (
 from jaxckpt.records._step import FileDigest, ReplicaIndex
 from jaxckpt.tiers._peerclient import PeerClient
 from jaxckpt.tiers._placement import Held, Placement, fallback, heal_target
-from jaxckpt.tiers._promoter import PromotionRequest, request_promotion
+from jaxckpt.tiers._requests import PromotionRequest, request_promotion
 
 if TYPE_CHECKING:
     from jaxckpt.tiers._tier import Tier
