@@ -23,9 +23,11 @@ placement (:mod:`jaxckpt.tiers._placement`). It does two things:
   index, the next holder tried when a copy is corrupt) and commits it again on
   its own local root; holders that lost their replica get it again. When some
   process finds no intact copy of its part, every process goes on to the next
-  newest complete step (:func:`fallback` says which, and the log says it), so
-  one corrupt replica costs one step, not every local step. The restore
-  selection then finds the step on every process's local tier.
+  newest complete step (:func:`~jaxckpt.tiers._placement.fallback` says which,
+  and the log says it), so one corrupt replica costs one step, not every local
+  step. The restore selection then finds the step on every process's local
+  tier. Healing is :class:`~jaxckpt.tiers._heal.Healing`, the other half of
+  :class:`Peers`.
 
 It also keeps the replicas this process holds for others (``replicas/``):
 a step's go with the step (:meth:`Peers.delete`), and those of steps this
@@ -33,7 +35,7 @@ root no longer holds go with garbage collection (:meth:`Peers.collect`).
 
 :func:`open_replicas` decides, once, when the local tier is opened, whether
 it has a :class:`Peers` or :class:`NoReplicas` (which does nothing): the
-tier's ``peers``. ``_tier.join_tiers`` joins them to the job once the
+tier's ``peers``. ``_open.join_tiers`` joins them to the job once the
 epochs are taken; the save session replicates through them, the restore
 selection heals through them, and the session closes them with the manager.
 """
