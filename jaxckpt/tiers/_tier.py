@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import ClassVar, Protocol
 
 import jax
@@ -42,9 +42,14 @@ from jaxckpt.records._keys import COMMITS, ROOT_RECORD, MarkerRef
 from jaxckpt.records._step import CommitMarker
 from jaxckpt.restoring._stepreader import StepReader
 from jaxckpt.storage import Storage, tensorstore_backed
+from jaxckpt.tiers._commitpoint import EVERY_HOST, ONCE_FOR_THE_JOB, CommitPoint
 from jaxckpt.tiers._peers import NoReplicas, Replicas, open_replicas
 
 log = logging.getLogger("jaxckpt")
+
+
+Listed = Callable[["Tier"], dict[int, MarkerRef]]
+"""A tier's visible steps with their marker keys (a listing, or each tier's newest marker)."""
 
 
 class Tier(Protocol):
@@ -58,6 +63,8 @@ class Tier(Protocol):
     """``"local"`` or ``"durable"``: the kind's name, in logs and agreement keys."""
     own: ClassVar[bool]
     """Each host writes and lists a root of its own (else the primary does, for the job)."""
+    commit_point: ClassVar[CommitPoint]
+    """Where a save of this tier commits: on every host, or once for the job."""
     storage: Storage
     protocol: CommitProtocol
     context: ts.Context
@@ -78,6 +85,9 @@ class Tier(Protocol):
     def holds(self, step: int) -> bool: ...
     def everywhere(self, agreement: Agreement, steps: Iterable[int]) -> set[int]: ...
     def newest(self, agreement: Agreement, *, primary: bool) -> int | None: ...
+    def readable(
+        self, agreement: Agreement, listed: Listed, *, primary: bool
+    ) -> tuple[dict[int, MarkerRef | None], set[int]]: ...
     def ensure(self, *, create: bool) -> None: ...
     def open_read_only(self, serves: str) -> None: ...
     def refusal(self, durable: str) -> str | None: ...
@@ -108,6 +118,7 @@ class _Root:
 
     name: ClassVar[str]
     own: ClassVar[bool]
+    commit_point: ClassVar[CommitPoint]
     retention: policy.RetentionPolicy | None
     peers: Replicas
 
@@ -219,6 +230,7 @@ class OwnTier(_Root):
 
     name = "local"
     own = True
+    commit_point = EVERY_HOST
 
     def __init__(self, storage: Storage, options: CheckpointOptions) -> None:
         super().__init__(storage, options)
@@ -239,6 +251,14 @@ class OwnTier(_Root):
             return max(self.everywhere(agreement, self.committed()), default=None)
         marker = self.latest()
         return None if marker is None else marker.step
+
+    def readable(
+        self, agreement: Agreement, listed: Listed, *, primary: bool
+    ) -> tuple[dict[int, MarkerRef | None], set[int]]:
+        """The steps this host may read here (what its own root lists, with their marker
+        keys), and those of them every host has (collective on several processes)."""
+        mine: dict[int, MarkerRef | None] = dict(listed(self))
+        return mine, self.everywhere(agreement, mine)
 
     def open_read_only(self, serves: str) -> None:
         """Checks the root record; a root not there is a cache to skip, said in the log."""
@@ -350,6 +370,7 @@ class SharedTier(_Root):
 
     name = "durable"
     own = False
+    commit_point = ONCE_FOR_THE_JOB
 
     def __init__(self, storage: Storage, options: CheckpointOptions) -> None:
         super().__init__(storage, options)
@@ -363,6 +384,15 @@ class SharedTier(_Root):
         """The newest step restorable from this root (the primary's answer; one marker read)."""
         marker = self.latest() if primary else None
         return None if marker is None else marker.step
+
+    def readable(
+        self, agreement: Agreement, listed: Listed, *, primary: bool
+    ) -> tuple[dict[int, MarkerRef | None], set[int]]:
+        """The steps the primary lists here, agreed by every host (with their marker keys
+        on the primary only), twice: every host may read every one of them."""
+        seen: dict[int, MarkerRef | None] = dict(listed(self)) if primary else {}
+        shared = agreement.agree(f"restore-{self.name}", sorted(seen))
+        return {s: seen.get(s) for s in shared}, set(shared)
 
     def open_read_only(self, serves: str) -> None:
         """Checks the root record (raises NotACheckpointRootError if it is not there)."""
