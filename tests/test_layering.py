@@ -46,6 +46,12 @@ def test_the_manager_layer_imports_downwards_only():
             "jaxckpt.tiers._retention",
             "jaxckpt.tiers._promotion",
         },
+        "jaxckpt.tiers._kinds": {
+            "jaxckpt.restoring._select",
+            "jaxckpt.saving._session",
+            "jaxckpt.tiers._retention",
+            "jaxckpt.tiers._promotion",
+        },
         "jaxckpt.saving._session": {
             "jaxckpt.tiers._retention",
             "jaxckpt.tiers._promotion",

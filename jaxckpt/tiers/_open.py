@@ -2,8 +2,8 @@
 them to the job (epochs, the checks that a local root is this job's and this process's
 alone, peers).
 
-The kinds themselves (:class:`~jaxckpt.tiers._tier.OwnTier`,
-:class:`~jaxckpt.tiers._tier.SharedTier`) are in :mod:`jaxckpt.tiers._tier`; a new
+The kinds themselves (:class:`~jaxckpt.tiers._kinds.OwnTier`,
+:class:`~jaxckpt.tiers._kinds.SharedTier`) are in :mod:`jaxckpt.tiers._kinds`; a new
 kind is one more class there and its entry in :data:`KINDS` here.
 """
 
@@ -18,7 +18,8 @@ from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.errors import CheckpointError
 from jaxckpt.storage import Storage, open_storage
-from jaxckpt.tiers._tier import OwnTier, SharedTier, Tier
+from jaxckpt.tiers._kinds import OwnTier, SharedTier
+from jaxckpt.tiers._tier import Tier
 
 __all__ = ["KINDS", "TIER_NAMES", "join_tiers", "open_tier", "open_tiers"]
 
@@ -86,7 +87,7 @@ def join_tiers(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointO
 def require_served(agreement: Agreement, tiers: Iterable[Tier], durable: str) -> None:
     """Refuses an own tier that serves another durable root than ``durable`` (collective:
     every host raises if any host's local root is another job's; see
-    :meth:`OwnTier.check_served`).
+    :meth:`~jaxckpt.tiers._kinds.OwnTier.check_served`).
 
     Raises:
       LocalRootInUseError: a local root records another durable root.
@@ -99,7 +100,7 @@ def require_own_roots(agreement: Agreement, tiers: Iterable[Tier]) -> None:
     """Refuses an own tier that two processes of this job on one machine would share
     (collective; nothing is written before it passes).
 
-    See :meth:`OwnTier.check_alone`.
+    See :meth:`~jaxckpt.tiers._kinds.OwnTier.check_alone`.
 
     Raises:
       CheckpointError: two processes have the same host name and local root.
