@@ -119,8 +119,8 @@ def _table(rows: list[Any]) -> str:
     )
     body = [head]
     for r in rows:
-        if r.fails_today:
-            verdict = f"exceeded ({r.limit_s:,.1f} s): fails with today's retries"
+        if r.fails:
+            verdict = f"exceeded ({r.limit_s:,.1f} s): fails, retries give up"
         elif r.limit_exceeded:
             verdict = f"exceeded ({r.limit_s:,.1f} s): throttled"
         else:

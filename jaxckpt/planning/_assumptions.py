@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from jaxckpt.planning._profiles import METRICS, PHASES, ROLES, Profile
+from jaxckpt.planning._profiles import (
+    METRICS,
+    PHASES,
+    RETRY_BUDGET_BEFORE_S,
+    RETRY_DEADLINE_S,
+    ROLES,
+    Profile,
+)
 
 if TYPE_CHECKING:
     from jaxckpt.formats import DataFormat
@@ -26,8 +33,6 @@ was measured on loopback)."""
 COORD_CALLS_PER_S = 10_000.0
 """Calls per second the coordination service answers (8,300 gets/s measured on loopback
 from 8 threads on a 2-core machine)."""
-RETRY_BUDGET_S = 16.0
-"""How long today's retries wait at most: 6 attempts, 0.5-8 s backoff."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +108,9 @@ def assumptions(
     lines += [f"store {s.name}: {s.note}" for s in STORES.values()]
     lines.append(
         "a phase takes max(its own time, its requests at the store's rate); 'fails' when "
-        f"the throttled wait exceeds today's retry budget (~{RETRY_BUDGET_S:g} s: 6 attempts, "
-        "0.5-8 s)"
+        "the throttled wait exceeds the profile's retry budget (before: "
+        f"~{RETRY_BUDGET_BEFORE_S:g} s, 6 attempts of 0.5-8 s; now: the deadline, "
+        f"{RETRY_DEADLINE_S:g} s by default)"
     )
     lines.append(
         "formulas (per process; N = processes): "

@@ -35,6 +35,14 @@ SUMMARY_BYTES = 256
 """A per-process summary of the target protocol: pack names, sizes, the part's CRC32C."""
 
 
+RETRY_BUDGET_BEFORE_S = 16.0
+"""How long retries waited at most before they were bounded by a deadline (the ``before``
+profile): 6 attempts, 0.5-8 s backoff."""
+RETRY_DEADLINE_S = 600.0
+"""How long retries wait now: until the save's or restore's deadline (``save_timeout_s``,
+600 s by default; ``storage/_retry.py``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Linear:
     """``a + b * N``."""
@@ -63,6 +71,8 @@ class Profile:
     name: str
     source: str
     formulas: Formulas
+    retry_budget_s: float = RETRY_DEADLINE_S
+    """How long its retries wait out throttling before a phase fails."""
 
     def value(self, phase: str, role: str, metric: str, n: int) -> float:
         return self.formulas[phase][role][metric].at(n)
@@ -76,6 +86,7 @@ BEFORE = Profile(
     name="before",
     source="least-squares fit of a + b*N to `python scripts/bench.py scale` at 2, 4, 8 and 16 "
     "processes (main a05940e, 2026-12-04; every count lay exactly on its line)",
+    retry_budget_s=RETRY_BUDGET_BEFORE_S,
     formulas={
         "save": _table(
             {
@@ -176,6 +187,9 @@ def _fit(points: Iterable[tuple[float, float]]) -> Linear:
     if spread == 0:
         return Linear(a=mean_v)
     b = sum((n - mean_n) * (v - mean_v) for n, v in pts) / spread
+    width = max(n for n, _ in pts) - min(n for n, _ in pts)
+    if abs(b) * width < 1:  # less than one count across the measured range: noise, a constant
+        return Linear(a=round(mean_v, 3))
     return Linear(a=round(mean_v - b * mean_n, 3), b=round(b, 3))
 
 

@@ -28,7 +28,7 @@ one burst). ``prefixes`` is the key layout: 1 = today (a step's keys under one
 new prefix), K = hashed prefixes that every step reuses (S3 rates apply K times;
 GCS's bucket rate once). The limit's time is ``max(writes / write rate, reads /
 read rate)``; the phase takes ``max(t, limit time)``; the limit is exceeded when
-the limit's time is longer than ``t``; and today's retries (``RETRY_BUDGET_S``)
+the limit's time is longer than ``t``; and the profile's retries (``retry_budget_s``)
 give up when the throttled wait, the limit's time minus ``t``, exceeds them.
 """
 
@@ -44,7 +44,6 @@ from jaxckpt.planning._assumptions import (
     COORD_CALLS_PER_S,
     PARSE_BYTES_PER_S,
     RECORD_BYTES,
-    RETRY_BUDGET_S,
     STORES,
     Store,
     default_format,
@@ -76,7 +75,7 @@ class PhaseCost:
     limit_s: float
     time_s: float
     limit_exceeded: bool
-    fails_today: bool
+    fails: bool
     terms: dict[str, float] = field(default_factory=dict)
     """The parts of ``unthrottled_s``, in seconds."""
 
@@ -209,7 +208,7 @@ def _phase_cost(
         limit_s=limit,
         time_s=max(unthrottled, limit),
         limit_exceeded=limit > unthrottled,
-        fails_today=limit - unthrottled > RETRY_BUDGET_S,
+        fails=limit - unthrottled > profile.retry_budget_s,
         terms=terms,
     )
 
