@@ -406,7 +406,8 @@ class CommitMarker:
             body["attempt"] = self.attempt
             body["epoch"] = self.epoch
         if self.version >= SELF_CHECKED_VERSION:
-            body["parts_crc32c"] = self.parts_crc32c
+            if self.parts_crc32c is not None:
+                body["parts_crc32c"] = self.parts_crc32c
             if self.parts is not None:
                 body["parts"] = list(self.parts)
         return body
@@ -440,7 +441,8 @@ class CommitMarker:
             raise CorruptCheckpointError(f"{what}: time is not a number")
         parts, parts_crc = None, None
         if obj["version"] >= SELF_CHECKED_VERSION:
-            parts_crc = _int(obj.get("parts_crc32c"), what, "parts_crc32c")
+            if "parts_crc32c" in obj:
+                parts_crc = _int(obj["parts_crc32c"], what, "parts_crc32c")
             raw_parts = obj.get("parts")
             if raw_parts is not None:
                 if not isinstance(raw_parts, list) or len(set(map(str, raw_parts))) != len(
