@@ -85,7 +85,7 @@ def check_durable(root: str) -> None:
     for step in STEPS:
         marker = protocol.require_marker(step)
         assert marker.num_processes == 2
-        assert sorted(n for n in marker.files if n.startswith("manifest/")) == [
+        assert sorted(marker.manifest_names()) == [
             "manifest/0.json",
             "manifest/1.json",
         ]
