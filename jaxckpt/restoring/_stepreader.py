@@ -100,7 +100,8 @@ class StepRecords:
     def __init__(self, protocol: CommitProtocol, marker: CommitMarker) -> None:
         self.protocol, self.marker = protocol, marker
         own = manifest_name(jax.process_index())
-        first = [own] if marker.every_process and marker.covers(own) else None
+        several = marker.every_process and marker.num_processes > 1
+        first = [own] if several and marker.covers(own) else None
         self._names = first
         raw, parts = protocol.read_step(marker, parts=first)
         assert raw is not None
