@@ -2,8 +2,9 @@
 
 Records are small JSON objects. Each carries ``format`` and ``version``; the
 commit marker also carries a CRC32C of its own canonical encoding, so a marker
-torn by a crash mid-write is detected and treated as absent. This module
-imports neither jax nor numpy.
+torn by a crash mid-write is detected and treated as absent; so does a manifest
+part from version 4 on, so a restore checks the few parts it reads without the
+marker listing every part's digest. This module imports neither jax nor numpy.
 """
 
 from __future__ import annotations

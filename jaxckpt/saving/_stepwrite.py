@@ -132,7 +132,11 @@ class StepWrite:
         except Exception as e:
             failure = e
         agreement = self._agreement
-        summary = None if inflight.summary is None else inflight.summary.to_json()
+        # a shared tier's primary commits every part from their summaries (an own tier's
+        # host commits its own part: it sends none)
+        summary = None
+        if inflight.summary is not None and not self._per_host:
+            summary = inflight.summary.to_json()
         try:
             summaries = agreement.settle("written", failure, what=what, share=summary)
         except CheckpointError:
