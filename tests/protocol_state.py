@@ -60,7 +60,13 @@ from jaxckpt.records._keys import (
     parse_marker_key,
     parse_pending_key,
 )
-from jaxckpt.records._step import TRAILER_BYTES, CommitMarker, FileDigest, json_record
+from jaxckpt.records._step import (
+    TRAILER_BYTES,
+    CommitMarker,
+    FileDigest,
+    ManifestPart,
+    json_record,
+)
 from jaxckpt.storage import Storage
 
 SAVE_PHASES = tuple(p for p in PHASES if p != "delete_retracted")
@@ -215,6 +221,11 @@ def valid_markers(storage: Storage) -> dict[int, CommitMarker]:
             stored = storage.read(marker.location.key(name))
             assert stored is not None, f"committed step {ref.step}: {name} is missing"
             assert FileDigest.of(stored) == digest, f"committed step {ref.step}: {name} is altered"
+        for name in marker.manifest_names():  # format 4: parts that check themselves
+            if name not in marker.files:
+                stored = storage.read(marker.location.key(name))
+                assert stored is not None, f"committed step {ref.step}: {name} is missing"
+                ManifestPart.from_bytes(stored, name, self_checked=True)  # else: altered
         markers[ref.step] = marker
     return dict(sorted(markers.items()))
 

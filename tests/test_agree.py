@@ -239,9 +239,27 @@ def test_settle_raises_the_failing_processs_error_on_every_process_naming_it(
         assert str(results[i]) == (
             "save of step 5 failed on process 1: PUT s3://b/r/x: 403 Forbidden"
         )
-    assert j.run(lambda i: Agreement("ok").settle("checks", None, what="x")) == dict.fromkeys(
-        range(3), None
+    settled = j.run(lambda i: Agreement("ok").settle("checks", None, what="x"))
+    assert settled == {i: {} for i in range(3)}  # nothing shared: nothing handed over
+
+
+def test_settle_hands_the_primary_what_each_process_shared_with_one_read_more(
+    job: Callable[[int], Job],
+) -> None:
+    """A save's "written" settle carries each process's part summary to the primary: the
+    others read nothing more, the primary one directory read, whatever N."""
+    j = job(4)
+    results = j.run(
+        lambda i: Agreement("root", primary=1).settle("written", None, what="x", share=[i, 2 * i])
     )
+    assert results == {0: {}, 1: {p: [p, 2 * p] for p in range(4)}, 2: {}, 3: {}}
+    assert j.kv.dir_gets == 4 + 1
+    failing = j.run(  # a failure is still raised everywhere; nothing is handed over
+        lambda i: Agreement("f").settle(
+            "written", StorageError("no") if i == 3 else None, what="x", share=[i]
+        )
+    )
+    assert all(isinstance(r, StorageError) for r in failing.values()), failing
 
 
 def test_settle_names_every_failing_process(job: Callable[[int], Job]) -> None:

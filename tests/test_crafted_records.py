@@ -46,23 +46,34 @@ def _tamper(
     files: Callable[[dict[str, bytes]], dict[str, bytes]] | None = None,
 ) -> None:
     """Rewrites step 1's records with ``manifest``/``tree`` (edit the parsed JSON in
-    place), then re-seals the marker: new file digests and a correct marker CRC32C."""
+    place), then re-seals every checksum a reader checks: each part's own CRC32C, the
+    marker's digests (the tree record's; ``files`` may name more), its ``parts_crc32c``
+    and its own CRC32C."""
     storage = open_storage(root)
     protocol = CommitProtocol(storage)
     marker = protocol.require_marker(1)
     loc = marker.location
-    records = {name: storage.read(loc.key(name)) or b"" for name in marker.files}
+    parts = marker.manifest_names()
+    records = {name: storage.read(loc.key(name)) or b"" for name in ["tree.json", *parts]}
     for name, data in list(records.items()):
         edit = tree if name == "tree.json" else manifest
         if edit is not None:
             obj = json.loads(data)
+            obj.pop("part_crc32c", None)
             edit(obj)
+            if name != "tree.json":
+                obj["part_crc32c"] = crc32c(dumps(obj))
             records[name] = dumps(obj)
             storage.write(loc.key(name), records[name])
+    digests = {"tree.json": records["tree.json"]}
     if files is not None:
-        records = files(records)
+        digests = files(records)
+        parts = [n for n in digests if n.startswith("manifest/")]
+    listed = [[n, len(records[n]), crc32c(records[n])] for n in parts]
     resealed = dataclasses.replace(
-        marker, files={name: FileDigest.of(data) for name, data in records.items()}
+        marker,
+        files={name: FileDigest.of(data) for name, data in digests.items()},
+        parts_crc32c=crc32c(dumps(listed)),
     )
     path = Path(root) / marker.key
     path.write_bytes(resealed.to_bytes())
@@ -334,3 +345,46 @@ def test_promote_refuses_a_local_step_naming_files_outside_it(tmp_path, capsys, 
     after = _outside(tmp_path)
     assert {p for p in after - before if not p.startswith(("durable/", "local/"))} == set()
     assert not any("OUTSIDE" in p for p in after - before)
+
+
+# -- format 4: parts check themselves; the marker vouches for the set -------------------
+
+
+def test_a_part_altered_without_its_own_checksum_is_corrupt_naming_it(tmp_path):
+    root = str(tmp_path / "root")
+    _save(root, "packed")
+    storage = open_storage(root)
+    loc = CommitProtocol(storage).require_marker(1).location
+    obj = json.loads(storage.read(loc.key("manifest/0.json")) or b"")
+    _first_chunk(obj)[2] ^= 1  # the chunk's CRC32C, the part's own checksum left as it was
+    storage.write(loc.key("manifest/0.json"), dumps(obj))
+    with jaxckpt.CheckpointManager(root) as mgr, pytest.raises(CorruptCheckpointError) as e:
+        mgr.restore(1)
+    assert "manifest/0.json: manifest part checksum mismatch (read twice)" in str(e.value)
+    assert not jaxckpt.CheckpointManager(root, read_only=True).verify(1).ok
+
+
+@pytest.mark.parametrize("field", ["process", "step"])
+def test_a_part_that_checks_itself_but_is_another_process_s_or_step_s_is_corrupt(field, tmp_path):
+    root = str(tmp_path / "root")
+    _save(root, "packed")
+    _tamper(root, manifest=lambda o: o.update({field: 7}))
+    with jaxckpt.CheckpointManager(root) as mgr, pytest.raises(CorruptCheckpointError) as e:
+        mgr.restore(1)
+    assert "manifest/0.json is the part of process" in str(e.value), e.value
+
+
+def test_a_set_of_parts_that_is_not_the_marker_s_is_corrupt_for_a_reader_of_all(tmp_path):
+    """A part replaced by another that checks itself (the marker's ``parts_crc32c``
+    covers every part's size and CRC32C): ``verify`` and ``cp`` read every part."""
+    root = str(tmp_path / "root")
+    _save(root, "packed")
+    storage = open_storage(root)
+    loc = CommitProtocol(storage).require_marker(1).location
+    obj = json.loads(storage.read(loc.key("manifest/0.json")) or b"")
+    obj.pop("part_crc32c")
+    obj["arrays"]["b"] = []  # a valid part, not the one committed
+    obj["part_crc32c"] = crc32c(dumps(obj))
+    storage.write(loc.key("manifest/0.json"), dumps(obj))
+    report = jaxckpt.CheckpointManager(root, read_only=True).verify(1)
+    assert not report.ok and "not the ones its marker covers" in str(report.problems[0])

@@ -285,7 +285,7 @@ def test_a_saved_step_is_restored_without_reading_its_zarr_json(
         marker = mgr._protocol.require_marker(1)  # type: ignore[attr-defined]
         loaded = _restore.load_step(mgr._protocol, marker)  # type: ignore[attr-defined]
         assert loaded.plain_codecs
-        manifests = [n for n in marker.files if n.startswith("manifest/")]
+        manifests = marker.manifest_names()
         raw = mgr._protocol.read_step_file(marker, manifests[0])  # type: ignore[attr-defined]
         assert f'"codecs":"{PLAIN_CODECS}"' in raw.decode().replace(" ", "")
 

@@ -28,7 +28,15 @@ from jaxckpt import cli
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
 from jaxckpt.records._keys import MAX_PACKS, pack_count
-from jaxckpt.records._step import ChunkRecord, ManifestPart, load_json_record
+from jaxckpt.records._step import (
+    FORMAT_VERSION,
+    PACKED_VERSION,
+    ChunkRecord,
+    ManifestPart,
+    _check_version,
+    crc32c,
+    dumps,
+)
 from jaxckpt.storage import LocalStorage, open_storage
 
 
@@ -350,13 +358,16 @@ def test_manifest_records_round_trip_and_older_readers_refuse_packed_steps() -> 
     )
     data = part.to_bytes()
     assert ManifestPart.from_bytes(data, "m") == part
-    # A reader of format 2 (before packing) reads records with this check: it refuses.
-    with pytest.raises(UnsupportedFormatError, match="version 3"):
-        load_json_record(data, "manifest/0.json")
+    # An older reader (of format 2, before packing, or 3) reads records with this check,
+    # up to its own version: it refuses.
+    with pytest.raises(UnsupportedFormatError, match=f"version {FORMAT_VERSION}"):
+        _check_version(json.loads(data), "manifest/0.json", newest=PACKED_VERSION)
     plain_part = ManifestPart(step=1, process=0, num_processes=1, arrays={"v": (plain,)})
-    assert json.loads(plain_part.to_bytes())["version"] == 2
+    assert json.loads(plain_part.to_bytes())["version"] == FORMAT_VERSION
     assert json.loads(plain_part.to_bytes())["arrays"] == {"v": [["c/0", 12, 7]]}
-    bad = data.replace(b'"packs/0.0.bin",24', b'"packs/0.0.bin"')
+    bad_obj = json.loads(data.replace(b'"packs/0.0.bin",24', b'"packs/0.0.bin"'))
+    bad_obj.pop("part_crc32c")  # resealed: the record itself is what is refused
+    bad = dumps({**bad_obj, "part_crc32c": crc32c(dumps(bad_obj))})
     with pytest.raises(CorruptCheckpointError, match="malformed chunk record"):
         ManifestPart.from_bytes(bad, "m")
     with pytest.raises(ValueError, match="layout"):

@@ -41,11 +41,16 @@ def marker(**overrides: Any) -> R.CommitMarker:
     return R.CommitMarker(**fields)
 
 
-def resealed(body: dict[str, Any]) -> bytes:
-    """A marker body with a correct self-CRC (what a buggy or hostile writer could store)."""
-    body = {k: v for k, v in body.items() if k != "marker_crc32c"}
-    body["marker_crc32c"] = R.crc32c(R.dumps(body))
+def resealed(body: dict[str, Any], field: str = "marker_crc32c") -> bytes:
+    """A marker (or, ``field="part_crc32c"``, a manifest part) body with a correct self-CRC
+    (what a buggy or hostile writer could store)."""
+    body = {k: v for k, v in body.items() if k != field}
+    body[field] = R.crc32c(R.dumps(body))
     return R.dumps(body)
+
+
+def resealed_part(body: dict[str, Any]) -> bytes:
+    return resealed(body, "part_crc32c")
 
 
 # -- commit markers ---------------------------------------------------------------
@@ -94,7 +99,8 @@ def test_a_truncated_marker_is_corrupt(cut: int) -> None:
 def test_a_marker_of_a_newer_format_is_unsupported_not_ignored() -> None:
     body = json.loads(marker().to_bytes())
     body["version"] = R.FORMAT_VERSION + 1
-    with pytest.raises(UnsupportedFormatError, match=rf"{WHERE} has format version 3"):
+    newer = R.FORMAT_VERSION + 1
+    with pytest.raises(UnsupportedFormatError, match=rf"{WHERE} has format version {newer}"):
         R.CommitMarker.from_bytes(resealed(body), WHERE)
 
 
@@ -162,7 +168,7 @@ def test_a_part_without_the_codecs_field_reads_as_unknown_codecs() -> None:
     assert R.ManifestPart.from_bytes(part.to_bytes(), WHERE).plain_codecs is False
 
 
-def test_a_packed_manifest_part_round_trips_at_version_3() -> None:
+def test_a_packed_manifest_part_round_trips_at_the_format_version() -> None:
     chunk = R.ChunkRecord(key="c/0", size=68, crc32c=9, pack="packs/0.0.bin", offset=128)
     part = R.ManifestPart(
         step=3,
@@ -173,13 +179,13 @@ def test_a_packed_manifest_part_round_trips_at_version_3() -> None:
         packs={"packs/0.0.bin": 4096},
     )
     body = json.loads(part.to_bytes())
-    assert body["version"] == R.PACKED_VERSION and body["layout"] == "packed"
+    assert body["version"] == R.FORMAT_VERSION and body["layout"] == "packed"
     assert body["arrays"]["w"] == [["c/0", 68, 9, "packs/0.0.bin", 128]]
     assert R.ManifestPart.from_bytes(part.to_bytes(), WHERE) == part
 
 
 def test_manifest_parts_of_a_newer_version_are_unsupported() -> None:
-    body = {"format": "jaxckpt", "version": R.PACKED_VERSION + 1, "step": 1, "arrays": {}}
+    body = {"format": "jaxckpt", "version": R.FORMAT_VERSION + 1, "step": 1, "arrays": {}}
     with pytest.raises(UnsupportedFormatError, match=WHERE):
         R.ManifestPart.from_bytes(R.dumps(body), WHERE)
 
@@ -196,7 +202,7 @@ def test_a_bad_manifest_part_is_corrupt_naming_it(change: dict[str, Any], says: 
     part = R.ManifestPart(step=1, process=0, num_processes=1, arrays={})
     body = {**json.loads(part.to_bytes()), **change}
     with pytest.raises(CorruptCheckpointError, match=f"{WHERE}: {says}"):
-        R.ManifestPart.from_bytes(R.dumps(body), WHERE)
+        R.ManifestPart.from_bytes(resealed_part(body), WHERE)
 
 
 @pytest.mark.parametrize("field", ["step", "process", "num_processes", "arrays"])
@@ -205,7 +211,7 @@ def test_a_manifest_part_without_a_required_field_is_corrupt_naming_it(field: st
     body = json.loads(part.to_bytes())
     del body[field]
     with pytest.raises(CorruptCheckpointError, match=f"{WHERE}.*{field}"):
-        R.ManifestPart.from_bytes(R.dumps(body), WHERE)
+        R.ManifestPart.from_bytes(resealed_part(body), WHERE)
 
 
 def test_a_manifest_part_refuses_an_unknown_layout_when_built() -> None:
@@ -333,3 +339,71 @@ def test_a_manifest_array_name_must_be_one_safe_segment(name: str) -> None:
 def test_a_record_nested_past_the_parser_s_depth_is_corrupt() -> None:
     with pytest.raises(CorruptCheckpointError, match="is not valid JSON"):
         R.load_json_record(b"[" * 100_000 + b"]" * 100_000, WHERE)
+
+
+# -- format 4: parts that check themselves, a marker of constant size ------------------
+
+
+def test_a_part_checks_itself_and_a_flipped_byte_is_refused_naming_it() -> None:
+    part = R.ManifestPart(
+        step=3,
+        process=1,
+        num_processes=2,
+        arrays={"w": (R.ChunkRecord(key="c/0", size=8, crc32c=5),)},
+    )
+    data = part.to_bytes()
+    assert json.loads(data)["part_crc32c"] == R.crc32c(
+        R.dumps({k: v for k, v in json.loads(data).items() if k != "part_crc32c"})
+    )
+    assert R.ManifestPart.from_bytes(data, WHERE, self_checked=True) == part
+    at = data.index(b'"c/0"') + 2  # the chunk key "c/0" becomes "c/1": valid JSON, wrong part
+    flipped = data[:at] + b"1" + data[at + 1 :]
+    with pytest.raises(CorruptCheckpointError, match=f"{WHERE}: manifest part checksum mismatch"):
+        R.ManifestPart.from_bytes(flipped, WHERE)
+
+
+def test_an_older_part_read_without_a_digest_in_its_marker_is_corrupt() -> None:
+    """A part of version 3 or older has no CRC32C of its own: only a marker's digest
+    vouches for it, so one found where the marker lists none is not trusted."""
+    body = {"format": "jaxckpt", "version": 3, "step": 1, "process": 0, "num_processes": 1}
+    data = R.dumps({**body, "arrays": {}, "layout": "packed", "packs": {}})
+    assert R.ManifestPart.from_bytes(data, WHERE).version == 3
+    with pytest.raises(CorruptCheckpointError, match=f"{WHERE}: .*no checksum of its own"):
+        R.ManifestPart.from_bytes(data, WHERE, self_checked=True)
+
+
+def test_a_marker_of_every_process_stays_the_same_size_whatever_their_number() -> None:
+    tree = {"tree.json": R.FileDigest(size=10, crc32c=1)}
+    small = marker(num_processes=2, files=tree, parts_crc32c=7)
+    large = marker(num_processes=8192, files=tree, parts_crc32c=7)
+    assert len(large.to_bytes()) - len(small.to_bytes()) == len("8192") - len("2")
+    back = R.CommitMarker.from_bytes(large.to_bytes(), WHERE)
+    assert back == large and back.every_process and back.parts_crc32c == 7
+    assert back.covers("manifest/8191.json") and not back.covers("manifest/8192.json")
+    assert not back.covers("manifest/01.json") and not back.covers("manifest/1.held.json")
+    assert back.manifest_names()[:2] == ["manifest/0.json", "manifest/1.json"]
+
+
+def test_a_marker_of_some_parts_names_them() -> None:
+    parts = ("manifest/1.json", "manifest/1.held.json")
+    m = marker(files={"tree.json": R.FileDigest(size=10, crc32c=1)}, parts=parts, parts_crc32c=3)
+    back = R.CommitMarker.from_bytes(m.to_bytes(), WHERE)
+    assert back.parts == parts and not back.every_process
+    assert back.manifest_names() == list(parts) and back.covers("manifest/1.held.json")
+    assert not back.covers("manifest/0.json")
+
+
+@pytest.mark.parametrize("parts", [["tree.json"], ["manifest/0.json", "manifest/0.json"], "x"])
+def test_a_marker_naming_parts_that_are_not_its_parts_is_corrupt(parts: Any) -> None:
+    body = json.loads(marker(files={"tree.json": R.FileDigest(size=1, crc32c=2)}).to_bytes())
+    body["parts"] = parts
+    with pytest.raises(CorruptCheckpointError, match=f"{WHERE}: parts"):
+        R.CommitMarker.from_bytes(resealed(body), WHERE)
+
+
+def test_older_markers_name_their_parts_by_their_digests() -> None:
+    m = marker(version=2)
+    assert m.manifest_names() == ["manifest/0.json"] and not m.every_process
+    both = dict(m.files, **{"manifest/1.json": R.FileDigest(size=1, crc32c=1)})
+    assert marker(version=2, files=both).every_process
+    assert b"parts" not in m.to_bytes()

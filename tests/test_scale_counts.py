@@ -17,9 +17,10 @@ closed) and the restore (likewise):
 * every other process's metadata bytes read stay constant (within 1.2x: the
   same records differ by a few digits between runs: times, offsets, indices).
 
-Assertions today's code misses are marked ``xfail(strict=True)`` with the
-numbers measured and the item of issue 35 that fixes them: when a fix lands
-they pass, the strict mark turns them red, and the mark must go.
+Every assertion holds since issue 35's items 1 and 2: a restoring host reads its own
+manifest part and those of the writers of chunks it needs (not every part), and the
+commit checks the other processes' part summaries, gathered with the save's agreement,
+against one listing (it reads no other part).
 """
 
 from __future__ import annotations
@@ -67,14 +68,6 @@ def at_16(two: int, four: int) -> float:
     return four + (16 - 4) / (4 - 2) * (four - two)
 
 
-def _xfail(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
-# Marks from the code of 2026-12-04 (main a05940e), with the numbers measured then.
-ITEM1 = "issue 35 item 1: every manifest part is read by every restoring host and the commit"
-
-
 def test_every_process_saved_and_restored_through_its_own_proxy(measured: dict[int, Any]) -> None:
     """Each process wrote and read its own data through its proxy, and nothing fell outside
     the phases (each child checked its restored values before it reported)."""
@@ -86,17 +79,8 @@ def test_every_process_saved_and_restored_through_its_own_proxy(measured: dict[i
             assert set(phases) <= set(CHILD_PHASES), (n, p, sorted(phases))
 
 
-@pytest.mark.parametrize(
-    ("phase", "role"),
-    [
-        # 15 requests at 2 processes, 17 at 4 (29 at 16): the commit reads every other part
-        pytest.param("save", "primary", marks=_xfail(ITEM1)),
-        ("save", "others_max"),
-        # 8 at 2, 10 at 4 (22 at 16) and 5 at 2, 7 at 4 (19 at 16): every part on every host
-        pytest.param("restore", "primary", marks=_xfail(ITEM1)),
-        pytest.param("restore", "others_max", marks=_xfail(ITEM1)),
-    ],
-)
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("phase", PHASES)
 def test_storage_requests_per_process_within_1_5x(
     measured: dict[int, Any], phase: str, role: str
 ) -> None:
@@ -140,14 +124,7 @@ def test_primary_metadata_bytes_grow_at_most_linearly(measured: dict[int, Any], 
     assert four <= two * 4 / 2, f"{phase}: the primary read {two} B at 2 processes, {four} B at 4"
 
 
-@pytest.mark.parametrize(
-    "phase",
-    [
-        "save",
-        # 1,912 B at 2 processes, 2,647 B at 4: a restore reads every manifest part
-        pytest.param("restore", marks=_xfail(ITEM1)),
-    ],
-)
+@pytest.mark.parametrize("phase", PHASES)
 def test_other_processes_metadata_bytes_stay_constant(measured: dict[int, Any], phase: str) -> None:
     two, four = (figure(measured, n, phase, "others_max", "meta_bytes_read") for n in (2, 4))
     assert four <= SAME * two, f"{phase}: another process read {two} B at 2 processes, {four} at 4"

@@ -14,7 +14,6 @@ from jaxckpt.errors import NotACheckpointRootError
 from jaxckpt.records._keys import (
     REPLICAS,
     is_held_manifest_name,
-    is_manifest_name,
     replica_holdings,
 )
 from jaxckpt.records._step import CommitMarker
@@ -175,8 +174,8 @@ def _count_copies(
     True if it holds replicas."""
     for step, marker in held.items():
         counts = copies.setdefault(step, dict.fromkeys(range(marker.num_processes), 0))
-        for name in marker.files:
-            if is_manifest_name(name) and not is_held_manifest_name(name):
+        for name in marker.manifest_names():
+            if not is_held_manifest_name(name):
                 process = int(name.split("/")[1].split(".")[0])
                 counts[process] = counts.get(process, 0) + 1
     replicas = replica_holdings(local.storage.list(REPLICAS))

@@ -168,12 +168,18 @@ class Agreement:
         """True on every process when ``flag`` is true on any process (collective)."""
         return bool(self.reports(name, True if flag else None))
 
-    def settle(self, name: str, error: BaseException | None, *, what: str) -> None:
+    def settle(
+        self, name: str, error: BaseException | None, *, what: str, share: Any = None
+    ) -> dict[int, Any]:
         """Raises on every process when any process failed (``error``); a barrier.
 
         Every process raises an error of the failing process's class (when it is a
         ``CheckpointError``; its own error otherwise) naming that process and its
         message: the failing process names itself. ``what`` says what failed.
+
+        ``share``: a small value (JSON) each process sends the primary with its arrival
+        (e.g. a summary of what it wrote); the primary alone reads them all, with one
+        directory read more, and gets them by process index. Others get ``{}``.
 
         Raises:
           CheckpointError: some process failed, or did not arrive within the timeout.
@@ -181,10 +187,11 @@ class Agreement:
         if jax.process_count() == 1:
             if error is not None:
                 raise error
-            return
+            return {} if share is None else {0: share}
         report = None if error is None else [type(error).__name__, str(error)]
+        shared: dict[int, Any] = {}
         try:
-            failed = self.reports(name, report)
+            failed = self._exchange(name, report, reporting=True, share=share, shared=shared)
         except CheckpointError as e:
             if error is not None:
                 raise error from e
@@ -193,6 +200,7 @@ class Agreement:
             raise error  # not ours (a bug, an interrupt): as it is
         if failed:
             raise failure(failed, what, first=jax.process_index()) from error
+        return shared
 
     @property
     def primary(self) -> int:
@@ -223,7 +231,15 @@ class Agreement:
 
     # -- the coordination service --------------------------------------------
 
-    def _exchange(self, name: str, value: Any, *, reporting: bool = False) -> dict[int, Any]:
+    def _exchange(
+        self,
+        name: str,
+        value: Any,
+        *,
+        reporting: bool = False,
+        share: Any = None,
+        shared: dict[int, Any] | None = None,
+    ) -> dict[int, Any]:
         """Sets ``value`` (None: only that this process arrived), meets every process at a
         barrier and reads the values set; returns them by process index.
 
@@ -231,6 +247,8 @@ class Agreement:
         before the barrier, so it waits there briefly; a barrier that fails (it left,
         or a process never came) still returns the reports set, if any. Else a barrier
         that times out names the processes that never arrived.
+        ``share``: carried by the arrival key; the primary reads every process's into
+        ``shared`` after the barrier (see :meth:`settle`).
         """
         client = self._client()
         base = self._key(name)
@@ -238,7 +256,7 @@ class Agreement:
         if value is not None:
             client.key_value_set(f"{base}/v/{me}", json.dumps(value))
         else:
-            client.key_value_set(f"{base}/a/{me}", "")
+            client.key_value_set(f"{base}/a/{me}", "" if share is None else json.dumps(share))
         told = reporting and value is not None
         try:
             client.wait_at_barrier(
@@ -255,7 +273,11 @@ class Agreement:
                 f"{self._timeout_s:g}s (failed, stalled or died: see their logs): {e}"
             ) from e
         self._forget_stale(client)
-        return {_index(k): json.loads(raw) for k, raw in client.key_value_dir_get(f"{base}/v/")}
+        found = {_index(k): json.loads(raw) for k, raw in client.key_value_dir_get(f"{base}/v/")}
+        if shared is not None and share is not None and me == self._primary and not found:
+            arrived = client.key_value_dir_get(f"{base}/a/")
+            shared.update({_index(k): json.loads(raw) for k, raw in arrived if raw})
+        return found
 
     def _forget_stale(self, client: Any) -> None:
         """The primary deletes the keys of finished operations: every process has

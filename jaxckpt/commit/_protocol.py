@@ -45,11 +45,19 @@ from jaxckpt.records._keys import (
 )
 from jaxckpt.records._step import (
     FORMAT_VERSION,
+    SELF_CHECKED_VERSION,
     CommitMarker,
     FileDigest,
     ManifestPart,
     json_record,
     load_json_record,
+)
+from jaxckpt.records._summary import (
+    PartSummary,
+    keys_hash,
+    object_keys,
+    objects_of,
+    parts_crc32c,
 )
 from jaxckpt.storage import PreconditionFailed, Storage
 
@@ -199,6 +207,7 @@ class CommitProtocol(CommitReader):
         processes: Sequence[int] | None = None,
         extra: Sequence[str] = (),
         written: Mapping[str, bytes] | None = None,
+        summaries: Mapping[str, PartSummary] | None = None,
     ) -> CommitMarker:
         """Writes the commit marker once the attempt's records and chunks are all present.
 
@@ -207,7 +216,10 @@ class CommitProtocol(CommitReader):
         and maybe a held part (``extra``). ``written``: the records this process
         wrote for the attempt, by name (its tree record, its manifest part): their
         digests are taken from these bytes and their presence from the attempt's
-        listing, so only other processes' parts are read back.
+        listing. ``summaries``: the other processes' parts as they summarised them
+        (gathered with the save's agreement), by name: nor are these read back; the
+        listing shows them present and holding, in all, the data objects they name.
+        Any other part is read and parsed here (``cp``, promotion).
 
         Raises:
           CheckpointError: a manifest part, the tree record or a listed chunk is missing.
@@ -215,16 +227,15 @@ class CommitProtocol(CommitReader):
           WriterFencedError: a newer writer took over.
         """
         step = loc.step
-        files: dict[str, FileDigest] = {}
-        parts = []
         covered = range(num_processes) if processes is None else processes
-        names = [TREE_FILE, *(manifest_name(p) for p in covered), *extra]
-        written = written or {}
-        unread = [name for name in names if name not in written]
+        part_names = [*(manifest_name(p) for p in covered), *extra]
+        names = [TREE_FILE, *part_names]
+        written, summaries = written or {}, summaries or {}
+        unread = [name for name in names if name not in written and name not in summaries]
         # Every request the commit needs before its marker, in flight at once: the records
-        # other processes wrote, the attempt's listing (every record, chunk and pack), the
-        # fence and this step's markers, and the hint (raised now if this writer knows it
-        # is lower, else read).
+        # not written here nor summarised, the attempt's listing (every record, chunk and
+        # pack), the fence and this step's markers, and the hint (raised now if this writer
+        # knows it is lower, else read).
         raise_hint = self.hints.known_lower(loc.epoch, step)
         with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in unread]
@@ -239,28 +250,23 @@ class CommitProtocol(CommitReader):
             listing = step_listing.result()
             present = set(attempt_keys.result())
             hinted = hint.result()
-        for name in names:
-            # a record this process wrote must still be there (a collection of a fenced
-            # attempt, a long save outliving gc_grace_s); one read back proves it itself
-            data = read[name] if name in read else written[name]
-            if data is None or (name in written and loc.key(name) not in present):
-                raise CheckpointError(
-                    f"cannot commit step {step}: {self.where(loc.key(name))} is missing"
-                )
-            files[name] = FileDigest.of(data)
-            if is_manifest_name(name):
-                parts.append(ManifestPart.from_bytes(data, self.where(loc.key(name))))
-        self._check_chunks_present(loc, parts, present)
+        files, parsed, summary = self._check_records(loc, names, read, written, present)
+        summary.update({n: s for n, s in summaries.items() if n in part_names})
+        others = [summary[n] for n in part_names if n not in parsed]
+        self._check_objects(loc, present, part_names, parsed, others)
+        in_order = [summary[n] for n in part_names]
         marker = CommitMarker(
             step=step,
             time=time.time(),
             num_processes=num_processes,
             files=files,
-            nbytes=sum(p.nbytes for p in parts),
+            nbytes=sum(s.nbytes for s in in_order),
             metrics=dict(metrics or {}),
             keep=keep,
             attempt=loc.attempt,
             epoch=loc.epoch,
+            parts=None if processes is None and not extra else tuple(part_names),
+            parts_crc32c=parts_crc32c(part_names, in_order),
         )
         self.check_fence(f"commit step {step}", listing.epochs)
         if step in listing.visible():
@@ -279,6 +285,70 @@ class CommitProtocol(CommitReader):
         reached("marker_written", step)
         self.tidying.drop(loc)  # committed: the pending record goes in the background
         return marker
+
+    def _check_records(
+        self,
+        loc: StepLocation,
+        names: Sequence[str],
+        read: Mapping[str, bytes | None],
+        written: Mapping[str, bytes],
+        present: set[str],
+    ) -> tuple[dict[str, FileDigest], dict[str, ManifestPart], dict[str, PartSummary]]:
+        """Every record of ``names`` is there; returns the marker's ``files`` (the digests of
+        the records that do not check themselves), the parts read or written here, parsed,
+        and their summaries. A summarised part (not in ``read`` or ``written``) need only
+        be listed."""
+        files: dict[str, FileDigest] = {}
+        parsed: dict[str, ManifestPart] = {}
+        summary: dict[str, PartSummary] = {}
+        for name in names:
+            # a record this process wrote must still be there (a collection of a fenced
+            # attempt, a long save outliving gc_grace_s); one read back proves it itself
+            data = read[name] if name in read else written.get(name)
+            if data is None if name in read else loc.key(name) not in present:
+                raise CheckpointError(
+                    f"cannot commit step {loc.step}: {self.where(loc.key(name))} is missing"
+                )
+            if data is None:
+                continue  # summarised by the process that wrote it
+            if not is_manifest_name(name):
+                files[name] = FileDigest.of(data)
+                continue
+            part = ManifestPart.from_bytes(data, self.where(loc.key(name)))
+            parsed[name], summary[name] = part, PartSummary.of(data, part, loc)
+            if part.version < SELF_CHECKED_VERSION:  # an older part (cp): the marker vouches
+                files[name] = FileDigest.of(data)
+        return files, parsed, summary
+
+    def _check_objects(
+        self,
+        loc: StepLocation,
+        present: set[str],
+        part_names: Sequence[str],
+        parsed: Mapping[str, ManifestPart],
+        others: Sequence[PartSummary],
+    ) -> None:
+        """The attempt's listing holds exactly the data objects the parts name: those of
+        the parts parsed here (their union: a held part names its host's packs too) and
+        those the other processes summarised. On a mismatch the parts are read to name
+        the missing chunk."""
+        keys: set[str] = set()
+        for part in parsed.values():
+            keys |= object_keys(part, loc)
+        count = len(keys) + sum(s.objects for s in others)
+        digest = (keys_hash(keys) + sum(s.objects_hash for s in others)) % (1 << 64)
+        if objects_of(loc, present) == (count, digest):
+            return
+        parts = list(parsed.values())
+        for name in [n for n in part_names if n not in parsed]:
+            data = self.storage.read(loc.key(name))
+            if data is not None:
+                parts.append(ManifestPart.from_bytes(data, self.where(loc.key(name))))
+        self._check_chunks_present(loc, parts, present)
+        raise CheckpointError(
+            f"cannot commit step {loc.step}: {self.where(loc.prefix)} holds "
+            f"{objects_of(loc, present)[0]} data objects, its manifest parts name {count}"
+        )
 
     def _check_chunks_present(
         self, loc: StepLocation, parts: Sequence[ManifestPart], present: set[str]

@@ -9,10 +9,11 @@ extends this reader.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from jaxckpt import _pools as pools
 from jaxckpt.commit._fence import EpochReader, Epochs, Listing
@@ -29,12 +30,11 @@ from jaxckpt.records._keys import (
     PENDING,
     TREE_FILE,
     MarkerRef,
-    is_manifest_name,
     marker_key,
     marker_refs_of,
     parse_marker_key,
 )
-from jaxckpt.records._step import CommitMarker, FileDigest, ManifestPart
+from jaxckpt.records._step import CommitMarker, FileDigest, ManifestPart, crc32c, dumps
 from jaxckpt.storage import Storage
 
 log = logging.getLogger("jaxckpt")
@@ -227,11 +227,15 @@ class CommitReader:
     # -- reading a step's records --------------------------------------------
 
     def read_step_file(self, marker: CommitMarker, name: str) -> bytes:
-        """Reads a file listed in the marker and checks its size and CRC32C.
+        """Reads a file the marker covers and checks it: against its size and CRC32C in the
+        marker, or (a manifest part of version 4 on, which the marker lists no digest of)
+        against its own CRC32C.
 
         Raises:
           CorruptCheckpointError: missing or altered.
         """
+        if name not in marker.files and marker.covers(name):
+            return self.read_part(marker, name)[0]
         key = marker.location.key(name)
         expected = marker.files.get(name)
         for attempt in range(2):  # a byte flipped in transit fails once, stored damage twice
@@ -246,20 +250,74 @@ class CommitReader:
             f"step {marker.step}: {self.where(key)} does not match its checksum (read twice)"
         )
 
+    def read_part(self, marker: CommitMarker, name: str) -> tuple[bytes, ManifestPart]:
+        """Reads and checks one manifest part the marker covers; returns its bytes and it.
+
+        A part whose digest the marker holds (older formats) is checked against it; a
+        part of version 4 on checks itself, and must be the step's part of the process
+        its name says.
+
+        Raises:
+          CorruptCheckpointError: missing, altered, malformed or not the marker's part.
+          UnsupportedFormatError: a part of a newer format version.
+        """
+        key = marker.location.key(name)
+        where = self.where(key)
+        if name in marker.files:
+            data = self.read_step_file(marker, name)
+            return data, ManifestPart.from_bytes(data, where)
+        if not marker.covers(name):
+            raise CorruptCheckpointError(f"step {marker.step}: the marker covers no {where}")
+        for attempt in range(2):  # a byte flipped in transit fails once, stored damage twice
+            stored = self.storage.read(key)
+            if stored is None:
+                raise CorruptCheckpointError(f"step {marker.step}: {where} is missing")
+            data = stored
+            try:
+                part = ManifestPart.from_bytes(data, where, self_checked=True)
+            except UnsupportedFormatError:
+                raise
+            except CorruptCheckpointError as e:
+                if attempt:
+                    raise CorruptCheckpointError(f"step {marker.step}: {e} (read twice)") from e
+                continue
+            process = name.removeprefix("manifest/").split(".")[0]
+            if part.step != marker.step or str(part.process) != process:
+                raise CorruptCheckpointError(
+                    f"step {marker.step}: {where} is the part of process {part.process} of "
+                    f"step {part.step}"
+                )
+            if attempt:
+                log.warning("%s failed its checksum once, read again intact", where)
+            return data, part
+        raise AssertionError("unreachable")
+
     def read_manifest(self, marker: CommitMarker) -> list[ManifestPart]:
         return self.read_step(marker, tree=False)[1]
 
     def read_step(
-        self, marker: CommitMarker, *, tree: bool = True
+        self, marker: CommitMarker, *, tree: bool = True, parts: Sequence[str] | None = None
     ) -> tuple[bytes | None, list[ManifestPart]]:
-        """The step's tree record (if ``tree``) and manifest parts, read at once and checked."""
-        names = sorted(n for n in marker.files if is_manifest_name(n))
-        data = self.map(lambda n: self.read_step_file(marker, n), [TREE_FILE] * tree + names)
-        parts = [
-            ManifestPart.from_bytes(d, self.where(n))
-            for n, d in zip(names, data[int(tree) :], strict=True)
-        ]
-        return (data[0] if tree else None), parts
+        """The step's tree record (if ``tree``) and manifest parts, read at once and checked.
+
+        Args:
+          parts: the names of the parts to read (None: every part the marker covers;
+            then, from version 4 on, the set is also checked against the marker's
+            ``parts_crc32c``).
+        """
+        names = marker.manifest_names() if parts is None else list(parts)
+        jobs: list[Callable[[], Any]] = [lambda: self.read_step_file(marker, TREE_FILE)] * tree
+        jobs += [functools.partial(self.read_part, marker, n) for n in names]
+        done = self.map(lambda job: job(), jobs)  # every record in flight at once
+        tree_data, read = done[: int(tree)], done[int(tree) :]
+        if parts is None and marker.parts_crc32c is not None:
+            listed = dumps([[n, len(d), crc32c(d)] for n, (d, _) in zip(names, read, strict=True)])
+            if crc32c(listed) != marker.parts_crc32c:
+                raise CorruptCheckpointError(
+                    f"step {marker.step}: the manifest parts under "
+                    f"{self.where(marker.location.prefix)} are not the ones its marker covers"
+                )
+        return (tree_data[0] if tree else None), [part for _, part in read]
 
     def map(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
         """``fn`` over ``items`` on a small thread pool (many small reads)."""

@@ -2,8 +2,9 @@
 
 Records are small JSON objects. Each carries ``format`` and ``version``; the
 commit marker also carries a CRC32C of its own canonical encoding, so a marker
-torn by a crash mid-write is detected and treated as absent. This module
-imports neither jax nor numpy.
+torn by a crash mid-write is detected and treated as absent; so does a manifest
+part from version 4 on, so a restore checks the few parts it reads without the
+marker listing every part's digest. This module imports neither jax nor numpy.
 """
 
 from __future__ import annotations
@@ -29,13 +30,20 @@ FORMAT = "jaxckpt"
 LAYOUTS = tuple(FORMATS)
 """Data formats inside an attempt (:mod:`jaxckpt.formats`): one object per zarr chunk, or a
 few pack objects."""
-FORMAT_VERSION = 2
-"""2: save attempts under their own prefix, markers name attempt and epoch (see _keys)."""
+FORMAT_VERSION = 4
+"""2: save attempts under their own prefix, markers name attempt and epoch (see _keys).
+4: manifest parts check themselves (``part_crc32c``); a marker names its parts without
+their digests (``parts``, ``parts_crc32c``), so it stays the same size whatever the
+number of processes, and a restore reads only the parts it needs."""
 PACKED_VERSION = 3
-"""The version of a manifest part of a packed step (chunks inside pack objects, see _pack).
+"""The version of a manifest part of a packed step (chunks inside pack objects, see _pack)
+written before version 4.
 
 Only manifest parts carry it, so a jaxckpt that predates packing refuses such a
 step with :class:`UnsupportedFormatError` instead of misreading it."""
+SELF_CHECKED_VERSION = 4
+"""From this version on a manifest part carries ``part_crc32c`` over its own canonical
+encoding, and a marker lists no digest of such a part."""
 
 
 def crc32c(data: bytes | memoryview) -> int:
@@ -210,6 +218,9 @@ class ManifestPart:
     process_state: Mapping[str, Any] | None = None
     """This process's ``save(process_state=...)`` as a record (see ``_procstate``); readers
     that predate it ignore the field."""
+    version: int = field(default=FORMAT_VERSION, compare=False)
+    """The format version it was read at (a part written now is at ``FORMAT_VERSION``):
+    from ``SELF_CHECKED_VERSION`` on it carries its own CRC32C."""
 
     def __post_init__(self) -> None:
         format_named(self.layout)  # ValueError: no such format
@@ -239,17 +250,37 @@ class ManifestPart:
             "arrays": arrays,
         }
         if self.layout == "packed":
-            body.update(version=PACKED_VERSION, layout=self.layout, packs=dict(self.packs))
+            body.update(layout=self.layout, packs=dict(self.packs))
         if self.plain_codecs:
             body["codecs"] = PLAIN_CODECS
         if self.process_state is not None:
             body["process_state"] = dict(self.process_state)
+        body["part_crc32c"] = crc32c(dumps(body))
         return dumps(body)
 
     @classmethod
-    def from_bytes(cls, data: bytes, what: str) -> ManifestPart:
+    def from_bytes(cls, data: bytes, what: str, *, self_checked: bool = False) -> ManifestPart:
+        """Parses and checks a part (every field; its own CRC32C from version 4 on).
+
+        Args:
+          self_checked: the part must check itself (version 4 or newer): the marker
+            that covers it holds no digest of it.
+
+        Raises:
+          CorruptCheckpointError: malformed, or it fails its own checksum.
+          UnsupportedFormatError: a newer format version.
+        """
         obj = _loads(data, what)
-        _check_version(obj, what, newest=PACKED_VERSION)
+        _check_version(obj, what, newest=max(FORMAT_VERSION, PACKED_VERSION))
+        if obj["version"] >= SELF_CHECKED_VERSION:
+            stored = obj.pop("part_crc32c", None)
+            if stored != crc32c(dumps(obj)):
+                raise CorruptCheckpointError(f"{what}: manifest part checksum mismatch")
+        elif self_checked:
+            raise CorruptCheckpointError(
+                f"{what}: a part of format version {obj['version']} has no checksum of its "
+                "own, and the marker lists none"
+            )
         _require(obj, what, "step", "process", "num_processes", "arrays")
         layout = obj.get("layout", "plain")
         if layout not in LAYOUTS:
@@ -287,6 +318,7 @@ class ManifestPart:
             packs=packs,
             plain_codecs=obj.get("codecs") == PLAIN_CODECS,
             process_state=state,
+            version=obj["version"],
         )
 
     @property
@@ -311,6 +343,43 @@ class CommitMarker:
     attempt: str | None = None
     epoch: int = 0
     version: int = FORMAT_VERSION
+    parts: tuple[str, ...] | None = None
+    """Version 4: the manifest parts the marker covers, when not every process's own part
+    (a host's local commit: its part and its held part). ``files`` holds the digests of
+    only the records that do not check themselves (the tree record, older parts)."""
+    parts_crc32c: int | None = None
+    """Version 4: CRC32C of the covered parts' ``[name, size, crc32c]`` list, in
+    :meth:`manifest_names` order (a reader of every part can check the set; a reader of
+    a few checks each part's own CRC32C)."""
+
+    def manifest_names(self) -> list[str]:
+        """Every manifest part this marker covers (held parts included), in order."""
+        if self.version < SELF_CHECKED_VERSION:
+            return sorted(n for n in self.files if n.startswith("manifest/"))
+        if self.parts is not None:
+            return list(self.parts)
+        return [f"manifest/{p}.json" for p in range(self.num_processes)]
+
+    def covers(self, name: str) -> bool:
+        """Whether manifest part ``name`` is one this marker covers (without listing them)."""
+        if self.version < SELF_CHECKED_VERSION or self.parts is not None:
+            return name in self.manifest_names()
+        process = name.removeprefix("manifest/").removesuffix(".json")
+        return (
+            process.isdigit()
+            and f"manifest/{int(process)}.json" == name
+            and (int(process) < self.num_processes)
+        )
+
+    @property
+    def every_process(self) -> bool:
+        """The marker covers every process's own part (a shared tier's commit)."""
+        if self.version >= SELF_CHECKED_VERSION:
+            return self.parts is None
+        names = [n for n in self.files if n.startswith("manifest/")]
+        if self.num_processes > len(names):  # never iterate a count read from storage
+            return False
+        return all(f"manifest/{p}.json" in self.files for p in range(self.num_processes))
 
     @property
     def location(self) -> StepLocation:
@@ -337,6 +406,11 @@ class CommitMarker:
         if self.version >= 2:
             body["attempt"] = self.attempt
             body["epoch"] = self.epoch
+        if self.version >= SELF_CHECKED_VERSION:
+            if self.parts_crc32c is not None:
+                body["parts_crc32c"] = self.parts_crc32c
+            if self.parts is not None:
+                body["parts"] = list(self.parts)
         return body
 
     def to_bytes(self) -> bytes:
@@ -366,6 +440,19 @@ class CommitMarker:
             raise CorruptCheckpointError(f"{what}: malformed metrics or keep field")
         if isinstance(when, bool) or not isinstance(when, int | float):
             raise CorruptCheckpointError(f"{what}: time is not a number")
+        parts, parts_crc = None, None
+        if obj["version"] >= SELF_CHECKED_VERSION:
+            if "parts_crc32c" in obj:
+                parts_crc = _int(obj["parts_crc32c"], what, "parts_crc32c")
+            raw_parts = obj.get("parts")
+            if raw_parts is not None:
+                if not isinstance(raw_parts, list) or len(set(map(str, raw_parts))) != len(
+                    raw_parts
+                ):
+                    raise CorruptCheckpointError(f"{what}: parts is not a list of names")
+                parts = tuple(checked_name(n, "file", what) for n in raw_parts)
+                if any(not n.startswith("manifest/") for n in parts):
+                    raise CorruptCheckpointError(f"{what}: parts names a file that is no part")
         return cls(
             step=_int(obj["step"], what, "step"),
             time=when,
@@ -377,6 +464,8 @@ class CommitMarker:
             attempt=attempt if obj["version"] >= 2 else None,
             epoch=_int(obj.get("epoch", 0), what, "epoch"),
             version=obj["version"],
+            parts=parts,
+            parts_crc32c=parts_crc,
         )
 
 

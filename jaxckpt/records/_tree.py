@@ -28,13 +28,12 @@ import numpy as np
 
 from jaxckpt.errors import CorruptCheckpointError
 from jaxckpt.formats import step_format
-from jaxckpt.records._keys import manifest_name
 from jaxckpt.records._names import checked_name
 from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, load_json_record, path_text
 
 if TYPE_CHECKING:
     from jaxckpt.commit._protocol import CommitProtocol
-    from jaxckpt.records._step import CommitMarker
+    from jaxckpt.records._step import CommitMarker, ManifestPart
 
 VALUE_TYPES = (bool, int, float, str, type(None))
 """Python values a tree saves as ``value`` leaves (JSON)."""
@@ -319,13 +318,6 @@ def check_manifest(
             )
 
 
-def covers_every_process(files: Mapping[str, Any], num_processes: int) -> bool:
-    """Whether a marker's ``files`` hold every process's manifest part."""
-    if num_processes > len(files):  # never iterate a count read from storage
-        return False
-    return all(manifest_name(p) in files for p in range(num_processes))
-
-
 @dataclass(frozen=True, kw_only=True)
 class CheckedStep:
     """A committed step's records, read and checked (see :func:`read_checked`)."""
@@ -338,19 +330,41 @@ class CheckedStep:
     """The parts' ``process_state`` records, by process (see ``_procstate``)."""
 
 
-def read_checked(protocol: CommitProtocol, marker: CommitMarker) -> CheckedStep:
+def read_checked(
+    protocol: CommitProtocol, marker: CommitMarker, parts: Sequence[str] | None = None
+) -> CheckedStep:
     """Reads a committed step's tree record and manifest parts and checks them together.
 
     Imports no jax (``jaxckpt promote`` and ``cp`` check what they copy with it).
+
+    Args:
+      parts: the names of the manifest parts to read (None: every part the marker
+        covers; only then can the chunk grids be checked complete).
 
     Raises:
       CorruptCheckpointError: a record is missing, altered or malformed, or the
         tree and the manifest disagree.
       UnsupportedFormatError: a record of a newer format version.
     """
-    raw_tree, parts = protocol.read_step(marker)
+    raw_tree, read = protocol.read_step(marker, parts=parts)
     assert raw_tree is not None
     tree = parse_tree(raw_tree, protocol.where(marker.location.tree_key), step=marker.step)
+    return check_parts(protocol, marker, tree, read, complete=parts is None)
+
+
+def check_parts(
+    protocol: CommitProtocol,
+    marker: CommitMarker,
+    tree: TreeRecord,
+    parts: Sequence[ManifestPart],
+    *,
+    complete: bool,
+) -> CheckedStep:
+    """A step's tree record and the manifest ``parts`` read of it, checked together.
+
+    ``complete``: every part the marker covers was read (if they are every process's,
+    every chunk of every grid must be listed).
+    """
     chunks: dict[str, list[ChunkRecord]] = {}
     for part in parts:
         for name, records in part.arrays.items():
@@ -361,7 +375,7 @@ def read_checked(protocol: CommitProtocol, marker: CommitMarker) -> CheckedStep:
         tree.leaves,
         chunks,
         raw=data_format.raw_chunks or plain_codecs,
-        complete=covers_every_process(marker.files, marker.num_processes),
+        complete=complete and marker.every_process,
         what=f"step {marker.step} ({protocol.where(marker.location.prefix)})",
     )
     return CheckedStep(

@@ -44,7 +44,7 @@ from jaxckpt.errors import (
 from jaxckpt.records._keys import MarkerRef
 from jaxckpt.records._procstate import RestoredStates
 from jaxckpt.records._step import CommitMarker
-from jaxckpt.restoring._stepreader import load_step
+from jaxckpt.restoring._stepreader import StepRecords
 from jaxckpt.tiers._tier import Tier
 
 log = logging.getLogger("jaxckpt")
@@ -113,9 +113,9 @@ class Selection:
                     marker = _agreed_marker(tier, s, ref, agreement) if collective else None
                     marker = marker or tier.marker(s, ref)
                     with self._guard(s):
-                        loaded = load_step(tier.protocol, marker)
+                        records = StepRecords(tier.protocol, marker)
                         restored = tier.reader.restore(
-                            loaded,
+                            records,
                             target,
                             partial=partial,
                             rename=rename,
@@ -123,7 +123,7 @@ class Selection:
                             agreement=agreement if collective else None,
                         )
                     error = None
-                    states = RestoredStates(s, marker.num_processes, loaded.process_states)
+                    states = RestoredStates(s, marker.num_processes, records.loaded.process_states)
                     log.info("restored step %d from the %s copy (%s)", s, tier.name, tier.uri)
                     break
                 except Exception as e:  # agreed below: every host raises or falls back

@@ -33,9 +33,10 @@ from jaxckpt.formats._tsio import (
     read_region,
     region_of,
 )
-from jaxckpt.records._keys import PACK_UPLOADS
+from jaxckpt.records._keys import PACK_UPLOADS, manifest_name
 from jaxckpt.records._step import ChunkRecord, CommitMarker
-from jaxckpt.records._tree import read_checked, rebuild
+from jaxckpt.records._tree import CheckedStep, check_parts, parse_tree, read_checked, rebuild
+from jaxckpt.restoring._parts import missing_chunk, needed_processes
 from jaxckpt.restoring._readonce import Exchange, plan
 from jaxckpt.restoring._targets import place_keys, resolve_targets, target_sharding, uncommitted
 from jaxckpt.storage import tensorstore_backed
@@ -74,7 +75,10 @@ class LoadedStep:
 
 def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
     """Reads and checks the tree record and every manifest part of a step."""
-    step = read_checked(protocol, marker)
+    return _loaded(marker, read_checked(protocol, marker))
+
+
+def _loaded(marker: CommitMarker, step: CheckedStep) -> LoadedStep:
     return LoadedStep(
         marker=marker,
         leaves=step.tree.leaves,
@@ -86,6 +90,60 @@ def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
         structure=step.tree.structure,
         process_states=step.process_states,
     )
+
+
+class StepRecords:
+    """A committed step's records as a restore reads them: the tree record and this
+    process's own part at once, other parts only where its target needs their chunks
+    (see ``_parts``). A marker covering only some parts (a local tier's) has all read."""
+
+    def __init__(self, protocol: CommitProtocol, marker: CommitMarker) -> None:
+        self.protocol, self.marker = protocol, marker
+        own = manifest_name(jax.process_index())
+        several = marker.every_process and marker.num_processes > 1
+        first = [own] if several and marker.covers(own) else None
+        self._names = first
+        raw, parts = protocol.read_step(marker, parts=first)
+        assert raw is not None
+        self.tree = parse_tree(raw, protocol.where(marker.location.tree_key), step=marker.step)
+        self._parts = {n: p for n, p in zip(first or marker.manifest_names(), parts, strict=True)}
+        self.loaded = self._check()
+
+    @property
+    def complete(self) -> bool:
+        """Every part the marker covers has been read."""
+        return self._names is None
+
+    @property
+    def leaves(self) -> tuple[SavedLeaf, ...]:
+        return self.tree.leaves
+
+    def need(self, processes: set[int] | None) -> LoadedStep:
+        """The step with the parts of ``processes`` read as well (None: every part)."""
+        if self.complete:
+            return self.loaded
+        names = None if processes is None else [manifest_name(p) for p in sorted(processes)]
+        unread = None if names is None else [n for n in names if n not in self._parts]
+        if unread == []:
+            return self.loaded
+        if unread is not None and not all(self.marker.covers(n) for n in unread):
+            unread = None  # a process the step does not have: another topology
+        _, parts = self.protocol.read_step(self.marker, tree=False, parts=unread)
+        if unread is None:
+            self._parts, self._names = (
+                dict(zip(self.marker.manifest_names(), parts, strict=True)),
+                None,
+            )
+        else:
+            self._parts.update(zip(unread, parts, strict=True))
+            self._names = [*(self._names or []), *unread]
+        self.loaded = self._check()
+        return self.loaded
+
+    def _check(self) -> LoadedStep:
+        parts = list(self._parts.values())
+        checked = check_parts(self.protocol, self.marker, self.tree, parts, complete=self.complete)
+        return _loaded(self.marker, checked)
 
 
 class StepReader:
@@ -106,7 +164,7 @@ class StepReader:
 
     def restore(
         self,
-        loaded: LoadedStep,
+        records: StepRecords,
         target: Any = None,
         *,
         partial: bool = False,
@@ -118,15 +176,19 @@ class StepReader:
 
         With an ``agreement`` on several processes this is collective: leaves that
         several processes need are read once in total and exchanged (``_replicated``).
+        Only the manifest parts that list chunks this process needs are read (see
+        ``_parts``).
 
         Raises:
           TreeMismatchError: the target does not match, or converts an array to a
             dtype that cannot hold its values (``lossy_cast``) and not ``allow_lossy_cast``.
+          CorruptCheckpointError: a chunk it needs is in no manifest part.
         """
-        leaves = loaded.leaves
+        leaves = records.leaves
         if target is None:
             if partial or rename is not None:
                 raise ValueError("partial= and rename= need a target")
+            loaded = records.need(None)  # every leaf read whole
             values = self._read_all(loaded, list(leaves), [None] * len(leaves), agreement)
             if loaded.structure is not None:  # every container, empty ones included
                 return rebuild(loaded.structure, values)
@@ -138,6 +200,7 @@ class StepReader:
         targets = resolve_targets(paths, matched, targets)
         if not allow_lossy_cast:
             check_casts(matched, paths, targets)
+        loaded = _needed(records, matched, targets, collective=_collective(agreement))
         with np.errstate(over="ignore", invalid="ignore"):  # consented to: inf, wrapped ints
             values = self._read_all(loaded, matched, targets, agreement)
         return jax.tree_util.tree_unflatten(treedef, values)
@@ -329,6 +392,36 @@ class StepReader:
         if "DATA_LOSS" in text or "NOT_FOUND" in text or "FAILED_PRECONDITION" in text:
             return CorruptCheckpointError(f"step {step}: {leaf.path_text} ({where}): {text}")
         return StorageError(f"step {step}: cannot read {leaf.path_text} ({where}): {text}")
+
+
+def _collective(agreement: Agreement | None) -> bool:
+    return agreement is not None and jax.process_count() > 1
+
+
+def _needed(
+    records: StepRecords, leaves: Sequence[SavedLeaf], targets: Sequence[Any], *, collective: bool
+) -> LoadedStep:
+    """The step with every part read that lists chunks this process needs: the writers'
+    of its regions on the saved topology; else (another one) every part.
+
+    Raises:
+      CorruptCheckpointError: a chunk it needs is in no part.
+    """
+    marker = records.marker
+    needed = needed_processes(leaves, targets, marker.num_processes, collective=collective)
+    loaded = records.need(needed)
+    missing = missing_chunk(loaded.chunks, leaves, targets, collective=collective)
+    if missing is not None and not records.complete:  # saved on another topology
+        loaded = records.need(None)
+        missing = missing_chunk(loaded.chunks, leaves, targets, collective=collective)
+    if missing is not None:
+        leaf, key = missing
+        raise CorruptCheckpointError(
+            f"step {marker.step}: {leaf.path_text}: chunk {key} of "
+            f"{records.protocol.where(marker.location.array_prefix(leaf.name or ''))} is in "
+            "no manifest part the marker covers"
+        )
+    return loaded
 
 
 def _regions_for(leaf: SavedLeaf, target: Any) -> dict[Any, Region]:

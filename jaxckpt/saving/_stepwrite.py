@@ -37,6 +37,7 @@ from jaxckpt.records._keys import (
     new_attempt,
 )
 from jaxckpt.records._step import ChunkRecord, CommitMarker, ManifestPart
+from jaxckpt.records._summary import PartSummary
 from jaxckpt.saving._helpers import (
     check_object_bound,
     listing_and_announce,
@@ -71,6 +72,9 @@ class Inflight:
     them back."""
     process_state: dict[str, Any] | None = None
     """This process's ``process_state`` record, carried in its manifest part."""
+    summary: PartSummary | None = None
+    """This process's manifest part as the commit checks it, sent to the primary (which
+    does not read the part back)."""
 
     @property
     def step(self) -> int:
@@ -128,8 +132,13 @@ class StepWrite:
         except Exception as e:
             failure = e
         agreement = self._agreement
+        # a shared tier's primary commits every part from their summaries (an own tier's
+        # host commits its own part: it sends none)
+        summary = None
+        if inflight.summary is not None and not self._per_host:
+            summary = inflight.summary.to_json()
         try:
-            agreement.settle("written", failure, what=what)
+            summaries = agreement.settle("written", failure, what=what, share=summary)
         except CheckpointError:
             if self._primary and not self._per_host:  # every process is done with it
                 with contextlib.suppress(Exception):  # else collected as a stale attempt
@@ -140,7 +149,7 @@ class StepWrite:
             if self._per_host:  # every host wrote (and replicated) its part: commit it
                 self._commit_local(inflight, extra)
             elif self._primary:
-                self._commit_shared(inflight)
+                self._commit_shared(inflight, summaries)
         except Exception as e:
             failure = e
         agreement.settle("committed", failure, what=what)
@@ -214,9 +223,9 @@ class StepWrite:
             )
             extra.append(name)
         part = manifest_part(records, inflight.process_state)
-        inflight.written[manifest_name(part.process)] = self._protocol.write_manifest_part(
-            loc, part
-        )
+        data = self._protocol.write_manifest_part(loc, part)
+        inflight.written[manifest_name(part.process)] = data
+        inflight.summary = PartSummary.of(data, part, loc)
         return part, extra
 
     def _commit_local(self, inflight: Inflight, extra: Sequence[str]) -> None:
@@ -242,15 +251,22 @@ class StepWrite:
             self._protocol.write_tree(inflight.loc, inflight.tree)
             inflight.written[TREE_FILE] = inflight.tree
 
-    def _commit_shared(self, inflight: Inflight) -> None:
-        """The primary commits a shared tier's attempt: every part is written (agreed)."""
-        step = inflight.step
+    def _commit_shared(self, inflight: Inflight, summaries: dict[int, Any]) -> None:
+        """The primary commits a shared tier's attempt: every part is written (agreed), and
+        ``summaries`` holds the other processes' summaries of theirs (by process)."""
+        step, me = inflight.step, jax.process_index()
+        where = f"save of step {step}: the summary of process"
         marker = self._protocol.commit(
             inflight.loc,
             num_processes=jax.process_count(),
             metrics=inflight.metrics,
             keep=inflight.keep,
             written=inflight.written,
+            summaries={
+                manifest_name(p): PartSummary.from_json(value, f"{where} {p}")
+                for p, value in summaries.items()
+                if p != me
+            },
         )
         self.recorder.committed(step, inflight.nbytes)
         self._notify(marker)

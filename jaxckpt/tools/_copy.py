@@ -20,7 +20,6 @@ from jaxckpt.errors import CheckpointError, CorruptCheckpointError
 from jaxckpt.records._keys import (
     TREE_FILE,
     StepLocation,
-    is_manifest_name,
     manifest_name,
     new_attempt,
 )
@@ -138,7 +137,7 @@ def _copy_step_raw(
     here = marker.location
     chunks: dict[str, ChunkRecord] = {}
     packed: dict[str, list[ChunkRecord]] = {}  # a larger object's key -> the chunks inside it
-    names = [n for n in marker.files if is_manifest_name(n)]
+    names = marker.manifest_names()
     if part_name is not None:
         names = [part_name]
     parts = [ManifestPart.from_bytes(src.read_step_file(marker, n), src.where(n)) for n in names]

@@ -12,7 +12,6 @@ from jaxckpt._tree import SavedLeaf
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError
 from jaxckpt.formats._tsio import check_chunks, expected_chunk_count, zarr_metadata
-from jaxckpt.records._keys import is_held_manifest_name, is_manifest_name
 from jaxckpt.restoring._lazy import dotted_path
 from jaxckpt.restoring._stepreader import LoadedStep, load_step
 
@@ -75,8 +74,7 @@ def verify_step(
         )
     chunks_checked = bytes_checked = 0
     # A multi-host job's local tier commits one host's part: it lists that host's chunks only.
-    parts = [n for n in marker.files if is_manifest_name(n) and not is_held_manifest_name(n)]
-    whole = len(parts) >= marker.num_processes
+    whole = marker.every_process
     for leaf in loaded.leaves:
         if leaf.kind == "value" or leaf.name is None:
             continue
