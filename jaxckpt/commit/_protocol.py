@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxckpt import _pools as pools
 from jaxckpt.commit._fence import EpochRecord, Epochs, Listing
+from jaxckpt.commit._objects import list_attempt, remove_attempt
 from jaxckpt.commit._phases import reached
 from jaxckpt.commit._readmodel import CommitReader, brief
 from jaxckpt.commit._tidy import Tidying
@@ -228,7 +229,7 @@ class CommitProtocol(CommitReader):
         raise_hint = self.hints.known_lower(loc.epoch, step)
         with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in unread]
-            attempt_keys = pool.submit(self.storage.list, loc.prefix)
+            attempt_keys = pool.submit(list_attempt, self.storage, loc, covered)
             step_listing = pool.submit(self.step_listing, step)
             hint = (
                 pool.submit(self.hints.raise_to, loc.epoch, step)
@@ -326,8 +327,7 @@ class CommitProtocol(CommitReader):
         collection finishes it (without the record its data would be an
         orphan that only a full scan finds). False if data is left.
         """
-        self.storage.delete_prefix(loc.prefix)
-        if self.storage.list(loc.prefix):
+        if not remove_attempt(self.storage, loc):
             log.warning("%s refilled while it was removed; collecting the rest later", loc)
             return False
         self.storage.delete(loc.pending_key)

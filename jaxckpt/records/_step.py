@@ -29,7 +29,7 @@ FORMAT = "jaxckpt"
 LAYOUTS = tuple(FORMATS)
 """Data formats inside an attempt (:mod:`jaxckpt.formats`): one object per zarr chunk, or a
 few pack objects."""
-FORMAT_VERSION = 2
+FORMAT_VERSION = 4
 """2: save attempts under their own prefix, markers name attempt and epoch (see _keys)."""
 PACKED_VERSION = 3
 """The version of a manifest part of a packed step (chunks inside pack objects, see _pack).
@@ -249,7 +249,7 @@ class ManifestPart:
     @classmethod
     def from_bytes(cls, data: bytes, what: str) -> ManifestPart:
         obj = _loads(data, what)
-        _check_version(obj, what, newest=PACKED_VERSION)
+        _check_version(obj, what, newest=max(FORMAT_VERSION, PACKED_VERSION))
         _require(obj, what, "step", "process", "num_processes", "arrays")
         layout = obj.get("layout", "plain")
         if layout not in LAYOUTS:
@@ -315,7 +315,7 @@ class CommitMarker:
     @property
     def location(self) -> StepLocation:
         """Where the attempt this marker vouches for keeps its data."""
-        return StepLocation(self.step, self.attempt)
+        return StepLocation.committed(self.step, self.attempt, self.version, self.files)
 
     @property
     def key(self) -> str:

@@ -52,6 +52,7 @@ import jax
 from jaxckpt import _pools
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit._agree import Agreement
+from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._phases import reached
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError, PeerError
 from jaxckpt.records._keys import (
@@ -292,7 +293,7 @@ class Peers:
         files: dict[str, FileDigest] = {}
         try:
             with self._connect(holder) as peer:
-                for key in storage.list(loc.prefix):
+                for key in list_attempt(storage, loc, [self.me]):  # its part, hashed prefixes too
                     if is_temp_key(key):
                         continue
                     data = storage.read(key)
@@ -303,7 +304,7 @@ class Peers:
                             f"{self._local.uri}/{key} is {len(data)} bytes, over the peer "
                             f"transport's bound of {self._max_bytes} (max_object_bytes)"
                         )
-                    name = key[len(loc.prefix) :]
+                    name = loc.name_of(key) or key
                     peer.put(base + name, data)
                     files[name] = FileDigest.of(data)
                 index = ReplicaIndex(

@@ -1,0 +1,69 @@
+"""Every object of one save attempt: listed and removed, hashed prefixes included.
+
+An attempt's records and plain-layout arrays lie under ``attempts/<step>/<attempt>/``;
+from format 4 its packs and manifest parts lie under hashed prefixes
+``data/<hh>/<step>.<attempt>/`` (see :mod:`jaxckpt.records._keys`). A lister visits
+the attempt's prefix and the hashed prefixes its objects can be under: those of the
+names it expects, else those of the processes that wrote it (16 per process, known
+from a committed step's marker), else all 256, in parallel, 16 listings at once.
+Imports no jax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from jaxckpt import _pools as pools
+from jaxckpt.records._keys import StepLocation, spread_slot
+from jaxckpt.storage import Storage
+
+LISTINGS_IN_FLIGHT = 16
+
+
+def attempt_prefixes(
+    loc: StepLocation,
+    processes: Collection[int] | None = None,
+    names: Iterable[str] | None = None,
+) -> list[str]:
+    """The prefixes that hold ``loc``'s objects (see :meth:`StepLocation.buckets`).
+
+    With ``names``, only the prefixes of those objects (the attempt's own prefix only
+    if one of them is not spread).
+    """
+    if names is not None:
+        names = list(names)
+        spread = loc.is_spread
+        own = [loc.prefix] if any(not spread or spread_slot(n) is None for n in names) else []
+        return own + [loc.bucket_prefix(b) for b in loc.buckets(names=names)]
+    return [loc.prefix] + [loc.bucket_prefix(b) for b in loc.buckets(processes)]
+
+
+def list_attempt(
+    storage: Storage,
+    loc: StepLocation,
+    processes: Collection[int] | None = None,
+    names: Iterable[str] | None = None,
+) -> list[str]:
+    """Every key of ``loc`` (or, with ``names``, the keys under those names' prefixes),
+    sorted: one listing per prefix, 16 at once."""
+    prefixes = attempt_prefixes(loc, processes, names)
+    if len(prefixes) == 1:
+        return storage.list(prefixes[0])
+    with pools.borrow("attempt-listing", LISTINGS_IN_FLIGHT) as pool:
+        listed = list(pool.map(storage.list, prefixes))
+    return sorted(key for keys in listed for key in keys)
+
+
+def remove_attempt(storage: Storage, loc: StepLocation) -> bool:
+    """Deletes every object of ``loc``; True once a listing shows none left.
+
+    Each prefix goes with :meth:`Storage.delete_prefix` (object stores: one listing
+    and batched deletes, S3 ``DeleteObjects`` of up to 1,000 keys; local roots: the
+    directory, so no empty directories stay behind), 16 prefixes at once. False: a
+    writer still writing refilled it (the caller keeps its pending record).
+    """
+    prefixes = attempt_prefixes(loc)
+    with pools.borrow("attempt-listing", LISTINGS_IN_FLIGHT) as pool:
+        list(pool.map(storage.delete_prefix, prefixes))
+        left = list(pool.map(storage.list, prefixes))
+    return not any(left)
