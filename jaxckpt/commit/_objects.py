@@ -57,13 +57,18 @@ def list_attempt(
 def remove_attempt(storage: Storage, loc: StepLocation) -> bool:
     """Deletes every object of ``loc``; True once a listing shows none left.
 
-    Each prefix goes with :meth:`Storage.delete_prefix` (object stores: one listing
-    and batched deletes, S3 ``DeleteObjects`` of up to 1,000 keys; local roots: the
-    directory, so no empty directories stay behind), 16 prefixes at once. False: a
-    writer still writing refilled it (the caller keeps its pending record).
+    Requests: one listing per prefix (16 at once), then every key found in one
+    :meth:`Storage.delete_many` (S3: ``DeleteObjects`` of up to 1,000 keys each), then
+    :meth:`Storage.delete_prefix` of each prefix that held keys (on a local root it
+    removes the emptied directories; on an object store it finds nothing unless a
+    writer refilled it), then one listing per prefix again. False: a writer still
+    writing refilled it (the caller keeps its pending record for the next collection).
     """
     prefixes = attempt_prefixes(loc)
     with pools.borrow("attempt-listing", LISTINGS_IN_FLIGHT) as pool:
-        list(pool.map(storage.delete_prefix, prefixes))
+        found = list(pool.map(storage.list, prefixes))
+        storage.delete_many([key for keys in found for key in keys])
+        held = [prefix for prefix, keys in zip(prefixes, found, strict=True) if keys]
+        list(pool.map(storage.delete_prefix, held))
         left = list(pool.map(storage.list, prefixes))
     return not any(left)
