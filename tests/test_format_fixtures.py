@@ -51,7 +51,9 @@ def test_a_version_1_root_opened_for_writing_keeps_its_steps_and_gains_version_2
         assert mgr.epoch == 1 and mgr.steps() == [1, 2]
         mgr.save(3, {"w": np.arange(4.0)})
     record = json.loads((root / "jaxckpt.json").read_bytes())
-    assert record["version"] == 2  # an older jaxckpt, blind to epochs, now refuses to write
+    from jaxckpt.records._step import FORMAT_VERSION
+
+    assert record["version"] == FORMAT_VERSION  # an older jaxckpt now refuses to write
     reader = jaxckpt.CheckpointManager(root, read_only=True)
     assert reader.steps() == [1, 2, 3] and reader.latest_step() == 3
     for step in (1, 2):  # the format-1 steps are untouched and still bit-exact

@@ -253,3 +253,15 @@ def test_a_markers_version_decides_its_keys(version: int, spread: bool) -> None:
     assert L.StepLocation.committed(9, None, 1, names).key("packs/0.0.bin") == (
         "steps/9/packs/0.0.bin"
     )
+
+
+def test_the_hashed_prefix_function_never_changes() -> None:
+    """Stored format-4 steps are read by recomputing their keys: the hash is pinned."""
+    attempt = "e1-1733000000-0123456789ab"
+    got = [L.spread_bucket(7, attempt, p, s) for p, s in [(0, 0), (1, 0), (0, 15), (1234, 3)]]
+    assert got == PINNED_BUCKETS
+    assert L.spread_bucket(10**12, "e9-1-ab", 0, 0) == PINNED_WIDE
+
+
+PINNED_BUCKETS = ["da", "c7", "e7", "a2"]
+PINNED_WIDE = "b8"

@@ -200,7 +200,7 @@ def spread_bucket(step: int, attempt: str, process: int, slot: int) -> str:
     A fixed function of names every reader knows (BLAKE2b of ``step/attempt/process/slot``):
 
     >>> spread_bucket(7, "e1-1733000000-0123456789ab", 0, 0)
-    '5c'
+    'da'
     """
     digest = hashlib.blake2b(f"{step}/{attempt}/{process}/{slot}".encode(), digest_size=1)
     return digest.hexdigest()
