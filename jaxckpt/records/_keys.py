@@ -232,7 +232,8 @@ class StepLocation:
         processes = frozenset(
             slot[0] for n in names if n.startswith("manifest/") and (slot := spread_slot(n))
         )
-        return cls(step, attempt, spread=version >= SPREAD_VERSION, processes=processes)
+        spread = version >= SPREAD_VERSION
+        return cls(step, attempt, spread=spread, processes=processes or None)  # none: unknown
 
     @property
     def is_spread(self) -> bool:
