@@ -22,6 +22,11 @@ def step_key(root: str, step: int) -> str:
     return CommitProtocol(open_storage(root)).require_marker(step).location.prefix
 
 
+def step_object(root: str, step: int, name: str) -> str:
+    """The key of the object ``name`` (``packs/0.0.bin``, ``tree.json``) of a committed step."""
+    return CommitProtocol(open_storage(root)).require_marker(step).location.key(name)
+
+
 def step_dir(root: str, step: int, *parts: str) -> str:
     """The local path of the committed attempt of ``step`` (a local root), joined with ``parts``."""
     return os.path.join(root, step_key(root, step), *parts)
