@@ -214,7 +214,7 @@ def test_format_4_spreads_packs_and_parts_over_hashed_prefixes_every_step_reuses
     under the attempt (a zarr hierarchy), and a step's objects use many prefixes."""
     buckets_of = {}
     for step in (1, 2):
-        loc = L.StepLocation(step, L.new_attempt(1))
+        loc = L.StepLocation(step, f"e1-1700000000-00000000000{step}")  # fixed: deterministic
         keys = [loc.key(L.pack_name(p, k)) for p in range(8) for k in range(16)]
         keys += [loc.key(L.manifest_name(p)) for p in range(8)]
         assert all(k.startswith(L.DATA) and k.split("/")[2].startswith(f"{step}.") for k in keys)
