@@ -60,6 +60,7 @@ Imports neither jax nor numpy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -194,6 +195,7 @@ def spread_slot(name: str) -> tuple[int, int] | None:
     return (int(m.group(1)), 0) if m else None
 
 
+@functools.lru_cache(maxsize=1 << 14)  # a restore asks once per chunk record
 def spread_bucket(step: int, attempt: str, process: int, slot: int) -> str:
     """The hashed prefix (two hex digits) of a process's objects of one slot of an attempt.
 

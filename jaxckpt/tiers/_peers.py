@@ -294,7 +294,8 @@ class Peers:
         try:
             with self._connect(holder) as peer:
                 for key in list_attempt(storage, loc, [self.me]):  # its part, hashed prefixes too
-                    if is_temp_key(key):
+                    name = loc.name_of(key)
+                    if is_temp_key(key) or name is None:
                         continue
                     data = storage.read(key)
                     if data is None:
@@ -304,7 +305,6 @@ class Peers:
                             f"{self._local.uri}/{key} is {len(data)} bytes, over the peer "
                             f"transport's bound of {self._max_bytes} (max_object_bytes)"
                         )
-                    name = loc.name_of(key) or key
                     peer.put(base + name, data)
                     files[name] = FileDigest.of(data)
                 index = ReplicaIndex(
