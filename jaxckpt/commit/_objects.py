@@ -43,15 +43,19 @@ def list_attempt(
     loc: StepLocation,
     processes: Collection[int] | None = None,
     names: Iterable[str] | None = None,
+    *,
+    listed: Collection[str] = (),
 ) -> list[str]:
     """Every key of ``loc`` (or, with ``names``, the keys under those names' prefixes),
-    sorted: one listing per prefix, 16 at once."""
-    prefixes = attempt_prefixes(loc, processes, names)
+    sorted: one listing per prefix, 16 at once, except the prefixes in ``listed``."""
+    prefixes = [p for p in attempt_prefixes(loc, processes, names) if p not in listed]
+    if not prefixes:
+        return []
     if len(prefixes) == 1:
         return storage.list(prefixes[0])
     with pools.borrow("attempt-listing", LISTINGS_IN_FLIGHT) as pool:
-        listed = list(pool.map(storage.list, prefixes))
-    return sorted(key for keys in listed for key in keys)
+        found = list(pool.map(storage.list, prefixes))
+    return sorted(key for keys in found for key in keys)
 
 
 def remove_attempt(storage: Storage, loc: StepLocation) -> bool:

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxckpt import _pools as pools
 from jaxckpt.commit._fence import EpochRecord, Epochs, Listing
-from jaxckpt.commit._objects import list_attempt, remove_attempt
+from jaxckpt.commit._objects import attempt_prefixes, list_attempt, remove_attempt
 from jaxckpt.commit._phases import reached
 from jaxckpt.commit._readmodel import CommitReader, brief
 from jaxckpt.commit._tidy import Tidying
@@ -229,7 +229,7 @@ class CommitProtocol(CommitReader):
         raise_hint = self.hints.known_lower(loc.epoch, step)
         with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in unread]
-            attempt_keys = pool.submit(list_attempt, self.storage, loc, covered)
+            attempt_keys = pool.submit(list_attempt, self.storage, loc, names=names)
             step_listing = pool.submit(self.step_listing, step)
             hint = (
                 pool.submit(self.hints.raise_to, loc.epoch, step)
@@ -251,6 +251,9 @@ class CommitProtocol(CommitReader):
             files[name] = FileDigest.of(data)
             if is_manifest_name(name):
                 parts.append(ManifestPart.from_bytes(data, self.where(loc.key(name))))
+        packs = {pack for part in parts for pack in part.packs}  # format 4: their prefixes too
+        listed = attempt_prefixes(loc, names=names)
+        present.update(list_attempt(self.storage, loc, names=packs, listed=listed))
         self._check_chunks_present(loc, parts, present)
         marker = CommitMarker(
             step=step,
