@@ -3,11 +3,13 @@
 :func:`define_all` is called by :func:`jaxckpt.flags.define_flags`; absl is imported
 only inside it. The flags are registered under the module name ``jaxckpt.flags`` (so
 ``--helpfull`` lists them there) and made key flags of the caller by ``define_flags``
-(so ``--help`` of the script that defines them lists them).
+(so ``--help`` of the script that defines them lists them). :func:`flag_error` makes the
+``CheckpointFlagError`` that :mod:`jaxckpt.flags` exports.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -261,3 +263,27 @@ def define_all(fv: absl_flags.FlagValues) -> None:
     )
     init = ["checkpoint_init_from", "checkpoint_init_partial", "checkpoint_init_rename"]
     multi(init, check(init_problem), flag_values=fv)
+
+
+def flag_error(message: str) -> Exception:
+    """A :class:`CheckpointFlagError` (an ``absl.app.UsageError``) saying ``message``."""
+    return _flag_error_class()(message)
+
+
+@functools.cache
+def _flag_error_class() -> type[Exception]:
+    from absl import app
+
+    from jaxckpt.errors import CheckpointError
+
+    class CheckpointFlagError(app.UsageError, CheckpointError, ValueError):
+        """A ``checkpoint_*`` flag is missing or inconsistent with another.
+
+        It is an ``absl.app.UsageError``: raised in ``main`` under ``absl.app.run``, the
+        program prints its usage and the problem and exits with status 1, no traceback.
+        Fix the flags as the message says (``--help`` lists them).
+        """
+
+    CheckpointFlagError.__module__ = "jaxckpt.flags"  # its public home
+    CheckpointFlagError.__qualname__ = "CheckpointFlagError"
+    return CheckpointFlagError

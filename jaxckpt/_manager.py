@@ -25,18 +25,19 @@ import numpy as np
 
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
-from jaxckpt._tree import PathMap
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.errors import CheckpointError
 from jaxckpt.records._keys import check_step
 from jaxckpt.records._metadata import StepMetadata, step_metadata
 from jaxckpt.records._procstate import ProcessStateAccess
 from jaxckpt.restoring import _select
+from jaxckpt.restoring._match import PathMap
 from jaxckpt.saving._session import SaveSession
 from jaxckpt.saving._telemetry import SaveStats
+from jaxckpt.tiers._open import join_tiers, open_tiers
 from jaxckpt.tiers._promotion import open_promotion
 from jaxckpt.tiers._retention import Retention
-from jaxckpt.tiers._tier import Tier, join_tiers, open_tiers
+from jaxckpt.tiers._tier import Tier
 from jaxckpt.tools._verify import VerifyReport, verify_step
 
 log = logging.getLogger("jaxckpt")

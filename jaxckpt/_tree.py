@@ -12,19 +12,24 @@ import functools
 import hashlib
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxckpt.errors import TreeMismatchError, UnsupportedLeafError
+from jaxckpt.errors import UnsupportedLeafError
 from jaxckpt.records._step import path_text
 from jaxckpt.records._tree import VALUE_TYPES as VALUE_TYPES
 from jaxckpt.records._tree import SavedLeaf as SavedLeaf
 from jaxckpt.records._tree import np_dtype as np_dtype
-from jaxckpt.restoring._mismatch import SHOWN, Mismatch, mismatch_message
+
+# Matching a restore target moved to restoring/_match.py; its names stay importable here.
+from jaxckpt.restoring._match import PathMap as PathMap
+from jaxckpt.restoring._match import check_casts as check_casts
+from jaxckpt.restoring._match import lossy_cast as lossy_cast
+from jaxckpt.restoring._match import match_target as match_target
+from jaxckpt.restoring._match import rename_path as rename_path
 
 
 def _is_leaf(x: Any) -> bool:
@@ -251,173 +256,6 @@ def _finish(node: Any) -> Any:
     if isinstance(node, dict):
         return {k: _finish(v) for k, v in node.items()}
     return node
-
-
-#: How saved tree paths map to a restore target's paths: ``{saved prefix: new prefix}``
-#: or a function from a saved path to its new path (``None`` drops the leaf).
-PathMap = Mapping[str, str] | Callable[[str], str | None]
-
-
-def rename_path(path: str, rename: PathMap) -> str | None:
-    """``path`` (a saved tree path, as ``jax.tree_util.keystr`` writes it) under ``rename``.
-
-    A mapping renames the longest prefix that ends at a path component boundary; a
-    path no prefix matches keeps its name. A callable gets the whole path.
-
-    >>> m = {"['params']['encoder']": "['params']['enc']", "['ema']": "['params_ema']"}
-    >>> rename_path("['params']['encoder']['kernel']", m)
-    "['params']['enc']['kernel']"
-    >>> rename_path("['params']['encoder_2']['kernel']", m)  # not a component boundary
-    "['params']['encoder_2']['kernel']"
-    >>> rename_path("['opt'][0].mu", lambda p: None if p.startswith("['opt']") else p) is None
-    True
-    """
-    if callable(rename):
-        return rename(path)
-    for prefix in sorted(rename, key=len, reverse=True):
-        rest = path[len(prefix) :]
-        if path.startswith(prefix) and (not rest or rest[0] in "[."):
-            return rename[prefix] + rest
-    return path
-
-
-def match_target(
-    saved: Sequence[SavedLeaf],
-    target_paths: Sequence[str],
-    target_leaves: Sequence[Any],
-    *,
-    partial: bool = False,
-    rename: PathMap | None = None,
-) -> list[SavedLeaf]:
-    """The saved leaf for every target leaf, in target order.
-
-    Args:
-      saved: the leaves of the saved tree.
-      target_paths: the target's leaf paths (``keystr`` text), in order.
-      target_leaves: the target's leaves, in the same order.
-      partial: the target may be a subset of the saved tree: saved leaves it lacks
-        are not an error (and are never read).
-      rename: maps saved paths to target paths first (see :func:`rename_path`).
-
-    Raises:
-      TreeMismatchError: naming every missing, extra or mismatched path, and any
-        target path two saved leaves were renamed to.
-    """
-    by_path: dict[str, SavedLeaf] = {}
-    duplicates: list[str] = []
-    missing: list[tuple[str, str]] = []
-    shapes: list[str] = []
-    for saved_leaf in saved:
-        old = saved_leaf.path_text
-        new = old if rename is None else rename_path(old, rename)
-        if new is None:
-            continue
-        if new in by_path:
-            duplicates.append(f"two saved paths map to {new}: {by_path[new].path_text} and {old}")
-        by_path[new] = saved_leaf
-    matched: list[SavedLeaf] = []
-    for path, target in zip(target_paths, target_leaves, strict=True):
-        leaf = by_path.get(path)
-        if leaf is None:
-            missing.append((path, _describe(target)))
-            continue
-        matched.append(leaf)
-        if leaf.kind == "value" or not hasattr(target, "shape"):
-            continue
-        shape = tuple(target.shape)
-        if leaf.kind == "key" and jax.dtypes.issubdtype(target.dtype, jax.dtypes.prng_key):
-            shape = jax.eval_shape(jax.random.key_data, target).shape
-        if shape != leaf.shape:
-            saved_as = "" if leaf.path_text == path else f" (saved as {leaf.path_text})"
-            shapes.append(
-                f"shape mismatch at {path}{saved_as}: saved {leaf.shape} {leaf.dtype}, "
-                f"target {_describe(target)}"
-            )
-    extra = [] if partial else sorted(set(by_path) - set(target_paths))
-    if missing or shapes or duplicates or extra:
-        mismatch = Mismatch(
-            missing=missing,
-            extra=[(p, _describe_saved(by_path[p])) for p in extra],
-            shapes=shapes,
-            duplicates=duplicates,
-            matched=len(matched),
-            targets=len(target_paths),
-            partial=partial,
-            renamed=rename is not None,
-        )
-        raise TreeMismatchError(mismatch_message(mismatch))
-    return matched
-
-
-def lossy_cast(saved: np.dtype, target: np.dtype) -> bool:
-    """Whether converting ``saved`` to ``target`` can change a value.
-
-    Decided by the pair alone. An integer (or bool) becomes a float exactly when
-    the float's significand and range hold every value of the integer type
-    (int8/uint8 -> float16 or bfloat16, int16/uint16 -> float32, int32/uint32 ->
-    float64; but int32 -> float32, int64 -> float64 and int8 -> float8 are
-    lossy); every other pair follows numpy's ``can_cast(..., "safe")`` (with
-    ml_dtypes' rules for bfloat16 and float8): widening within a kind
-    (float16 -> float32, bfloat16 -> float32, int8 -> int32), unsigned to a
-    wider signed int and bool to anything are lossless; narrowing, float ->
-    int and float16 <-> bfloat16 are lossy.
-
-    >>> lossy_cast(np.dtype("float32"), np.dtype("float16"))
-    True
-    >>> f32, f64 = np.dtype("float32"), np.dtype("float64")
-    >>> lossy_cast(np.dtype("int16"), f32), lossy_cast(np.dtype("int64"), f64)
-    (False, True)
-    """
-    if saved == target or saved == np.bool_:
-        return False
-    if jnp.issubdtype(saved, jnp.integer) and jnp.issubdtype(target, jnp.inexact):
-        import ml_dtypes
-
-        ints, floats = ml_dtypes.iinfo(saved), ml_dtypes.finfo(target)
-        largest = max(-int(ints.min), int(ints.max))
-        return largest > min(2 ** (floats.nmant + 1), float(floats.max))
-    return not np.can_cast(saved, target, "safe")
-
-
-def check_casts(
-    leaves: Sequence[SavedLeaf], target_paths: Sequence[str], targets: Sequence[Any]
-) -> None:
-    """Refuses lossy dtype conversions from saved array leaves to their targets.
-
-    Args:
-      leaves: the saved leaf of every target leaf, in target order (``match_target``).
-      target_paths: the target's leaf paths, in the same order.
-      targets: the target's leaves.
-
-    Raises:
-      TreeMismatchError: naming every path whose conversion is lossy, with both dtypes.
-    """
-    problems = []
-    for leaf, path, target in zip(leaves, target_paths, targets, strict=True):
-        dtype = getattr(target, "dtype", None)
-        if leaf.kind != "array" or dtype is None:
-            continue
-        if lossy_cast(leaf.numpy_dtype, np.dtype(dtype)):
-            problems.append(f"  {path}: saved {leaf.dtype}, target {np.dtype(dtype).name}")
-    if problems:
-        more = [f"  ... and {len(problems) - SHOWN} more"] if len(problems) > SHOWN else []
-        raise TreeMismatchError(
-            f"restore target converts {len(problems)} saved arrays to dtypes that cannot hold "
-            "every value (pass allow_lossy_cast=True to convert anyway):\n"
-            + "\n".join(problems[:SHOWN] + more)
-        )
-
-
-def _describe(x: Any) -> str:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"{tuple(x.shape)} {x.dtype}"
-    return type(x).__name__
-
-
-def _describe_saved(leaf: SavedLeaf) -> str:
-    if leaf.kind == "value":
-        return f"value {leaf.value!r}"
-    return f"{leaf.shape} {leaf.dtype}"
 
 
 def chunk_shape_for(

@@ -70,14 +70,17 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from jaxckpt._flagdefs import FLAG_NAMES, define_all, init_problem, milestones_problem, tier_problem
+from jaxckpt._flagdefs import FLAG_NAMES, _flag_error_class, define_all, flag_error, init_problem
+from jaxckpt._flagpolicies import flag_values_or_default, tier_fields
+from jaxckpt._flagpolicies import promote_policy_from_flags as promote_policy_from_flags
+from jaxckpt._flagpolicies import retention_from_flags as retention_from_flags
+from jaxckpt._flagpolicies import save_policy_from_flags as save_policy_from_flags
 
 if TYPE_CHECKING:
     from absl import flags as absl_flags
 
     from jaxckpt import CheckpointManager
     from jaxckpt._options import CheckpointOptions
-    from jaxckpt.policy import RetentionPolicy, SavePolicy
     from jaxckpt.restoring._preflight import ResumeReport
 
 CheckpointFlagError: type[Exception]
@@ -102,12 +105,6 @@ __all__ = [
 ]
 
 
-def _default_flag_values() -> absl_flags.FlagValues:
-    from absl import flags
-
-    return flags.FLAGS
-
-
 def define_flags(flag_values: absl_flags.FlagValues | None = None) -> None:
     """Defines the ``checkpoint_*`` flags in ``flag_values`` (default ``absl.flags.FLAGS``)
     and makes them key flags of the calling module, so its ``--help`` lists them.
@@ -126,99 +123,6 @@ def define_flags(flag_values: absl_flags.FlagValues | None = None) -> None:
         flags.declare_key_flag(name, flag_values=fv)
 
 
-def _fv(flag_values: absl_flags.FlagValues | None) -> absl_flags.FlagValues:
-    return flag_values if flag_values is not None else _default_flag_values()
-
-
-def save_policy_from_flags(flag_values: absl_flags.FlagValues | None = None) -> SavePolicy | None:
-    """The save policy the flags describe; None (save on every call) when no interval is set."""
-    from jaxckpt import policy
-
-    fv = _fv(flag_values)
-    parts = _intervals(fv.checkpoint_every_steps, fv.checkpoint_every_seconds)
-    if fv.checkpoint_mtbf_hours is not None:
-        parts.append(
-            policy.Adaptive(fv.checkpoint_mtbf_hours, max_overhead=fv.checkpoint_max_overhead)
-        )
-    return _any_of(parts, fv)
-
-
-def _intervals(steps: int | None, seconds: float | None) -> list[SavePolicy]:
-    """EveryNSteps and EveryNSeconds for the interval flags that are set."""
-    from jaxckpt import policy
-
-    parts: list[SavePolicy] = []
-    if steps is not None:
-        parts.append(policy.EveryNSteps(steps))
-    if seconds is not None:
-        parts.append(policy.EveryNSeconds(seconds))
-    return parts
-
-
-def _any_of(parts: list[SavePolicy], fv: absl_flags.FlagValues) -> SavePolicy | None:
-    """The interval policies combined, plus OnPreemption if asked; None without an interval."""
-    from jaxckpt import policy
-
-    if not parts:
-        return None
-    if fv.checkpoint_on_preemption:
-        parts.append(policy.OnPreemption())
-    return parts[0] if len(parts) == 1 else policy.AnySave(policies=tuple(parts))
-
-
-def retention_from_flags(
-    flag_values: absl_flags.FlagValues | None = None,
-) -> RetentionPolicy | None:
-    """The retention policy the flags describe; None (keep everything) when none is set.
-
-    Raises:
-      CheckpointFlagError: ``--checkpoint_keep_milestones`` is not a list of positive integers.
-    """
-    from jaxckpt import policy
-
-    fv = _fv(flag_values)
-    series = None
-    if fv.checkpoint_keep_milestones:
-        problem = milestones_problem(fv.checkpoint_keep_milestones)
-        if problem is not None:
-            raise flag_error(problem)
-        series = [int(s) for s in fv.checkpoint_keep_milestones]
-    return policy.retention_from(
-        keep_last=fv.checkpoint_keep_last,
-        keep_milestones=series,
-        keep_every=fv.checkpoint_keep_every,
-    )
-
-
-def promote_policy_from_flags(
-    flag_values: absl_flags.FlagValues | None = None,
-) -> SavePolicy | None:
-    """Which local saves the flags promote; None (every one) when no promote interval is set."""
-
-    fv = _fv(flag_values)
-    parts = _intervals(fv.checkpoint_promote_every_steps, fv.checkpoint_promote_every_seconds)
-    return _any_of(parts, fv)
-
-
-def _tier_fields(fv: absl_flags.FlagValues) -> dict[str, Any]:
-    """The local tier's options; raises if a tier flag is set without a local root."""
-    from jaxckpt import policy
-
-    problem = tier_problem({name: fv[name].value for name in fv})
-    if problem is not None:
-        raise flag_error(problem)
-    if not fv.checkpoint_local_root:
-        return {}
-    keep = fv.checkpoint_local_keep_last
-    return {
-        "local_root": fv.checkpoint_local_root,
-        "promote_policy": promote_policy_from_flags(fv),
-        "local_retention": policy.KeepLast(keep) if keep is not None else None,
-        "promotion": fv.checkpoint_promotion,
-        "local_replicas": fv.checkpoint_local_replicas or 1,
-    }
-
-
 def options_from_flags(
     flag_values: absl_flags.FlagValues | None = None, **overrides: Any
 ) -> CheckpointOptions:
@@ -232,13 +136,13 @@ def options_from_flags(
     """
     from jaxckpt._options import CheckpointOptions
 
-    fv = _fv(flag_values)
+    fv = flag_values_or_default(flag_values)
     fields: dict[str, Any] = {
         "save_policy": save_policy_from_flags(fv),
         "retention": retention_from_flags(fv),
         "save_timeout_s": fv.checkpoint_timeout_seconds,
         "writer_nice": fv.checkpoint_writer_nice,
-        **_tier_fields(fv),
+        **tier_fields(fv),
     }
     if fv.checkpoint_restore_memory_mib is not None:
         fields["restore_memory_bytes"] = fv.checkpoint_restore_memory_mib << 20
@@ -260,7 +164,7 @@ def manager_from_flags(
         the flags are inconsistent. Raised in ``main`` under ``absl.app.run``, it is
         reported as a usage error: the usage message and the problem, no traceback.
     """
-    fv = _fv(flag_values)
+    fv = flag_values_or_default(flag_values)
     problem = init_problem({name: fv[name].value for name in fv})
     if not fv.checkpoint_enabled:
         from jaxckpt._disabled import DisabledCheckpointManager
@@ -296,7 +200,7 @@ def preflight_from_flags(
       The report (log or print it; stop the launch when ``not report.ok``), or None when
       the flag is 0.
     """
-    fv = _fv(flag_values)
+    fv = flag_values_or_default(flag_values)
     if not fv.checkpoint_preflight_steps:
         return None
     from jaxckpt.restoring._preflight import check_resume
@@ -341,7 +245,7 @@ def init_from_flags(
     from jaxckpt import CheckpointManager
     from jaxckpt.cli._common import split_source
 
-    fv = _fv(flag_values)
+    fv = flag_values_or_default(flag_values)
     problem = init_problem({name: fv[name].value for name in fv})
     if problem is not None:
         raise flag_error(problem)
@@ -412,34 +316,10 @@ def manager_from_mapping(config: Mapping[str, Any], **overrides: Any) -> Checkpo
     return manager_from_flags(flags_from_mapping(config), **overrides)
 
 
-def flag_error(message: str) -> Exception:
-    """A :class:`CheckpointFlagError` (an ``absl.app.UsageError``) saying ``message``."""
-    return _flag_error_class()(message)
-
-
 def __getattr__(name: str) -> Any:
     if name == "CheckpointFlagError":  # a class made on first use: absl.app defines flags
         return _flag_error_class()
     raise AttributeError(f"module 'jaxckpt.flags' has no attribute {name!r}")
-
-
-@functools.cache
-def _flag_error_class() -> type[Exception]:
-    from absl import app
-
-    from jaxckpt.errors import CheckpointError
-
-    class CheckpointFlagError(app.UsageError, CheckpointError, ValueError):
-        """A ``checkpoint_*`` flag is missing or inconsistent with another.
-
-        It is an ``absl.app.UsageError``: raised in ``main`` under ``absl.app.run``, the
-        program prints its usage and the problem and exits with status 1, no traceback.
-        Fix the flags as the message says (``--help`` lists them).
-        """
-
-    CheckpointFlagError.__module__ = __name__
-    CheckpointFlagError.__qualname__ = "CheckpointFlagError"
-    return CheckpointFlagError
 
 
 def _same_root(a: str, b: str) -> bool:

@@ -51,6 +51,10 @@ The other benchmarks are subcommands of this one entry point, each a module
                                       # a lost node from peers vs the durable root
     python scripts/bench.py scale     # 2-16 real JAX processes: requests, metadata bytes and
                                       # coordination calls per process (not part of ``all``)
+    python scripts/bench.py storm     # a save and a restore through 60 s of 503 SlowDown vs
+                                      # none (not part of ``all``)
+    python scripts/bench.py denied    # one host denied (403): every host's seconds to raise
+                                      # and whether it names that host (not part of ``all``)
     python scripts/bench.py all [--out results/] [--tiny] [--parts core,tiers,...]
 
 ``all`` runs every part (``core`` is the default benchmark above), one after
@@ -100,6 +104,9 @@ from benchkit.stores import object_stores, run_store_rounds
 from benchkit.suite import SUBCOMMANDS
 from benchkit.suite import main as run_suite
 from benchkit.summary import check_targets, summarize_io, summarize_loop
+
+SLOW = ("scale", "storm", "denied")
+"""Subcommands that ``all`` does not run: groups of real JAX processes, minutes each."""
 
 
 def run_case(s: Settings, case: Case, step_s: Callable[[], float], stores: Any) -> dict[str, Any]:
@@ -258,7 +265,7 @@ def _maybe_object_stores(s: Settings) -> Iterator[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in (*SUBCOMMANDS, "scale"):  # imported only here: packed sets XLA_FLAGS
+    if argv and argv[0] in (*SUBCOMMANDS, *SLOW):  # imported only here: packed sets XLA_FLAGS
         return int(importlib.import_module(f"benchkit.{argv[0]}").main(argv[1:]))
     if argv and argv[0] == "all":
         return run_suite(argv[1:])

@@ -17,7 +17,10 @@ stay valid), except that, with the probabilities of the current
 * delayed by up to ``slow_s`` seconds before it is forwarded (``slow``).
 
 :meth:`FaultProxy.inject` can also flip one byte of a response's body
-(``flip``): a transfer error that only a checksum catches, once.
+(``flip``): a transfer error that only a checksum catches, once; or answer
+``403 Forbidden`` (S3's ``AccessDenied``) to the requests a rule matches
+(``deny``): a host whose credentials or bucket policy changed, for as many
+requests as the rule says or for good (:meth:`FaultProxy.deny`).
 
 It forwards to 127.0.0.1 only (the upstream is checked), speaks HTTP/1.1 with
 keep-alive to the client and opens one upstream connection per request.
@@ -46,12 +49,13 @@ from typing import Any
 LOOPBACK = ("127.0.0.1", "localhost")
 FAULT_KINDS = ("error", "reset", "lost", "slow")
 PLAN_KINDS = (*FAULT_KINDS, "throttle")  # what a plan can inject (torture plans: FAULT_KINDS)
-INJECT_KINDS = (*PLAN_KINDS, "flip")  # ``flip``: by FaultProxy.inject only, never by a plan
+INJECT_KINDS = (*PLAN_KINDS, "flip", "deny")  # by FaultProxy.inject only, never by a plan
 _SLOWDOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
 _TOO_MANY = b'{"error": {"code": 429, "message": "The rate of change requests is too high."}}'
+_DENIED = b"<Error><Code>AccessDenied</Code><Message>denied</Message></Error>"
 
 _HOP_BY_HOP = {
     "connection",
@@ -163,19 +167,32 @@ class FaultProxy:
         with self._lock:
             self._plan = plan
 
-    def inject(self, kind: str, *, method: str, path_contains: str, times: int = 1) -> None:
+    def inject(self, kind: str, *, method: str, path_contains: str, times: int | None = 1) -> None:
         """Injects ``kind`` into the next ``times`` requests that match, whatever the plan.
 
         Args:
           kind: one of :data:`INJECT_KINDS` (``flip``: forward, then flip the middle byte
-            of the response body).
+            of the response body; ``deny``: answer ``403 AccessDenied``).
           method: the HTTP method to match (``PUT``, ``POST``, ...).
           path_contains: a substring of the URL-decoded request path and query.
+          times: how many requests; None: every matching request until
+            :meth:`clear_rules`.
         """
         if kind not in INJECT_KINDS:
             raise ValueError(f"unknown fault {kind!r}; use one of {INJECT_KINDS}")
         with self._lock:
             self._rules.append(_Rule(kind, method.upper(), path_contains, times))
+
+    def deny(self, *rules: tuple[str, str]) -> None:
+        """Answers ``403 AccessDenied`` to every request that matches a ``(method, path
+        fragment)`` rule, until :meth:`clear_rules`; ``counts["deny"]`` counts them."""
+        for method, fragment in rules:
+            self.inject("deny", method=method, path_contains=fragment, times=None)
+
+    def clear_rules(self) -> None:
+        """Drops every rule of :meth:`inject` and :meth:`deny`."""
+        with self._lock:
+            self._rules.clear()
 
     def wait_idle(self, timeout: float) -> bool:
         """Waits until no request is being forwarded; False on timeout.
@@ -208,8 +225,9 @@ class FaultProxy:
             plan = self._plan
             delay = self._rng.uniform(0.0, plan.slow_s)
             for rule in self._rules:
-                if rule.times > 0 and rule.method == method and rule.path_contains in path:
-                    rule.times -= 1
+                if rule.matches(method, path):
+                    if rule.times is not None:
+                        rule.times -= 1
                     self.counts[rule.kind] += 1
                     return rule.kind, delay
             for kind in PLAN_KINDS:
@@ -231,7 +249,11 @@ class _Rule:
     kind: str
     method: str
     path_contains: str
-    times: int
+    times: int | None  # None: for good
+
+    def matches(self, method: str, path: str) -> bool:
+        left = self.times is None or self.times > 0
+        return left and self.method == method and self.path_contains in path
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -309,6 +331,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
+            return
+        if fault == "deny":
+            self.send_response_only(403, "Forbidden")
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(_DENIED)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(_DENIED)
             return
         if fault == "reset":
             self._reset()

@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
 def _probe_wrong_secret(manager: Any) -> None:
     """Connects to process 1's peer listener with a wrong secret; it must turn us away."""
     import jaxckpt
-    from jaxckpt.tiers._transport import connect, new_secret
+    from jaxckpt.tiers._peerclient import connect
+    from jaxckpt.tiers._transport import new_secret
 
     address = manager._tiers[0].peers.addresses[1]
     try:

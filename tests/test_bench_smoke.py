@@ -2,8 +2,11 @@
 
 A tiny run of each part that fits in a few seconds (``tiers`` and ``listing``
 on the session's loopback S3 server) writes tables and JSON that parse;
-``replread`` (ten groups of multi-process JAX) is too slow for the suite. No
-timing is asserted: the numbers of a tiny run on a shared machine mean nothing.
+``replread`` (ten groups of multi-process JAX) is too slow for the suite, and so are
+``scale``, ``storm`` and ``denied`` (``tests/test_scale_counts.py`` runs ``scale``;
+here the storm's gates and the deny rules are checked on the shared fault proxy
+alone). No timing is asserted: the numbers of a tiny run on a shared machine mean
+nothing.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-from benchkit import servers
+import faultproxy
+from benchkit import servers, storm
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -166,3 +172,46 @@ def test_tiny_bench_savemem_writes_a_row_per_store_and_layout(tmp_path: Path) ->
         assert r["extra_ratio"] == r["extra_bytes"] / r["state_bytes"], r
         assert r["packed_bound_bytes"] == 17 * ((64 << 20) + (64 << 10)), r  # 16 + 1 joining
     assert "| store | layout | state |" in proc.stdout and "target: packed extra" in proc.stdout
+
+
+def _status(endpoint: str, path: str) -> tuple[int, bytes]:
+    """The status and body of an unsigned GET (moto answers those too)."""
+    try:
+        with urllib.request.urlopen(endpoint + path, timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_storm_gates_and_deny_rules_drive_the_shared_fault_proxy(
+    s3_server: servers.Server,
+) -> None:
+    """``bench.py storm`` throttles every request from a stormed gate until the next gate;
+    ``bench.py denied`` (and tests/denyproxy.py) deny matching requests until cleared."""
+    proxy = faultproxy.FaultProxy(s3_server.endpoint)
+    storms = storm.Storms(proxy, seconds=60.0, stormed=storm.WITH_OPEN)
+    data = f"/{s3_server.bucket}/r/data/0a/1.2/packs/0.0.bin"
+    try:
+        assert _status(proxy.endpoint, data)[0] == 404  # forwarded: no such key
+        storms("save")
+        status, body = _status(proxy.endpoint, data)
+        assert status == 503 and b"SlowDown" in body
+        storms("close")  # the next gate ends a storm still running
+        assert _status(proxy.endpoint, data)[0] == 404
+        storms("reopen")  # a restart: its open, then its restore, in one storm
+        storms("restore")
+        assert _status(proxy.endpoint, data)[0] == 503
+        storms("close2")
+        assert _status(proxy.endpoint, data)[0] == 404
+        assert storms.throttled == {"save": 1, "reopen": 1}
+
+        proxy.deny(("GET", "/packs/"))
+        status, body = _status(proxy.endpoint, data)
+        assert status == 403 and b"AccessDenied" in body
+        assert _status(proxy.endpoint, f"/{s3_server.bucket}/r/root.json")[0] == 404
+        proxy.clear_rules()
+        assert _status(proxy.endpoint, data)[0] == 404
+        assert proxy.snapshot()["deny"] == 1
+    finally:
+        storms.calm()
+        proxy.close()

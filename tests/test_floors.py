@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 
 from jaxckpt import cli as jaxckpt_cli
-from jaxckpt.formats._floors import Link, floors
-from jaxckpt.planning._costs import process_share
+from jaxckpt.formats import FORMATS, DataFormat
+from jaxckpt.formats._cost import ProcessShare, SaveRequests
+from jaxckpt.formats._floors import Link, floor, floors
+from jaxckpt.planning import _costs
+from jaxckpt.planning._costs import object_plan, process_share
+from jaxckpt.planning._profiles import PROFILES
+from jaxckpt.planning._scale import scale_plan
 from jaxckpt.records._keys import pack_count
 
 MiB, KiB = 1 << 20, 1 << 10
@@ -189,3 +195,60 @@ def test_cli_defaults_are_the_links(capsys: pytest.CaptureFixture[str]) -> None:
     assert link["connections"] == default.connections
     assert jaxckpt_cli.main([*ARGV, "--connections=0"]) == 2
     assert "connections must be an integer >= 1" in capsys.readouterr().err
+
+
+@dataclass(frozen=True)
+class _WholeCost:
+    """A made-up third format: each process's share one object, written and read whole,
+    plus one index object per step."""
+
+    save_round_trips: int = 3
+
+    def data_objects(self, share: ProcessShare) -> float:
+        return 1
+
+    def step_objects(self, leaves: int) -> int:
+        return 1
+
+    def save_requests(
+        self,
+        share: ProcessShare,
+        *,
+        leaves: int,
+        records: int,
+        connections: int,
+        inflight_bytes: int,
+    ) -> SaveRequests:
+        return SaveRequests(written=2 + records, waited=1, in_flight=1, carrying=1)
+
+    def restore_requests(self, share: ProcessShare) -> int:
+        return 1
+
+
+WHOLE = DataFormat(
+    name="whole", zarr_arrays=False, raw_chunks=True, description="one object", cost=_WholeCost()
+)
+
+
+def test_a_third_format_is_priced_by_its_cost_object_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    share = process_share(checkpoint_bytes=16 * 16 * MiB, leaves=16, devices=8)
+    f = floor(WHOLE, share, leaves=16)
+    # one request carrying 256 MiB on one connection, after the format's 2 other round trips
+    assert (f.layout, f.objects_per_process, f.save_requests_per_process) == ("whole", 2, 9)
+    assert f.save_floor_s == pytest.approx(2 * RTT + RTT + 256 * MiB / CONN)
+    assert f.save_bound == f.restore_bound == "per-connection bandwidth"
+    assert (f.restore_requests_per_process, f.restore_in_flight) == (1, 1)
+    assert f.restore_floor_s == pytest.approx(3 * RTT + RTT + 256 * MiB / CONN)
+    # the request plan counts its objects once added to the table: 32 processes' objects,
+    # its index, the step's 6 records and 32 manifest parts
+    monkeypatch.setattr(_costs, "FORMATS", {**FORMATS, WHOLE.name: WHOLE})
+    plan = object_plan(checkpoint_bytes=840e9, leaves=2200, devices=256)
+    assert list(plan) == [*FORMATS, "whole"]
+    assert plan["whole"].objects_per_checkpoint == 32 + 1 + 6 + 32
+    # the scale model: the primary writes its object and the index, every other process one
+    (save, restore) = scale_plan(
+        processes=[16], profile=PROFILES["target"], stores=["s3"], data_format=WHOLE
+    )
+    assert save.requests_primary == 5 + 8 + 2 and save.requests_other == 4 + 1 + 1
+    assert save.cluster_writes == 8 + 15 * 1 + 2 + 15 * 1
+    assert restore.cluster_reads == 7 + 15 * 3 + 16 * 1

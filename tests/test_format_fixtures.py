@@ -16,7 +16,13 @@ from pathlib import Path
 
 import jax
 import pytest
-from fixtures.fixture_check import load_expected, step_problems, target_from, version_dirs
+from fixtures.fixture_check import (
+    expected_process_state,
+    load_expected,
+    step_problems,
+    target_from,
+    version_dirs,
+)
 
 import jaxckpt
 from jaxckpt import cli
@@ -74,6 +80,12 @@ def test_every_step_restores_bit_exactly_with_and_without_a_target(fixture):
         step = int(step_text)
         plain = mgr.restore(step)
         assert step_problems(plain, step_expected, arrays, as_jax=False) == []
+        if "process_state" in step_expected:  # fixtures from v4 on
+            assert mgr.restored_process_state == expected_process_state(step_expected)
+            assert mgr.process_states(step) == [expected_process_state(step_expected)]
+        if "empty_containers" in step_expected:
+            empty = plain["empty_containers"]
+            assert (empty["dict"], empty["list"], empty["tuple"]) == ({}, [], ())
         target = target_from(plain, step_expected["leaves"], lambda _: device)
         targeted = mgr.restore(step, target=target)
         assert step_problems(targeted, step_expected, arrays, as_jax=True) == []

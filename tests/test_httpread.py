@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.storage import _http, open_storage
+from jaxckpt.storage import _cloudreads, _http, open_storage
 from jaxckpt.storage._http import DirectReader, DirectReadError, StoreUnavailableError
 from jaxckpt.storage._retry import Backoff
 
@@ -67,18 +67,18 @@ def test_a_proxy_in_the_environment_leaves_reads_to_tensorstore(
     for name in ("NO_PROXY", "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("https_proxy", CLOSED)
-    assert _http.s3_reader("bucket", "us-east-1", None, 5) is None
-    assert _http.gcs_reader("bucket", None, 5) is None
+    assert _cloudreads.s3_reader("bucket", "us-east-1", None, 5) is None
+    assert _cloudreads.gcs_reader("bucket", None, 5) is None
     monkeypatch.setenv("no_proxy", "amazonaws.com,googleapis.com")
-    assert _http.s3_reader("bucket", "us-east-1", None, 5) is not None
-    assert _http.gcs_reader("bucket", None, 5) is not None
+    assert _cloudreads.s3_reader("bucket", "us-east-1", None, 5) is not None
+    assert _cloudreads.gcs_reader("bucket", None, 5) is not None
 
 
 def test_urls_follow_each_store_s_addressing() -> None:
-    aws = _http.s3_reader("my-bucket", "eu-west-1", None, 5)
-    dotted = _http.s3_reader("my.bucket", "eu-west-1", None, 5)
-    custom = _http.s3_reader("b", "us-east-1", "http://127.0.0.1:9000/", 5)
-    gcs = _http.gcs_reader("b", "http://127.0.0.1:4443", 5)
+    aws = _cloudreads.s3_reader("my-bucket", "eu-west-1", None, 5)
+    dotted = _cloudreads.s3_reader("my.bucket", "eu-west-1", None, 5)
+    custom = _cloudreads.s3_reader("b", "us-east-1", "http://127.0.0.1:9000/", 5)
+    gcs = _cloudreads.gcs_reader("b", "http://127.0.0.1:4443", 5)
     assert aws is not None and dotted is not None and custom is not None and gcs is not None
     assert aws.base_url == "https://my-bucket.s3.eu-west-1.amazonaws.com"
     assert aws._object_path("run/a b+c") == "/run/a%20b%2Bc"
@@ -339,13 +339,13 @@ def test_s3_reads_are_signed_as_a_checking_server_expects(
         blob = np.random.default_rng(1).bytes(5000)
         storage = open_storage(f"s3://{server.bucket}/run", endpoint=server.endpoint)
         storage.write("obj/a b", blob)  # TensorStore's signed PUT: the checks are on
-        reader = _http.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
+        reader = _cloudreads.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
         assert reader is not None
         out = bytearray(3000)
         assert reader.read_into("run/obj/a b", 1000, memoryview(out)) == 3000
         assert bytes(out) == blob[1000:4000]
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong" + key["SecretAccessKey"][5:])
-        forged = _http.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
+        forged = _cloudreads.s3_reader(server.bucket, "us-east-1", server.endpoint, 10)
         assert forged is not None
         with pytest.raises(DirectReadError, match="HTTP 403"):
             forged.read_into("run/obj/a b", 0, memoryview(out))

@@ -10,7 +10,8 @@ import pytest
 
 from jaxckpt import PeerAuthError, PeerError
 from jaxckpt.storage import open_storage
-from jaxckpt.tiers._transport import PeerServer, connect, new_secret
+from jaxckpt.tiers._peerclient import connect
+from jaxckpt.tiers._transport import PeerServer, new_secret
 
 
 @pytest.fixture

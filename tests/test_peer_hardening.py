@@ -27,7 +27,8 @@ import pytest
 
 from jaxckpt import PeerError
 from jaxckpt.storage import open_storage
-from jaxckpt.tiers._transport import PeerClient, PeerServer, connect, new_secret
+from jaxckpt.tiers._peerclient import PeerClient, connect
+from jaxckpt.tiers._transport import PeerServer, new_secret
 from jaxckpt.tiers._wire import HELLO, NONCE_BYTES, recv_exact
 
 pytestmark = pytest.mark.timeout(120)

@@ -24,8 +24,9 @@ import pytest
 from jaxckpt import PeerError
 from jaxckpt.records._keys import TEMP_GRACE_S, is_stale_temp_key, is_temp_key, replica_holdings
 from jaxckpt.storage import open_storage
+from jaxckpt.tiers._peerclient import connect
 from jaxckpt.tiers._peers import Peers
-from jaxckpt.tiers._transport import PeerServer, connect, new_secret
+from jaxckpt.tiers._transport import PeerServer, new_secret
 from jaxckpt.tiers._wire import Session
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,8 +10,8 @@ from jaxckpt import CorruptCheckpointError
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.records._keys import replica_index_key, replica_prefix
 from jaxckpt.records._step import FileDigest, ReplicaIndex
-from jaxckpt.tiers._peers import heal_target
-from jaxckpt.tiers._tier import open_tier
+from jaxckpt.tiers._open import open_tier
+from jaxckpt.tiers._placement import heal_target
 
 A = "e1-1700000000-abcdef"
 

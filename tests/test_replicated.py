@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from jaxckpt._tree import SavedLeaf
 from jaxckpt.formats._tsio import chunk_key
 from jaxckpt.records._step import ChunkRecord
-from jaxckpt.restoring._readonce import _Meta, _reassemble, _stream_records, crc32c_combine, plan
+from jaxckpt.restoring._collective import _Meta, _reassemble
+from jaxckpt.restoring._crccombine import crc32c_combine
+from jaxckpt.restoring._readonce import _stream_records, plan
 
 
 @settings(max_examples=60, deadline=None)

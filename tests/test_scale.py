@@ -122,10 +122,10 @@ def test_a_writable_open_lists_commits_once(
 ) -> None:
     """The epoch records every visible step, so one listing of commits/ is needed: only one."""
     fill(scale_root, 30)
-    from jaxckpt.tiers import _tier
+    from jaxckpt.tiers import _open
 
     counts: Counter[str] = Counter()
-    opened = _tier.open_storage
+    opened = _open.open_storage
 
     def counted(root: str, **kwargs: object) -> Storage:
         storage = opened(root, **kwargs)  # type: ignore[arg-type]
@@ -138,7 +138,7 @@ def test_a_writable_open_lists_commits_once(
         storage.list = counting  # type: ignore[method-assign]
         return storage
 
-    monkeypatch.setattr(_tier, "open_storage", counted)
+    monkeypatch.setattr(_open, "open_storage", counted)
     with jaxckpt.CheckpointManager(scale_root) as mgr:
         assert mgr.epoch == 3
         assert counts[COMMITS] == 1, counts

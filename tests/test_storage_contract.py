@@ -29,7 +29,7 @@ from jaxckpt.storage import (
     open_storage,
     tensorstore_backed,
 )
-from jaxckpt.storage._options import DEFAULT_RETRY_DEADLINE_S
+from jaxckpt.storage._options import DEFAULT_RETRY_DEADLINE_S, ObjectStoreOptions
 from jaxckpt.storage._retry import Backoff
 
 
@@ -286,7 +286,7 @@ def test_max_retries_bounds_the_retries_before_the_deadline(
 
 
 def test_retries_follow_the_deadline_by_default() -> None:
-    options = _object.ObjectStoreOptions()
+    options = ObjectStoreOptions()
     assert options.max_retries is None and options.retry_deadline_s is None
     assert options.backoff().deadline_s == DEFAULT_RETRY_DEADLINE_S == 120.0
     # A manager's roots retry as long as its saves may take.

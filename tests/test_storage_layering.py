@@ -91,6 +91,20 @@ def test_only_the_factory_imports_the_backends() -> None:
     assert all(base in g[cloud] for cloud in CLOUDS)
 
 
+def test_the_object_store_base_layers_are_imported_only_inside_it() -> None:
+    """The base's layers (requests, create-only writes) are built on one another and
+    imported by the base and the clouds only: one object-store base, not three."""
+    g = graph(type_checking=True)
+    layers = [f"{STORAGE}._objrequests", f"{STORAGE}._objcreate", f"{STORAGE}._object"]
+    for module, deps in g.items():
+        used = deps & set(layers)
+        if module == STORAGE:  # the package names the base's class (lazily), nothing below it
+            assert used <= {layers[-1]}, sorted(used)
+        elif used and module not in CLOUDS:
+            assert module in layers, f"{module} imports {sorted(used)}"
+            assert all(layers.index(d) < layers.index(module) for d in used), module
+
+
 def test_the_graph_sees_lazy_and_relative_imports(tmp_path: Path) -> None:
     """Function-level and relative imports count: the checks cannot be dodged by either."""
     package = tmp_path / "jaxckpt"

@@ -74,7 +74,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
     from jaxckpt.records._keys import PROMOTE, TIER_RECORD
     from jaxckpt.records._owner import refusal
     from jaxckpt.storage import open_storage
-    from jaxckpt.tiers._promoter import PROMOTED, Promoter, PromotionResult, archive_once
+    from jaxckpt.tiers._archive import archive_once
+    from jaxckpt.tiers._promoter import Promoter
+    from jaxckpt.tiers._requests import PROMOTED, PromotionResult
 
     if args.metrics_port is not None and not args.watch:
         err("--metrics-port needs --watch")

@@ -1,6 +1,8 @@
 """``jaxckpt plan --processes N[,N...]``: one save and one restore at cluster scale.
 
-The model is :mod:`jaxckpt.planning._scale` (its docstring states it); this module
+The model is :mod:`jaxckpt.planning._scale` (its docstring states it; the counts per
+process are :mod:`jaxckpt.planning._profiles`', what it assumes
+:mod:`jaxckpt.planning._assumptions`'); this module
 reads the options, prints the table and every assumption, or ``--json``.
 """
 
@@ -55,7 +57,7 @@ def _counts(text: str) -> list[int]:
 
 def profile_of(text: str) -> Any:
     """A named profile, or one fit to a ``bench.py scale --json`` report."""
-    from jaxckpt.planning._scale import PROFILES, fit_profile
+    from jaxckpt.planning._profiles import PROFILES, fit_profile
 
     if text in PROFILES:
         return PROFILES[text]
@@ -70,7 +72,8 @@ def profile_of(text: str) -> Any:
 
 def run(args: argparse.Namespace, link: Any) -> int:
     """Prints the model for ``args.processes`` (raises ValueError on a bad option)."""
-    from jaxckpt.planning._scale import assumptions, scale_plan, to_dict
+    from jaxckpt.planning._assumptions import assumptions
+    from jaxckpt.planning._scale import scale_plan, to_dict
 
     profile = profile_of(args.counts)
     leaves = args.leaves or 2200
@@ -116,8 +119,8 @@ def _table(rows: list[Any]) -> str:
     )
     body = [head]
     for r in rows:
-        if r.fails_today:
-            verdict = f"exceeded ({r.limit_s:,.1f} s): fails with today's retries"
+        if r.fails:
+            verdict = f"exceeded ({r.limit_s:,.1f} s): fails, retries give up"
         elif r.limit_exceeded:
             verdict = f"exceeded ({r.limit_s:,.1f} s): throttled"
         else:

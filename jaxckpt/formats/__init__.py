@@ -11,10 +11,12 @@ Either way a chunk's stored bytes are ``raw || crc32c(raw)``, and where they lie
 is answered by :meth:`jaxckpt.records._step.ChunkRecord.address` (object key, offset,
 size) for every reader, verifier, copier and exporter. Code that must know what
 a format *can do* asks its :class:`DataFormat` here (from :data:`FORMATS` by
-name), never compares names. A new format is one more object in :data:`FORMATS`
-plus its :class:`StepWriter` (:mod:`jaxckpt.formats.writers`). This package's
-``__init__`` imports nothing of jaxckpt's but the writer Protocol, and neither
-jax nor numpy.
+name), never compares names; what a format costs (objects and requests of a save
+and a restore) is its ``cost`` (:class:`FormatCost`, :mod:`jaxckpt.formats._cost`).
+A new format is one more object in :data:`FORMATS` with its cost, plus its
+:class:`StepWriter` (:mod:`jaxckpt.formats.writers`). This package's ``__init__``
+imports nothing of jaxckpt's but the writer Protocol and the (pure) cost model,
+and neither jax nor numpy.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from jaxckpt.formats._cost import FormatCost, PackedCost, PlainCost
 from jaxckpt.formats._writer import Planned, StepWriter, Written
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "PACKED",
     "PLAIN",
     "DataFormat",
+    "FormatCost",
     "Planned",
     "StepWriter",
     "Written",
@@ -52,6 +56,8 @@ class DataFormat:
     """Every chunk is raw little-endian bytes plus a CRC32C trailer, whatever the
     manifest part says about its codecs."""
     description: str
+    cost: FormatCost
+    """Its objects and requests per save and restore (what ``jaxckpt plan`` models)."""
 
 
 PLAIN = DataFormat(
@@ -59,12 +65,14 @@ PLAIN = DataFormat(
     zarr_arrays=True,
     raw_chunks=False,
     description="one zarr v3 array per leaf, one object per chunk",
+    cost=PlainCost(),
 )
 PACKED = DataFormat(
     name="packed",
     zarr_arrays=False,
     raw_chunks=True,
     description="every chunk a byte range of a few pack objects per process",
+    cost=PackedCost(),
 )
 
 FORMATS: Mapping[str, DataFormat] = {f.name: f for f in (PLAIN, PACKED)}

@@ -284,7 +284,7 @@ def check_chunks(
     """
     assert leaf.name is not None
     if not all(c.whole_object for c in chunks):  # byte ranges of larger objects
-        yield from _check_packed_chunks(storage, loc, leaf, chunks, window=window)
+        yield from _check_by_address(storage, loc, leaf, chunks, window=window)
         return
     kv = ts.KvStore.open(
         tensorstore_backed(storage).kvstore_spec(loc.array_prefix(leaf.name)), context=context
@@ -319,7 +319,7 @@ def _windowed(
         yield queue.popleft()
 
 
-def _check_packed_chunks(
+def _check_by_address(
     storage: Storage,
     loc: StepLocation,
     leaf: SavedLeaf,
@@ -338,11 +338,11 @@ def _check_packed_chunks(
                 yield chunk, f"cannot read: {e}", 0
                 continue
             if data is None:
-                yield chunk, f"missing (pack {chunk.pack})", 0
+                yield chunk, f"missing{chunk.inside()}", 0
                 continue
             problem = _recheck(storage, loc, leaf, chunk, data)
             if problem is not None:
-                problem += f" (pack {chunk.pack} at byte {chunk.offset})"
+                problem += chunk.inside()
             yield chunk, problem, len(data)
 
 

@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from jaxckpt.formats import FORMATS
+from jaxckpt.formats._cost import RECORDS_PER_STEP, ProcessShare
 from jaxckpt.policy import daly_interval
 
 __all__ = ["PlanResult", "plan"]
@@ -147,30 +148,7 @@ def plan(
     )
 
 
-# -- objects and requests per checkpoint, per layout ---------------------------
-
-LAYOUT_NAMES = tuple(FORMATS)  # every data format (jaxckpt.formats)
-RECORDS_PER_STEP = 6
-"""The step's records besides the manifest parts: pending, tree, two zarr group records, the
-latest hint and the marker (written by the primary process)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ProcessShare:
-    """What one process of a sharded state holds and writes per step (see :func:`process_share`)."""
-
-    processes: int
-    nbytes: float
-    """Stored bytes of the process (its shards)."""
-    chunks: float
-    """Chunk objects of the plain layout the process writes."""
-    chunk_bytes: float
-    """The size of one chunk (shards split evenly into chunks of at most the options'
-    ``stored_chunk_bytes``)."""
-    packs: int
-    """Pack objects of the packed layout the process writes."""
-    objects_in_flight: int
-    """Packs one packed save uploads, and reads one restore issues, at once."""
+# -- objects and requests per checkpoint, per data format ----------------------
 
 
 def process_share(
@@ -187,7 +165,7 @@ def process_share(
 
     ``chunk_bytes``, ``max_object_bytes`` and ``objects_in_flight`` default to
     :class:`jaxckpt.CheckpointOptions`'s, whose ``stored_chunk_bytes`` bounds the
-    chunks; packs are counted by the packed layout's own
+    chunks; packs are counted by the packed format's own
     :func:`jaxckpt.records._keys.pack_count`.
 
     >>> s = process_share(checkpoint_bytes=16 * (16 << 20), leaves=16, devices=8)
@@ -206,6 +184,7 @@ def process_share(
     _positive("checkpoint_bytes", checkpoint_bytes)
     from jaxckpt._options import CheckpointOptions
     from jaxckpt.records._keys import pack_count
+    from jaxckpt.records._step import TRAILER_BYTES
 
     default = CheckpointOptions()
     options = CheckpointOptions(
@@ -222,11 +201,13 @@ def process_share(
     packs = pack_count(
         nbytes, max_object_bytes=options.max_object_bytes, max_packs=options.objects_in_flight
     )
+    chunk_size = shard_bytes / chunks_per_shard
     return ProcessShare(
         processes=processes,
         nbytes=nbytes,
         chunks=leaves * devices * chunks_per_shard / processes,
-        chunk_bytes=shard_bytes / chunks_per_shard,
+        chunk_bytes=chunk_size,
+        chunk_stored_bytes=chunk_size + TRAILER_BYTES,
         packs=packs,
         objects_in_flight=options.objects_in_flight,
     )
@@ -246,9 +227,10 @@ def _count(name: str, count: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class LayoutCost:
-    """Objects and requests of one checkpoint in one layout (see :func:`object_plan`)."""
+    """Objects and requests of one checkpoint in one data format (see :func:`object_plan`)."""
 
     layout: str
+    """The format's name."""
     objects_per_checkpoint: int
     requests_per_checkpoint: int
     request_cost_usd: float
@@ -270,18 +252,20 @@ def object_plan(
     write_requests_per_s: float = 1000.0,
     checkpoints: int = 1,
 ) -> dict[str, LayoutCost]:
-    """Objects, requests and request cost of one checkpoint, per layout.
+    """Objects, requests and request cost of one checkpoint, per data format (by name).
 
     Model (:func:`process_share`: every leaf is sharded over all ``devices``,
     as FSDP does; a shard is split into chunks of at most ``chunk_bytes``; a
-    host runs ``devices_per_process`` devices):
+    host runs ``devices_per_process`` devices). The data objects are each
+    format's (``DataFormat.cost``: its objects per process, and those written once
+    per step):
 
     * plain: one object per chunk, ``leaves × devices × chunks per shard``, plus
       one ``zarr.json`` per leaf;
     * packed: :func:`jaxckpt.records._keys.pack_count` pack objects per process
       (``objects_in_flight`` of them, fewer for a small state, more as
       ``max_object_bytes`` needs);
-    * both: the step's records — pending record, tree record, two zarr group
+    * every format: the step's records — pending record, tree record, two zarr group
       records, one manifest part per process, the latest hint and the marker.
 
     Requests add to the object writes: the pending record's delete, the
@@ -294,8 +278,8 @@ def object_plan(
     bucket starts near 1,000 writes/s).
 
     >>> p = object_plan(checkpoint_bytes=840e9, leaves=2200, devices=256)
-    >>> p["plain"].objects_per_checkpoint, p["packed"].objects_per_checkpoint
-    (565438, 12550)
+    >>> {name: cost.objects_per_checkpoint for name, cost in p.items()}
+    {'plain': 565438, 'packed': 12550}
     """
     _count("checkpoints", checkpoints)
     _positive("write_requests_per_s", write_requests_per_s)
@@ -316,19 +300,17 @@ def object_plan(
     )
     processes = share.processes
     records = RECORDS_PER_STEP + processes  # + a manifest part per process
-    data = {
-        "plain": round(share.chunks * processes) + leaves,  # chunks + zarr.json per leaf
-        "packed": processes * share.packs,
-    }
     out = {}
-    for layout in LAYOUT_NAMES:
-        objects = data[layout] + records
-        listing = math.ceil(data[layout] / 1000) + 2  # the attempt, and writers/ twice
+    for data_format in FORMATS.values():
+        model = data_format.cost
+        data = round(model.data_objects(share) * processes) + model.step_objects(leaves)
+        objects = data + records
+        listing = math.ceil(data / 1000) + 2  # the attempt, and writers/ twice
         writes = objects + 1 + listing  # + the pending record's delete
         reads = 1 + (1 + processes)  # the marker's HEAD, tree and manifests read back
         cost = (writes * write_usd_per_1000 + reads * read_usd_per_1000) / 1000
-        out[layout] = LayoutCost(
-            layout=layout,
+        out[data_format.name] = LayoutCost(
+            layout=data_format.name,
             objects_per_checkpoint=objects,
             requests_per_checkpoint=writes + reads,
             request_cost_usd=cost,

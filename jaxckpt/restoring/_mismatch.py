@@ -28,7 +28,7 @@ _KEY_AS_INDEX = (r"\[(\d+)\]", r"['\1']")
 
 @dataclass(frozen=True, kw_only=True)
 class Mismatch:
-    """What :func:`jaxckpt._tree.match_target` found: every path is ``keystr`` text.
+    """What :func:`jaxckpt.restoring._match.match_target` found: every path is ``keystr`` text.
 
     Attributes:
       missing: target paths the checkpoint lacks, with a description of the target leaf.

@@ -14,12 +14,14 @@ processes (gloo on CPU, NCCL on GPU, ICI on TPU).
 
 A chunk read in parts is checked as a whole: each process publishes the
 CRC32C of its parts through the JAX key-value store and every process
-combines them (:func:`crc32c_combine`) and compares with the manifest, so all
-processes reach the same verdict. That exchange is also the barrier before the
-collective: it waits at most the agreement's timeout for every process, and a
-process that failed to read makes every process raise (a corrupt chunk raises
-:class:`CorruptCheckpointError` everywhere, so a fallback stays collective).
-The collective itself is waited on with the same deadline.
+combines them (:func:`~jaxckpt.restoring._crccombine.crc32c_combine`) and
+compares with the manifest, so all processes reach the same verdict. That
+exchange is also the barrier before the collective: it waits at most the
+agreement's timeout for every process, and a process that failed to read makes
+every process raise (a corrupt chunk raises :class:`CorruptCheckpointError`
+everywhere, so a fallback stays collective).
+The collective itself (:mod:`jaxckpt.restoring._collective`) is waited on with the
+same deadline.
 
 Leaves below :data:`MIN_BYTES`, keys, leaves with a non-plain codec chain and
 leaves whose chunks do not tile the array exactly are read by every process
@@ -28,12 +30,10 @@ that needs them, as before.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import json
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +50,8 @@ from jaxckpt.errors import CheckpointError, CorruptCheckpointError
 from jaxckpt.formats._tsio import chunk_key
 from jaxckpt.records._keys import StepLocation
 from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, chunk_problem
+from jaxckpt.restoring._collective import _collective, _Meta, _reassemble
+from jaxckpt.restoring._crccombine import crc32c_combine
 from jaxckpt.storage import Storage, aligned_empty
 
 MIN_BYTES = 1 << 20
@@ -392,110 +394,3 @@ class Exchange:
             f"process {jax.process_index()}: step {self._loc.step} under {self._storage.uri}: "
             f"exchanging {names}{more}"
         )
-
-
-@dataclass(frozen=True)
-class _Meta:
-    size: int
-    shape: tuple[int, ...]
-    chunk: tuple[int, ...]
-    dtype: str
-
-    @classmethod
-    def of(cls, s: SharedLeaf) -> _Meta:
-        return cls(s.size, tuple(s.leaf.shape), tuple(s.leaf.chunk_shape), s.dtype.name)
-
-
-@functools.lru_cache(maxsize=32)
-def _reassemble(metas: tuple[_Meta, ...], shardings: tuple[Any, ...]) -> Any:
-    """One jitted function: streams (in chunk-grid order) to arrays, laid out as targeted."""
-
-    def reassemble(*streams: jax.Array) -> tuple[jax.Array, ...]:
-        out = []
-        for meta, stream in zip(metas, streams, strict=True):
-            rank = len(meta.shape)
-            grid = [d // c for d, c in zip(meta.shape, meta.chunk, strict=True)]
-            x = stream[: meta.size].reshape(*grid, *meta.chunk)
-            x = x.transpose([i for a in range(rank) for i in (a, rank + a)])
-            out.append(x.reshape(meta.shape).astype(meta.dtype))
-        return tuple(out)
-
-    return jax.jit(reassemble, out_shardings=shardings)
-
-
-def _collective(fn: Any, inputs: list[jax.Array], timeout_s: float, what: str) -> Any:
-    """Runs the jitted exchange on a helper thread; raises instead of hanging on a dead peer.
-
-    JAX cannot cancel a collective: after a timeout the (daemon) thread stays
-    blocked in it, and the process should exit rather than go on.
-    """
-    box: list[Any] = []
-
-    def work() -> None:
-        try:
-            results = fn(*inputs)
-            for r in results:
-                r.block_until_ready()
-            box.append(results)
-        except BaseException as e:  # handed to the waiting thread
-            box.append(e)
-
-    thread = threading.Thread(target=work, name="jaxckpt-exchange", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise CheckpointError(
-            f"{what}: the collective did not finish within {timeout_s:.0f}s "
-            "(a peer process is dead or stalled)"
-        )
-    (result,) = box
-    if isinstance(result, BaseException):
-        raise CheckpointError(f"{what}: the exchange failed: {result}") from result
-    return result
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC32C of ``a + b`` from ``crc1 = CRC32C(a)``, ``crc2 = CRC32C(b)`` and ``len(b)``.
-
-    >>> import crc32c
-    >>> crc32c_combine(crc32c.crc32c(b"jax"), crc32c.crc32c(b"ckpt"), 4) == crc32c.crc32c(
-    ...     b"jaxckpt"
-    ... )
-    True
-    """
-    if len2 <= 0:
-        return crc1
-    return _times(_zeros_operator(len2), crc1) ^ crc2
-
-
-_POLY = 0x82F63B78  # CRC32C, reflected
-
-
-def _times(matrix: Sequence[int], vector: int) -> int:
-    out, i = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[i]
-        vector >>= 1
-        i += 1
-    return out
-
-
-def _square(matrix: Sequence[int]) -> list[int]:
-    return [_times(matrix, row) for row in matrix]
-
-
-@functools.lru_cache(maxsize=256)
-def _zeros_operator(nbytes: int) -> tuple[int, ...]:
-    """The GF(2) matrix that advances a CRC over ``nbytes`` zero bytes."""
-    one_bit = [_POLY] + [1 << n for n in range(31)]
-    op = _square(_square(_square(one_bit)))  # one zero byte
-    result: list[int] | None = None
-    while nbytes:
-        if nbytes & 1:
-            result = op if result is None else [_times(op, row) for row in result]
-        nbytes >>= 1
-        if nbytes:
-            op = _square(op)
-    assert result is not None
-    return tuple(result)

@@ -250,15 +250,9 @@ def _candidates(
     held: list[dict[int, MarkerRef | None]] = []
     everywhere: set[int] = set()
     for tier in tiers:
-        if tier.own:
-            mine: dict[int, MarkerRef | None] = dict(listed(tier))
-            held.append(mine)
-            everywhere |= tier.everywhere(agreement, mine)
-        else:
-            seen: dict[int, MarkerRef | None] = dict(listed(tier)) if primary else {}
-            shared = agreement.agree(f"restore-{tier.name}", sorted(seen))
-            held.append({s: seen.get(s) for s in shared})
-            everywhere |= set(shared)
+        readable, common = tier.readable(agreement, listed, primary=primary)
+        held.append(readable)
+        everywhere |= common
     where = " or ".join(t.uri for t in tiers)
     if step is None:
         if not everywhere:

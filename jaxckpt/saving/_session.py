@@ -50,7 +50,7 @@ from jaxckpt.saving._helpers import (
 )
 from jaxckpt.saving._stepwrite import Inflight, StepWrite, prepare_step
 from jaxckpt.saving._telemetry import SaveRecorder
-from jaxckpt.tiers._promoter import PromotionRequest, withdraw
+from jaxckpt.tiers._requests import PromotionRequest, withdraw
 from jaxckpt.tiers._tier import Tier
 
 log = logging.getLogger("jaxckpt")
@@ -92,7 +92,7 @@ class SaveSession:
         self._primary = jax.process_index() == options.primary_host
         self._listeners = tuple(listeners)
         self._writer: StepWriter = step_writer(format_named(options.layout), tier, options)
-        self._per_host = tier.own
+        self._commits = tier.commit_point
         self._lock = threading.Lock()
         self._inflight: Inflight | None = None
         self._checkpointer: Any = None
@@ -156,7 +156,7 @@ class SaveSession:
                 step,
                 state,
                 metadata,
-                begins=self._per_host or self._primary,
+                begins=self._commits.begins(primary=self._primary),
                 corrupt=self.corrupt,
                 root=self._root,
                 ready=self._ensure_checkpointer,
@@ -170,13 +170,10 @@ class SaveSession:
             )
             assert prepared is not None
             leaves, values, tree, loc, listing, announced = prepared
-            if not self._per_host:  # one attempt for the job: the primary's
-                loc = StepLocation(step, self._agreement.agree("attempt", loc.attempt))
-            elif jax.process_count() > 1:  # every local copy holds the primary's tree record
-                tree = self._agreement.agree("tree", tree.decode()).encode()
+            loc, tree = self._commits.agree(self._agreement, loc, tree)
             promotion = request(step)
         except BaseException:
-            if prepared is not None and (announced or self._per_host):
+            if prepared is not None and (announced or self._commits.per_host):
                 with contextlib.suppress(Exception):  # else collected as a stale attempt
                     self._protocol.storage.delete(prepared[3].pending_key)
             raise
@@ -216,7 +213,7 @@ class SaveSession:
                 self,
                 timeout_s=self._options.save_timeout_s,
                 primary_host=self._options.primary_host,
-                per_host=self._per_host,
+                per_host=self._commits.per_host,
                 writer_nice=self._options.writer_nice,
             )
         return self._checkpointer
@@ -345,7 +342,7 @@ class SaveSession:
         _atexit.untrack(self)
         if inflight is not None and failed:
             self.recorder.failed(inflight.step)
-            if self._per_host or (self._primary and jax.process_count() == 1):
+            if self._commits.abandons(primary=self._primary):
                 with contextlib.suppress(Exception):  # leftovers are collected anyway
                     removed = self._protocol.abandon(inflight.loc)  # kept if committed here
                     # A failed save is never promoted; on several hosts also when this

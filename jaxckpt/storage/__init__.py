@@ -10,10 +10,12 @@ anything is sent or written.
 Modules, bottom up: ``_base`` (the interface, :class:`PreconditionFailed`),
 ``_buffers`` (aligned buffers, ``pread``), ``_uri`` (root names), ``_options``
 (:class:`ObjectStoreOptions`), ``_retry`` (deadline-bounded full-jitter
-retries), ``_local`` (POSIX roots), ``_http`` (direct ranged GETs), ``_ranged``
-(reads under a memory budget), ``_object`` (the object-store base), ``_s3`` and
-``_gcs`` (one class per cloud). Nothing here imports jaxckpt beyond this package, ``jaxckpt.errors``
-and ``jaxckpt._pools``.
+retries), ``_local`` (POSIX roots), ``_http`` (direct ranged GETs) and
+``_cloudreads`` (their addressing and signing per cloud), ``_ranged`` (reads under
+a memory budget), the object-store base in three layers (``_objrequests``: kvstore,
+names, errors, retries; ``_objcreate``: create-only writes; ``_object``: the
+``Storage`` operations), ``_s3`` and ``_gcs`` (one class per cloud). Nothing here
+imports jaxckpt beyond this package, ``jaxckpt.errors`` and ``jaxckpt._pools``.
 
 >>> import tempfile
 >>> storage = open_storage(tempfile.mkdtemp())

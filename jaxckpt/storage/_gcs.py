@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import tensorstore as ts
 
-from jaxckpt.storage._http import DirectReader, gcs_reader
+from jaxckpt.storage._cloudreads import gcs_reader
+from jaxckpt.storage._http import DirectReader
 from jaxckpt.storage._object import ObjectStorage
 from jaxckpt.storage._options import ObjectStoreOptions
 from jaxckpt.storage._tsenv import quiet_gcs_auth, resolve_gcs_endpoint

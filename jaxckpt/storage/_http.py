@@ -9,12 +9,8 @@ array buffer it becomes: no response copy, and memory no larger than the
 arrays, so every reader thread keeps a request in flight.
 
 Only GETs of byte ranges go this way; writes, listings, markers and manifests
-stay on TensorStore. Requests are signed with the well-kept client libraries
-of each cloud: botocore's credential chain and SigV4 signer for S3
-(``jaxckpt[s3]``), google-auth's application-default credentials for GCS
-(``jaxckpt[gcs]``). Without them, or with an HTTP proxy in the environment
-(which TensorStore's libcurl honours and this reader does not), restores read
-through TensorStore.
+stay on TensorStore. Each cloud's addressing and request signing live in
+:mod:`jaxckpt.storage._cloudreads`, which builds a :class:`DirectReader` per bucket.
 
 A read that is throttled (``429``, ``503 SlowDown``) or fails transiently (other
 5xx, a timeout, a dropped connection, a body cut short) is retried
@@ -31,13 +27,10 @@ TensorStore.
 
 from __future__ import annotations
 
-import datetime
 import email.utils
 import http.client
-import json
 import logging
 import os
-import re
 import ssl
 import threading
 import time
@@ -50,9 +43,6 @@ from jaxckpt.storage._retry import RETRY_HTTP_STATUSES, Backoff, elapsed_note
 
 _log = logging.getLogger(__name__)
 
-_GCS_READ_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
-_GCS_PUBLIC = "https://storage.googleapis.com"
-_DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 FAILURES_BEFORE_OFF = 3
 """Consecutive failed direct reads (not counting throttling and transient failures, which
 are retried here) after which a reader leaves every read to TensorStore."""
@@ -347,139 +337,3 @@ def _check_status(response: http.client.HTTPResponse) -> None:
 
 def _describe(error: BaseException) -> str:
     return str(error) if isinstance(error, DirectReadError) else f"{type(error).__name__}: {error}"
-
-
-def _once(resolve: Callable[[], Any]) -> Callable[[], Any]:
-    """``resolve()``, called on the first use only (credentials: None means anonymous)."""
-    lock = threading.Lock()
-    value: list[Any] = []
-
-    def get() -> Any:
-        with lock:
-            if not value:
-                value.append(resolve())
-            return value[0]
-
-    return get
-
-
-def _proxied(url: str) -> bool:
-    """Whether the environment sends requests to ``url`` through a proxy."""
-    parts = urllib.parse.urlsplit(url)
-    proxies = urllib.request.getproxies()
-    if parts.scheme not in proxies:
-        return False
-    return not urllib.request.proxy_bypass(parts.netloc)
-
-
-def s3_reader(
-    bucket: str,
-    region: str,
-    endpoint: str | None,
-    timeout_s: float | None,
-    backoff: Backoff | None = None,
-) -> DirectReader | None:
-    """A reader of an S3 bucket, or None (botocore missing, or a proxy in the way).
-
-    Requests are signed with SigV4 by botocore, with credentials from its
-    default chain (environment, shared files, SSO, web identity, instance
-    metadata), resolved on the first read; without credentials they are
-    anonymous. A custom ``endpoint`` is addressed path-style
-    (``endpoint/bucket/key``), as TensorStore does; AWS virtual-hosted style
-    when the bucket name allows it.
-    """
-    try:
-        import botocore.auth
-        import botocore.awsrequest
-        import botocore.session
-    except ImportError:
-        _log.debug("botocore is not installed: s3:// restores read through TensorStore")
-        return None
-    if endpoint:
-        base, prefix = endpoint.rstrip("/"), f"/{bucket}/"
-    elif _DNS_BUCKET.match(bucket):
-        base, prefix = f"https://{bucket}.s3.{region}.amazonaws.com", "/"
-    else:
-        base, prefix = f"https://s3.{region}.amazonaws.com", f"/{bucket}/"
-    if _proxied(base):
-        return None
-    resolved = _once(lambda: botocore.session.get_session().get_credentials())
-
-    def authorize(url: str, headers: dict[str, str]) -> None:
-        credentials = resolved()
-        if credentials is None:
-            return
-        request = botocore.awsrequest.AWSRequest("GET", url, headers=headers)
-        frozen = credentials.get_frozen_credentials()
-        botocore.auth.S3SigV4Auth(frozen, "s3", region).add_auth(request)
-        headers.update(request.headers.items())
-
-    def object_path(name: str) -> str:
-        return prefix + urllib.parse.quote(name, safe="/~")
-
-    def stamps(response: http.client.HTTPResponse, body: bytes) -> float | None:
-        modified = response.getheader("Last-Modified")
-        return email.utils.parsedate_to_datetime(modified).timestamp() if modified else None
-
-    stat = (object_path, stamps)
-    return DirectReader(base, object_path, authorize, timeout_s, stat, backoff)
-
-
-def gcs_reader(
-    bucket: str, endpoint: str | None, timeout_s: float | None, backoff: Backoff | None = None
-) -> DirectReader | None:
-    """A reader of a GCS bucket (JSON API media downloads), or None.
-
-    Over HTTPS, requests carry google-auth's application-default credentials
-    (read-only scope), resolved on the first read and refreshed on demand;
-    without credentials they are anonymous, as TensorStore's are. Over plain
-    HTTP (an emulator, e.g. ``STORAGE_EMULATOR_HOST``) they are anonymous: a
-    bearer token is never sent unencrypted. None if google-auth (or its
-    ``requests`` transport) is missing for an HTTPS endpoint, or a proxy is in
-    the way.
-    """
-    base = (endpoint or _GCS_PUBLIC).rstrip("/")
-    if _proxied(base):
-        return None
-    quoted_bucket = urllib.parse.quote(bucket, safe="")
-
-    def metadata_path(name: str) -> str:
-        return f"/storage/v1/b/{quoted_bucket}/o/{urllib.parse.quote(name, safe='')}"
-
-    def object_path(name: str) -> str:
-        return metadata_path(name) + "?alt=media"
-
-    def stamps(response: http.client.HTTPResponse, body: bytes) -> float | None:
-        updated = json.loads(body).get("updated")
-        return datetime.datetime.fromisoformat(updated).timestamp() if updated else None
-
-    stat = (metadata_path, stamps)
-    if base.startswith("http://"):
-        return DirectReader(base, object_path, None, timeout_s, stat, backoff)
-    try:
-        import google.auth
-        import google.auth.exceptions
-        import google.auth.transport.requests
-    except ImportError:
-        _log.debug("google-auth is not installed: gs:// restores read through TensorStore")
-        return None
-
-    def application_default() -> Any:
-        try:
-            return google.auth.default(scopes=[_GCS_READ_SCOPE])[0]
-        except google.auth.exceptions.DefaultCredentialsError:
-            return None
-
-    resolved = _once(application_default)
-    refreshing = threading.Lock()  # one refresh at a time; apply reads the fresh token
-
-    def authorize(url: str, headers: dict[str, str]) -> None:
-        credentials = resolved()
-        if credentials is None:
-            return
-        with refreshing:
-            if not credentials.valid:
-                credentials.refresh(google.auth.transport.requests.Request())
-            credentials.apply(headers)
-
-    return DirectReader(base, object_path, authorize, timeout_s, stat, backoff)

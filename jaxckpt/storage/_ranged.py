@@ -69,7 +69,7 @@ class _Again(Exception):
 
 Call = Callable[[str, str, Callable[[], Any]], Any]
 """``call(action, name, start)``: the result of the request ``start`` sends, retried with
-backoff while it fails transiently (``ObjectStorage._call``)."""
+backoff while it fails transiently (``ObjectRequests._call``)."""
 
 
 def part_ranges(size: int, part_bytes: int) -> list[tuple[int, int]]:

@@ -17,17 +17,22 @@ credentials (:mod:`jaxckpt.storage._s3create`); direct reads are signed by it.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
-from jaxckpt.storage._http import DirectReader, s3_reader
+from jaxckpt.storage._cloudreads import s3_reader
+from jaxckpt.storage._http import DirectReader
 from jaxckpt.storage._object import ObjectStorage
 from jaxckpt.storage._options import ObjectStoreOptions
-from jaxckpt.storage._s3create import S3Creates, s3_creates
+from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
 from jaxckpt.storage._tsenv import aws_credentials
 from jaxckpt.storage._uri import RootURI
 
 __all__ = ["S3Storage"]
+
+_log = logging.getLogger(__name__)
 
 _CREATE_TIMEOUT_S = 300.0
 """botocore's connect and read timeout of a create-only PUT when ``timeout_s`` is None."""
@@ -68,3 +73,45 @@ class S3Storage(ObjectStorage):
 
     def _credentials(self) -> dict[str, Any]:
         return aws_credentials()
+
+    # -- botocore's create-only PUTs and batch deletes ------------------------
+
+    def _create_once(self, name: str, data: bytes) -> bool:
+        """One ``PutObject`` with ``If-None-Match: *`` (decided atomically by the store)
+        through botocore; through TensorStore without botocore or credentials, or once
+        the store refused the header."""
+        creates = self._s3_creates
+        if creates is not None:
+            try:
+                outcome = creates.create(name, data)
+            except Exception as e:  # botocore's errors, named after the key
+                if not refuses_condition(e):
+                    raise self._error("write", name, e) from e
+                _log.warning(
+                    "%s refuses If-None-Match writes (%s); create-only writes go through "
+                    "TensorStore from now on",
+                    self._endpoint or "S3",
+                    e,
+                )
+                self._s3_creates = None
+            else:
+                created = outcome == CREATED
+                self._bucket_checked = self._bucket_checked or created
+                return created
+        return super()._create_once(name, data)
+
+    def _delete_names(self, names: Sequence[str]) -> None:
+        """``DeleteObjects`` requests of up to 1,000 keys through botocore; one request
+        per key without it, or once the store refused the batch."""
+        creates = self._s3_creates
+        if names and creates is not None:
+            try:
+                creates.delete(names)
+                return
+            except Exception as e:  # botocore's errors, and the keys S3 refused
+                if not refuses_condition(e):
+                    raise self._error("delete", getattr(e, "key", names[0]), e) from e
+                _log.warning(
+                    "%s refuses DeleteObjects (%s); deleting one by one", self._endpoint, e
+                )
+        super()._delete_names(names)

@@ -23,9 +23,11 @@ placement (:mod:`jaxckpt.tiers._placement`). It does two things:
   index, the next holder tried when a copy is corrupt) and commits it again on
   its own local root; holders that lost their replica get it again. When some
   process finds no intact copy of its part, every process goes on to the next
-  newest complete step (:func:`fallback` says which, and the log says it), so
-  one corrupt replica costs one step, not every local step. The restore
-  selection then finds the step on every process's local tier.
+  newest complete step (:func:`~jaxckpt.tiers._placement.fallback` says which,
+  and the log says it), so one corrupt replica costs one step, not every local
+  step. The restore selection then finds the step on every process's local
+  tier. Healing is :class:`~jaxckpt.tiers._heal.Healing`, the other half of
+  :class:`Peers`.
 
 It also keeps the replicas this process holds for others (``replicas/``):
 a step's go with the step (:meth:`Peers.delete`), and those of steps this
@@ -33,7 +35,7 @@ root no longer holds go with garbage collection (:meth:`Peers.collect`).
 
 :func:`open_replicas` decides, once, when the local tier is opened, whether
 it has a :class:`Peers` or :class:`NoReplicas` (which does nothing): the
-tier's ``peers``. ``_tier.join_tiers`` joins them to the job once the
+tier's ``peers``. ``_open.join_tiers`` joins them to the job once the
 epochs are taken; the save session replicates through them, the restore
 selection heals through them, and the session closes them with the manager.
 """
@@ -44,7 +46,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
@@ -54,23 +55,21 @@ from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._phases import reached
-from jaxckpt.errors import CheckpointError, CorruptCheckpointError, PeerError
+from jaxckpt.errors import CheckpointError, PeerError
 from jaxckpt.records._keys import (
     REPLICAS,
     StepLocation,
-    is_held_manifest_name,
     is_stale_temp_key,
     is_temp_key,
-    new_attempt,
     parse_replica_step,
-    replica_holdings,
     replica_index_key,
     replica_prefix,
 )
 from jaxckpt.records._step import FileDigest, ReplicaIndex
-from jaxckpt.tiers._placement import Held, Placement, fallback, heal_target, node_id, place
-from jaxckpt.tiers._promoter import PromotionRequest, request_promotion
-from jaxckpt.tiers._transport import PeerClient, PeerServer, connect, new_secret
+from jaxckpt.tiers._heal import Healing
+from jaxckpt.tiers._peerclient import connect
+from jaxckpt.tiers._placement import Placement, node_id, place
+from jaxckpt.tiers._transport import PeerServer, new_secret
 
 if TYPE_CHECKING:
     from jaxckpt.tiers._tier import Tier
@@ -151,7 +150,7 @@ def open_replicas(local: Tier, options: CheckpointOptions) -> Replicas:
     return NoReplicas()
 
 
-class Peers:
+class Peers(Healing):
     """This process's side of the peer-replicated local tier.
 
     Opened with its tier, it keeps the replicas held there (:meth:`collect`,
@@ -324,163 +323,6 @@ class Peers:
                 f"failed: {e}"
             ) from e
         return sum(d.size for d in files.values())
-
-    # -- healing -----------------------------------------------------------------
-
-    def held(self) -> list[Held]:
-        """The complete replicas this process holds (listed; their indexes are read on use)."""
-        return replica_holdings(self._local.storage.list(REPLICAS))
-
-    def heal(self, step: int | None) -> None:
-        """Brings the newest step complete in the union of the local tiers (or ``step``)
-        back onto every process's own local root (collective; see the module docstring).
-
-        When a process finds no intact copy of its part of that step, every process
-        goes on to the next newest complete step (never older than the newest durable
-        one); the log says which step the restore gets instead.
-        """
-        own = self._local.visible()
-        held = self.held()
-        gathered = self._agreement.gather("peer-coverage", [own, held])
-        marker = self._durable.latest() if self.me == self._agreement.primary else None
-        durable = self._agreement.agree("peer-durable", None if marker is None else marker.step)
-        reports = [(list(o), [(int(s), int(p), str(a)) for s, p, a in hs]) for o, hs in gathered]
-        target = heal_target(reports, step, durable)
-        while target is not None:
-            fetched = True
-            if target not in own:
-                sources = [
-                    (p, attempt)
-                    for p, (_, hs) in enumerate(reports)
-                    for s, source, attempt in hs
-                    if s == target and source == self.me
-                ]
-                try:
-                    fetched = self._fetch(target, sources)
-                except CheckpointError as e:  # this process's own root failed: said, agreed
-                    log.warning(
-                        "step %d: fetching process %d's part failed: %s", target, self.me, e
-                    )
-                    fetched = False
-            outcomes = self._agreement.gather(f"peer-healed-{target}", fetched)
-            failed = [p for p, ok in enumerate(outcomes) if not ok]
-            if not failed:
-                self._replenish(target, reports)
-                return
-            nxt, instead = fallback(reports, target, durable, asked=step is not None)
-            log.warning(
-                "step %d cannot be healed: no peer holds an intact copy of the part of "
-                "process%s %s; %s",
-                target,
-                "es" if len(failed) > 1 else "",
-                ", ".join(map(str, failed)),
-                instead,
-            )
-            target = nxt
-
-    def _fetch(self, step: int, sources: Sequence[tuple[int, str]]) -> bool:
-        """Fetches this process's part of ``step`` from the first holder with an intact
-        copy and commits it on the own local root; False (logged) if none has one."""
-        protocol = self._local.protocol
-        for holder, attempt in sources:
-            loc = StepLocation(step, new_attempt(protocol.write_epoch()))
-            try:
-                with self._connect(holder) as peer:
-                    index = self._copy_in(peer, step, attempt, loc)
-                extra = [n for n in index.files if is_held_manifest_name(n)]
-                self._request_again(index)
-                protocol.commit(
-                    loc,
-                    num_processes=index.num_processes,
-                    metrics=index.metrics,
-                    keep=index.keep,
-                    processes=[self.me],
-                    extra=extra,
-                )
-            except (PeerError, CorruptCheckpointError) as e:
-                log.warning(
-                    "the replica of step %d of process %d on %s is unusable (%s); "
-                    "trying the next copy",
-                    step,
-                    self.me,
-                    self._where(holder),
-                    e,
-                )
-                protocol.abandon(loc)
-                continue
-            log.info(
-                "step %d: fetched this process's part from %s and committed it on %s",
-                step,
-                self._where(holder),
-                self._local.uri,
-            )
-            return True
-        log.warning("step %d: no peer holds an intact copy of process %d's part", step, self.me)
-        return False
-
-    def _request_again(self, index: ReplicaIndex) -> None:
-        """A step chosen for promotion and not durable yet is requested again (before its
-        local marker, as a save does), taken over by this job's durable epoch: this
-        process's promoter uploads the part it fetched, once."""
-        epoch = self._durable.protocol.epoch
-        if index.promote is None or epoch is None or self._durable.holds(index.step):
-            return
-        where = f"replica index of step {index.step}"
-        request = PromotionRequest.from_bytes(index.promote.encode(), where)
-        request_promotion(self._local.protocol, request.restamped(epoch, time.time()))
-
-    def _copy_in(
-        self, peer: PeerClient, step: int, attempt: str, loc: StepLocation
-    ) -> ReplicaIndex:
-        key = replica_index_key(step, self.me, attempt)
-        raw = peer.get(key)
-        if raw is None:
-            raise CorruptCheckpointError(f"{peer.peer}: {key} is missing")
-        index = ReplicaIndex.from_bytes(raw, f"{peer.peer}: {key}")
-        if (index.step, index.process, index.attempt) != (step, self.me, attempt):
-            raise CorruptCheckpointError(f"{peer.peer}: {key} names another part")
-        if index.num_processes != jax.process_count():  # another topology: the durable root
-            raise CorruptCheckpointError(
-                f"step {step} was saved by {index.num_processes} processes, not "
-                f"{jax.process_count()}; its replicas do not fit this job"
-            )
-        self._local.protocol.begin_save(loc)
-        base = f"{replica_prefix(step, self.me)}{attempt}/"
-        for name, digest in sorted(index.files.items()):
-            data = peer.get(base + name)
-            if data is None or FileDigest.of(data) != digest:
-                what = "is missing" if data is None else "does not match its checksum"
-                raise CorruptCheckpointError(f"step {step}: {peer.peer}: {base}{name} {what}")
-            self._local.storage.write(loc.key(name), data)
-        return index
-
-    def _replenish(self, step: int, reports: Sequence[Any]) -> None:
-        """Sends this process's part of ``step`` again to holders that lost it."""
-        if not self._local.holds(step):
-            return
-        have = {
-            p
-            for p, (_, hs) in enumerate(reports)
-            for s, src, _ in hs
-            if (s, src) == (step, self.me)
-        }
-        missing = [h for h in self.placement.holders(self.me) if h not in have]
-        if not missing:
-            return
-        marker = self._local.marker(step)
-        for holder in missing:
-            try:
-                self._push(holder, marker.location, dict(marker.metrics), marker.keep, None)
-                log.info(
-                    "step %d: replica of process %d sent again to %s",
-                    step,
-                    self.me,
-                    self._where(holder),
-                )
-            except (PeerError, CheckpointError) as e:
-                log.warning(
-                    "step %d: could not restore a replica on %s: %s", step, self._where(holder), e
-                )
 
 
 def bind_host(options: CheckpointOptions) -> str:

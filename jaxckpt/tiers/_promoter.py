@@ -19,7 +19,9 @@ leaves an attempt without a marker (never listed; garbage collection removes
 it) and the request, so the next pass starts the step again.
 
 Requests are promoted newest first; a newer request never cancels an older
-one. Imports no jax.
+one. The requests and the outcomes of a pass are records of their own
+(:mod:`jaxckpt.tiers._requests`); re-encoding durable steps into an archive root is
+:func:`~jaxckpt.tiers._archive.archive_once`. Imports no jax.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 from jaxckpt import policy
 from jaxckpt.commit._objects import list_attempt
@@ -42,164 +43,32 @@ from jaxckpt.errors import (
 )
 from jaxckpt.records._keys import (
     PENDING,
-    PROMOTE,
     StepLocation,
     manifest_name,
-    parse_attempt,
-    parse_promote_key,
     promote_key,
 )
-from jaxckpt.records._step import CommitMarker, json_record, load_json_record
+from jaxckpt.records._step import CommitMarker
 from jaxckpt.tiers._backoff import Backoff
 from jaxckpt.tiers._keep import retention_decision
+from jaxckpt.tiers._requests import ALREADY_DURABLE as ALREADY_DURABLE
+from jaxckpt.tiers._requests import ARCHIVED as ARCHIVED
+from jaxckpt.tiers._requests import FAILED as FAILED
+from jaxckpt.tiers._requests import FENCED as FENCED
+from jaxckpt.tiers._requests import GONE as GONE
+from jaxckpt.tiers._requests import PROMOTED as PROMOTED
+from jaxckpt.tiers._requests import UPLOADED as UPLOADED
+from jaxckpt.tiers._requests import WAITING as WAITING
+from jaxckpt.tiers._requests import PromotionRequest as PromotionRequest
+from jaxckpt.tiers._requests import PromotionResult as PromotionResult
+from jaxckpt.tiers._requests import read_requests as read_requests
+from jaxckpt.tiers._requests import request_promotion as request_promotion
+from jaxckpt.tiers._requests import withdraw as withdraw
 
 log = logging.getLogger("jaxckpt")
 
-PROMOTED = "promoted"
-ALREADY_DURABLE = "already durable"
-GONE = "not committed locally"
-WAITING = "local save under way"
-UPLOADED = "part uploaded"
-FENCED = "fenced"
-FAILED = "failed"
-ARCHIVED = "archived"
 RETRY_BACKOFF_S = (1.0, 60.0)
 """The wait before retrying a step whose promotion failed: the first, and the longest (it
 doubles with each failure in a row, with jitter; see ``_backoff``)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PromotionRequest:
-    """A local tier's request to make ``step`` durable (``promote/<step>.json``).
-
-    Written by the trainer *before* the step's local commit marker, so a
-    trainer killed right after its local commit still leaves the request; a
-    request whose step has no local marker waits while the local save is
-    under way and is dropped once nothing of it is left.
-
-    Attributes:
-      step: the step committed on the local tier.
-      epoch: the durable root's writer epoch of the job that asked; the copy is
-        committed in that epoch.
-      requested: wall-clock time the request was written.
-      saved: wall-clock time the save of the step started (for time-to-durable).
-      attempt: multi-host: the durable attempt every host uploads its part
-        into (agreed at the save); None: a fresh attempt at promotion time.
-      process: multi-host: the process whose local tier this is (its manifest part).
-      processes: how many processes saved the step (1: single-host).
-      primary: the process whose promoter writes the tree record and commits.
-    """
-
-    step: int
-    epoch: int
-    requested: float
-    saved: float | None = None
-    attempt: str | None = None
-    process: int = 0
-    processes: int = 1
-    primary: int = 0
-
-    def to_bytes(self) -> bytes:
-        fields: dict[str, object] = {
-            "step": self.step,
-            "epoch": self.epoch,
-            "requested": self.requested,
-            "saved": self.saved,
-        }
-        if self.processes > 1:
-            fields.update(
-                attempt=self.attempt,
-                process=self.process,
-                processes=self.processes,
-                primary=self.primary,
-            )
-        return json_record(**fields)
-
-    def restamped(self, epoch: int, now: float) -> PromotionRequest:
-        """This request taken over by the job of ``epoch``; its attempt id is derived
-        from the old one (the same on every host, without talking to them)."""
-        attempt = self.attempt
-        if attempt is not None:
-            attempt = f"e{epoch}-" + attempt.split("-", 1)[1]
-        return replace(self, epoch=epoch, requested=now, attempt=attempt)
-
-    @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> PromotionRequest:
-        obj = load_json_record(data, where)
-        try:
-            saved = obj.get("saved")
-            attempt = obj.get("attempt")
-            request = cls(
-                step=int(obj["step"]),
-                epoch=int(obj["epoch"]),
-                requested=float(obj["requested"]),
-                saved=None if saved is None else float(saved),
-                attempt=None if attempt is None else str(attempt),
-                process=int(obj.get("process", 0)),
-                processes=int(obj.get("processes", 1)),
-                primary=int(obj.get("primary", 0)),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"invalid promotion request {where}: {e}") from e
-        if request.processes > 1 and (
-            request.attempt is None or parse_attempt(request.attempt) is None
-        ):
-            raise CorruptCheckpointError(f"invalid promotion request {where}: no valid attempt")
-        return request
-
-
-@dataclass(frozen=True, kw_only=True)
-class PromotionResult:
-    """What one pass did with one requested step.
-
-    Attributes:
-      step: the step.
-      outcome: ``promoted``, ``already durable``, ``not committed locally``
-        (the request is dropped), ``local save under way`` (kept), ``part
-        uploaded`` (multi-host, not the primary: the primary's promoter
-        commits), ``fenced`` (the job's epoch was fenced: nothing written),
-        ``failed``, or ``archived`` (:func:`archive_once`).
-      nbytes: chunk bytes copied.
-      seconds: time spent on the step.
-      durable_time: wall-clock time of the durable commit (``promoted`` only).
-      request: the request that asked for it.
-      error: why it failed or was fenced.
-    """
-
-    step: int
-    outcome: str
-    nbytes: int = 0
-    seconds: float = 0.0
-    durable_time: float | None = None
-    request: PromotionRequest | None = None
-    error: str | None = None
-
-
-def request_promotion(local: CommitProtocol, request: PromotionRequest) -> None:
-    """Writes (or re-stamps) the promotion request of ``request.step`` into the local root."""
-    local.storage.write(promote_key(request.step), request.to_bytes())
-
-
-def read_requests(local: CommitProtocol) -> dict[int, PromotionRequest]:
-    """Every readable promotion request of a local root, by step (an invalid one is logged)."""
-    requests: dict[int, PromotionRequest] = {}
-    for key in local.storage.list(PROMOTE):
-        step = parse_promote_key(key)
-        if step is None:
-            continue
-        data = local.storage.read(key)
-        if data is None:
-            continue  # removed since the listing: promoted meanwhile
-        try:
-            requests[step] = PromotionRequest.from_bytes(data, local.where(key))
-        except CheckpointError as e:
-            log.warning("%s", e)
-    return dict(sorted(requests.items()))
-
-
-def withdraw(local: CommitProtocol, step: int) -> None:
-    """Removes the promotion request of ``step`` (done, or can never succeed)."""
-    local.storage.delete(promote_key(step))
 
 
 class Promoter:
@@ -505,53 +374,3 @@ class Promoter:
                 wake.wait(timeout)
             else:
                 stop.wait(timeout)
-
-
-def archive_once(
-    durable: CommitProtocol,
-    archive: CommitProtocol,
-    *,
-    older_than_s: float,
-    select: policy.RetentionPolicy | None = None,
-    level: int = 3,
-    now: float | None = None,
-) -> list[PromotionResult]:
-    """Re-encodes chosen durable steps with zstd into an archive root (``cp --compress``).
-
-    A durable step is archived when it was committed more than ``older_than_s``
-    seconds ago, ``select`` keeps it (e.g. ``KeepMilestones()``; None: every
-    step) and the archive does not hold it yet. The archive is written as an
-    operator (no epoch of its own), each step committed with the usual marker.
-    """
-    from jaxckpt.tools._copy import copy_step
-
-    now = time.time() if now is None else now
-    committed = durable.committed()
-    chosen = set(committed)
-    if select is not None:
-        infos = [
-            policy.StepInfo(step=s, metrics=dict(m.metrics) or None, pinned=m.keep)
-            for s, m in committed.items()
-        ]
-        chosen = set(select.keep(infos)) | {s for s, m in committed.items() if m.keep}
-    archived = archive.visible_refs()
-    results = []
-    for step in sorted(chosen - set(archived)):
-        marker = committed[step]
-        if now - marker.time < older_than_s:
-            continue
-        start = time.monotonic()
-        try:
-            nbytes = copy_step(durable, archive, marker, compress="zstd", level=level)
-        except StepAlreadyExistsError:
-            continue
-        except (CheckpointError, OSError) as e:
-            log.error("archiving step %d to %s failed: %s", step, archive.where(), e)
-            results.append(PromotionResult(step=step, outcome=FAILED, error=str(e)))
-            continue
-        seconds = time.monotonic() - start
-        log.info(
-            "archived step %d to %s: %d bytes in %.2fs", step, archive.where(), nbytes, seconds
-        )
-        results.append(PromotionResult(step=step, outcome=ARCHIVED, nbytes=nbytes, seconds=seconds))
-    return results

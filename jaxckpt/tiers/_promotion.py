@@ -35,11 +35,11 @@ from jaxckpt.errors import (
 from jaxckpt.records._keys import new_attempt
 from jaxckpt.records._step import CommitMarker
 from jaxckpt.saving._telemetry import SaveRecorder
-from jaxckpt.tiers._promoter import (
+from jaxckpt.tiers._promoter import Promoter
+from jaxckpt.tiers._requests import (
     FAILED,
     FENCED,
     PROMOTED,
-    Promoter,
     PromotionRequest,
     PromotionResult,
     read_requests,

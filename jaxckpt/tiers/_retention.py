@@ -113,7 +113,7 @@ class Retention:
         """Deletes, in every tier this process prunes, what its rule does not keep."""
         try:
             for tier in self._tiers:
-                if tier.retention is None or not (tier.own or self._primary):
+                if tier.retention is None or not tier.prunes(primary=self._primary):
                     continue
                 for step in self.decision(tier).delete:
                     log.info("retention: deleting step %d under %s", step, tier.uri)

@@ -6,56 +6,56 @@ applies there. A plain manager holds one tier (``"durable"``, the job's shared
 root); a tiered manager holds two, nearest first: ``"local"`` (each host's own
 root) and ``"durable"``. Everything else (the save session, the restore
 selection, retention, promotion) works on tiers and never builds this bundle
-itself; :func:`open_tier` is the one place that does.
+itself; :func:`~jaxckpt.tiers._open.open_tier` is the one place that does.
 
-A tier is one of two kinds (:data:`KINDS`), chosen once when it is opened: an
-:class:`OwnTier` (each host is the only writer of its own root and lists it
-itself; its copies on other nodes are its ``peers``) or a :class:`SharedTier`
-(one root for the whole job: the primary takes its epoch and lists it for
-everyone). Both answer the :class:`Tier` Protocol; a new kind is one more class
-here and its entry in :data:`KINDS`.
+A tier is one of two kinds (:data:`~jaxckpt.tiers._open.KINDS`), chosen once when it
+is opened, each a class of :mod:`jaxckpt.tiers._kinds`: an ``OwnTier`` (each host is
+the only writer of its own root and lists it itself; its copies on other nodes are its
+``peers``) or a ``SharedTier`` (one root for the whole job: the primary takes its
+epoch and lists it for everyone). Both answer the :class:`Tier` Protocol, and what
+differs between them is behaviour of the kind (who takes the epoch, who prunes, which
+steps a host may read, which checks a root must pass, where a save commits), not a
+branch on the kind; a new kind is one more class there and its entry in ``KINDS``.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import ClassVar, Protocol
 
-import jax
 import tensorstore as ts
 
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit import _gc
 from jaxckpt.commit._agree import Agreement
-from jaxckpt.commit._fence import EpochReader
 from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.errors import CheckpointError, LocalRootInUseError, NotACheckpointRootError
 from jaxckpt.formats._tsio import ArrayWriter
-from jaxckpt.records import _owner
-from jaxckpt.records._keys import COMMITS, ROOT_RECORD, MarkerRef
+from jaxckpt.records._keys import MarkerRef
 from jaxckpt.records._step import CommitMarker
 from jaxckpt.restoring._stepreader import StepReader
-from jaxckpt.storage import Storage, open_storage, tensorstore_backed
-from jaxckpt.tiers._peers import NoReplicas, Replicas, open_replicas
+from jaxckpt.storage import Storage
+from jaxckpt.tiers._commitpoint import CommitPoint
+from jaxckpt.tiers._kinds import SharedTier
+from jaxckpt.tiers._peers import Replicas
 
-log = logging.getLogger("jaxckpt")
+Listed = Callable[["Tier"], dict[int, MarkerRef]]
+"""A tier's visible steps with their marker keys (a listing, or each tier's newest marker)."""
 
 
 class Tier(Protocol):
     """One root and its storage → protocol → context → writer → reader bundle.
 
     What both kinds do alike is documented on ``_Root``; what differs, on
-    :class:`OwnTier` and :class:`SharedTier`.
+    :class:`~jaxckpt.tiers._kinds.OwnTier` and :class:`~jaxckpt.tiers._kinds.SharedTier`
+    (:mod:`jaxckpt.tiers._kinds`).
     """
 
     name: ClassVar[str]
     """``"local"`` or ``"durable"``: the kind's name, in logs and agreement keys."""
     own: ClassVar[bool]
     """Each host writes and lists a root of its own (else the primary does, for the job)."""
+    commit_point: ClassVar[CommitPoint]
+    """Where a save of this tier commits: on every host, or once for the job."""
     storage: Storage
     protocol: CommitProtocol
     context: ts.Context
@@ -76,6 +76,9 @@ class Tier(Protocol):
     def holds(self, step: int) -> bool: ...
     def everywhere(self, agreement: Agreement, steps: Iterable[int]) -> set[int]: ...
     def newest(self, agreement: Agreement, *, primary: bool) -> int | None: ...
+    def readable(
+        self, agreement: Agreement, listed: Listed, *, primary: bool
+    ) -> tuple[dict[int, MarkerRef | None], set[int]]: ...
     def ensure(self, *, create: bool) -> None: ...
     def open_read_only(self, serves: str) -> None: ...
     def refusal(self, durable: str) -> str | None: ...
@@ -88,367 +91,14 @@ class Tier(Protocol):
         serves: str | None = None,
     ) -> int: ...
     def revive(self, serves: str | None) -> bool: ...
+    def check_served(self, agreement: Agreement, durable: str) -> None: ...
+    def check_alone(self, agreement: Agreement) -> None: ...
+    def prunes(self, *, primary: bool) -> bool: ...
     def collect(self, grace_s: float, commit_keys: list[str] | None = None) -> None: ...
     def garbage_collect(self, grace_s: float, *, force: bool = False) -> list[int]: ...
     def delete(self, step: int) -> None: ...
 
 
-class _Root:
-    """What both kinds share: the bundle, reading, garbage collection and deletion.
-
-    Args:
-      storage: the opened root.
-      options: the manager's options (in-flight bytes, objects in flight).
-    """
-
-    name: ClassVar[str]
-    own: ClassVar[bool]
-    retention: policy.RetentionPolicy | None
-    peers: Replicas
-
-    def __init__(self, storage: Storage, options: CheckpointOptions) -> None:
-        self.storage = storage
-        self.protocol = CommitProtocol(storage)
-        self.context = ts.Context(tensorstore_backed(storage).context_spec())
-        self.arrays = ArrayWriter(
-            storage, self.context, max_inflight_bytes=options.max_inflight_bytes
-        )
-        self.reader = StepReader(
-            self.protocol, self.arrays, self.context, reads_in_flight=options.objects_in_flight
-        )
-
-    def __repr__(self) -> str:
-        return f"Tier({self.name!r}, {self.uri!r})"
-
-    @property
-    def uri(self) -> str:
-        return self.storage.uri
-
-    # -- reading ---------------------------------------------------------------
-
-    def committed(self) -> dict[int, CommitMarker]:
-        """Every visible committed step with its validated marker (one GET per step)."""
-        return self.protocol.committed()
-
-    def visible(self) -> list[int]:
-        """Steps whose marker is visible, ascending (listings only, no marker read)."""
-        return sorted(self.protocol.visible_refs())
-
-    def refs(self) -> dict[int, MarkerRef]:
-        """Each visible step's marker key (listings only, no marker read)."""
-        return self.protocol.visible_refs()
-
-    def marker(self, step: int, ref: MarkerRef | None = None) -> CommitMarker:
-        """The marker of the committed ``step``: one GET when ``ref`` is from a listing
-        just taken (a marker gone since is a deleted step); else through a fresh listing.
-
-        Raises:
-          StepNotFoundError / UncommittedStepError / CorruptCheckpointError: no valid
-            committed ``step`` (see ``CommitProtocol.require_marker``).
-        """
-        return self.protocol.require_marker(step, ref)
-
-    def latest(self) -> CommitMarker | None:
-        """The newest valid marker (usually one marker GET; see ``CommitProtocol.latest``)."""
-        return self.protocol.latest()
-
-    def holds(self, step: int) -> bool:
-        """Whether ``step`` has a visible marker here (a listing, no marker read)."""
-        return step in self.protocol.visible_refs()
-
-    # -- writing ---------------------------------------------------------------
-
-    def ensure(self, *, create: bool) -> None:
-        """Checks (with ``create``: writes) the root record."""
-        self.protocol.ensure_root(create=create)
-
-    def _take(self, gc_grace_s: float | None, serves: str | None) -> int:
-        """Writes the root record (and the durable root it serves), takes a new epoch and,
-        with ``gc_grace_s``, collects garbage: this host's part of taking the epoch."""
-        self.ensure(create=True)
-        if serves is not None:
-            _owner.claim(self.storage, serves)
-        keys = self.storage.list(COMMITS)  # the one listing of commits/ an open takes
-        epoch = self.protocol.take_epoch(keys).epoch
-        if gc_grace_s is not None:
-            self.collect(gc_grace_s, keys)
-        return epoch
-
-    def collect(self, grace_s: float, commit_keys: list[str] | None = None) -> None:
-        """Removes fenced and stale attempts and replicas; a failure leaves them to the next writer.
-
-        Args:
-          commit_keys: a listing of ``commits/`` just taken (None: list it).
-        """
-        try:
-            found = _gc.scan(self.protocol, full=False, commit_keys=commit_keys)
-            _gc.collect(self.protocol, found, grace_s=grace_s)
-            self.peers.collect()
-        except CheckpointError as e:
-            log.warning("garbage collection on open of %s failed (retried later): %s", self.uri, e)
-
-    def garbage_collect(self, grace_s: float, *, force: bool = False) -> list[int]:
-        """Removes partial, orphaned and fenced attempts (a full scan) and stale replicas;
-        returns their steps.
-
-        Raises:
-          WriterFencedError: a newer writer took over the root.
-        """
-        self.protocol.check_fence("collect garbage")
-        temp_grace = min(grace_s, _gc.TEMP_GRACE_S)  # a shorter grace covers temp files too
-        found = _gc.scan(self.protocol, full=True, temp_grace_s=temp_grace)
-        removed = _gc.collect(self.protocol, found, grace_s=grace_s, force=force)
-        return sorted({loc.step for loc in removed} | set(self.peers.collect()))
-
-    def delete(self, step: int) -> None:
-        """Deletes a committed step here (marker first, fence-checked), with the
-        replicas of other processes' parts of it this tier holds."""
-        self.protocol.delete(step)
-        self.peers.delete(step)
-
-
-class OwnTier(_Root):
-    """A root of this host's own (``local_root``): every host writes, lists and
-    collects its own, and its parts may be replicated on other nodes (``peers``,
-    decided once here by :func:`~jaxckpt.tiers._peers.open_replicas`)."""
-
-    name = "local"
-    own = True
-
-    def __init__(self, storage: Storage, options: CheckpointOptions) -> None:
-        super().__init__(storage, options)
-        self.retention = options.local_retention
-        self.peers = open_replicas(self, options)
-
-    def everywhere(self, agreement: Agreement, steps: Iterable[int]) -> set[int]:
-        """Of ``steps`` (this host's), those every host has here (collective)."""
-        common = set(steps)
-        for other in agreement.gather(f"{self.name}-steps", sorted(common)):
-            common &= set(other)
-        return common
-
-    def newest(self, agreement: Agreement, *, primary: bool) -> int | None:
-        """The newest step restorable from this tier on every host (this host's answer;
-        one marker read on one process, every host's listing on several)."""
-        if jax.process_count() > 1:
-            return max(self.everywhere(agreement, self.committed()), default=None)
-        marker = self.latest()
-        return None if marker is None else marker.step
-
-    def open_read_only(self, serves: str) -> None:
-        """Checks the root record; a root not there is a cache to skip, said in the log."""
-        try:
-            self.ensure(create=False)
-        except NotACheckpointRootError:
-            log.warning(  # the durable root is the job's checkpoint; this is a cache
-                "local root %s has no steps (not created yet, or removed): reading %s only",
-                self.uri,
-                serves,
-            )
-
-    def refusal(self, durable: str) -> str | None:
-        """Why this root cannot serve the ``durable`` root (another job's), or None."""
-        return _owner.refusal(self.storage, durable)
-
-    def take_epoch(
-        self,
-        agreement: Agreement,
-        *,
-        primary: bool,
-        gc_grace_s: float | None,
-        serves: str | None = None,
-    ) -> int:
-        """Becomes this root's writer on this host (every host does, for its own root):
-        records (or checks) the durable root it ``serves`` first, and with ``gc_grace_s``
-        collects garbage after.
-
-        Raises:
-          LocalRootInUseError: ``serves`` is not the durable root this root serves.
-        """
-        self.protocol.epoch = epoch = self._take(gc_grace_s, serves)
-        return epoch
-
-    def revive(self, serves: str | None) -> bool:
-        """Recreates this root wiped under its running writer; True if it was.
-
-        A local root removed while the job trains (its root record gone) is
-        written again: the root record, the durable root it serves and a new
-        writer epoch (the old epoch record went with it). One read when intact.
-
-        Raises:
-          LocalRootInUseError: another job recreated it for its own durable root.
-        """
-        if self.storage.read(ROOT_RECORD) is not None:
-            return False
-        log.warning(
-            "local root %s was removed under this job (no %s): recreating it",
-            self.uri,
-            ROOT_RECORD,
-        )
-        self.ensure(create=True)
-        if serves is not None:
-            _owner.claim(self.storage, serves)
-        self.protocol.epochs = EpochReader(self.storage)  # the cached records went too
-        self.protocol.take_epoch()
-        return True
-
-
-class SharedTier(_Root):
-    """The job's one root (``root``): the primary writes its records and lists it for
-    every host; every host writes its parts in the primary's epoch."""
-
-    name = "durable"
-    own = False
-
-    def __init__(self, storage: Storage, options: CheckpointOptions) -> None:
-        super().__init__(storage, options)
-        self.retention = options.retention
-        self.peers = NoReplicas()
-
-    def everywhere(self, agreement: Agreement, steps: Iterable[int]) -> set[int]:
-        return set(steps)  # every host sees the same shared root
-
-    def newest(self, agreement: Agreement, *, primary: bool) -> int | None:
-        """The newest step restorable from this root (the primary's answer; one marker read)."""
-        marker = self.latest() if primary else None
-        return None if marker is None else marker.step
-
-    def open_read_only(self, serves: str) -> None:
-        """Checks the root record (raises NotACheckpointRootError if it is not there)."""
-        self.ensure(create=False)
-
-    def refusal(self, durable: str) -> str | None:
-        """None: a shared root serves no other root."""
-        return None
-
-    def take_epoch(
-        self,
-        agreement: Agreement,
-        *,
-        primary: bool,
-        gc_grace_s: float | None,
-        serves: str | None = None,
-    ) -> int:
-        """Becomes this root's writer: the primary takes the epoch (and with ``gc_grace_s``
-        collects garbage), which every host then writes in (collective; ``serves`` unused)."""
-        taken = self._take(gc_grace_s, None) if primary else None
-        self.protocol.epoch = epoch = agreement.agree(f"{self.name}-epoch", taken)
-        return epoch
-
-    def revive(self, serves: str | None) -> bool:
-        """False: a shared root wiped under its writer is an error, found by its fence."""
-        return False
-
-
-KINDS: dict[str, Callable[[Storage, CheckpointOptions], Tier]] = {
-    "local": OwnTier,
-    "durable": SharedTier,
-}
-"""The tier kinds by name, nearest first."""
-TIER_NAMES = tuple(KINDS)
-
-
-def open_tier(uri: str | os.PathLike[str], options: CheckpointOptions, name: str) -> Tier:
-    """Opens the root ``uri`` as the tier ``name`` (writes nothing).
-
-    Raises:
-      ValueError / CheckpointError: ``uri`` is not a root the storage layer accepts.
-    """
-    if name not in KINDS:
-        raise ValueError(f"tier name must be one of {TIER_NAMES}, got {name!r}")
-    root = os.fspath(uri)
-    return KINDS[name](open_storage(root, **options.storage_kwargs(root)), options)
-
-
 def reading_tier(storage: Storage) -> Tier:
     """``storage`` as a tier to read outside a manager (``open_step``, the CLI)."""
     return SharedTier(storage, CheckpointOptions())
-
-
-def open_tiers(root: str | os.PathLike[str], options: CheckpointOptions) -> tuple[Tier, ...]:
-    """The manager's tiers, nearest first: ``(durable,)``, or ``(local, durable)`` with
-    ``options.local_root``. Every root is opened (and so validated) before any is written.
-
-    Raises:
-      CheckpointError: ``local_root`` and ``root`` are the same root.
-    """
-    durable = open_tier(root, options, "durable")
-    if options.local_root is None:
-        return (durable,)
-    local = open_tier(options.local_root, options, "local")
-    if local.uri == durable.uri:
-        raise CheckpointError(f"local_root and root are the same root: {durable.uri}")
-    return (local, durable)
-
-
-def join_tiers(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointOptions) -> None:
-    """Opens ``tiers`` as the manager's ``options`` say (collective): read-only, each
-    root must exist; else each is written and its epoch taken, nearest first, and then
-    each joins its peers (an own tier with ``local_replicas > 1``).
-
-    Raises:
-      LocalRootInUseError / CheckpointError: see :func:`require_served` and
-        :func:`require_own_roots`; PlacementError: fewer nodes than ``local_replicas``.
-    """
-    durable = tiers[-1]
-    require_served(agreement, tiers, durable.uri)
-    if options.read_only:
-        for tier in tiers:
-            tier.open_read_only(durable.uri)
-        return
-    require_own_roots(agreement, tiers)
-    primary = jax.process_index() == options.primary_host
-    grace = options.gc_grace_s if options.gc_on_open else None
-    for tier in tiers:  # an own tier records (or checks) the durable root it serves
-        tier.take_epoch(agreement, primary=primary, gc_grace_s=grace, serves=durable.uri)
-    for tier in tiers:  # the local tier's peers connect (collective; see _peertier)
-        tier.peers.join(agreement, durable)
-
-
-def require_served(agreement: Agreement, tiers: Iterable[Tier], durable: str) -> None:
-    """Refuses an own tier that serves another durable root than ``durable`` (collective:
-    every host raises if any host's local root is another job's; reads one record each).
-
-    Raises:
-      LocalRootInUseError: a local root records another durable root.
-    """
-    own = [t for t in tiers if t.own]
-    reasons = [r for t in own if (r := t.refusal(durable))]
-    reason = reasons[0] if reasons else None
-    if jax.process_count() > 1 and own:  # no local tier: nothing to agree
-        reported = agreement.reports("local-served", reason)
-        reason = reported[min(reported)] if reported else None
-    if reason is not None:
-        raise LocalRootInUseError(reason)
-
-
-def require_own_roots(agreement: Agreement, tiers: Iterable[Tier]) -> None:
-    """Refuses an own tier that two processes of this job on one machine would share
-    (collective; nothing is written before it passes).
-
-    Every host is the only writer of its local root: two processes on one
-    machine given the same ``local_root`` (say, one process per GPU with
-    ``local_root="/mnt/nvme/run1"``) would fence each other's epochs there.
-    A path on storage that several machines mount is not detected.
-
-    Raises:
-      CheckpointError: two processes have the same host name and local root.
-    """
-    if jax.process_count() == 1:
-        return
-    for tier in tiers:
-        if not tier.own:
-            continue
-        uri = tier.uri
-        path = uri if "://" in uri else os.path.realpath(uri)
-        first: dict[tuple[str, str], int] = {}
-        for process, (host, where) in enumerate(
-            agreement.gather("local-roots", [socket.gethostname(), path])
-        ):
-            other = first.setdefault((host, where), process)
-            if other != process:
-                raise CheckpointError(
-                    f"local_root {where!r} on host {host}: processes {other} and {process} of "
-                    "this job share it; each process needs a local tier of its own, e.g. "
-                    f'local_root=f"{where}/{{jax.process_index()}}"'
-                )

@@ -1,4 +1,5 @@
-"""The peer transport: an authenticated TCP listener per process, and its client.
+"""The peer transport: an authenticated TCP listener per process (its client is
+:mod:`jaxckpt.tiers._peerclient`).
 
 Bulk bytes between the job's processes (replicas of local parts, fetches of
 them after a node is lost) go over TCP, never through the coordination
@@ -37,12 +38,12 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import suppress
 from typing import Any
 from uuid import uuid4
 
-from jaxckpt.errors import PeerAuthError, PeerError
+from jaxckpt.errors import PeerAuthError
 from jaxckpt.storage import LocalStorage, Storage
 from jaxckpt.storage._durable import fsync_dir, makedirs_durable
 from jaxckpt.tiers._wire import (
@@ -51,7 +52,6 @@ from jaxckpt.tiers._wire import (
     NONCE_BYTES,
     Closed,
     Session,
-    joined,
     proof,
     recv_exact,
 )
@@ -399,96 +399,3 @@ class _FileSink:
             self._fd = None
         with suppress(OSError):
             os.unlink(self.tmp)
-
-
-class PeerClient:
-    """One authenticated connection to a peer's :class:`PeerServer` (see :func:`connect`)."""
-
-    def __init__(self, sock: socket.socket, session: Session, peer: str, max_bytes: int) -> None:
-        self._sock = sock
-        self._session = session
-        self.peer = peer
-        self._max_bytes = max_bytes
-
-    def _call(self, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        what = f"{header['op']} {header['key']!r} on {self.peer}"
-        try:
-            self._session.send(self._sock, header, payload)
-            frame = self._session.recv(self._sock, self._max_bytes)
-            if frame is None:
-                raise Closed("the peer closed the connection")
-        except PeerError as e:
-            raise type(e)(f"{what}: {e}") from e
-        except TimeoutError as e:
-            raise PeerError(f"{what}: no answer within the timeout ({e})") from e
-        except OSError as e:
-            raise PeerError(f"{what} failed: {e}") from e
-        reply, pieces = frame
-        if "error" in reply:
-            raise PeerError(f"{what} refused: {reply['error']}")
-        return reply, joined(pieces) if pieces else b""
-
-    def put(self, key: str, data: bytes) -> None:
-        """Writes ``data`` as ``key`` on the peer (its MAC checked there)."""
-        self._call({"op": "put", "key": key}, data)
-
-    def get(self, key: str) -> bytes | None:
-        """The peer's ``key`` (its MAC checked here), or None if absent."""
-        reply, data = self._call({"op": "get", "key": key})
-        return data if reply.get("ok") else None
-
-    def list(self, prefix: str) -> list[str]:
-        """The peer's keys under ``prefix``."""
-        return [str(k) for k in self._call({"op": "list", "key": prefix})[0]["keys"]]
-
-    def delete_prefix(self, prefix: str) -> None:
-        """Deletes the peer's keys under ``prefix``."""
-        self._call({"op": "delete", "key": prefix})
-
-
-@contextmanager
-def connect(
-    address: str, secret: bytes, *, timeout_s: float, max_bytes: int = DEFAULT_MAX_BYTES
-) -> Iterator[PeerClient]:
-    """An authenticated connection to the :class:`PeerServer` at ``address`` (``host:port``).
-
-    Raises:
-      PeerAuthError: the peer refused our proof, or could not prove it knows the secret.
-      PeerError: it could not be reached, or did not answer within ``timeout_s``.
-    """
-    host, _, port = address.rpartition(":")
-    try:
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except OSError as e:
-        raise PeerError(f"cannot reach the peer at {address} within {timeout_s:g}s: {e}") from e
-    with sock:
-        session = _handshake(sock, address, secret, timeout_s)
-        sock.settimeout(timeout_s)
-        yield PeerClient(sock, session, address, max_bytes)
-
-
-def _handshake(sock: socket.socket, address: str, secret: bytes, timeout_s: float) -> Session:
-    deadline = time.monotonic() + timeout_s
-    try:
-        hello = recv_exact(sock, len(HELLO) + NONCE_BYTES, deadline=deadline)
-        if not hello.startswith(HELLO):
-            raise PeerAuthError(f"{address} is not a jaxckpt peer listener of this version")
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        server_nonce = hello[len(HELLO) :]
-        sock.sendall(nonce + proof(secret, b"client", server_nonce, nonce))
-        try:
-            their_proof = recv_exact(sock, DIGEST_BYTES, deadline=deadline)
-        except ConnectionError as e:
-            raise PeerAuthError(
-                f"the peer at {address} refused the connection: this process does not "
-                "hold the job's secret"
-            ) from e
-        if not hmac.compare_digest(their_proof, proof(secret, b"server", nonce, server_nonce)):
-            raise PeerAuthError(f"the peer at {address} does not know the job's secret")
-    except PeerError:
-        raise
-    except TimeoutError as e:
-        raise PeerError(f"the peer at {address} did not answer within {timeout_s:g}s") from e
-    except OSError as e:
-        raise PeerError(f"the connection to the peer at {address} failed: {e}") from e
-    return Session(secret, server_nonce, nonce, server=False)

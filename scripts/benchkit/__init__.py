@@ -9,4 +9,6 @@
 
 The other benchmarks, each a ``bench.py`` subcommand with ``main(argv)``:
 ``tiers``, ``packed``, ``replread``, ``listing``; ``suite`` is ``bench.py all``.
+Groups of real JAX processes (``scale_child`` each, run by ``group``): ``scale``,
+``storm`` (60 s of ``503 SlowDown``) and ``denied`` (one host's data answered 403).
 """

@@ -35,10 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
 import urllib.parse
 import uuid
 from collections import Counter
@@ -46,16 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from benchkit import servers
-from benchkit.common import REPO, _progress
+from benchkit.common import _progress
+from benchkit.group import run_group
 from benchkit.shaper import Exchange, ShaperProcess
 
-CHILD = Path(__file__).resolve().parent / "scale_child.py"
 KINDS = ("GET", "PUT", "LIST", "DELETE", "HEAD")
 REPORTED = {"open": ("open",), "save": ("save", "close"), "restore": ("restore", "close2")}
 """Reported phases and the child's phases each adds up: a save until its manager is closed
 (the pending record's delete runs in the background after the commit; closing the
 agreement waits for every process), a restore likewise."""
-TIMEOUT_S = 900.0
 
 
 def classify(exchange: Exchange) -> tuple[str, str, str]:
@@ -136,52 +132,6 @@ def tally(exchanges: list[Exchange], report: dict[str, Any]) -> dict[str, dict[s
     for e in phases.values():
         e["total_requests"] = sum(e["requests"].values())
     return phases
-
-
-def run_group(
-    n: int, root: str, endpoints: list[str], scratch: Path, *child_args: str
-) -> list[dict[str, Any]]:
-    """Runs the N children to the end; their ``SCALE`` reports, by process."""
-    port = servers.free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    logs = [scratch / f"child-{n}-{i}.log" for i in range(n)]
-    procs = []
-    for i in range(n):
-        with open(logs[i], "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(CHILD),
-                        f"--coordinator=127.0.0.1:{port}",
-                        f"--num-processes={n}",
-                        f"--process-id={i}",
-                        f"--root={root}",
-                        *child_args,
-                    ],
-                    stdout=subprocess.PIPE,
-                    stderr=log,
-                    env={**env, "AWS_ENDPOINT_URL_S3": endpoints[i]},
-                    text=True,
-                )
-            )
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    reports = []
-    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        lines = [x for x in out.splitlines() if x.startswith("SCALE ")]
-        if p.returncode != 0 or len(lines) != 1:
-            tail = logs[i].read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"N={n}: process {i} failed (rc={p.returncode}):\n{out}\n{tail}")
-        reports.append(json.loads(lines[0][len("SCALE ") :]))
-    return reports
 
 
 def measure(
