@@ -65,7 +65,10 @@ def remove_attempt(storage: Storage, loc: StepLocation) -> bool:
     :meth:`Storage.delete_many` (S3: ``DeleteObjects`` of up to 1,000 keys each), then
     :meth:`Storage.delete_prefix` of each prefix that held keys (on a local root it
     removes the emptied directories; on an object store it finds nothing unless a
-    writer refilled it), then one listing per prefix again. False: a writer still
+    writer refilled it), then one listing per prefix again: every prefix for an
+    attempt whose processes are unknown (a partial one, whose writer may still be
+    writing), only those that held keys for a committed one (its marker names its
+    processes; nobody writes into a committed attempt). False: a writer still
     writing refilled it (the caller keeps its pending record for the next collection).
     """
     prefixes = attempt_prefixes(loc)
@@ -74,5 +77,5 @@ def remove_attempt(storage: Storage, loc: StepLocation) -> bool:
         storage.delete_many([key for keys in found for key in keys])
         held = [prefix for prefix, keys in zip(prefixes, found, strict=True) if keys]
         list(pool.map(storage.delete_prefix, held))
-        left = list(pool.map(storage.list, prefixes))
+        left = list(pool.map(storage.list, prefixes if loc.processes is None else held))
     return not any(left)
