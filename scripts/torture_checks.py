@@ -391,8 +391,16 @@ def check_newest_writer(root: Root, result: RoundResult, listed: list[int]) -> N
 
 
 def check_keys(result: RoundResult, protocol: Any) -> None:
-    """Nothing under attempts/, pending/, commits/ that the visible markers do not name."""
-    from jaxckpt.records._keys import ATTEMPTS, COMMITS, LEGACY_STEPS, PENDING, latest_hint_key
+    """Nothing under attempts/, data/, pending/, commits/ that the visible markers do not name."""
+    from jaxckpt.records._keys import (
+        ATTEMPTS,
+        COMMITS,
+        DATA,
+        LEGACY_STEPS,
+        PENDING,
+        latest_hint_key,
+        parse_data_key,
+    )
 
     markers = protocol.committed()
     # The newest epoch's hint is the only other object gc keeps under commits/.
@@ -402,6 +410,8 @@ def check_keys(result: RoundResult, protocol: Any) -> None:
     stray += protocol.storage.list(PENDING)
     for data in (ATTEMPTS, LEGACY_STEPS):
         stray += [k for k in protocol.storage.list(data) if not k.startswith(prefixes)]
+    named = {m.location for m in markers.values()}  # format 4: packs and parts under data/
+    stray += [k for k in protocol.storage.list(DATA) if parse_data_key(k) not in named]
     if stray:
         result.violations.append(f"after gc: {len(stray)} stray keys, e.g. {stray[:5]}")
 

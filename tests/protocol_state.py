@@ -42,10 +42,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._phases import PHASES
 from jaxckpt.errors import CorruptCheckpointError
 from jaxckpt.records._keys import (
     ATTEMPTS,
+    DATA,
     PENDING,
     ROOT_RECORD,
     WRITERS,
@@ -75,7 +77,8 @@ PLANTED_EPOCH = 0  # plant_leftovers writes an attempt of this epoch; no real wr
 
 # -- raw reads (the part to port when the layout changes) -----------------------
 #
-# Layout 2: a save is one attempt, ``attempts/<step>/<attempt>/``, announced by
+# Layout 4: a save is one attempt, ``attempts/<step>/<attempt>/`` and its packs and
+# manifest parts under hashed prefixes ``data/<hh>/<step>.<attempt>/``, announced by
 # ``pending/<step>/<attempt>.json`` and committed by ``commits/<step>.e<epoch>.json``.
 # The tests here run one writer at a time, so a step has at most one attempt
 # besides the planted debris of an earlier writer (epoch 0), which is ignored.
@@ -85,6 +88,7 @@ def _attempt(storage: Storage, step: int) -> StepLocation | None:
     """The (one) attempt of ``step`` by a real writer, from its pending record or data."""
     keys = storage.list(f"{PENDING}{step}/") + storage.list(f"{ATTEMPTS}{step}/")
     found = {parse_pending_key(k) or parse_data_key(k) for k in keys}
+    found |= {loc for k in storage.list(DATA) if (loc := parse_data_key(k)) and loc.step == step}
     locs = {loc for loc in found if loc is not None and loc.epoch != PLANTED_EPOCH}
     marker = _marker(storage, step)
     if marker is not None and marker[1] is not None:
@@ -135,7 +139,7 @@ def marker_state(storage: Storage, step: int) -> str | None:
 def step_objects(storage: Storage, step: int) -> list[str]:
     """Every stored object of the step's attempt, records included (not the marker)."""
     loc = _attempt(storage, step)
-    return storage.list(loc.prefix) if loc is not None else []
+    return list_attempt(storage, loc) if loc is not None else []
 
 
 def has_tree(storage: Storage, step: int) -> bool:
@@ -159,7 +163,8 @@ def data_objects(storage: Storage, step: int) -> set[tuple[str, str]]:
     if loc is None:
         return set()
     prefix = loc.arrays_prefix
-    found = {("packs", k[len(loc.packs_prefix) :]) for k in storage.list(loc.packs_prefix)}
+    names = [loc.name_of(k) or "" for k in list_attempt(storage, loc)]
+    found = {("packs", n.removeprefix("packs/")) for n in names if n.startswith("packs/")}
     for key in storage.list(prefix):
         name, _, chunk = key[len(prefix) :].partition("/")
         if chunk == "c" or chunk.startswith("c/"):
@@ -177,7 +182,7 @@ def expected_data_objects(storage: Storage, step: int) -> set[tuple[str, str]]:
     data = storage.read(loc.tree_key) if loc is not None else None
     assert data is not None, f"step {step} has no tree record"
     assert loc is not None
-    if storage.list(loc.packs_prefix):
+    if any(name == "packs" for name, _ in data_objects(storage, step)):
         stored = 0
         for leaf in json.loads(data)["leaves"]:
             if leaf["kind"] != "value" and math.prod(leaf["shape"]):
@@ -244,12 +249,12 @@ def stray_objects(storage: Storage, committed: list[int]) -> list[str]:
     """
     markers = {s: m for s, m in valid_markers(storage).items() if s in committed}
     allowed = {ROOT_RECORD} | {m.key for m in markers.values()}
-    prefixes = (WRITERS, *(m.location.prefix for m in markers.values()))
+    allowed.update(k for m in markers.values() for k in list_attempt(storage, m.location))
     return [
         k
         for k in storage.list("")
         if k not in allowed
-        and not k.startswith(prefixes)
+        and not k.startswith(WRITERS)
         and not is_latest_hint(k)
         and not is_temp_key(k)
     ]

@@ -1,8 +1,9 @@
 """Where a committed step's data lives, for tests that damage or inspect it directly.
 
 Tests never build storage keys by hand: a step's objects live under the
-attempt its commit marker names (``attempts/<step>/<attempt>/`` in format 2,
-``steps/<step>/`` in format 1).
+attempt its commit marker names (``attempts/<step>/<attempt>/`` in formats 2 and 3,
+format 4 with its packs and manifest parts under hashed prefixes
+``data/<hh>/<step>.<attempt>/``; ``steps/<step>/`` in format 1).
 """
 
 from __future__ import annotations
@@ -10,14 +11,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import ATTEMPTS, LEGACY_STEPS, parse_data_key
+from jaxckpt.records._keys import ATTEMPTS, DATA, LEGACY_STEPS, parse_data_key
 from jaxckpt.storage import Storage, open_storage
 
 
 def step_key(root: str, step: int) -> str:
     """The key prefix (ending in ``/``) of the committed attempt of ``step``."""
     return CommitProtocol(open_storage(root)).require_marker(step).location.prefix
+
+
+def step_object(root: str, step: int, name: str) -> str:
+    """The key of the object ``name`` (``packs/0.0.bin``, ``tree.json``) of a committed step."""
+    return CommitProtocol(open_storage(root)).require_marker(step).location.key(name)
 
 
 def step_dir(root: str, step: int, *parts: str) -> str:
@@ -33,7 +40,7 @@ def chunk_path(root: str, step: int, array: str, *index: int) -> str:
 
 def data_steps(storage: Storage) -> set[int]:
     """Steps with any data object under the root (committed or not)."""
-    keys = storage.list(ATTEMPTS) + storage.list(LEGACY_STEPS)
+    keys = storage.list(ATTEMPTS) + storage.list(DATA) + storage.list(LEGACY_STEPS)
     return {loc.step for k in keys if (loc := parse_data_key(k))}
 
 
@@ -58,11 +65,10 @@ def packed_chunk(root: str, step: int, array: str, *index: int) -> tuple[str, in
 
 def data_objects(root: str, step: int) -> list[str]:
     """Keys of the data objects (zarr chunks or pack objects) of a committed step."""
-    prefix = step_key(root, step)
-    keys = open_storage(root).list(prefix)
+    loc = CommitProtocol(open_storage(root)).require_marker(step).location
+    names = {k: loc.name_of(k) or "" for k in list_attempt(open_storage(root), loc)}
     return [
         k
-        for k in keys
-        if k.startswith(prefix + "packs/")
-        or (k.startswith(prefix + "arrays/") and not k.endswith("zarr.json"))
+        for k, name in names.items()
+        if name.startswith("packs/") or (name.startswith("arrays/") and not k.endswith("zarr.json"))
     ]

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
+from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.records._keys import PACK_ALIGNMENT
 from jaxckpt.records._step import TRAILER_BYTES
@@ -68,7 +69,7 @@ def _step_objects(root: Path) -> tuple[list[str], list[str]]:
     """The step's data objects and its other objects (records, marker, hint), as keys."""
     storage = open_storage(str(root))
     marker = CommitProtocol(storage).require_marker(1)
-    keys = storage.list(marker.location.prefix)
+    keys = list_attempt(storage, marker.location)  # format 4: packs and parts spread too
     data = [k for k in keys if "/packs/" in k or "/c/" in k]
     records = [k for k in keys if k not in data]
     records += [k for k in storage.list("commits/") if k != marker.key] + [marker.key]

@@ -16,18 +16,26 @@ from pathlib import Path
 import pytest
 
 from jaxckpt.commit._gc import Attempt, collect, is_live, scan
+from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.records._keys import (
+    DATA,
     TEMP_GRACE_S,
     StepLocation,
     latest_hint_key,
+    manifest_name,
     marker_key,
     new_attempt,
+    pack_name,
 )
 from jaxckpt.records._step import CommitMarker, FileDigest, json_record
 from jaxckpt.storage import open_storage
 
 GRACE_S = 3600.0
+PER_PROCESS = [
+    *(pack_name(p, k) for p in range(2) for k in range(3)),
+    *(manifest_name(p) for p in range(2)),
+]
 NOW = 1_800_000_000.0
 
 
@@ -95,9 +103,11 @@ class Root:
             record = json_record(operation="save", started=started, step=step, attempt=loc.attempt)
             self.storage.write(loc.pending_key, record)
             self.backdate(loc.pending_key, started)  # gc reads ages off the storage's clock
-        if data:
-            self.storage.write(loc.tree_key, b"{}")
+        if data:  # records and plain arrays under the attempt, 2 processes' packs and parts
+            self.storage.write(loc.tree_key, b"{}")  # under hashed prefixes (format 4)
             self.storage.write(loc.array_prefix("w") + "c/0", b"data")
+            for name in PER_PROCESS:
+                self.storage.write(loc.key(name), b"data")
         return loc
 
     def backdate(self, key: str, when: float) -> None:
@@ -110,7 +120,10 @@ class Root:
             step=loc.step,
             time=time.time(),
             num_processes=1,
-            files={"tree.json": FileDigest.of(b"{}")},
+            files={
+                "tree.json": FileDigest.of(b"{}"),
+                **{manifest_name(p): FileDigest.of(b"data") for p in range(2)},
+            },
             nbytes=4,
             attempt=loc.attempt,
             epoch=loc.epoch,
@@ -125,7 +138,7 @@ class Root:
         self.protocol.take_epoch()
 
     def has(self, loc: StepLocation) -> bool:
-        return bool(self.storage.list(loc.prefix))
+        return bool(list_attempt(self.storage, loc))
 
     def has_pending(self, loc: StepLocation) -> bool:
         return self.storage.read(loc.pending_key) is not None
@@ -264,3 +277,41 @@ def test_a_young_temp_file_is_kept_unless_the_grace_is_shorter(root: Root) -> No
     assert sorted(scan(root.protocol, full=True, temp_grace_s=0.0).temp_keys) == [young, old]
     collect(root.protocol, scan(root.protocol, full=True, temp_grace_s=0.0), grace_s=0.0)
     assert [k for k in root.storage.list("commits/") if k.endswith(".tmp")] == []
+
+
+def test_a_killed_attempts_objects_under_hashed_prefixes_are_all_collected(root: Root) -> None:
+    """A partial attempt's packs and parts lie under several hashed prefixes that other
+    steps share: collection finds them from its pending record alone, removes them and
+    their directories, and leaves every other step's objects in the same prefixes."""
+    committed = root.attempt(1)
+    root.commit(committed)
+    killed = root.attempt(2, age=GRACE_S + 60)
+    keys = list_attempt(root.storage, killed)
+    hashed = {k.split("/")[1] for k in keys if k.startswith(DATA)}
+    assert len(hashed) > 1 and len(keys) == 2 + len(PER_PROCESS)
+    kept = list_attempt(root.storage, committed)
+    assert collect(root.protocol, scan(root.protocol, full=False), grace_s=GRACE_S) == [killed]
+    assert not root.has(killed) and not root.has_pending(killed)
+    assert list_attempt(root.storage, committed) == kept
+    left = {str(d.relative_to(root.storage.uri)) for d in Path(root.storage.uri).rglob("*")}
+    assert not any(f"2.{killed.attempt}" in d for d in left), left  # no empty directories
+    orphan = root.attempt(3, age=GRACE_S + 60, pending=False)
+    for key in [orphan.tree_key, orphan.array_prefix("w") + "c/0"]:
+        root.storage.delete(key)  # only its hashed objects are left: a full scan finds them
+    assert collect(root.protocol, scan(root.protocol, full=True), grace_s=GRACE_S) == [orphan]
+    assert not root.has(orphan) and list_attempt(root.storage, committed) == kept
+
+
+def test_deleting_a_committed_step_removes_every_object_and_lists_only_its_prefixes(
+    root: Root,
+) -> None:
+    loc = root.attempt(1)
+    marker = root.commit(loc)
+    other = root.attempt(2)
+    root.commit(other)
+    assert marker.location.processes == {0, 1}  # from the marker: 32 prefixes, not 256
+    assert len(marker.location.buckets()) <= 2 * 16
+    root.protocol.delete(1)
+    assert list_attempt(root.storage, StepLocation(1, loc.attempt)) == []  # all 256 looked at
+    assert not root.has_pending(loc) and root.has(other)
+    assert sorted(root.protocol.committed()) == [2]

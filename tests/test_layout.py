@@ -78,10 +78,13 @@ def test_a_step_location_names_every_key_of_its_attempt() -> None:
     loc = L.StepLocation(5, attempt)
     assert loc.prefix == f"attempts/5/{attempt}/"
     assert loc.tree_key == loc.prefix + "tree.json"
-    assert loc.key(L.manifest_name(2)) == loc.prefix + "manifest/2.json"
     assert loc.array_prefix("params.w") == loc.prefix + "arrays/params.w/"
-    assert loc.packs_prefix + L.pack_name(1, 3).removeprefix("packs/") == (
-        loc.prefix + "packs/1.3.bin"
+    hashed = f"data/{L.spread_bucket(5, attempt, 2, 0)}/5.{attempt}/"
+    assert loc.key(L.manifest_name(2)) == hashed + "manifest/2.json"
+    assert loc.key(L.held_manifest_name(2)) == hashed + "manifest/2.held.json"
+    assert loc.key(L.pack_name(2, 16)) == hashed + "packs/2.16.bin"  # slot 16 % 16 == 0
+    assert loc.key(L.pack_name(1, 3)) == (
+        f"data/{L.spread_bucket(5, attempt, 1, 3)}/5.{attempt}/packs/1.3.bin"
     )
     assert loc.pending_key == f"pending/5/{attempt}.json"
     assert loc.epoch == 3
@@ -119,16 +122,36 @@ def test_every_data_key_of_an_attempt_parses_to_that_attempt() -> None:
         loc.key(L.manifest_name(0)),
         loc.key(L.held_manifest_name(1)),
         loc.array_prefix("w") + "c/0/1",
-        loc.prefix + L.pack_name(0, 0),
-        loc.prefix + "zarr.json",
+        loc.key(L.pack_name(0, 0)),
+        loc.key(L.pack_name(7, 123)),
+        loc.key("zarr.json"),
     ]
     assert {L.parse_data_key(k) for k in keys} == {loc}
+    assert [loc.name_of(k) for k in keys[1:]] == [
+        "manifest/0.json",
+        "manifest/1.held.json",
+        "arrays/w/c/0/1",
+        "packs/0.0.bin",
+        "packs/7.123.bin",
+        "zarr.json",
+    ]
+    other = L.StepLocation(12, L.new_attempt(1))
+    assert all(other.name_of(k) is None for k in keys)
     assert L.parse_data_key("steps/3/arrays/w/c/0") == L.StepLocation(3)
 
 
 @pytest.mark.parametrize(
     "key",
-    ["attempts/x/e1-2-ab/tree.json", "attempts/3/junk/tree.json", "attempts/3", "steps/x/t"],
+    [
+        "attempts/x/e1-2-ab/tree.json",
+        "attempts/3/junk/tree.json",
+        "attempts/3",
+        "steps/x/t",
+        "data/0g/3.e1-2-ab/packs/0.0.bin",
+        "data/00/3/e1-2-ab/packs/0.0.bin",
+        "data/00/x.e1-2-ab/packs/0.0.bin",
+        "data/00/3.junk/packs/0.0.bin",
+    ],
 )
 def test_parse_data_key_refuses_keys_outside_any_attempt(key: str) -> None:
     assert L.parse_data_key(key) is None
@@ -184,3 +207,61 @@ def test_temp_files_are_stale_only_after_the_grace_period() -> None:
 )
 def test_pack_count_grows_with_the_bytes_up_to_max_packs(nbytes: int, packs: int) -> None:
     assert L.pack_count(nbytes) == packs
+
+
+def test_format_4_spreads_packs_and_parts_over_hashed_prefixes_every_step_reuses() -> None:
+    """The hash comes first, from names a reader knows; the tree and the plain arrays stay
+    under the attempt (a zarr hierarchy), and a step's objects use many prefixes."""
+    buckets_of = {}
+    for step in (1, 2):
+        loc = L.StepLocation(step, f"e1-1700000000-00000000000{step}")  # fixed: deterministic
+        keys = [loc.key(L.pack_name(p, k)) for p in range(8) for k in range(16)]
+        keys += [loc.key(L.manifest_name(p)) for p in range(8)]
+        assert all(k.startswith(L.DATA) and k.split("/")[2].startswith(f"{step}.") for k in keys)
+        buckets_of[step] = {k.split("/")[1] for k in keys}
+        assert all(len(b) == 2 and int(b, 16) < L.SPREAD_BUCKETS for b in buckets_of[step])
+        assert len(buckets_of[step]) > 64  # 128 objects: spread, not one prefix
+        assert buckets_of[step] <= set(loc.buckets())  # a lister of its 8 processes finds them
+        assert set(loc.buckets(names=[L.pack_name(3, 5)])) == {keys[3 * 16 + 5].split("/")[1]}
+        assert loc.tree_key.startswith(L.ATTEMPTS) and loc.key("zarr.json") == loc.prefix + (
+            "zarr.json"
+        )
+        assert L.StepLocation(step, loc.attempt, processes=frozenset({0})).buckets() == sorted(
+            {L.spread_bucket(step, str(loc.attempt), 0, s) for s in range(L.SPREAD_SLOTS)}
+        )
+        assert len(L.StepLocation(step, loc.attempt).buckets()) == L.SPREAD_BUCKETS  # unknown
+    assert len(buckets_of[1] & buckets_of[2]) > 32  # the next step lands in the same prefixes
+
+
+@pytest.mark.parametrize(("version", "spread"), [(2, False), (3, False), (4, True)])
+def test_a_markers_version_decides_its_keys(version: int, spread: bool) -> None:
+    attempt = L.new_attempt(2)
+    names = ["tree.json", L.manifest_name(0), L.manifest_name(3), L.held_manifest_name(3)]
+    loc = L.StepLocation.committed(9, attempt, version, names)
+    assert loc.processes == {0, 3} and loc.is_spread is spread
+    key = loc.key(L.pack_name(3, 1))
+    assert key == (
+        f"data/{L.spread_bucket(9, attempt, 3, 1)}/9.{attempt}/packs/3.1.bin"
+        if spread
+        else f"attempts/9/{attempt}/packs/3.1.bin"
+    )
+    assert loc.name_of(key) == "packs/3.1.bin" and loc.buckets() == (
+        sorted({L.spread_bucket(9, attempt, p, s) for p in (0, 3) for s in range(16)})
+        if spread
+        else []
+    )
+    assert L.StepLocation.committed(9, None, 1, names).key("packs/0.0.bin") == (
+        "steps/9/packs/0.0.bin"
+    )
+
+
+def test_the_hashed_prefix_function_never_changes() -> None:
+    """Stored format-4 steps are read by recomputing their keys: the hash is pinned."""
+    attempt = "e1-1733000000-0123456789ab"
+    got = [L.spread_bucket(7, attempt, p, s) for p, s in [(0, 0), (1, 0), (0, 15), (1234, 3)]]
+    assert got == PINNED_BUCKETS
+    assert L.spread_bucket(10**12, "e9-1-ab", 0, 0) == PINNED_WIDE
+
+
+PINNED_BUCKETS = ["da", "c7", "e7", "a2"]
+PINNED_WIDE = "b8"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rootpaths import step_key
+from rootpaths import step_key, step_object
 
 import jaxckpt
 from jaxckpt import cli
@@ -109,12 +109,18 @@ def test_open_step_and_export_reread(s3_root, monkeypatch, tmp_path):
     np.testing.assert_array_equal(tensors["w"], _state(2)["w"])
 
 
+def _packs_of(root: str, step: int) -> str:
+    """What every pack key of ``step`` holds: ``<step>.<attempt>/packs/`` (format 4)."""
+    attempt = step_key(root, step).split("/")[2]
+    return f"/{step}.{attempt}/packs/"
+
+
 def test_packed_layout_rereads(s3_root, monkeypatch):
     _saved(s3_root, layout="packed")
-    with _flipping(monkeypatch, f"{step_key(s3_root, 2)}packs/"):
+    with _flipping(monkeypatch, _packs_of(s3_root, 2)):
         restored = jaxckpt.CheckpointManager(s3_root, read_only=True).restore(2)
     np.testing.assert_array_equal(restored["w"], _state(2)["w"])
-    with _flipping(monkeypatch, f"{step_key(s3_root, 2)}packs/"):
+    with _flipping(monkeypatch, _packs_of(s3_root, 2)):
         assert jaxckpt.CheckpointManager(s3_root, read_only=True).verify(2).ok
 
 
@@ -130,7 +136,7 @@ def test_a_zstd_archive_read_through_tensorstore_rereads(s3_root, monkeypatch, t
 @pytest.mark.parametrize("record", ["tree.json", "manifest/0.json", "marker"])
 def test_records_are_reread(s3_root, monkeypatch, record):
     _saved(s3_root)
-    key = marker_key(2, 1) if record == "marker" else step_key(s3_root, 2) + record
+    key = marker_key(2, 1) if record == "marker" else step_object(s3_root, 2, record)
     with _flipping(monkeypatch, key):
         restored = jaxckpt.CheckpointManager(s3_root, read_only=True).restore()
     np.testing.assert_array_equal(restored["w"], _state(2)["w"])

@@ -29,8 +29,9 @@ from trees import assert_tree_bitexact
 
 import jaxckpt
 from jaxckpt import policy
+from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import ATTEMPTS, parse_data_key
+from jaxckpt.records._keys import ATTEMPTS, DATA, parse_data_key
 from jaxckpt.storage import open_storage
 from jaxckpt.tiers._promoter import read_requests
 
@@ -218,7 +219,7 @@ def test_promoter_killed_mid_upload_leaves_nothing_listed_and_rerun_completes(
 
 
 def _attempts(storage: Any, step: int) -> set[str]:
-    locs = (parse_data_key(k) for k in storage.list(ATTEMPTS))
+    locs = (parse_data_key(k) for k in storage.list(ATTEMPTS) + storage.list(DATA))
     return {loc.attempt for loc in locs if loc is not None and loc.step == step and loc.attempt}
 
 
@@ -382,11 +383,12 @@ def test_packed_local_tier_promotes_its_pack_objects(s3_server, tmp_path):
     durable = CommitProtocol(open_storage(root))
     for step in (1, 2):
         here, there = local.require_marker(step), durable.require_marker(step)
-        names = [k[len(here.location.prefix) :] for k in local.storage.list(here.location.prefix)]
+        names = [here.location.name_of(k) or k for k in list_attempt(local.storage, here.location)]
         packs = sorted(n for n in names if n.startswith("packs/"))
         assert packs == ["packs/0.0.bin"]  # every chunk of the step in one pack object
         loc = there.location
-        assert durable.storage.list(loc.packs_prefix) == [loc.key(n) for n in packs]
+        listed = list_attempt(durable.storage, loc)
+        assert [k for k in listed if "/packs/" in k] == [loc.key(n) for n in packs]
         for name in packs:
             assert durable.storage.read(loc.key(name)) == local.storage.read(
                 here.location.key(name)

@@ -40,6 +40,7 @@ from jaxckpt.errors import CheckpointError, StorageError
 from jaxckpt.records._keys import (
     ATTEMPTS,
     COMMITS,
+    DATA,
     LEGACY_STEPS,
     PENDING,
     TEMP_GRACE_S,
@@ -119,7 +120,7 @@ def scan(
     ``commit_keys``: a listing of ``commits/`` just taken (None: one is taken).
     """
     storage = protocol.storage
-    data_keys = storage.list(ATTEMPTS) + storage.list(LEGACY_STEPS) if full else []
+    data_keys = [k for p in (ATTEMPTS, DATA, LEGACY_STEPS) for k in storage.list(p)] if full else []
     pending_keys = storage.list(PENDING)
     commit_keys = storage.list(COMMITS) if commit_keys is None else commit_keys
     refs = marker_refs_of(commit_keys)

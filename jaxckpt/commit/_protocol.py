@@ -23,12 +23,13 @@ import time
 from collections.abc import Mapping, Sequence
 
 from jaxckpt import _pools as pools
+from jaxckpt.commit._commitcheck import CommitCheck
 from jaxckpt.commit._fence import EpochRecord, Epochs, Listing
+from jaxckpt.commit._objects import list_attempt, remove_attempt
 from jaxckpt.commit._phases import reached
 from jaxckpt.commit._readmodel import CommitReader, brief
 from jaxckpt.commit._tidy import Tidying
 from jaxckpt.errors import (
-    CheckpointError,
     CorruptCheckpointError,
     NotACheckpointRootError,
     StepAlreadyExistsError,
@@ -38,25 +39,19 @@ from jaxckpt.records._keys import (
     ROOT_RECORD,
     TREE_FILE,
     StepLocation,
-    is_manifest_name,
     manifest_name,
     marker_key,
     marker_refs_of,
 )
 from jaxckpt.records._step import (
     FORMAT_VERSION,
-    SELF_CHECKED_VERSION,
     CommitMarker,
-    FileDigest,
     ManifestPart,
     json_record,
     load_json_record,
 )
 from jaxckpt.records._summary import (
     PartSummary,
-    keys_hash,
-    object_keys,
-    objects_of,
     parts_crc32c,
 )
 from jaxckpt.storage import PreconditionFailed, Storage
@@ -239,7 +234,7 @@ class CommitProtocol(CommitReader):
         raise_hint = self.hints.known_lower(loc.epoch, step)
         with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in unread]
-            attempt_keys = pool.submit(self.storage.list, loc.prefix)
+            attempt_keys = pool.submit(list_attempt, self.storage, loc, names=names)
             step_listing = pool.submit(self.step_listing, step)
             hint = (
                 pool.submit(self.hints.raise_to, loc.epoch, step)
@@ -250,10 +245,12 @@ class CommitProtocol(CommitReader):
             listing = step_listing.result()
             present = set(attempt_keys.result())
             hinted = hint.result()
-        files, parsed, summary = self._check_records(loc, names, read, written, present)
+        check = CommitCheck(self.storage, loc, self.where)
+        files, parsed, summary = check.records(names, read, written, present)
         summary.update({n: s for n, s in summaries.items() if n in part_names})
         others = [summary[n] for n in part_names if n not in parsed]
-        self._check_objects(loc, present, part_names, parsed, others)
+        present.update(check.list_spread(names, parsed, covered))
+        check.objects(present, part_names, parsed, others)
         in_order = [summary[n] for n in part_names]
         marker = CommitMarker(
             step=step,
@@ -286,87 +283,6 @@ class CommitProtocol(CommitReader):
         self.tidying.drop(loc)  # committed: the pending record goes in the background
         return marker
 
-    def _check_records(
-        self,
-        loc: StepLocation,
-        names: Sequence[str],
-        read: Mapping[str, bytes | None],
-        written: Mapping[str, bytes],
-        present: set[str],
-    ) -> tuple[dict[str, FileDigest], dict[str, ManifestPart], dict[str, PartSummary]]:
-        """Every record of ``names`` is there; returns the marker's ``files`` (the digests of
-        the records that do not check themselves), the parts read or written here, parsed,
-        and their summaries. A summarised part (not in ``read`` or ``written``) need only
-        be listed."""
-        files: dict[str, FileDigest] = {}
-        parsed: dict[str, ManifestPart] = {}
-        summary: dict[str, PartSummary] = {}
-        for name in names:
-            # a record this process wrote must still be there (a collection of a fenced
-            # attempt, a long save outliving gc_grace_s); one read back proves it itself
-            data = read[name] if name in read else written.get(name)
-            if data is None if name in read else loc.key(name) not in present:
-                raise CheckpointError(
-                    f"cannot commit step {loc.step}: {self.where(loc.key(name))} is missing"
-                )
-            if data is None:
-                continue  # summarised by the process that wrote it
-            if not is_manifest_name(name):
-                files[name] = FileDigest.of(data)
-                continue
-            part = ManifestPart.from_bytes(data, self.where(loc.key(name)))
-            parsed[name], summary[name] = part, PartSummary.of(data, part, loc)
-            if part.version < SELF_CHECKED_VERSION:  # an older part (cp): the marker vouches
-                files[name] = FileDigest.of(data)
-        return files, parsed, summary
-
-    def _check_objects(
-        self,
-        loc: StepLocation,
-        present: set[str],
-        part_names: Sequence[str],
-        parsed: Mapping[str, ManifestPart],
-        others: Sequence[PartSummary],
-    ) -> None:
-        """The attempt's listing holds exactly the data objects the parts name: those of
-        the parts parsed here (their union: a held part names its host's packs too) and
-        those the other processes summarised. On a mismatch the parts are read to name
-        the missing chunk."""
-        keys: set[str] = set()
-        for part in parsed.values():
-            keys |= object_keys(part, loc)
-        count = len(keys) + sum(s.objects for s in others)
-        digest = (keys_hash(keys) + sum(s.objects_hash for s in others)) % (1 << 64)
-        if objects_of(loc, present) == (count, digest):
-            return
-        parts = list(parsed.values())
-        for name in [n for n in part_names if n not in parsed]:
-            data = self.storage.read(loc.key(name))
-            if data is not None:
-                parts.append(ManifestPart.from_bytes(data, self.where(loc.key(name))))
-        self._check_chunks_present(loc, parts, present)
-        raise CheckpointError(
-            f"cannot commit step {loc.step}: {self.where(loc.prefix)} holds "
-            f"{objects_of(loc, present)[0]} data objects, its manifest parts name {count}"
-        )
-
-    def _check_chunks_present(
-        self, loc: StepLocation, parts: Sequence[ManifestPart], present: set[str]
-    ) -> None:
-        """Every chunk the manifest parts list exists (``present``: the attempt's listing).
-
-        A packed chunk's pack object must exist and its part must record it.
-        """
-        for part in parts:
-            for name, chunks in part.arrays.items():
-                for chunk in chunks:
-                    key = chunk.address(loc, name).key
-                    if key not in present or not part.lists_object(chunk):
-                        raise CheckpointError(
-                            f"cannot commit step {loc.step}: chunk {chunk.key} of {name} "
-                            f"({self.where(key)}) is missing"
-                        )
-
     def abandon(self, loc: StepLocation) -> bool:
         """Removes an uncommitted attempt; returns False (and keeps it) if a marker names it.
 
@@ -396,8 +312,7 @@ class CommitProtocol(CommitReader):
         collection finishes it (without the record its data would be an
         orphan that only a full scan finds). False if data is left.
         """
-        self.storage.delete_prefix(loc.prefix)
-        if self.storage.list(loc.prefix):
+        if not remove_attempt(self.storage, loc):
             log.warning("%s refilled while it was removed; collecting the rest later", loc)
             return False
         self.storage.delete(loc.pending_key)

@@ -4,7 +4,9 @@ The plain layout stores every zarr chunk as its own object, so a step costs
 (leaves × shards) write requests; at cluster scale that is hundreds of
 thousands of requests per checkpoint. In the packed layout a process
 concatenates the chunks it owns into pack objects
-(``attempts/<step>/<attempt>/packs/<process>.<k>.bin``): enough of them that
+(``packs/<process>.<k>.bin`` in its attempt; from format 4 under hashed prefixes
+``data/<hh>/<step>.<attempt>/``, so its 16 uploads in flight go to up to 16 of
+them, see :mod:`jaxckpt.records._keys`): enough of them that
 ``objects_in_flight`` (16) upload at once, none under ``MIN_PACK_BYTES`` (4
 MiB), and as many more as keep each within ``max_object_bytes`` (64 MiB + 64
 KiB), whatever the number of leaves (:func:`jaxckpt.records._keys.pack_count`). A

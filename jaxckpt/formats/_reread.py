@@ -85,10 +85,9 @@ def _read_again(
 def _read_tensorstore(storage: Storage, loc: StepLocation, address: ChunkAddress) -> bytes | None:
     specs = tensorstore_backed(storage)
     context = ts.Context(specs.context_spec())
-    kv = ts.KvStore.open(specs.kvstore_spec(loc.prefix), context=context).result()
+    directory, _, name = address.key.rpartition("/")  # under the attempt or a hashed prefix
+    kv = ts.KvStore.open(specs.kvstore_spec(directory + "/"), context=context).result()
     options: dict[str, Any] = {}
-    assert address.key.startswith(loc.prefix), f"{address.key} is not under {loc.prefix}"
-    name = address.key[len(loc.prefix) :]
     if not address.whole:
         options["byte_range"] = slice(address.offset, address.offset + address.size)
     result = kv.read(name, **options).result()

@@ -1,17 +1,20 @@
 """Where everything lives under a root: the only module that builds storage keys.
 
-Format version 2 (``FORMAT_VERSION`` in ``_records``) keeps every save
-attempt under its own prefix, so two writers never share a key::
+Format version 4 (``FORMAT_VERSION`` in ``_step``) keeps every save attempt
+under its own keys, so two writers never share a key, and spreads each
+process's objects of a step (its packs and manifest parts) over a fixed set of
+256 hashed prefixes that every step reuses, the hash ahead of the step::
 
     jaxckpt.json                               root record (format, version)
     writers/<epoch>.json                       a writer's epoch, create-only (see _fence)
     pending/<step>/<attempt>.json              intent: a save or delete of that attempt
     attempts/<step>/<attempt>/tree.json        the tree record
-    attempts/<step>/<attempt>/manifest/<p>.json  chunks written by process <p>
-    attempts/<step>/<attempt>/manifest/<p>.held.json  local tier only: replicas <p> keeps
-                                               for its own restores (see _select)
+    attempts/<step>/<attempt>/zarr.json, arrays/zarr.json   zarr v3 group records
     attempts/<step>/<attempt>/arrays/...       zarr v3 arrays (one per array leaf; plain layout)
-    attempts/<step>/<attempt>/packs/<p>.<k>.bin  packed layout: process <p>'s pack objects
+    data/<hh>/<step>.<attempt>/packs/<p>.<k>.bin   packed layout: process <p>'s pack objects
+    data/<hh>/<step>.<attempt>/manifest/<p>.json   chunks written by process <p>
+    data/<hh>/<step>.<attempt>/manifest/<p>.held.json  local tier only: replicas <p>
+                                               keeps for its own restores (see _select)
     commits/<step:012d>.e<epoch>.json          the commit marker; names its attempt
                                                (steps >= 10**12: w<step:019d>.e<epoch>.json)
     commits/latest.e<epoch>                    the newest step <epoch> is committing (a hint)
@@ -19,13 +22,31 @@ attempt under its own prefix, so two writers never share a key::
                                                to the durable root (see _promote)
     tier.json                                  local tier only: the durable root it serves
                                                (see _owner)
-    replicas/<step>/<p>/<attempt>/...          local tier with local_replicas > 1: a replica
-                                               of process <p>'s part (the files of its
-                                               attempts/<step>/<attempt>/; see _peertier)
+    replicas/<step>/<p>/<attempt>/<name>       local tier with local_replicas > 1: a replica
+                                               of process <p>'s part (its objects by their
+                                               names in the attempt; see _peers)
     replicas/<step>/<p>/<attempt>.json         its index (every file's size and CRC32C),
                                                written last: the replica is complete
 
-Format version 1 (roots written before writer fencing) is still read::
+**Hashed prefixes** (:func:`spread_bucket`): ``<hh>`` is two hex digits of a hash of
+(step, attempt, process, slot), where a pack's slot is its index modulo
+:data:`SPREAD_SLOTS` (16) and a manifest part's (and held part's) slot is 0. Readers
+compute every key from names they already know (the marker names the attempt and its
+parts, a part names its packs): nothing is listed to read. A step of *N* processes
+uses at most min(256, 16 *N*) prefixes, and a lister that knows the processes (from
+the marker's parts) lists only those (:meth:`StepLocation.buckets`); one that does
+not (a partial attempt found by its pending record) lists all 256. A store's
+per-prefix request rate (S3: 3,500 writes and 5,500 reads per second) then applies
+up to 256 times, and a new step lands in prefixes that earlier steps warmed.
+Plain-layout arrays stay under ``attempts/``: a zarr v3 hierarchy keeps every array
+under its group (zarr-python opens ``arrays/`` as one group), and TensorStore writes
+an array's chunks under one kvstore path.
+
+Format versions 2 and 3 (every object of an attempt under
+``attempts/<step>/<attempt>/``: ``packs/<p>.<k>.bin``, ``manifest/<p>.json``) are
+still read: a marker's version says which keys its step uses
+(:meth:`StepLocation.committed`). Format version 1 (roots written before writer
+fencing) too::
 
     pending/<step>.json
     steps/<step>/{tree.json,manifest/<p>.json,arrays/...}
@@ -39,12 +60,14 @@ Imports neither jax nor numpy.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import re
 import secrets
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 
 ROOT_RECORD = "jaxckpt.json"
 TREE_FILE = "tree.json"
@@ -54,6 +77,7 @@ WRITERS = "writers/"
 ATTEMPTS = "attempts/"
 LEGACY_STEPS = "steps/"
 PROMOTE = "promote/"
+DATA = "data/"  # format 4: per-process objects under hashed prefixes (see spread_bucket)
 REPLICAS = "replicas/"  # local tier only: other processes' parts (see _peertier)
 TIER_RECORD = "tier.json"  # local tier only: the durable root it serves (see _owner)
 
@@ -145,15 +169,77 @@ def pack_name(process: int, index: int) -> str:
     return f"packs/{process}.{index}.bin"
 
 
+SPREAD_VERSION = 4
+"""The first format version whose per-process objects lie under hashed prefixes."""
+SPREAD_BUCKETS = 256
+"""The hashed prefixes ``data/00/`` .. ``data/ff/`` every step shares."""
+SPREAD_SLOTS = 16
+"""How many prefixes one process's objects of one step spread over (its packs' indices
+modulo this, so the 16 packs uploading at once go to 16 prefixes)."""
+_PACK_NAME = re.compile(r"packs/(\d+)\.(\d+)\.bin")
+_PART_NAME = re.compile(r"manifest/(\d+)(?:\.held)?\.json")
+_SPREAD_DIR = re.compile(r"([0-9a-f]{2})/(\d+)\.(e\d+-\d+-[0-9a-f]+)/")
+
+
+def spread_slot(name: str) -> tuple[int, int] | None:
+    """``(process, slot)`` of an object of an attempt that format 4 spreads (a pack, a
+    manifest part, a held part), by its name in the attempt; None for the others.
+
+    >>> spread_slot("packs/3.17.bin"), spread_slot("manifest/3.json"), spread_slot("tree.json")
+    ((3, 1), (3, 0), None)
+    """
+    m = _PACK_NAME.fullmatch(name)
+    if m:
+        return int(m.group(1)), int(m.group(2)) % SPREAD_SLOTS
+    m = _PART_NAME.fullmatch(name)
+    return (int(m.group(1)), 0) if m else None
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a restore asks once per chunk record
+def spread_bucket(step: int, attempt: str, process: int, slot: int) -> str:
+    """The hashed prefix (two hex digits) of a process's objects of one slot of an attempt.
+
+    A fixed function of names every reader knows (BLAKE2b of ``step/attempt/process/slot``):
+
+    >>> spread_bucket(7, "e1-1733000000-0123456789ab", 0, 0)
+    'da'
+    """
+    digest = hashlib.blake2b(f"{step}/{attempt}/{process}/{slot}".encode(), digest_size=1)
+    return digest.hexdigest()
+
+
 @dataclass(frozen=True)
 class StepLocation:
     """Where one save attempt of one step keeps its data and records.
 
-    ``attempt`` is None for a format-1 step (``steps/<step>/``).
+    ``attempt`` is None for a format-1 step (``steps/<step>/``). ``spread``: its
+    packs and manifest parts lie under hashed prefixes (format 4; a location built
+    for a new attempt is, one from an older marker is not: :meth:`committed`).
+    ``processes``: the processes whose objects it holds, when known (a committed
+    step's, from its marker), so a lister visits only their prefixes. Neither takes
+    part in equality: an attempt is one attempt however it was found.
     """
 
     step: int
     attempt: str | None = None
+    spread: bool = field(default=True, compare=False)
+    processes: frozenset[int] | None = field(default=None, compare=False)
+
+    @classmethod
+    def committed(
+        cls, step: int, attempt: str | None, version: int, names: Iterable[str]
+    ) -> StepLocation:
+        """The location a marker of format ``version`` names, holding the objects of the
+        processes whose manifest parts are among ``names`` (the marker's files)."""
+        processes = frozenset(
+            slot[0] for n in names if n.startswith("manifest/") and (slot := spread_slot(n))
+        )
+        spread = version >= SPREAD_VERSION
+        return cls(step, attempt, spread=spread, processes=processes or None)  # none: unknown
+
+    @property
+    def is_spread(self) -> bool:
+        return self.spread and self.attempt is not None
 
     @property
     def prefix(self) -> str:
@@ -170,17 +256,54 @@ class StepLocation:
         return f"{self.arrays_prefix}{name}/"
 
     @property
-    def packs_prefix(self) -> str:
-        """The prefix of the packed layout's pack objects (see :func:`pack_name`)."""
-        return self.prefix + "packs/"
-
-    @property
     def tree_key(self) -> str:
         return self.prefix + TREE_FILE
 
     def key(self, name: str) -> str:
-        """A record of the step by its name in the marker (``tree.json``, ``manifest/0.json``)."""
-        return self.prefix + name
+        """An object of the attempt by its name in its records (``tree.json``,
+        ``manifest/0.json``, ``packs/0.3.bin``): format 4 spreads packs and parts."""
+        slot = spread_slot(name) if self.is_spread else None
+        if slot is None:
+            return self.prefix + name
+        return self.bucket_prefix(spread_bucket(self.step, str(self.attempt), *slot)) + name
+
+    def bucket_prefix(self, bucket: str) -> str:
+        """This attempt's prefix under the hashed prefix ``bucket`` (two hex digits)."""
+        return f"{DATA}{bucket}/{self.step}.{self.attempt}/"
+
+    def buckets(
+        self, processes: Collection[int] | None = None, names: Iterable[str] | None = None
+    ) -> list[str]:
+        """The hashed prefixes this attempt's spread objects can lie under, sorted.
+
+        ``names``: only those objects'; else those of ``processes`` (default: this
+        location's), 16 slots each; else, processes unknown, all 256.
+        """
+        if not self.is_spread:
+            return []
+        attempt = str(self.attempt)
+        if names is not None:
+            slots = {slot for n in names if (slot := spread_slot(n))}
+            return sorted({spread_bucket(self.step, attempt, *s) for s in slots})
+        processes = self.processes if processes is None else processes
+        if processes is None or len(processes) * SPREAD_SLOTS >= 8 * SPREAD_BUCKETS:
+            return [f"{b:02x}" for b in range(SPREAD_BUCKETS)]  # all of them, surely
+        found: set[str] = set()
+        for p in processes:
+            found.update(spread_bucket(self.step, attempt, p, s) for s in range(SPREAD_SLOTS))
+        return sorted(found)
+
+    def name_of(self, key: str) -> str | None:
+        """The name in this attempt of one of its keys (the inverse of :meth:`key`)."""
+        if key.startswith(self.prefix):
+            return key[len(self.prefix) :]
+        if self.is_spread and key.startswith(DATA):
+            m = _SPREAD_DIR.match(key, len(DATA))
+            if m and (int(m.group(2)), m.group(3)) == (self.step, self.attempt):
+                name = key[m.end() :]
+                if self.key(name) == key:
+                    return name
+        return None
 
     @property
     def pending_key(self) -> str:
@@ -278,7 +401,11 @@ def parse_pending_key(key: str) -> StepLocation | None:
 
 def parse_data_key(key: str) -> StepLocation | None:
     """The attempt (or format-1 step) a data key belongs to, or None."""
-    if key.startswith(ATTEMPTS):
+    if key.startswith(DATA):
+        m = _SPREAD_DIR.match(key, len(DATA))
+        if m and parse_attempt(m.group(3)):
+            return StepLocation(int(m.group(2)), m.group(3))
+    elif key.startswith(ATTEMPTS):
         parts = key[len(ATTEMPTS) :].split("/", 2)
         if len(parts) >= 2 and parts[0].isdigit() and parse_attempt(parts[1]):
             return StepLocation(int(parts[0]), parts[1])

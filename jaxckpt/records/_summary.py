@@ -96,7 +96,7 @@ def parts_crc32c(names: Sequence[str], summaries: Sequence[PartSummary]) -> int:
 def is_record(loc: StepLocation, key: str) -> bool:
     """Whether a key listed under the attempt ``loc`` is one of its records (tree record,
     manifest parts, zarr metadata), not a data object."""
-    name = key[len(loc.prefix) :] if key.startswith(loc.prefix) else key
+    name = loc.name_of(key) or key  # under the attempt, or (format 4) a hashed prefix
     return (
         name == "tree.json" or name.startswith("manifest/") or name.rsplit("/")[-1] == ("zarr.json")
     )

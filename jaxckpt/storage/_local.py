@@ -138,9 +138,25 @@ class LocalStorage:
         """Nothing to size: chunk files are read straight into the restored arrays."""
 
     def delete_many(self, keys: Iterable[str]) -> None:
-        """Deletes ``keys`` one by one (a file system has no batch delete)."""
+        """Deletes ``keys`` one by one (a file system has no batch delete), then makes
+        each directory they were in durable once."""
+        directories = set()
         for key in keys:
-            self.delete(key)
+            path = _join(self._root, key)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise self._error("delete", key, e) from e
+            directories.add(os.path.dirname(path))
+        for directory in sorted(directories):
+            try:
+                _fsync_dir(directory)
+            except FileNotFoundError:
+                continue  # another remover took the directory too
+            except OSError as e:
+                raise self._error("delete", directory, e) from e
 
     def delete_prefix(self, prefix: str) -> None:
         """Removes the directory tree; retries while another process still writes into it.

@@ -53,6 +53,7 @@ import jax
 from jaxckpt import _pools
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit._agree import Agreement
+from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._phases import reached
 from jaxckpt.errors import CheckpointError, PeerError
 from jaxckpt.records._keys import (
@@ -291,8 +292,9 @@ class Peers(Healing):
         files: dict[str, FileDigest] = {}
         try:
             with self._connect(holder) as peer:
-                for key in storage.list(loc.prefix):
-                    if is_temp_key(key):
+                for key in list_attempt(storage, loc, [self.me]):  # its part, hashed prefixes too
+                    name = loc.name_of(key)
+                    if is_temp_key(key) or name is None:
                         continue
                     data = storage.read(key)
                     if data is None:
@@ -302,7 +304,6 @@ class Peers(Healing):
                             f"{self._local.uri}/{key} is {len(data)} bytes, over the peer "
                             f"transport's bound of {self._max_bytes} (max_object_bytes)"
                         )
-                    name = key[len(loc.prefix) :]
                     peer.put(base + name, data)
                     files[name] = FileDigest.of(data)
                 index = ReplicaIndex(

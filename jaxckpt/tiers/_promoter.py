@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 
 from jaxckpt import policy
+from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import (
     CheckpointError,
@@ -303,10 +304,11 @@ class Promoter:
 
     def _await_parts(self, writer: CommitProtocol, loc: StepLocation, processes: int) -> None:
         """Waits until every process's manifest part is in the durable attempt."""
-        wanted = {loc.key(manifest_name(p)) for p in range(processes)}
+        missing = {loc.key(manifest_name(p)): manifest_name(p) for p in range(processes)}
         deadline = time.monotonic() + self.parts_timeout_s
-        while True:
-            missing = wanted - set(writer.storage.list(loc.prefix + "manifest/"))
+        while True:  # lists only the prefixes of the parts still missing
+            for key in list_attempt(writer.storage, loc, names=missing.values()):
+                missing.pop(key, None)
             if not missing:
                 return
             stopping = self._stop is not None and self._stop.is_set()

@@ -76,12 +76,14 @@ def _copy_objects(
     dst: Storage,
     keys: Sequence[str],
     chunks: dict[str, ChunkRecord],
-    rename: tuple[str, str],
+    rename: tuple[StepLocation, StepLocation],
     packed: dict[str, list[ChunkRecord]] | None = None,
 ) -> None:
-    """Copies ``keys`` (``rename``: source prefix → destination prefix); those in
-    ``chunks`` must match their manifest record, and every chunk ``packed`` lists
-    inside a pack object must match its record."""
+    """Copies ``keys`` (``rename``: from the source attempt to the destination attempt,
+    each object under its name there: a format-4 destination spreads packs and parts
+    over hashed prefixes whatever the source's format); those in ``chunks`` must match
+    their manifest record, and every chunk ``packed`` lists inside a pack object must
+    match its record."""
     old, new = rename
 
     def problem_of(data: Any, key: str) -> str | None:
@@ -110,9 +112,11 @@ def _copy_objects(
         dst.write(target(key), bytes(data) if not isinstance(data, bytes) else data)
 
     def target(key: str) -> str:  # never outside the destination attempt, whatever was listed
-        if not key.startswith(old):
-            raise CorruptCheckpointError(f"{src.uri}/{key} is not under {old}; not copied")
-        return joined_key(new, key[len(old) :], f"{src.uri}/{key}")
+        name = old.name_of(key)
+        if name is None:
+            raise CorruptCheckpointError(f"{src.uri}/{key} is not in {old}; not copied")
+        joined_key(new.prefix, name, f"{src.uri}/{key}")  # a safe name, or CorruptCheckpointError
+        return new.key(name)
 
     for key in keys:  # every name checked before anything is written
         target(key)
@@ -154,7 +158,7 @@ def _copy_step_raw(
         listed = {k for k in listed if k.endswith("zarr.json")}
     keys = sorted(listed | set(chunks) | set(packed))
     manifests = [here.key(n) for n in names]
-    rename = (here.prefix, loc.prefix)
+    rename = (here, loc)
     _copy_objects(src.storage, dst.storage, keys, chunks, rename, packed)
     _copy_objects(src.storage, dst.storage, manifests, {}, rename)
     return sum(c.size for c in chunks.values()) + sum(c.size for cs in packed.values() for c in cs)
