@@ -230,7 +230,7 @@ class StepLocation:
         cls, step: int, attempt: str | None, version: int, names: Iterable[str]
     ) -> StepLocation:
         """The location a marker of format ``version`` names, holding the objects of the
-        processes whose manifest parts are among ``names`` (the marker's files)."""
+        processes whose manifest parts are among ``names`` (those the marker covers)."""
         processes = frozenset(
             slot[0] for n in names if n.startswith("manifest/") and (slot := spread_slot(n))
         )
