@@ -79,12 +79,12 @@ def test_a_step_location_names_every_key_of_its_attempt() -> None:
     assert loc.prefix == f"attempts/5/{attempt}/"
     assert loc.tree_key == loc.prefix + "tree.json"
     assert loc.array_prefix("params.w") == loc.prefix + "arrays/params.w/"
-    hashed = f"data/{L.spread_bucket(5, attempt, 2, 0)}/5.{attempt}/"
-    assert loc.key(L.manifest_name(2)) == hashed + "manifest/2.json"
-    assert loc.key(L.held_manifest_name(2)) == hashed + "manifest/2.held.json"
-    assert loc.key(L.pack_name(2, 16)) == hashed + "packs/2.16.bin"  # slot 16 % 16 == 0
+    hashed = f"data/{L.spread_bucket(5, attempt, 2)}/5.{attempt}/"
+    assert loc.key(L.manifest_name(2)) == hashed + "manifest/2.json"  # slot 2 % 32
+    assert loc.key(L.held_manifest_name(34)) == hashed + "manifest/34.held.json"  # 34 % 32
+    assert loc.key(L.pack_name(2, 32)) == hashed + "packs/2.32.bin"  # slot (2 + 32) % 32
     assert loc.key(L.pack_name(1, 3)) == (
-        f"data/{L.spread_bucket(5, attempt, 1, 3)}/5.{attempt}/packs/1.3.bin"
+        f"data/{L.spread_bucket(5, attempt, 4)}/5.{attempt}/packs/1.3.bin"
     )
     assert loc.pending_key == f"pending/5/{attempt}.json"
     assert loc.epoch == 3
@@ -220,48 +220,50 @@ def test_format_4_spreads_packs_and_parts_over_hashed_prefixes_every_step_reuses
         assert all(k.startswith(L.DATA) and k.split("/")[2].startswith(f"{step}.") for k in keys)
         buckets_of[step] = {k.split("/")[1] for k in keys}
         assert all(len(b) == 2 and int(b, 16) < L.SPREAD_BUCKETS for b in buckets_of[step])
-        assert len(buckets_of[step]) > 64  # 128 objects: spread, not one prefix
-        assert buckets_of[step] <= set(loc.buckets())  # a lister of its 8 processes finds them
+        # 136 objects in slots (p + k) % 32 for p < 8, k < 16: 23 slots, 23 distinct prefixes
+        assert len(buckets_of[step]) == 23
+        assert buckets_of[step] <= set(loc.buckets())  # a lister finds them, whatever N
+        assert len(loc.buckets()) == L.SPREAD_SLOTS
         assert set(loc.buckets(names=[L.pack_name(3, 5)])) == {keys[3 * 16 + 5].split("/")[1]}
+        # the packs every process uploads at once (its k-th) fill every slot evenly
+        firsts = [L.spread_slot(L.pack_name(p, 0)) for p in range(64)]
+        assert sorted(firsts) == sorted(list(range(L.SPREAD_SLOTS)) * 2)
         assert loc.tree_key.startswith(L.ATTEMPTS) and loc.key("zarr.json") == loc.prefix + (
             "zarr.json"
         )
-        assert L.StepLocation(step, loc.attempt, processes=frozenset({0})).buckets() == sorted(
-            {L.spread_bucket(step, str(loc.attempt), 0, s) for s in range(L.SPREAD_SLOTS)}
+        assert loc.buckets() == sorted(
+            {L.spread_bucket(step, str(loc.attempt), s) for s in range(L.SPREAD_SLOTS)}
         )
-        assert len(L.StepLocation(step, loc.attempt).buckets()) == L.SPREAD_BUCKETS  # unknown
-    assert len(buckets_of[1] & buckets_of[2]) > 32  # the next step lands in the same prefixes
+    # every step's 32 prefixes are one of 8 fixed sets (8 apart): prefixes steps reuse
+    fixed = {frozenset(f"{b:02x}" for b in range(r, L.SPREAD_BUCKETS, 8)) for r in range(8)}
+    attempts = [f"e1-1700000000-{i:012x}" for i in range(40)]
+    assert {frozenset(L.StepLocation(s, a).buckets()) for s, a in enumerate(attempts)} == fixed
 
 
 @pytest.mark.parametrize(("version", "spread"), [(2, False), (3, False), (4, True)])
 def test_a_markers_version_decides_its_keys(version: int, spread: bool) -> None:
     attempt = L.new_attempt(2)
-    names = ["tree.json", L.manifest_name(0), L.manifest_name(3), L.held_manifest_name(3)]
-    loc = L.StepLocation.committed(9, attempt, version, names)
-    assert loc.processes == {0, 3} and loc.is_spread is spread
+    loc = L.StepLocation.committed(9, attempt, version)
+    assert loc.sealed and loc.is_spread is spread
     key = loc.key(L.pack_name(3, 1))
     assert key == (
-        f"data/{L.spread_bucket(9, attempt, 3, 1)}/9.{attempt}/packs/3.1.bin"
+        f"data/{L.spread_bucket(9, attempt, 4)}/9.{attempt}/packs/3.1.bin"
         if spread
         else f"attempts/9/{attempt}/packs/3.1.bin"
     )
     assert loc.name_of(key) == "packs/3.1.bin" and loc.buckets() == (
-        sorted({L.spread_bucket(9, attempt, p, s) for p in (0, 3) for s in range(16)})
-        if spread
-        else []
+        sorted({L.spread_bucket(9, attempt, s) for s in range(L.SPREAD_SLOTS)}) if spread else []
     )
-    assert L.StepLocation.committed(9, None, 1, names).key("packs/0.0.bin") == (
-        "steps/9/packs/0.0.bin"
-    )
+    assert L.StepLocation.committed(9, None, 1).key("packs/0.0.bin") == ("steps/9/packs/0.0.bin")
 
 
 def test_the_hashed_prefix_function_never_changes() -> None:
     """Stored format-4 steps are read by recomputing their keys: the hash is pinned."""
     attempt = "e1-1733000000-0123456789ab"
-    got = [L.spread_bucket(7, attempt, p, s) for p, s in [(0, 0), (1, 0), (0, 15), (1234, 3)]]
+    got = [L.spread_bucket(7, attempt, s) for s in (0, 1, 15, 31)]
     assert got == PINNED_BUCKETS
-    assert L.spread_bucket(10**12, "e9-1-ab", 0, 0) == PINNED_WIDE
+    assert L.spread_bucket(10**12, "e9-1-ab", 0) == PINNED_WIDE
 
 
-PINNED_BUCKETS = ["da", "c7", "e7", "a2"]
-PINNED_WIDE = "b8"
+PINNED_BUCKETS = ["2e", "36", "a6", "26"]
+PINNED_WIDE = "72"

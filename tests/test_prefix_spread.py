@@ -103,18 +103,17 @@ def test_a_step_spreads_over_hashed_prefixes_and_its_delete_is_one_batch(
         mgr.delete(1)
         mgr.wait_for_deletions()
         assert mgr.steps() == [2]
-    # The delete lists the attempt and the 16 prefixes of its one process (from its
-    # marker; 17 at most: two of the 16 slots may share a prefix), deletes every key
-    # found in one batch, and lists each prefix that held keys twice more (removed,
-    # on a local root with its directories; then seen empty).
+    # The delete lists the attempt and its 32 hashed prefixes (whatever its number of
+    # processes), deletes every key found in one batch, and lists each prefix that held
+    # keys twice more (removed, on a local root with its directories; then seen empty).
     held = 1 + len({k.split("/")[1] for k in spread[1]})
     attempt = str(locs[1].attempt)
     listings = [p for p in counted.paths if p.startswith("LIST") and attempt in p]
     assert counted.kinds["DeleteObjects"] == 1, counted.kinds
     prefixes = 1 + len(locs[1].buckets())
-    assert prefixes <= 1 + SPREAD_SLOTS and locs[1].processes == {0}
+    assert prefixes == 1 + SPREAD_SLOTS and locs[1].sealed
     assert len(listings) == prefixes + 2 * held, "\n".join(listings)
-    gone = StepLocation(1, locs[1].attempt)  # processes unknown: all 256 prefixes looked at
+    gone = StepLocation(1, locs[1].attempt)  # found by id alone: the same 33 prefixes
     assert list_attempt(storage, gone) == [] and storage.list("attempts/1/") == []
     assert sorted(storage.list(DATA)) == sorted(spread[2])
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt.cli._output import json_out
+from jaxckpt.records._keys import SPREAD_SLOTS
 
 
 def register_options(p: argparse.ArgumentParser) -> None:
@@ -36,8 +37,9 @@ def register_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prefixes",
         type=int,
-        default=1,
-        help="key prefixes a step's objects spread over (1: today; e.g. 256 hashed)",
+        default=SPREAD_SLOTS,
+        help=f"key prefixes a step's objects spread over (default {SPREAD_SLOTS}: format 4's "
+        "hashed prefixes; 1: a format 2-3 step)",
     )
     g.add_argument(
         "--state-bytes", type=float, default=1.1e12, help="default 1.1e12 (70B with Adam)"

@@ -8,11 +8,10 @@ parts read, to name the missing chunk. Imports no jax.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from jaxckpt.commit._objects import attempt_prefixes, list_prefixes
 from jaxckpt.errors import CheckpointError
-from jaxckpt.records._keys import StepLocation, is_manifest_name, manifest_name
+from jaxckpt.records._keys import StepLocation, is_manifest_name
 from jaxckpt.records._step import SELF_CHECKED_VERSION, FileDigest, ManifestPart
 from jaxckpt.records._summary import PartSummary, keys_hash, object_keys, objects_of
 from jaxckpt.storage import Storage
@@ -57,24 +56,6 @@ class CommitCheck:
             if part.version < SELF_CHECKED_VERSION:  # an older part (cp): the marker vouches
                 files[name] = FileDigest.of(data)
         return files, parsed, summary
-
-    def list_spread(
-        self,
-        names: Iterable[str],
-        parsed: Mapping[str, ManifestPart],
-        processes: Collection[int],
-    ) -> list[str]:
-        """The keys under the hashed prefixes (format 4) not listed with the records: those
-        of the packs the parts parsed here name (a held part names other hosts' packs) and
-        every slot of the processes that summarised their parts (at most 256 prefixes)."""
-        loc = self.loc
-        listed = set(attempt_prefixes(loc, names=names))
-        packs = {pack for part in parsed.values() for pack in part.packs}
-        summarised = [p for p in processes if manifest_name(p) not in parsed]
-        wanted = set(attempt_prefixes(loc, names=packs)) if packs else set()
-        if summarised:
-            wanted.update(attempt_prefixes(loc, processes=summarised))
-        return list_prefixes(self.storage, sorted(wanted - listed))
 
     def objects(
         self,

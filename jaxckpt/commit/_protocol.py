@@ -234,7 +234,7 @@ class CommitProtocol(CommitReader):
         raise_hint = self.hints.known_lower(loc.epoch, step)
         with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in unread]
-            attempt_keys = pool.submit(list_attempt, self.storage, loc, names=names)
+            attempt_keys = pool.submit(list_attempt, self.storage, loc)  # 33 prefixes at any N
             step_listing = pool.submit(self.step_listing, step)
             hint = (
                 pool.submit(self.hints.raise_to, loc.epoch, step)
@@ -249,7 +249,6 @@ class CommitProtocol(CommitReader):
         files, parsed, summary = check.records(names, read, written, present)
         summary.update({n: s for n, s in summaries.items() if n in part_names})
         others = [summary[n] for n in part_names if n not in parsed]
-        present.update(check.list_spread(names, parsed, covered))
         check.objects(present, part_names, parsed, others)
         in_order = [summary[n] for n in part_names]
         marker = CommitMarker(

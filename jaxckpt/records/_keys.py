@@ -1,9 +1,9 @@
 """Where everything lives under a root: the only module that builds storage keys.
 
 Format version 4 (``FORMAT_VERSION`` in ``_step``) keeps every save attempt
-under its own keys, so two writers never share a key, and spreads each
-process's objects of a step (its packs and manifest parts) over a fixed set of
-256 hashed prefixes that every step reuses, the hash ahead of the step::
+under its own keys, so two writers never share a key, and spreads the
+objects of a step (its processes' packs and manifest parts) over 32 of a fixed set
+of 256 hashed prefixes that every step reuses, the hash ahead of the step::
 
     jaxckpt.json                               root record (format, version)
     writers/<epoch>.json                       a writer's epoch, create-only (see _fence)
@@ -29,15 +29,17 @@ process's objects of a step (its packs and manifest parts) over a fixed set of
                                                written last: the replica is complete
 
 **Hashed prefixes** (:func:`spread_bucket`): ``<hh>`` is two hex digits of a hash of
-(step, attempt, process, slot), where a pack's slot is its index modulo
-:data:`SPREAD_SLOTS` (16) and a manifest part's (and held part's) slot is 0. Readers
-compute every key from names they already know (the marker names the attempt and its
-parts, a part names its packs): nothing is listed to read. A step of *N* processes
-uses at most min(256, 16 *N*) prefixes, and a lister that knows the processes (from
-the marker's parts) lists only those (:meth:`StepLocation.buckets`); one that does
-not (a partial attempt found by its pending record) lists all 256. A store's
-per-prefix request rate (S3: 3,500 writes and 5,500 reads per second) then applies
-up to 256 times, and a new step lands in prefixes that earlier steps warmed.
+(step, attempt, slot), one of the attempt's :data:`SPREAD_SLOTS` (32) slots: process
+*p*'s pack *k* goes to slot (*p* + *k*) mod 32 and its manifest part (and held part)
+to *p* mod 32, so the packs every process uploads at once fill every slot evenly.
+Readers compute every key from names they already know (the marker names the attempt
+and its parts, a part names its packs): nothing is listed to read. Whatever the
+number of processes, an attempt's objects lie under its own prefix and 32 hashed
+ones (:meth:`StepLocation.buckets`): a commit, a delete or a garbage collection lists
+33 prefixes, the same at 1 process as at 8,192. A store's per-prefix request rate
+(S3: 3,500 writes and 5,500 reads per second) then applies 32 times over to every
+step: its slots are 32 distinct prefixes of the 256, 8 apart from a hashed base, so a
+step lands in prefixes that earlier steps warmed.
 Plain-layout arrays stay under ``attempts/``: a zarr v3 hierarchy keeps every array
 under its group (zarr-python opens ``arrays/`` as one group), and TensorStore writes
 an array's chunks under one kvstore path.
@@ -66,7 +68,7 @@ import math
 import re
 import secrets
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 ROOT_RECORD = "jaxckpt.json"
@@ -173,39 +175,41 @@ SPREAD_VERSION = 4
 """The first format version whose per-process objects lie under hashed prefixes."""
 SPREAD_BUCKETS = 256
 """The hashed prefixes ``data/00/`` .. ``data/ff/`` every step shares."""
-SPREAD_SLOTS = 16
-"""How many prefixes one process's objects of one step spread over (its packs' indices
-modulo this, so the 16 packs uploading at once go to 16 prefixes)."""
+SPREAD_SLOTS = 32
+"""How many of the hashed prefixes one attempt's objects spread over, whatever the
+number of processes (a lister visits these and the attempt's own prefix)."""
 _PACK_NAME = re.compile(r"packs/(\d+)\.(\d+)\.bin")
 _PART_NAME = re.compile(r"manifest/(\d+)(?:\.held)?\.json")
 _SPREAD_DIR = re.compile(r"([0-9a-f]{2})/(\d+)\.(e\d+-\d+-[0-9a-f]+)/")
 
 
-def spread_slot(name: str) -> tuple[int, int] | None:
-    """``(process, slot)`` of an object of an attempt that format 4 spreads (a pack, a
-    manifest part, a held part), by its name in the attempt; None for the others.
+def spread_slot(name: str) -> int | None:
+    """The slot of an object of an attempt that format 4 spreads (a pack, a manifest
+    part, a held part), by its name in the attempt; None for the others.
 
-    >>> spread_slot("packs/3.17.bin"), spread_slot("manifest/3.json"), spread_slot("tree.json")
-    ((3, 1), (3, 0), None)
+    >>> spread_slot("packs/3.30.bin"), spread_slot("manifest/35.json"), spread_slot("tree.json")
+    (1, 3, None)
     """
     m = _PACK_NAME.fullmatch(name)
     if m:
-        return int(m.group(1)), int(m.group(2)) % SPREAD_SLOTS
+        return (int(m.group(1)) + int(m.group(2))) % SPREAD_SLOTS
     m = _PART_NAME.fullmatch(name)
-    return (int(m.group(1)), 0) if m else None
+    return int(m.group(1)) % SPREAD_SLOTS if m else None
 
 
 @functools.lru_cache(maxsize=1 << 14)  # a restore asks once per chunk record
-def spread_bucket(step: int, attempt: str, process: int, slot: int) -> str:
-    """The hashed prefix (two hex digits) of a process's objects of one slot of an attempt.
+def spread_bucket(step: int, attempt: str, slot: int) -> str:
+    """The hashed prefix (two hex digits) of one slot of an attempt.
 
-    A fixed function of names every reader knows (BLAKE2b of ``step/attempt/process/slot``):
+    A fixed function of names every reader knows: a base from BLAKE2b of
+    ``step/attempt``, and the slots 8 apart from it, so an attempt's 32 slots lie under
+    32 distinct prefixes of the 256, and successive steps rotate through them:
 
-    >>> spread_bucket(7, "e1-1733000000-0123456789ab", 0, 0)
-    'da'
+    >>> [spread_bucket(7, "e1-1733000000-0123456789ab", s) for s in (0, 1, 31)]
+    ['2e', '36', '26']
     """
-    digest = hashlib.blake2b(f"{step}/{attempt}/{process}/{slot}".encode(), digest_size=1)
-    return digest.hexdigest()
+    base = hashlib.blake2b(f"{step}/{attempt}".encode(), digest_size=1).digest()[0]
+    return f"{(base + slot * (SPREAD_BUCKETS // SPREAD_SLOTS)) % SPREAD_BUCKETS:02x}"
 
 
 @dataclass(frozen=True)
@@ -215,27 +219,20 @@ class StepLocation:
     ``attempt`` is None for a format-1 step (``steps/<step>/``). ``spread``: its
     packs and manifest parts lie under hashed prefixes (format 4; a location built
     for a new attempt is, one from an older marker is not: :meth:`committed`).
-    ``processes``: the processes whose objects it holds, when known (a committed
-    step's, from its marker), so a lister visits only their prefixes. Neither takes
-    part in equality: an attempt is one attempt however it was found.
+    ``sealed``: a committed attempt, found from its marker: nobody writes into it
+    any more. Neither takes part in equality: an attempt is one attempt however it
+    was found.
     """
 
     step: int
     attempt: str | None = None
     spread: bool = field(default=True, compare=False)
-    processes: frozenset[int] | None = field(default=None, compare=False)
+    sealed: bool = field(default=False, compare=False)
 
     @classmethod
-    def committed(
-        cls, step: int, attempt: str | None, version: int, names: Iterable[str]
-    ) -> StepLocation:
-        """The location a marker of format ``version`` names, holding the objects of the
-        processes whose manifest parts are among ``names`` (those the marker covers)."""
-        processes = frozenset(
-            slot[0] for n in names if n.startswith("manifest/") and (slot := spread_slot(n))
-        )
-        spread = version >= SPREAD_VERSION
-        return cls(step, attempt, spread=spread, processes=processes or None)  # none: unknown
+    def committed(cls, step: int, attempt: str | None, version: int) -> StepLocation:
+        """The location a marker of format ``version`` names."""
+        return cls(step, attempt, spread=version >= SPREAD_VERSION, sealed=True)
 
     @property
     def is_spread(self) -> bool:
@@ -265,33 +262,23 @@ class StepLocation:
         slot = spread_slot(name) if self.is_spread else None
         if slot is None:
             return self.prefix + name
-        return self.bucket_prefix(spread_bucket(self.step, str(self.attempt), *slot)) + name
+        return self.bucket_prefix(spread_bucket(self.step, str(self.attempt), slot)) + name
 
     def bucket_prefix(self, bucket: str) -> str:
         """This attempt's prefix under the hashed prefix ``bucket`` (two hex digits)."""
         return f"{DATA}{bucket}/{self.step}.{self.attempt}/"
 
-    def buckets(
-        self, processes: Collection[int] | None = None, names: Iterable[str] | None = None
-    ) -> list[str]:
-        """The hashed prefixes this attempt's spread objects can lie under, sorted.
-
-        ``names``: only those objects'; else those of ``processes`` (default: this
-        location's), 16 slots each; else, processes unknown, all 256.
-        """
+    def buckets(self, names: Iterable[str] | None = None) -> list[str]:
+        """The hashed prefixes this attempt's spread objects lie under, sorted: those of
+        its :data:`SPREAD_SLOTS` slots (fewer where two share one), or of ``names``."""
         if not self.is_spread:
             return []
         attempt = str(self.attempt)
-        if names is not None:
-            slots = {slot for n in names if (slot := spread_slot(n))}
-            return sorted({spread_bucket(self.step, attempt, *s) for s in slots})
-        processes = self.processes if processes is None else processes
-        if processes is None or len(processes) * SPREAD_SLOTS >= 8 * SPREAD_BUCKETS:
-            return [f"{b:02x}" for b in range(SPREAD_BUCKETS)]  # all of them, surely
-        found: set[str] = set()
-        for p in processes:
-            found.update(spread_bucket(self.step, attempt, p, s) for s in range(SPREAD_SLOTS))
-        return sorted(found)
+        if names is None:
+            slots: set[int] = set(range(SPREAD_SLOTS))
+        else:
+            slots = {slot for n in names if (slot := spread_slot(n)) is not None}
+        return sorted({spread_bucket(self.step, attempt, s) for s in slots})
 
     def name_of(self, key: str) -> str | None:
         """The name in this attempt of one of its keys (the inverse of :meth:`key`)."""

@@ -384,7 +384,7 @@ class CommitMarker:
     @property
     def location(self) -> StepLocation:
         """Where the attempt this marker vouches for keeps its data."""
-        return StepLocation.committed(self.step, self.attempt, self.version, self.manifest_names())
+        return StepLocation.committed(self.step, self.attempt, self.version)
 
     @property
     def key(self) -> str:

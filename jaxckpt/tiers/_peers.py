@@ -292,7 +292,7 @@ class Peers(Healing):
         files: dict[str, FileDigest] = {}
         try:
             with self._connect(holder) as peer:
-                for key in list_attempt(storage, loc, [self.me]):  # its part, hashed prefixes too
+                for key in list_attempt(storage, loc):  # its part, hashed prefixes too
                     name = loc.name_of(key)
                     if is_temp_key(key) or name is None:
                         continue
