@@ -25,6 +25,7 @@ import jaxckpt
 from jaxckpt import cli
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
+from jaxckpt.records._keys import StepLocation
 from jaxckpt.records._step import FileDigest, ManifestPart, crc32c, dumps
 from jaxckpt.storage import open_storage
 from jaxckpt.tools._copy import _copy_objects
@@ -174,9 +175,10 @@ def test_cp_to_s3_refuses_and_writes_nothing_outside(tmp_path, s3_server, capsys
 
 def test_the_copy_write_side_refuses_a_listed_key_that_leaves_the_destination(tmp_path):
     src, dst = open_storage(str(tmp_path / "src")), open_storage(str(tmp_path / "dst"))
-    src.write("a/x", b"data")
+    old, new = StepLocation(1, "e1-1-aa"), StepLocation(1, "e1-2-bb")  # (source, destination)
+    src.write(old.key("x"), b"data")
     with pytest.raises(CorruptCheckpointError, match="unsafe key name"):
-        _copy_objects(src, dst, ["a/x", "a/../../../OUTSIDE.bin"], {}, ("a/", "b/"))
+        _copy_objects(src, dst, [old.key("x"), old.prefix + "../../../OUTSIDE.bin"], {}, (old, new))
     assert not (tmp_path / "OUTSIDE.bin").exists()
     assert dst.list("") == []  # refused before anything was written
 

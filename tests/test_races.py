@@ -74,7 +74,7 @@ def test_cp_skips_a_step_deleted_mid_copy_and_copies_the_rest(
     pruned = []
 
     def pruned_mid_copy(src, dst_storage, keys, chunks, rename, packed=None):
-        if not pruned and "/2/" in rename[0]:  # the first objects of step 2
+        if not pruned and rename[0].step == 2:  # the first objects of step 2
             pruned.append(True)
             _prune(storage_root, keep_last=1)  # retention deletes 1 and 2 now
         return copy_objects(src, dst_storage, keys, chunks, rename, packed)
