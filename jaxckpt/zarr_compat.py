@@ -14,9 +14,9 @@ committed step on ``gs://`` and ``s3://`` through fsspec (gcsfs / s3fs, the
 ``jaxckpt[zarr]`` extra), with the same endpoint environment variables as
 jaxckpt itself.
 
-A packed step (``layout="packed"``) has no per-array zarr objects: its chunks
-lie in pack objects. Each chunk there is stored exactly as zarr's ``bytes`` +
-``crc32c`` codecs encode it (``raw || crc32c(raw)``), so
+A packed step (:data:`jaxckpt.formats.PACKED`, the default) has no per-array zarr
+objects: its chunks lie in pack objects. Each chunk there is stored exactly as
+zarr's ``bytes`` + ``crc32c`` codecs encode it (``raw || crc32c(raw)``), so
 :func:`reference_manifest` maps every zarr key of the step (group and array
 ``zarr.json``, chunk keys) to the bytes that hold it (``[pack URL, offset,
 size]``, a kerchunk / fsspec reference spec, version 1), and
@@ -218,7 +218,7 @@ def reference_manifest(
 
     >>> import tempfile, numpy as np, jaxckpt
     >>> root = tempfile.mkdtemp()
-    >>> with jaxckpt.CheckpointManager(root, layout="packed") as mgr:
+    >>> with jaxckpt.CheckpointManager(root) as mgr:  # packed, the default
     ...     mgr.save(1, {"w": np.arange(3, dtype=np.float32)})
     True
     >>> refs = reference_manifest(root)["refs"]

@@ -23,7 +23,7 @@ from jaxckpt._tree import (
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CorruptCheckpointError, StorageError
-from jaxckpt.formats import DataFormat, format_named
+from jaxckpt.formats import PLAIN, DataFormat, format_named
 from jaxckpt.formats._chunkread import RegionRequest, plain_leaves, read_regions
 from jaxckpt.formats._tsio import (
     ArrayWriter,
@@ -53,8 +53,8 @@ class LoadedStep:
     chunks: Mapping[str, tuple[ChunkRecord, ...]]
     user_metadata: Any
     versions: Mapping[str, str] = field(default_factory=dict)
-    layout: str = "plain"
-    """The step's data format by name (``"packed"``: its chunks live in pack objects)."""
+    layout: str = PLAIN.name
+    """The step's data format by name (:data:`jaxckpt.formats.FORMATS`)."""
     plain_codecs: bool = False
     """Every manifest part says its arrays use jaxckpt's codec chain (``ManifestPart``)."""
     process_states: Mapping[int, Any] = field(default_factory=dict)
