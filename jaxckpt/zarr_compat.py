@@ -133,23 +133,32 @@ def fsspec_url(
     >>> fsspec_url("/data/run")
     ('/data/run', {})
     """
-    if uri.startswith("s3://"):
-        options: dict[str, Any] = {}
-        url = (
-            endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        )
-        if url:
-            options["endpoint_url"] = url
-        if region:
-            options["client_kwargs"] = {"region_name": region}
-        return uri, options
-    if uri.startswith("gs://"):
-        host = endpoint or os.environ.get("STORAGE_EMULATOR_HOST")
-        if host:
-            url = host if "://" in host else f"http://{host}"
-            return uri, {"endpoint_url": url, "token": "anon"}
-        return uri, {}
-    return uri.removeprefix("file://"), {}
+    scheme, sep, _ = uri.partition("://")
+    options_for = _FSSPEC_OPTIONS.get(scheme) if sep else None
+    if options_for is None:
+        return uri.removeprefix("file://"), {}
+    return uri, options_for(endpoint, region)
+
+
+def _s3fs_options(endpoint: str | None, region: str | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    url = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if url:
+        options["endpoint_url"] = url
+    if region:
+        options["client_kwargs"] = {"region_name": region}
+    return options
+
+
+def _gcsfs_options(endpoint: str | None, region: str | None) -> dict[str, Any]:
+    host = endpoint or os.environ.get("STORAGE_EMULATOR_HOST")
+    if not host:
+        return {}
+    return {"endpoint_url": host if "://" in host else f"http://{host}", "token": "anon"}
+
+
+_FSSPEC_OPTIONS = {"s3": _s3fs_options, "gs": _gcsfs_options}
+"""fsspec's ``storage_options`` per object-store scheme (s3fs, gcsfs)."""
 
 
 def _fill_value(dtype: str) -> Any:
