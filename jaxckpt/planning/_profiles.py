@@ -187,8 +187,8 @@ def _fit(points: Iterable[tuple[float, float]]) -> Linear:
     if spread == 0:
         return Linear(a=mean_v)
     b = sum((n - mean_n) * (v - mean_v) for n, v in pts) / spread
-    width = max(n for n, _ in pts) - min(n for n, _ in pts)
-    if abs(b) * width < 1:  # less than one count across the measured range: noise, a constant
+    values = [v for _, v in pts]
+    if max(values) - min(values) <= 1:  # within one count across the measured N: a constant
         return Linear(a=round(mean_v, 3))
     return Linear(a=round(mean_v - b * mean_n, 3), b=round(b, 3))
 
