@@ -19,6 +19,7 @@ from benchkit import servers
 from benchkit.shaper import Profile, Shaper
 
 import jaxckpt
+from jaxckpt.records._keys import SPREAD_SLOTS
 from jaxckpt.storage import open_storage
 
 
@@ -47,12 +48,12 @@ def test_a_packed_save_sends_no_head_reads_back_nothing_and_raises_a_new_hint_un
     assert lines, "the save sent nothing through the proxy"
     assert [m for m, _ in lines if m == "HEAD"] == []  # the marker is one conditional PUT
     # The commit takes its own records' digests from the bytes it wrote, and checks that
-    # they and every pack are there with one listing of each prefix that holds them: the
-    # attempt's, and the one hashed prefix of its part and its one pack (both slot 0).
+    # they and every pack are there with one listing of each prefix the attempt has: its
+    # own and its 32 hashed ones, whatever the number of processes.
     read_back = [p for m, p in lines if m == "GET" and ("tree.json" in p or "/manifest/" in p)]
     assert read_back == []
     listed = [p for m, p in lines if m == "GET" and "list-type=2" in p and attempt in p]
-    assert len(listed) == 2, listed
+    assert len(listed) == 1 + SPREAD_SLOTS, listed
     hint = [m for m, path in lines if "/commits/latest." in path]
     assert hint == ["PUT"]  # raised, never read: this writer took the epoch just now
     markers = [m for m, path in lines if "/commits/000000000001." in path]
