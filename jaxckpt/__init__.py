@@ -38,40 +38,40 @@ if TYPE_CHECKING:
     from jaxckpt import policy as policy
     from jaxckpt._manager import CheckpointManager as CheckpointManager
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
-    from jaxckpt.records._metadata import LeafInfo as LeafInfo
-    from jaxckpt.records._metadata import StepMetadata as StepMetadata
     from jaxckpt.restoring._lazy import LeafView as LeafView
     from jaxckpt.restoring._lazy import StepView as StepView
     from jaxckpt.restoring._lazy import open_step as open_step
+    from jaxckpt.restoring._metadata import LeafInfo as LeafInfo
+    from jaxckpt.restoring._metadata import StepMetadata as StepMetadata
     from jaxckpt.restoring._nnx import nnx_step_fn as nnx_step_fn
-    from jaxckpt.restoring._preflight import LeafMismatch as LeafMismatch
-    from jaxckpt.restoring._preflight import ResumeReport as ResumeReport
-    from jaxckpt.restoring._preflight import check_resume as check_resume
     from jaxckpt.saving._telemetry import SaveStats as SaveStats
     from jaxckpt.storage import ObjectStoreOptions as ObjectStoreOptions
     from jaxckpt.tools._diff import diff_steps as diff_steps
-    from jaxckpt.tools._import import import_safetensors as import_safetensors
-    from jaxckpt.tools._orbax_export import export_orbax as export_orbax
-    from jaxckpt.tools._orbax_import import import_orbax as import_orbax
     from jaxckpt.tools._safetensors import export_safetensors as export_safetensors
     from jaxckpt.tools._verify import Problem as Problem
     from jaxckpt.tools._verify import VerifyReport as VerifyReport
+    from jaxckpt.workflows._import import import_safetensors as import_safetensors
+    from jaxckpt.workflows._orbax_export import export_orbax as export_orbax
+    from jaxckpt.workflows._orbax_import import import_orbax as import_orbax
+    from jaxckpt.workflows._preflight import LeafMismatch as LeafMismatch
+    from jaxckpt.workflows._preflight import ResumeReport as ResumeReport
+    from jaxckpt.workflows._preflight import check_resume as check_resume
 
 _LAZY = {
     "CheckpointManager": "jaxckpt._manager",
-    "LeafInfo": "jaxckpt.records._metadata",
-    "StepMetadata": "jaxckpt.records._metadata",
+    "LeafInfo": "jaxckpt.restoring._metadata",
+    "StepMetadata": "jaxckpt.restoring._metadata",
     "CheckpointOptions": "jaxckpt._options",
-    "LeafMismatch": "jaxckpt.restoring._preflight",
-    "ResumeReport": "jaxckpt.restoring._preflight",
-    "check_resume": "jaxckpt.restoring._preflight",
+    "LeafMismatch": "jaxckpt.workflows._preflight",
+    "ResumeReport": "jaxckpt.workflows._preflight",
+    "check_resume": "jaxckpt.workflows._preflight",
     "nnx_step_fn": "jaxckpt.restoring._nnx",
     "LeafView": "jaxckpt.restoring._lazy",
     "diff_steps": "jaxckpt.tools._diff",
     "export_safetensors": "jaxckpt.tools._safetensors",
-    "export_orbax": "jaxckpt.tools._orbax_export",
-    "import_orbax": "jaxckpt.tools._orbax_import",
-    "import_safetensors": "jaxckpt.tools._import",
+    "export_orbax": "jaxckpt.workflows._orbax_export",
+    "import_orbax": "jaxckpt.workflows._orbax_import",
+    "import_safetensors": "jaxckpt.workflows._import",
     "StepView": "jaxckpt.restoring._lazy",
     "open_step": "jaxckpt.restoring._lazy",
     "SaveStats": "jaxckpt.saving._telemetry",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxckpt import CheckpointManager
+from jaxckpt._manager import CheckpointManager
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.errors import StepNotFoundError
 from jaxckpt.records._procstate import RestoredStates

@@ -1,8 +1,8 @@
 """CheckpointManager: the public entry point; it builds the parts and delegates to them.
 
 The manager holds its tiers (:mod:`jaxckpt.tiers._tier`, nearest first), the save
-session (:mod:`jaxckpt.saving._session`), retention (:mod:`jaxckpt.tiers._retention`),
-promotion (:mod:`jaxckpt.tiers._promotion`), the agreement among hosts and the
+session (:mod:`jaxckpt.saving._session`), retention (:mod:`jaxckpt.lifecycle._retention`),
+promotion (:mod:`jaxckpt.lifecycle._promotion`), the agreement among hosts and the
 preemption watcher. A save goes manager → :class:`~jaxckpt.saving._session.SaveSession`
 → Orbax AsyncCheckpointer → :class:`~jaxckpt.saving._handler.ZarrHandler` →
 ``SaveSession.write`` → :class:`~jaxckpt.formats._tsio.ArrayWriter` → TensorStore; a
@@ -27,16 +27,16 @@ from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.errors import CheckpointError
+from jaxckpt.lifecycle._promotion import open_promotion
+from jaxckpt.lifecycle._retention import Retention
 from jaxckpt.records._keys import check_step
-from jaxckpt.records._metadata import StepMetadata, step_metadata
 from jaxckpt.records._procstate import ProcessStateAccess
 from jaxckpt.restoring import _select
 from jaxckpt.restoring._match import PathMap
+from jaxckpt.restoring._metadata import StepMetadata, step_metadata
 from jaxckpt.saving._session import SaveSession
 from jaxckpt.saving._telemetry import SaveStats
 from jaxckpt.tiers._open import join_tiers, open_tiers
-from jaxckpt.tiers._promotion import open_promotion
-from jaxckpt.tiers._retention import Retention
 from jaxckpt.tiers._tier import Tier
 from jaxckpt.tools._verify import VerifyReport, verify_step
 

@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 
     from jaxckpt import CheckpointManager
     from jaxckpt._options import CheckpointOptions
-    from jaxckpt.restoring._preflight import ResumeReport
+    from jaxckpt.workflows._preflight import ResumeReport
 
 CheckpointFlagError: type[Exception]
 """A ``checkpoint_*`` flag is missing or inconsistent (an ``absl.app.UsageError``, a
@@ -203,7 +203,7 @@ def preflight_from_flags(
     fv = flag_values_or_default(flag_values)
     if not fv.checkpoint_preflight_steps:
         return None
-    from jaxckpt.restoring._preflight import check_resume
+    from jaxckpt.workflows._preflight import check_resume
 
     return check_resume(
         step_fn,

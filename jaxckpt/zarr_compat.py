@@ -163,7 +163,7 @@ _FSSPEC_OPTIONS = {"s3": _s3fs_options, "gs": _gcsfs_options}
 
 def _fill_value(dtype: str) -> Any:
     """The zarr v3 ``fill_value`` TensorStore writes for a jaxckpt array (zero)."""
-    from jaxckpt._tree import np_dtype
+    from jaxckpt.records._pytree import np_dtype
 
     kind = np_dtype(dtype).kind
     if kind == "b":

@@ -105,3 +105,44 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def unit(module: str) -> str:
+    """The node a module belongs to: its subpackage, or itself when directly in ``jaxckpt/``.
+
+    >>> unit("jaxckpt.commit._gc"), unit("jaxckpt.errors"), unit("jaxckpt")
+    ('commit', 'errors', 'jaxckpt')
+    """
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def unit_graph(
+    edges: dict[str, set[str]] | None = None, *, type_checking: bool = False
+) -> dict[str, set[str]]:
+    """The graph between units (``unit``): each subpackage one node, each top-level module one."""
+    edges = graph(type_checking=type_checking) if edges is None else edges
+    out: dict[str, set[str]] = {}
+    for module, targets in edges.items():
+        out.setdefault(unit(module), set()).update(unit(t) for t in targets)
+    for node, targets in out.items():
+        targets.discard(node)
+    return out
+
+
+def private_module(module: str) -> bool:
+    """Whether ``module`` is a private module inside a subpackage (``jaxckpt.commit._gc``)."""
+    return module.count(".") >= 2 and module.rpartition(".")[2].startswith("_")
+
+
+def crossings(edges: dict[str, set[str]] | None = None) -> list[tuple[str, str]]:
+    """Every import (module to module) that crosses into another subpackage."""
+    edges = graph() if edges is None else edges
+    return sorted(
+        (module, target)
+        for module, targets in edges.items()
+        for target in targets
+        if unit(target) != unit(module)
+        and target.count(".") >= 1
+        and (PACKAGE / target.split(".")[1]).is_dir()
+    )

@@ -53,7 +53,7 @@ def dtype_leaves(seed: int) -> dict[str, jax.Array]:
 
 
 def test_readme_names_every_storable_dtype_and_no_other():
-    from jaxckpt._tree import storage_problem
+    from jaxckpt.records._pytree import storage_problem
 
     named = readme_dtypes()
     assert len(named) == len(set(named)) > 20

@@ -22,9 +22,9 @@ from benchkit import servers
 import jaxckpt
 from jaxckpt import policy
 from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.lifecycle._promoter import read_requests
 from jaxckpt.records._keys import TIER_RECORD, WRITERS
 from jaxckpt.storage import open_storage
-from jaxckpt.tiers._promoter import read_requests
 
 
 def job(root: str, local: Path, **kwargs: object) -> jaxckpt.CheckpointManager:

@@ -34,8 +34,8 @@ from rootpaths import chunk_path
 
 import jaxckpt
 from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.lifecycle._promoter import read_requests
 from jaxckpt.storage import open_storage
-from jaxckpt.tiers._promoter import read_requests
 
 pytestmark = pytest.mark.timeout(300)
 STEPS = mh.STEPS

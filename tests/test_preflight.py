@@ -152,7 +152,7 @@ def test_tiny_nondeterminism_is_reported_as_such():
 
 def test_a_restore_target_that_casts_a_dtype_is_a_checkpoint_problem():
     state = _state()
-    target = jaxckpt.restoring._preflight.abstract_target(state)
+    target = jaxckpt.workflows._preflight.abstract_target(state)
     target["w"] = jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=state["w"].sharding)
     report = jaxckpt.check_resume(clean_step, state, BATCHES, steps=2, target=target)
     assert report.verdict == "checkpoint" and report.first_divergent_step == 0
@@ -163,7 +163,7 @@ def test_a_restore_target_that_casts_a_dtype_is_a_checkpoint_problem():
 
 
 def test_a_restore_target_that_loses_a_leaf_is_a_checkpoint_problem():
-    target = jaxckpt.restoring._preflight.abstract_target(_state())
+    target = jaxckpt.workflows._preflight.abstract_target(_state())
     del target["rng"]
     target["extra"] = jnp.zeros(2)
     report = jaxckpt.check_resume(clean_step, _state(), BATCHES, steps=2, target=target)

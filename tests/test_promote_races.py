@@ -18,9 +18,9 @@ import pytest
 import jaxckpt
 from jaxckpt import policy
 from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.lifecycle import _promoter as _promote
+from jaxckpt.lifecycle._promoter import GONE, PROMOTED, Promoter, read_requests
 from jaxckpt.storage import open_storage
-from jaxckpt.tiers import _promoter as _promote
-from jaxckpt.tiers._promoter import GONE, PROMOTED, Promoter, read_requests
 from jaxckpt.tools import _copy
 
 

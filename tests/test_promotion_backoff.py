@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.tiers._backoff import Backoff
+from jaxckpt.lifecycle._backoff import Backoff
 
 WAIT_S = 4.0
 CLOSE_S = 6.0

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxckpt._tree import SavedLeaf
 from jaxckpt.formats._tsio import chunk_key
+from jaxckpt.records._pytree import SavedLeaf
 from jaxckpt.records._step import ChunkRecord
 from jaxckpt.restoring._collective import _Meta, _reassemble
 from jaxckpt.restoring._crccombine import crc32c_combine

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import pytest
 
-from jaxckpt._tree import SavedLeaf
+from jaxckpt.records._pytree import SavedLeaf
 from jaxckpt.records._step import ChunkRecord
 from jaxckpt.restoring import _parts
 

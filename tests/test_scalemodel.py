@@ -66,7 +66,7 @@ def test_todays_counts_exceed_s3_on_restore_at_a_thousand_processes() -> None:
 @pytest.mark.parametrize("rtt_ms", [20, 50])
 def test_the_target_meets_the_issue_bounds_on_s3_with_hashed_prefixes(rtt_ms: int) -> None:
     """Issue 35's model target: under 10 s at 1,024 and under 60 s at 8,192 on S3."""
-    from jaxckpt.formats._floors import Link
+    from jaxckpt.planning._floors import Link
 
     rows = scale_plan(
         processes=[1024, 8192],

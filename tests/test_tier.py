@@ -11,8 +11,8 @@ import jaxckpt
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit._agree import Agreement
+from jaxckpt.lifecycle._retention import Retention
 from jaxckpt.tiers._open import open_tier, open_tiers
-from jaxckpt.tiers._retention import Retention
 
 
 def saved(root: Path, steps: range) -> None:

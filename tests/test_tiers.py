@@ -31,9 +31,9 @@ import jaxckpt
 from jaxckpt import policy
 from jaxckpt.commit._objects import list_attempt
 from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.lifecycle._promoter import read_requests
 from jaxckpt.records._keys import ATTEMPTS, DATA, parse_data_key
 from jaxckpt.storage import open_storage
-from jaxckpt.tiers._promoter import read_requests
 
 CHILD = str(Path(__file__).with_name("tier_child.py"))
 TIMEOUT_S = 120.0

@@ -11,13 +11,13 @@ from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, pri
 from jaxckpt.commit._gc import scan
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import NotACheckpointRootError
+from jaxckpt.lifecycle._keep import retention_decision
 from jaxckpt.records._keys import (
     REPLICAS,
     is_held_manifest_name,
     replica_holdings,
 )
 from jaxckpt.records._step import CommitMarker
-from jaxckpt.tiers._keep import retention_decision
 
 DEFAULT_LIMIT = 50
 

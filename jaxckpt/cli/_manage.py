@@ -18,8 +18,8 @@ from jaxckpt.cli._common import (
 from jaxckpt.cli._output import ago, err, human_bytes, human_duration, print_table
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError
+from jaxckpt.lifecycle._keep import retention_decision
 from jaxckpt.records._step import CommitMarker
-from jaxckpt.tiers._keep import retention_decision
 
 
 def register(sub: Any) -> None:

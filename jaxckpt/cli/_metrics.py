@@ -8,9 +8,9 @@ from typing import Any
 
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError
+from jaxckpt.lifecycle._promoter import FAILED, PROMOTED, PromotionResult, read_requests
 from jaxckpt.records._keys import REPLICAS, replica_holdings, replica_index_key
 from jaxckpt.records._step import ReplicaIndex
-from jaxckpt.tiers._promoter import FAILED, PROMOTED, PromotionResult, read_requests
 
 log = logging.getLogger("jaxckpt")
 

@@ -2,7 +2,7 @@
 
 With ``--devices`` and ``--leaves``, also each layout's objects and request cost per
 checkpoint (:func:`jaxckpt.planning._costs.object_plan`) and the time floor of one save and one
-restore on a far-away store (:mod:`jaxckpt.formats._floors`, which states the model).
+restore on a far-away store (:mod:`jaxckpt.planning._floors`, which states the model).
 With ``--processes``, instead, one save and one restore at cluster scale
 (:mod:`jaxckpt.cli._scaleplan`, :mod:`jaxckpt.planning._scale`).
 """
@@ -82,7 +82,7 @@ def register(sub: Any) -> None:
         help="packs uploading and reads in flight (default CheckpointOptions.objects_in_flight)",
     )
     # The time floors of one save and one restore (with --devices/--leaves);
-    # see jaxckpt.formats._floors.
+    # see jaxckpt.planning._floors.
     p.add_argument(
         "--conn-mbps", type=float, default=85.0, help="MB/s per connection (default 85, AWS)"
     )
@@ -181,8 +181,8 @@ def _link_dict(link: Any) -> dict[str, float]:
 
 
 def _floors(args: argparse.Namespace, checkpoint_bytes: float) -> tuple[Any, dict[str, Any]]:
-    from jaxckpt.formats._floors import floors
     from jaxckpt.planning._costs import process_share
+    from jaxckpt.planning._floors import floors
 
     share = process_share(
         checkpoint_bytes=checkpoint_bytes,
@@ -197,7 +197,7 @@ def _floors(args: argparse.Namespace, checkpoint_bytes: float) -> tuple[Any, dic
 
 
 def _link(args: argparse.Namespace) -> Any:
-    from jaxckpt.formats._floors import Link
+    from jaxckpt.planning._floors import Link
 
     extra = {} if args.connections is None else {"connections": args.connections}
     return Link(

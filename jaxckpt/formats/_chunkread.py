@@ -30,11 +30,11 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import _pools as pools
-from jaxckpt._tree import SavedLeaf
 from jaxckpt.errors import CorruptCheckpointError
 from jaxckpt.formats._reread import reread_chunk
 from jaxckpt.formats._tsio import Region, chunk_key, zarr_metadata
 from jaxckpt.records._keys import PACK_ALIGNMENT, PACK_UPLOADS, StepLocation
+from jaxckpt.records._pytree import SavedLeaf
 from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, chunk_problem
 from jaxckpt.storage import Storage, aligned_empty
 from jaxckpt.storage._options import span_limit

@@ -45,7 +45,6 @@ import jax
 import numpy as np
 
 from jaxckpt import _pools as pools
-from jaxckpt._tree import SavedLeaf
 from jaxckpt.commit._phases import reached, watched
 from jaxckpt.formats import Planned, Written
 from jaxckpt.formats._tsio import HostArray, chunk_key, chunks_of, whole_chunk
@@ -57,6 +56,7 @@ from jaxckpt.records._keys import (
     pack_count,
     pack_name,
 )
+from jaxckpt.records._pytree import SavedLeaf
 from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord
 from jaxckpt.storage import Storage
 

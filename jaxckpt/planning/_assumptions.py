@@ -92,7 +92,7 @@ def assumptions(
         f"{leaves:,} leaves, each sharded over all devices, {dpp} devices per process, "
         f"{name} layout (jaxckpt.planning._costs.process_share)",
         f"counts per process: profile {profile.name!r}: {profile.source}",
-        f"data requests and their floor: the {name} layout's (jaxckpt.formats._floors), "
+        f"data requests and their floor: the {name} layout's (jaxckpt.planning._floors), "
         f"{link.conn_bytes_per_s / 1e6:g} MB/s per connection, {link.rtt_s * 1e3:g} ms per "
         f"request, {link.host_bytes_per_s / 1e9:g} GB/s per host, "
         f"{link.connections} requests in flight",

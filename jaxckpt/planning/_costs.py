@@ -23,8 +23,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from jaxckpt.formats import FORMATS
-from jaxckpt.formats._cost import RECORDS_PER_STEP, ProcessShare
 from jaxckpt.policy import daly_interval
+from jaxckpt.records._layoutcost import RECORDS_PER_STEP, ProcessShare
 
 __all__ = ["PlanResult", "plan"]
 

@@ -10,7 +10,7 @@ formulas in N, per phase and role (:mod:`jaxckpt.planning._profiles`).
 (``DataFormat.cost``; by default the format new steps are written in,
 :func:`~jaxckpt.planning._assumptions.default_format`), from the format model
 (:func:`jaxckpt.planning._costs.process_share`,
-:func:`jaxckpt.formats._floors.floors`): every leaf sharded over all devices.
+:func:`jaxckpt.planning._floors.floors`): every leaf sharded over all devices.
 
 **Time of a phase**, for the primary (the busiest process)::
 
@@ -105,8 +105,8 @@ def scale_plan(
     >>> [(r.phase, r.limit_exceeded, r.time_s < 10) for r in rows]
     [('save', False, True), ('restore', False, True)]
     """
-    from jaxckpt.formats._floors import Link, floor
     from jaxckpt.planning._costs import _count, _positive, process_share
+    from jaxckpt.planning._floors import Link, floor
 
     _positive("state_bytes", state_bytes)
     for name, count in (("leaves", leaves), ("devices_per_process", devices_per_process)):

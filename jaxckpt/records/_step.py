@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import crc32c as _crc32c
 
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
-from jaxckpt.formats import FORMATS, DataFormat, format_named
 from jaxckpt.records._keys import StepLocation, marker_key, parse_attempt
+from jaxckpt.records._layouts import FORMATS, DataFormat, format_named
 from jaxckpt.records._names import checked_name
 
 if TYPE_CHECKING:

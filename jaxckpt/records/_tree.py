@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jaxckpt.errors import CorruptCheckpointError
-from jaxckpt.formats import step_format
+from jaxckpt.records._layouts import step_format
 from jaxckpt.records._names import checked_name
 from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, load_json_record, path_text
 

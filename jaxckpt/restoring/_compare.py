@@ -1,5 +1,5 @@
 """Comparing states leaf by leaf for the resume pre-flight
-(:mod:`jaxckpt.restoring._preflight`): bit for bit, on each process's own shards, with
+(:mod:`jaxckpt.workflows._preflight`): bit for bit, on each process's own shards, with
 the largest absolute and relative differences of numeric leaves.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt._tree import flatten, path_str
+from jaxckpt.records._pytree import flatten, path_str
 from jaxckpt.restoring._resumereport import LeafMismatch
 
 

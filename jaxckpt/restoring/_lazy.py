@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt._tree import SavedLeaf
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import StepNotFoundError
 from jaxckpt.formats._chunkread import RegionRequest
 from jaxckpt.formats._tsio import Region
-from jaxckpt.restoring._stepreader import LoadedStep, load_step
+from jaxckpt.records._pytree import SavedLeaf
+from jaxckpt.restoring._stepreader import LoadedStep, load_step, tier_reader
 from jaxckpt.storage import open_storage
 from jaxckpt.tiers._tier import reading_tier
 
@@ -192,7 +192,7 @@ class StepView:
     def __init__(self, protocol: CommitProtocol, loaded: LoadedStep) -> None:
         self._protocol = protocol
         self._loaded = loaded
-        self._reader = reading_tier(protocol.storage).reader
+        self._reader = tier_reader(reading_tier(protocol.storage))
         self._plain: set[str] | None = None
         self._lock = threading.Lock()
         self._by_key: dict[str, SavedLeaf] = {}

@@ -32,7 +32,6 @@ from typing import Any
 import jax
 
 from jaxckpt import errors
-from jaxckpt._tree import PathMap
 from jaxckpt.commit._agree import Agreement, failure
 from jaxckpt.commit._protocol import brief
 from jaxckpt.errors import (
@@ -44,7 +43,8 @@ from jaxckpt.errors import (
 from jaxckpt.records._keys import MarkerRef
 from jaxckpt.records._procstate import RestoredStates
 from jaxckpt.records._step import CommitMarker
-from jaxckpt.restoring._stepreader import StepRecords
+from jaxckpt.restoring._match import PathMap
+from jaxckpt.restoring._stepreader import StepRecords, tier_reader
 from jaxckpt.tiers._tier import Tier
 
 log = logging.getLogger("jaxckpt")
@@ -114,7 +114,7 @@ class Selection:
                     marker = marker or tier.marker(s, ref)
                     with self._guard(s):
                         records = StepRecords(tier.protocol, marker)
-                        restored = tier.reader.restore(
+                        restored = tier_reader(tier).restore(
                             records,
                             target,
                             partial=partial,

@@ -5,21 +5,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt._tree import (
-    PathMap,
-    SavedLeaf,
-    check_casts,
-    flatten,
-    match_target,
-    path_str,
-    unflatten_saved,
-)
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CorruptCheckpointError, StorageError
@@ -34,12 +25,22 @@ from jaxckpt.formats._tsio import (
     region_of,
 )
 from jaxckpt.records._keys import PACK_UPLOADS, manifest_name
+from jaxckpt.records._pytree import (
+    SavedLeaf,
+    flatten,
+    path_str,
+    unflatten_saved,
+)
 from jaxckpt.records._step import ChunkRecord, CommitMarker
 from jaxckpt.records._tree import CheckedStep, check_parts, parse_tree, read_checked, rebuild
+from jaxckpt.restoring._match import PathMap, check_casts, match_target
 from jaxckpt.restoring._parts import missing_chunk, needed_processes
 from jaxckpt.restoring._readonce import Exchange, plan
 from jaxckpt.restoring._targets import place_keys, resolve_targets, target_sharding, uncommitted
 from jaxckpt.storage import tensorstore_backed
+
+if TYPE_CHECKING:
+    from jaxckpt.tiers._tier import Tier
 
 log = logging.getLogger("jaxckpt")
 
@@ -144,6 +145,13 @@ class StepRecords:
         parts = list(self._parts.values())
         checked = check_parts(self.protocol, self.marker, self.tree, parts, complete=self.complete)
         return _loaded(self.marker, checked)
+
+
+def tier_reader(tier: Tier) -> StepReader:
+    """A reader of ``tier``'s committed steps (through its arrays and TensorStore context)."""
+    return StepReader(
+        tier.protocol, tier.arrays, tier.context, reads_in_flight=tier.reads_in_flight
+    )
 
 
 class StepReader:

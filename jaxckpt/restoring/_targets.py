@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt._tree import SavedLeaf
 from jaxckpt.errors import TreeMismatchError
+from jaxckpt.records._pytree import SavedLeaf
 
 __all__ = ["place_keys", "resolve_targets", "target_sharding", "uncommitted"]
 

@@ -28,7 +28,6 @@ import jax
 
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._tree import SavedLeaf
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.commit._fence import Listing
 from jaxckpt.commit._protocol import CommitProtocol
@@ -43,6 +42,8 @@ from jaxckpt.formats._tsio import ArrayWriter, HostArray
 from jaxckpt.formats.writers import step_writer
 from jaxckpt.records import _procstate
 from jaxckpt.records._keys import StepLocation
+from jaxckpt.records._pytree import SavedLeaf
+from jaxckpt.records._requests import PromotionRequest, withdraw
 from jaxckpt.records._step import CommitMarker
 from jaxckpt.saving import _atexit, _handler
 from jaxckpt.saving._helpers import (
@@ -50,7 +51,6 @@ from jaxckpt.saving._helpers import (
 )
 from jaxckpt.saving._stepwrite import Inflight, StepWrite, prepare_step
 from jaxckpt.saving._telemetry import SaveRecorder
-from jaxckpt.tiers._requests import PromotionRequest, withdraw
 from jaxckpt.tiers._tier import Tier
 
 log = logging.getLogger("jaxckpt")

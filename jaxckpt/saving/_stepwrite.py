@@ -21,7 +21,6 @@ import jax
 
 from jaxckpt import _pools
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._tree import describe_state
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.commit._fence import Listing
 from jaxckpt.commit._phases import reached, watched
@@ -36,6 +35,8 @@ from jaxckpt.records._keys import (
     manifest_name,
     new_attempt,
 )
+from jaxckpt.records._pytree import describe_state
+from jaxckpt.records._requests import PromotionRequest, request_promotion
 from jaxckpt.records._step import ChunkRecord, CommitMarker, ManifestPart
 from jaxckpt.records._summary import PartSummary
 from jaxckpt.saving._helpers import (
@@ -46,7 +47,6 @@ from jaxckpt.saving._helpers import (
     tree_record,
 )
 from jaxckpt.saving._telemetry import SaveRecorder
-from jaxckpt.tiers._promoter import PromotionRequest, request_promotion
 from jaxckpt.tiers._tier import Tier
 
 

@@ -31,10 +31,10 @@ from jaxckpt.records._keys import (
     replica_index_key,
     replica_prefix,
 )
+from jaxckpt.records._requests import PromotionRequest, request_promotion
 from jaxckpt.records._step import FileDigest, ReplicaIndex
 from jaxckpt.tiers._peerclient import PeerClient
 from jaxckpt.tiers._placement import Held, Placement, fallback, heal_target
-from jaxckpt.tiers._requests import PromotionRequest, request_promotion
 
 if TYPE_CHECKING:
     from jaxckpt.tiers._tier import Tier

@@ -28,7 +28,6 @@ from jaxckpt.formats._tsio import ArrayWriter
 from jaxckpt.records import _owner
 from jaxckpt.records._keys import COMMITS, ROOT_RECORD, MarkerRef
 from jaxckpt.records._step import CommitMarker
-from jaxckpt.restoring._stepreader import StepReader
 from jaxckpt.storage import Storage, tensorstore_backed
 from jaxckpt.tiers._commitpoint import EVERY_HOST, ONCE_FOR_THE_JOB, CommitPoint
 from jaxckpt.tiers._peers import NoReplicas, Replicas, open_replicas
@@ -62,9 +61,7 @@ class _Root:
         self.arrays = ArrayWriter(
             storage, self.context, max_inflight_bytes=options.max_inflight_bytes
         )
-        self.reader = StepReader(
-            self.protocol, self.arrays, self.context, reads_in_flight=options.objects_in_flight
-        )
+        self.reads_in_flight = options.objects_in_flight
 
     def __repr__(self) -> str:
         return f"Tier({self.name!r}, {self.uri!r})"

@@ -32,7 +32,6 @@ from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.formats._tsio import ArrayWriter
 from jaxckpt.records._keys import MarkerRef
 from jaxckpt.records._step import CommitMarker
-from jaxckpt.restoring._stepreader import StepReader
 from jaxckpt.storage import Storage
 from jaxckpt.tiers._commitpoint import CommitPoint
 from jaxckpt.tiers._kinds import SharedTier
@@ -60,7 +59,8 @@ class Tier(Protocol):
     protocol: CommitProtocol
     context: ts.Context
     arrays: ArrayWriter
-    reader: StepReader
+    reads_in_flight: int
+    """How many chunk reads a restore from this tier keeps in flight."""
     retention: policy.RetentionPolicy | None
     peers: Replicas
     """Where this tier's parts are replicated, and the replicas it holds for others."""

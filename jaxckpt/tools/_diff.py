@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxckpt._tree import SavedLeaf
 from jaxckpt.errors import CorruptCheckpointError
 from jaxckpt.formats._tsio import Region
+from jaxckpt.records._pytree import SavedLeaf
 from jaxckpt.restoring._lazy import LeafView, StepView, dotted_path
 
 __all__ = ["LeafDiff", "StepDiff", "diff_steps"]

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import tensorstore as ts
 
-from jaxckpt._tree import SavedLeaf
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError
 from jaxckpt.formats._tsio import check_chunks, expected_chunk_count, zarr_metadata
+from jaxckpt.records._pytree import SavedLeaf
 from jaxckpt.restoring._lazy import dotted_path
 from jaxckpt.restoring._stepreader import LoadedStep, load_step
 

@@ -1,7 +1,7 @@
 """Importing foreign checkpoints into new steps of a jaxckpt root.
 
 Two sources: safetensors (one file, a Hugging Face shard set with its index, or
-a directory of them, here) and Orbax checkpoints (:mod:`jaxckpt.tools._orbax_import`).
+a directory of them, here) and Orbax checkpoints (:mod:`jaxckpt.workflows._orbax_import`).
 An imported tree is saved through :class:`jaxckpt.CheckpointManager`, so each
 new step is committed by the same protocol as any save, with every chunk
 checksummed.
@@ -64,7 +64,7 @@ def commit_imports(
     """
     import jax
 
-    from jaxckpt import CheckpointManager
+    from jaxckpt._manager import CheckpointManager
 
     results = []
     with CheckpointManager(root, storage_options=storage_options) as mgr:

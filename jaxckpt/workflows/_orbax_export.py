@@ -146,7 +146,7 @@ def export_orbax(
     """
     import jax
 
-    from jaxckpt import CheckpointManager
+    from jaxckpt._manager import CheckpointManager
 
     with CheckpointManager(root, read_only=True, storage_options=storage_options) as mgr:
         tree = mgr.restore(step, target=target, partial=partial)

@@ -13,7 +13,7 @@ connections). A process keeps at most ``connections`` requests in flight
 (``ObjectStoreOptions.request_concurrency``, default 32), and no more than its
 format issues at once. Which requests a save and a restore make, and how many of
 them fly at once, is each format's (``DataFormat.cost``,
-:mod:`jaxckpt.formats._cost`): plain writes an object per chunk and a
+:mod:`jaxckpt.records._layoutcost`): plain writes an object per chunk and a
 ``zarr.json`` per leaf with at most ``max_inflight_bytes`` of chunks in flight and
 reads one ranged GET per chunk; packed writes ``pack_count`` packs,
 ``objects_in_flight`` at once, and reads spans of adjacent chunks; a restore has
@@ -48,8 +48,8 @@ import math
 from dataclasses import dataclass, field
 
 from jaxckpt.formats import FORMATS, DataFormat
-from jaxckpt.formats._cost import RECORDS_PER_STEP, ProcessShare, in_flight
 from jaxckpt.planning._costs import _count, _positive
+from jaxckpt.records._layoutcost import RECORDS_PER_STEP, ProcessShare, in_flight
 
 __all__ = ["LayoutFloor", "Link", "floor", "floors"]
 

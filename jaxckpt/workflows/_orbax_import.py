@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from jaxckpt.errors import TreeMismatchError
-from jaxckpt.tools._import import Imported, ImportResult, ImportSourceError, commit_imports
-from jaxckpt.tools._orbax_layout import OrbaxItem, OrbaxStep, choose, read_json, read_source
+from jaxckpt.workflows._import import Imported, ImportResult, ImportSourceError, commit_imports
+from jaxckpt.workflows._orbax_layout import OrbaxItem, OrbaxStep, choose, read_json, read_source
 
 __all__ = ["import_orbax"]
 

@@ -2,18 +2,21 @@
 (``promote/<step>.json`` in the local root, written before the local marker), and
 what one pass of the promoter did with each requested step.
 
-See :mod:`jaxckpt.tiers._promoter` for the promotion itself. Imports no jax.
+See :mod:`jaxckpt.lifecycle._promoter` for the promotion itself. Imports no jax.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
 from jaxckpt.records._keys import PROMOTE, parse_attempt, parse_promote_key, promote_key
 from jaxckpt.records._step import json_record, load_json_record
+
+if TYPE_CHECKING:
+    from jaxckpt.commit._protocol import CommitProtocol
 
 log = logging.getLogger("jaxckpt")
 

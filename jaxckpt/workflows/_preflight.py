@@ -163,7 +163,7 @@ def check_resume(
     >>> report.ok, report.verdict
     (True, 'ok')
     """
-    from jaxckpt import CheckpointManager
+    from jaxckpt._manager import CheckpointManager
 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")

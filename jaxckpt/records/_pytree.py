@@ -24,13 +24,6 @@ from jaxckpt.records._tree import VALUE_TYPES as VALUE_TYPES
 from jaxckpt.records._tree import SavedLeaf as SavedLeaf
 from jaxckpt.records._tree import np_dtype as np_dtype
 
-# Matching a restore target moved to restoring/_match.py; its names stay importable here.
-from jaxckpt.restoring._match import PathMap as PathMap
-from jaxckpt.restoring._match import check_casts as check_casts
-from jaxckpt.restoring._match import lossy_cast as lossy_cast
-from jaxckpt.restoring._match import match_target as match_target
-from jaxckpt.restoring._match import rename_path as rename_path
-
 
 def _is_leaf(x: Any) -> bool:
     return x is None

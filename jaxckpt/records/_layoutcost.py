@@ -1,7 +1,7 @@
 """Each data format's part of the cost model: what one step asks of the store.
 
 The cost models (``jaxckpt plan``: :func:`jaxckpt.planning._costs.object_plan`, the time
-floors of :mod:`jaxckpt.formats._floors`, the cluster-scale model of
+floors of :mod:`jaxckpt.planning._floors`, the cluster-scale model of
 :mod:`jaxckpt.planning._scale`) hold what every format shares: the link, the step's
 records, the store's rates. What differs between formats is a :class:`FormatCost`,
 reached as ``DataFormat.cost`` (:data:`jaxckpt.formats.FORMATS`), given one process's

@@ -3,13 +3,13 @@
 A tiered manager saves to each host's local tier; the steps its
 ``promote_policy`` chooses get a promotion request, written with the save
 before the local marker (:class:`~jaxckpt.saving._session.SaveSession`). A
-:class:`~jaxckpt.tiers._promoter.Promoter` copies them to the durable tier: on a
+:class:`~jaxckpt.lifecycle._promoter.Promoter` copies them to the durable tier: on a
 background thread (``promotion="background"``) or in a ``jaxckpt promote``
 sidecar (``promotion="external"``, where this component only writes the
 requests). :class:`Promotion` owns the choice of steps, the requests, the
 background promoter and ``wait_durable``; the tiers themselves (storage,
 epochs, readers) are :class:`~jaxckpt.tiers._tier.Tier` objects, and durable
-retention is the manager's one :class:`~jaxckpt.tiers._retention.Retention`.
+retention is the manager's one :class:`~jaxckpt.lifecycle._retention.Retention`.
 
 A plain manager (one tier) has :class:`NoPromotion`, which requests nothing.
 """
@@ -32,11 +32,9 @@ from jaxckpt.errors import (
     PromotionTimeoutError,
     SaveFailedError,
 )
+from jaxckpt.lifecycle._promoter import Promoter
 from jaxckpt.records._keys import new_attempt
-from jaxckpt.records._step import CommitMarker
-from jaxckpt.saving._telemetry import SaveRecorder
-from jaxckpt.tiers._promoter import Promoter
-from jaxckpt.tiers._requests import (
+from jaxckpt.records._requests import (
     FAILED,
     FENCED,
     PROMOTED,
@@ -46,6 +44,8 @@ from jaxckpt.tiers._requests import (
     request_promotion,
     withdraw,
 )
+from jaxckpt.records._step import CommitMarker
+from jaxckpt.saving._telemetry import SaveRecorder
 from jaxckpt.tiers._tier import Tier
 
 log = logging.getLogger("jaxckpt")

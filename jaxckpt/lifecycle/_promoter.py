@@ -20,8 +20,8 @@ it) and the request, so the next pass starts the step again.
 
 Requests are promoted newest first; a newer request never cancels an older
 one. The requests and the outcomes of a pass are records of their own
-(:mod:`jaxckpt.tiers._requests`); re-encoding durable steps into an archive root is
-:func:`~jaxckpt.tiers._archive.archive_once`. Imports no jax.
+(:mod:`jaxckpt.records._requests`); re-encoding durable steps into an archive root is
+:func:`~jaxckpt.lifecycle._archive.archive_once`. Imports no jax.
 """
 
 from __future__ import annotations
@@ -41,28 +41,28 @@ from jaxckpt.errors import (
     StepNotFoundError,
     WriterFencedError,
 )
+from jaxckpt.lifecycle._backoff import Backoff
+from jaxckpt.lifecycle._keep import retention_decision
 from jaxckpt.records._keys import (
     PENDING,
     StepLocation,
     manifest_name,
     promote_key,
 )
+from jaxckpt.records._requests import ALREADY_DURABLE as ALREADY_DURABLE
+from jaxckpt.records._requests import ARCHIVED as ARCHIVED
+from jaxckpt.records._requests import FAILED as FAILED
+from jaxckpt.records._requests import FENCED as FENCED
+from jaxckpt.records._requests import GONE as GONE
+from jaxckpt.records._requests import PROMOTED as PROMOTED
+from jaxckpt.records._requests import UPLOADED as UPLOADED
+from jaxckpt.records._requests import WAITING as WAITING
+from jaxckpt.records._requests import PromotionRequest as PromotionRequest
+from jaxckpt.records._requests import PromotionResult as PromotionResult
+from jaxckpt.records._requests import read_requests as read_requests
+from jaxckpt.records._requests import request_promotion as request_promotion
+from jaxckpt.records._requests import withdraw as withdraw
 from jaxckpt.records._step import CommitMarker
-from jaxckpt.tiers._backoff import Backoff
-from jaxckpt.tiers._keep import retention_decision
-from jaxckpt.tiers._requests import ALREADY_DURABLE as ALREADY_DURABLE
-from jaxckpt.tiers._requests import ARCHIVED as ARCHIVED
-from jaxckpt.tiers._requests import FAILED as FAILED
-from jaxckpt.tiers._requests import FENCED as FENCED
-from jaxckpt.tiers._requests import GONE as GONE
-from jaxckpt.tiers._requests import PROMOTED as PROMOTED
-from jaxckpt.tiers._requests import UPLOADED as UPLOADED
-from jaxckpt.tiers._requests import WAITING as WAITING
-from jaxckpt.tiers._requests import PromotionRequest as PromotionRequest
-from jaxckpt.tiers._requests import PromotionResult as PromotionResult
-from jaxckpt.tiers._requests import read_requests as read_requests
-from jaxckpt.tiers._requests import request_promotion as request_promotion
-from jaxckpt.tiers._requests import withdraw as withdraw
 
 log = logging.getLogger("jaxckpt")
 

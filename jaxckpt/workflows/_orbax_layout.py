@@ -11,7 +11,7 @@ Three layouts name the steps and items that :func:`jaxckpt.import_orbax` reads:
 * one step directory, or one item directory, named directly.
 
 Everything here is read from storage: it is checked, and anything unexpected is
-an :class:`~jaxckpt.tools._import.ImportSourceError` naming the path.
+an :class:`~jaxckpt.workflows._import.ImportSourceError` naming the path.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from jaxckpt.tools._import import ImportSourceError
+from jaxckpt.workflows._import import ImportSourceError
 
 ItemKind = Literal["tree", "json", "data_iter", "other"]
 

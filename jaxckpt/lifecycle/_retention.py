@@ -18,8 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from jaxckpt import policy
 from jaxckpt.errors import WriterFencedError
+from jaxckpt.lifecycle._keep import retention_decision
 from jaxckpt.records._step import CommitMarker
-from jaxckpt.tiers._keep import retention_decision
 from jaxckpt.tiers._tier import Tier
 
 log = logging.getLogger("jaxckpt")

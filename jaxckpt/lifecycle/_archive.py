@@ -10,7 +10,7 @@ import time
 from jaxckpt import policy
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError, StepAlreadyExistsError
-from jaxckpt.tiers._requests import ARCHIVED, FAILED, PromotionResult
+from jaxckpt.records._requests import ARCHIVED, FAILED, PromotionResult
 
 log = logging.getLogger("jaxckpt")
 
