@@ -38,24 +38,20 @@ if TYPE_CHECKING:
     from jaxckpt import policy as policy
     from jaxckpt._manager import CheckpointManager as CheckpointManager
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
-    from jaxckpt.restoring._lazy import LeafView as LeafView
-    from jaxckpt.restoring._lazy import StepView as StepView
-    from jaxckpt.restoring._lazy import open_step as open_step
-    from jaxckpt.restoring._metadata import LeafInfo as LeafInfo
-    from jaxckpt.restoring._metadata import StepMetadata as StepMetadata
-    from jaxckpt.restoring._nnx import nnx_step_fn as nnx_step_fn
-    from jaxckpt.saving._telemetry import SaveStats as SaveStats
+    from jaxckpt.restoring import (
+        LeafInfo,
+        LeafMismatch,
+        LeafView,
+        ResumeReport,
+        StepMetadata,
+        StepView,
+        nnx_step_fn,
+        open_step,
+    )
+    from jaxckpt.saving import SaveStats
     from jaxckpt.storage import ObjectStoreOptions as ObjectStoreOptions
-    from jaxckpt.tools._diff import diff_steps as diff_steps
-    from jaxckpt.tools._safetensors import export_safetensors as export_safetensors
-    from jaxckpt.tools._verify import Problem as Problem
-    from jaxckpt.tools._verify import VerifyReport as VerifyReport
-    from jaxckpt.workflows._import import import_safetensors as import_safetensors
-    from jaxckpt.workflows._orbax_export import export_orbax as export_orbax
-    from jaxckpt.workflows._orbax_import import import_orbax as import_orbax
-    from jaxckpt.workflows._preflight import LeafMismatch as LeafMismatch
-    from jaxckpt.workflows._preflight import ResumeReport as ResumeReport
-    from jaxckpt.workflows._preflight import check_resume as check_resume
+    from jaxckpt.tools import Problem, VerifyReport, diff_steps, export_safetensors
+    from jaxckpt.workflows import check_resume, export_orbax, import_orbax, import_safetensors
 
 _LAZY = {
     "CheckpointManager": "jaxckpt._manager",

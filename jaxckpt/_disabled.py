@@ -14,7 +14,7 @@ from typing import Any
 from jaxckpt._manager import CheckpointManager
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.errors import StepNotFoundError
-from jaxckpt.records._procstate import RestoredStates
+from jaxckpt.records import RestoredStates
 
 DISABLED = "(checkpointing disabled)"
 

@@ -25,20 +25,14 @@ import numpy as np
 
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
-from jaxckpt.commit._agree import Agreement
+from jaxckpt.commit import Agreement
 from jaxckpt.errors import CheckpointError
-from jaxckpt.lifecycle._promotion import open_promotion
-from jaxckpt.lifecycle._retention import Retention
-from jaxckpt.records._keys import check_step
-from jaxckpt.records._procstate import ProcessStateAccess
-from jaxckpt.restoring import _select
-from jaxckpt.restoring._match import PathMap
-from jaxckpt.restoring._metadata import StepMetadata, step_metadata
-from jaxckpt.saving._session import SaveSession
-from jaxckpt.saving._telemetry import SaveStats
-from jaxckpt.tiers._open import join_tiers, open_tiers
-from jaxckpt.tiers._tier import Tier
-from jaxckpt.tools._verify import VerifyReport, verify_step
+from jaxckpt.lifecycle import Retention, open_promotion
+from jaxckpt.records import ProcessStateAccess, check_step
+from jaxckpt.restoring import PathMap, Selection, StepMetadata, step_metadata
+from jaxckpt.saving import SaveSession, SaveStats
+from jaxckpt.tiers import Tier, join_tiers, open_tiers
+from jaxckpt.tools import VerifyReport, verify_step
 
 log = logging.getLogger("jaxckpt")
 
@@ -132,7 +126,7 @@ class CheckpointManager(ProcessStateAccess):
         session.listen(self._promotion, retention)
         self._promotion.start(on_promoted=retention.committed)
         fallback, guard = opts.fallback_on_corrupt, retention.restoring
-        self._select = _select.Selection(self._tiers, self._agreement, fallback, guard)
+        self._select = Selection(self._tiers, self._agreement, fallback, guard)
         session.corrupt = self._select.corrupt  # a save replaces a step found corrupt
 
     @property

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxckpt.formats import FORMATS
 from jaxckpt.formats import NAMES_TEXT as FORMAT_NAMES
-from jaxckpt.records._step import TRAILER_BYTES
+from jaxckpt.records import TRAILER_BYTES
 from jaxckpt.storage import ObjectStoreOptions, parse_root
 
 if TYPE_CHECKING:

@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 
     from jaxckpt import CheckpointManager
     from jaxckpt._options import CheckpointOptions
-    from jaxckpt.workflows._preflight import ResumeReport
+    from jaxckpt.restoring import ResumeReport
 
 CheckpointFlagError: type[Exception]
 """A ``checkpoint_*`` flag is missing or inconsistent (an ``absl.app.UsageError``, a
@@ -203,7 +203,7 @@ def preflight_from_flags(
     fv = flag_values_or_default(flag_values)
     if not fv.checkpoint_preflight_steps:
         return None
-    from jaxckpt.workflows._preflight import check_resume
+    from jaxckpt.workflows import check_resume
 
     return check_resume(
         step_fn,
@@ -243,7 +243,7 @@ def init_from_flags(
     import logging
 
     from jaxckpt import CheckpointManager
-    from jaxckpt.cli._common import split_source
+    from jaxckpt.cli import split_source
 
     fv = flag_values_or_default(flag_values)
     problem = init_problem({name: fv[name].value for name in fv})
@@ -323,7 +323,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _same_root(a: str, b: str) -> bool:
-    from jaxckpt.cli._common import split_source
+    from jaxckpt.cli import split_source
     from jaxckpt.errors import CheckpointError
     from jaxckpt.storage import parse_root
 

@@ -163,7 +163,7 @@ _FSSPEC_OPTIONS = {"s3": _s3fs_options, "gs": _gcsfs_options}
 
 def _fill_value(dtype: str) -> Any:
     """The zarr v3 ``fill_value`` TensorStore writes for a jaxckpt array (zero)."""
-    from jaxckpt.records._pytree import np_dtype
+    from jaxckpt.records import np_dtype
 
     kind = np_dtype(dtype).kind
     if kind == "b":
@@ -183,7 +183,7 @@ def _committed(
     root: str | os.PathLike[str], step: int | None, endpoint: str | None, region: str | None
 ) -> tuple[Any, Any]:
     """The root's commit protocol and the marker of ``step`` (None: the latest)."""
-    from jaxckpt.commit._protocol import CommitProtocol
+    from jaxckpt.commit import CommitProtocol
     from jaxckpt.storage import open_storage
 
     options: dict[str, Any] = {}
@@ -236,8 +236,8 @@ def reference_manifest(
     """
     import json
 
-    from jaxckpt.formats._tsio import zarr_metadata
-    from jaxckpt.restoring._stepreader import load_step
+    from jaxckpt.formats import zarr_metadata
+    from jaxckpt.restoring import load_step
 
     protocol, marker = _committed(root, step, endpoint, region)
     loaded = load_step(protocol, marker)

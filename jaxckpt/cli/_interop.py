@@ -98,7 +98,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "orbax":
         return _export_orbax(args, root, marker.step)
 
-    from jaxckpt.tools._safetensors import export_safetensors
+    from jaxckpt.tools import export_safetensors
 
     bar = Progress.on_stderr(f"step {marker.step}", marker.nbytes, quiet=args.no_progress)
     result = export_safetensors(
@@ -123,7 +123,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_orbax(args: argparse.Namespace, root: str, step: int) -> int:
     if args.leaf or args.max_shard_size:
         args.parser.error("--leaf and --max-shard-size apply to --format safetensors only")
-    from jaxckpt.workflows._orbax_export import export_orbax
+    from jaxckpt.workflows import export_orbax
 
     start = time.monotonic()
     result = export_orbax(root, args.out, step=step)
@@ -147,7 +147,7 @@ def _kind(src: str, requested: str) -> str:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from jaxckpt.workflows._import import ImportSourceError, import_safetensors
+    from jaxckpt.workflows import ImportSourceError, import_safetensors
 
     root, step = split_source(args.dst)
     if not os.path.exists(args.src):
@@ -158,7 +158,7 @@ def cmd_import(args: argparse.Namespace) -> int:
             args.parser.error("--step and --skip-item apply to Orbax sources only")
         results = [import_safetensors(args.src, root, step=step)]
     else:
-        from jaxckpt.workflows._orbax_import import import_orbax
+        from jaxckpt.workflows import import_orbax
 
         if step is not None and args.steps is not None and len(args.steps) != 1:
             args.parser.error(f"ROOT:{step} names the step of one import; choose one --step")

@@ -8,16 +8,10 @@ from typing import Any
 
 from jaxckpt.cli._common import add_retention_flags, command, integer, open_root, retention
 from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, print_table
-from jaxckpt.commit._gc import scan
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol, scan
 from jaxckpt.errors import NotACheckpointRootError
-from jaxckpt.lifecycle._keep import retention_decision
-from jaxckpt.records._keys import (
-    REPLICAS,
-    is_held_manifest_name,
-    replica_holdings,
-)
-from jaxckpt.records._step import CommitMarker
+from jaxckpt.lifecycle import retention_decision
+from jaxckpt.records import REPLICAS, CommitMarker, is_held_manifest_name, replica_holdings
 
 DEFAULT_LIMIT = 50
 

@@ -16,10 +16,10 @@ from jaxckpt.cli._common import (
     split_source,
 )
 from jaxckpt.cli._output import ago, err, human_bytes, human_duration, print_table
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CheckpointError
-from jaxckpt.lifecycle._keep import retention_decision
-from jaxckpt.records._step import CommitMarker
+from jaxckpt.lifecycle import retention_decision
+from jaxckpt.records import CommitMarker
 
 
 def register(sub: Any) -> None:
@@ -88,7 +88,8 @@ def _delete(protocol: CommitProtocol, marker: CommitMarker) -> bool:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from jaxckpt.commit._gc import TEMP_GRACE_S, collect, is_live, scan
+    from jaxckpt.commit import collect, is_live, scan
+    from jaxckpt.records import TEMP_GRACE_S
 
     protocol = open_root(args.root)
     now = time.time()
@@ -123,7 +124,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    from jaxckpt.tools._copy import copy_step
+    from jaxckpt.tools import copy_step
 
     src_uri, only = split_source(args.src)
     src = open_root(src_uri)

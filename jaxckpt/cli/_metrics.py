@@ -6,11 +6,18 @@ import logging
 import time
 from typing import Any
 
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CheckpointError
-from jaxckpt.lifecycle._promoter import FAILED, PROMOTED, PromotionResult, read_requests
-from jaxckpt.records._keys import REPLICAS, replica_holdings, replica_index_key
-from jaxckpt.records._step import ReplicaIndex
+from jaxckpt.records import (
+    FAILED,
+    PROMOTED,
+    REPLICAS,
+    PromotionResult,
+    ReplicaIndex,
+    read_requests,
+    replica_holdings,
+    replica_index_key,
+)
 
 log = logging.getLogger("jaxckpt")
 

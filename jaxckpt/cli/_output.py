@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from jaxckpt.saving._telemetry import human_bytes
+from jaxckpt.saving import human_bytes
 
 __all__ = [
     "Progress",

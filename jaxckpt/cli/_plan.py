@@ -101,7 +101,7 @@ def register(sub: Any) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from jaxckpt.planning._costs import plan
+    from jaxckpt.planning import plan
 
     if args.processes is not None:
         try:
@@ -181,8 +181,7 @@ def _link_dict(link: Any) -> dict[str, float]:
 
 
 def _floors(args: argparse.Namespace, checkpoint_bytes: float) -> tuple[Any, dict[str, Any]]:
-    from jaxckpt.planning._costs import process_share
-    from jaxckpt.planning._floors import floors
+    from jaxckpt.planning import floors, process_share
 
     share = process_share(
         checkpoint_bytes=checkpoint_bytes,
@@ -197,7 +196,7 @@ def _floors(args: argparse.Namespace, checkpoint_bytes: float) -> tuple[Any, dic
 
 
 def _link(args: argparse.Namespace) -> Any:
-    from jaxckpt.planning._floors import Link
+    from jaxckpt.planning import Link
 
     extra = {} if args.connections is None else {"connections": args.connections}
     return Link(
@@ -213,7 +212,7 @@ def _layouts(args: argparse.Namespace, checkpoint_bytes: float, checkpoints: int
         return {}
     if args.devices is None or args.leaves is None:
         raise ValueError("--devices and --leaves go together")
-    from jaxckpt.planning._costs import object_plan
+    from jaxckpt.planning import object_plan
 
     return object_plan(
         checkpoint_bytes=checkpoint_bytes,

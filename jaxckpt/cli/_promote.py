@@ -71,11 +71,8 @@ def register(sub: Any) -> None:
 def cmd_promote(args: argparse.Namespace) -> int:
     from jaxckpt import policy
     from jaxckpt.cli._metrics import PromoterMetrics
-    from jaxckpt.lifecycle._archive import archive_once
-    from jaxckpt.lifecycle._promoter import Promoter
-    from jaxckpt.records._keys import PROMOTE, TIER_RECORD
-    from jaxckpt.records._owner import refusal
-    from jaxckpt.records._requests import PROMOTED, PromotionResult
+    from jaxckpt.lifecycle import Promoter, archive_once
+    from jaxckpt.records import PROMOTE, PROMOTED, TIER_RECORD, PromotionResult, refusal
     from jaxckpt.storage import open_storage
 
     if args.metrics_port is not None and not args.watch:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxckpt.cli._output import json_out
-from jaxckpt.records._keys import SPREAD_SLOTS
+from jaxckpt.records import SPREAD_SLOTS
 
 
 def register_options(p: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def _counts(text: str) -> list[int]:
 
 def profile_of(text: str) -> Any:
     """A named profile, or one fit to a ``bench.py scale --json`` report."""
-    from jaxckpt.planning._profiles import PROFILES, fit_profile
+    from jaxckpt.planning import PROFILES, fit_profile
 
     if text in PROFILES:
         return PROFILES[text]
@@ -74,8 +74,7 @@ def profile_of(text: str) -> Any:
 
 def run(args: argparse.Namespace, link: Any) -> int:
     """Prints the model for ``args.processes`` (raises ValueError on a bad option)."""
-    from jaxckpt.planning._assumptions import assumptions
-    from jaxckpt.planning._scale import scale_plan, to_dict
+    from jaxckpt.planning import assumptions, scale_plan, to_dict
 
     profile = profile_of(args.counts)
     leaves = args.leaves or 2200

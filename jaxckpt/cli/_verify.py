@@ -38,7 +38,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import tensorstore as ts
 
     from jaxckpt.storage import tensorstore_backed
-    from jaxckpt.tools._verify import verify_step
+    from jaxckpt.tools import verify_step
 
     context = ts.Context(tensorstore_backed(protocol.storage).context_spec())
     reports = []

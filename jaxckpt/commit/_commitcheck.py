@@ -11,9 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from jaxckpt.errors import CheckpointError
-from jaxckpt.records._keys import StepLocation, is_manifest_name
-from jaxckpt.records._step import SELF_CHECKED_VERSION, FileDigest, ManifestPart
-from jaxckpt.records._summary import PartSummary, keys_hash, object_keys, objects_of
+from jaxckpt.records import (
+    SELF_CHECKED_VERSION,
+    FileDigest,
+    ManifestPart,
+    PartSummary,
+    StepLocation,
+    is_manifest_name,
+    keys_hash,
+    object_keys,
+    objects_of,
+)
 from jaxckpt.storage import Storage
 
 

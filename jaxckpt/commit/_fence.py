@@ -22,8 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from jaxckpt.errors import CheckpointError, StorageError
-from jaxckpt.records._keys import WRITERS, MarkerRef, epoch_key, parse_epoch_key
-from jaxckpt.records._step import dumps, load_json_record
+from jaxckpt.records import WRITERS, MarkerRef, dumps, epoch_key, load_json_record, parse_epoch_key
 from jaxckpt.storage import PreconditionFailed, Storage
 
 log = logging.getLogger("jaxckpt")
@@ -49,7 +48,7 @@ class EpochRecord:
         return max(self.known) if self.known else None
 
     def to_bytes(self) -> bytes:
-        from jaxckpt.records._step import FORMAT, FORMAT_VERSION
+        from jaxckpt.records import FORMAT, FORMAT_VERSION
 
         return dumps(
             {

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from jaxckpt.commit._fence import Epochs
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError, StorageError
-from jaxckpt.records._keys import (
+from jaxckpt.records import (
     ATTEMPTS,
     COMMITS,
     DATA,
@@ -45,18 +45,19 @@ from jaxckpt.records._keys import (
     PENDING,
     TEMP_GRACE_S,
     WRITERS,
+    CommitMarker,
     MarkerRef,
     StepLocation,
     is_latest_hint,
     is_stale_temp_key,
     is_temp_key,
     latest_hint_key,
+    load_json_record,
     marker_refs_of,
     parse_attempt,
     parse_data_key,
     parse_pending_key,
 )
-from jaxckpt.records._step import CommitMarker, load_json_record
 from jaxckpt.storage import Storage
 
 log = logging.getLogger("jaxckpt")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jaxckpt.records._keys import latest_hint_key
+from jaxckpt.records import latest_hint_key
 from jaxckpt.storage import Storage
 
 

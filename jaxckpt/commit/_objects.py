@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 
 from jaxckpt import _pools as pools
-from jaxckpt.records._keys import StepLocation, spread_slot
+from jaxckpt.records import StepLocation, spread_slot
 from jaxckpt.storage import Storage
 
 LISTINGS_IN_FLIGHT = 16

@@ -35,23 +35,19 @@ from jaxckpt.errors import (
     StepAlreadyExistsError,
     WriterFencedError,
 )
-from jaxckpt.records._keys import (
+from jaxckpt.records import (
+    FORMAT_VERSION,
     ROOT_RECORD,
     TREE_FILE,
+    CommitMarker,
+    ManifestPart,
+    PartSummary,
     StepLocation,
+    json_record,
+    load_json_record,
     manifest_name,
     marker_key,
     marker_refs_of,
-)
-from jaxckpt.records._step import (
-    FORMAT_VERSION,
-    CommitMarker,
-    ManifestPart,
-    json_record,
-    load_json_record,
-)
-from jaxckpt.records._summary import (
-    PartSummary,
     parts_crc32c,
 )
 from jaxckpt.storage import PreconditionFailed, Storage

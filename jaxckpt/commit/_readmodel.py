@@ -25,16 +25,20 @@ from jaxckpt.errors import (
     UncommittedStepError,
     UnsupportedFormatError,
 )
-from jaxckpt.records._keys import (
+from jaxckpt.records import (
     COMMITS,
     PENDING,
     TREE_FILE,
+    CommitMarker,
+    FileDigest,
+    ManifestPart,
     MarkerRef,
+    crc32c,
+    dumps,
     marker_key,
     marker_refs_of,
     parse_marker_key,
 )
-from jaxckpt.records._step import CommitMarker, FileDigest, ManifestPart, crc32c, dumps
 from jaxckpt.storage import Storage
 
 log = logging.getLogger("jaxckpt")

@@ -16,7 +16,7 @@ from concurrent.futures import wait as wait_for
 
 from jaxckpt import _pools as pools
 from jaxckpt.errors import StorageError
-from jaxckpt.records._keys import StepLocation
+from jaxckpt.records import StepLocation
 from jaxckpt.storage import Storage
 
 log = logging.getLogger("jaxckpt")

@@ -33,11 +33,16 @@ from jaxckpt import _pools as pools
 from jaxckpt.errors import CorruptCheckpointError
 from jaxckpt.formats._reread import reread_chunk
 from jaxckpt.formats._tsio import Region, chunk_key, zarr_metadata
-from jaxckpt.records._keys import PACK_ALIGNMENT, PACK_UPLOADS, StepLocation
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, chunk_problem
-from jaxckpt.storage import Storage, aligned_empty
-from jaxckpt.storage._options import span_limit
+from jaxckpt.records import (
+    PACK_ALIGNMENT,
+    PACK_UPLOADS,
+    TRAILER_BYTES,
+    ChunkRecord,
+    SavedLeaf,
+    StepLocation,
+    chunk_problem,
+)
+from jaxckpt.storage import Storage, aligned_empty, span_limit
 
 
 @dataclass(frozen=True)

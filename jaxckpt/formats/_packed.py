@@ -45,19 +45,20 @@ import jax
 import numpy as np
 
 from jaxckpt import _pools as pools
-from jaxckpt.commit._phases import reached, watched
+from jaxckpt.commit import reached, watched
 from jaxckpt.formats import Planned, Written
 from jaxckpt.formats._tsio import HostArray, chunk_key, chunks_of, whole_chunk
-from jaxckpt.records._keys import (
+from jaxckpt.records import (
     MIN_PACK_BYTES,
     PACK_ALIGNMENT,
     PACK_UPLOADS,
+    TRAILER_BYTES,
+    ChunkRecord,
+    SavedLeaf,
     StepLocation,
     pack_count,
     pack_name,
 )
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord
 from jaxckpt.storage import Storage
 
 

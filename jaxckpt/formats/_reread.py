@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt.records._keys import StepLocation
-from jaxckpt.records._step import ChunkAddress, ChunkRecord, chunk_problem
+from jaxckpt.records import ChunkAddress, ChunkRecord, StepLocation, chunk_problem
 from jaxckpt.storage import Storage, tensorstore_backed
 
 log = logging.getLogger("jaxckpt")

@@ -24,12 +24,17 @@ import numpy as np
 import tensorstore as ts
 
 from jaxckpt import _pools as pools
-from jaxckpt.commit._phases import reached, watched
+from jaxckpt.commit import reached, watched
 from jaxckpt.formats import Planned, Written
 from jaxckpt.formats._reread import reread_chunk
-from jaxckpt.records._keys import StepLocation
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, chunk_problem, dumps
+from jaxckpt.records import (
+    TRAILER_BYTES,
+    ChunkRecord,
+    SavedLeaf,
+    StepLocation,
+    chunk_problem,
+    dumps,
+)
 from jaxckpt.storage import Storage, tensorstore_backed
 
 Region = tuple[tuple[int, int], ...]

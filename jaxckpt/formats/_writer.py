@@ -6,8 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from jaxckpt.records._keys import StepLocation
-    from jaxckpt.records._step import ChunkRecord
+    from jaxckpt.records import ChunkRecord, StepLocation
 
 
 class Written(NamedTuple):

@@ -10,7 +10,7 @@ from jaxckpt.formats._packed import PackWriter
 
 if TYPE_CHECKING:
     from jaxckpt._options import CheckpointOptions
-    from jaxckpt.tiers._tier import Tier
+    from jaxckpt.tiers import Tier
 
 
 def _plain(tier: Tier, options: CheckpointOptions) -> StepWriter:

@@ -1,0 +1,45 @@
+"""Promotion, retention and archiving of committed steps: the promoter that makes local
+steps durable, the retention pass that deletes what the policy no longer keeps, and the
+archive copy of chosen durable steps.
+
+Other packages import from this face only; the ``_modules`` are this package's own
+(and its unit tests').
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from jaxckpt.lifecycle._archive import archive_once as archive_once
+from jaxckpt.lifecycle._keep import retention_decision as retention_decision
+from jaxckpt.lifecycle._promoter import Promoter as Promoter
+
+if TYPE_CHECKING:
+    from jaxckpt.lifecycle._promotion import open_promotion as open_promotion
+    from jaxckpt.lifecycle._retention import Retention as Retention
+
+# Names whose modules import jax or TensorStore load on first use, so that
+# the light modules of this package (and ``jaxckpt ls``) stay free of them.
+_LAZY = {
+    "open_promotion": "jaxckpt.lifecycle._promotion",
+    "Retention": "jaxckpt.lifecycle._retention",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxckpt.lifecycle' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "Promoter",
+    "Retention",
+    "archive_once",
+    "open_promotion",
+    "retention_decision",
+]

@@ -8,9 +8,9 @@ import logging
 import time
 
 from jaxckpt import policy
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CheckpointError, StepAlreadyExistsError
-from jaxckpt.records._requests import ARCHIVED, FAILED, PromotionResult
+from jaxckpt.records import ARCHIVED, FAILED, PromotionResult
 
 log = logging.getLogger("jaxckpt")
 
@@ -31,7 +31,7 @@ def archive_once(
     step) and the archive does not hold it yet. The archive is written as an
     operator (no epoch of its own), each step committed with the usual marker.
     """
-    from jaxckpt.tools._copy import copy_step
+    from jaxckpt.tools import copy_step
 
     now = time.time() if now is None else now
     committed = durable.committed()

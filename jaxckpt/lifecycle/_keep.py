@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from jaxckpt import policy
-from jaxckpt.records._step import CommitMarker
+from jaxckpt.records import CommitMarker
 
 
 def retention_decision(

@@ -32,8 +32,7 @@ import time
 from collections.abc import Callable
 
 from jaxckpt import policy
-from jaxckpt.commit._objects import list_attempt
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol, list_attempt
 from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -43,26 +42,24 @@ from jaxckpt.errors import (
 )
 from jaxckpt.lifecycle._backoff import Backoff
 from jaxckpt.lifecycle._keep import retention_decision
-from jaxckpt.records._keys import (
+from jaxckpt.records import (
+    ALREADY_DURABLE,
+    FAILED,
+    FENCED,
+    GONE,
     PENDING,
+    PROMOTED,
+    UPLOADED,
+    WAITING,
+    CommitMarker,
+    PromotionRequest,
+    PromotionResult,
     StepLocation,
     manifest_name,
     promote_key,
+    read_requests,
+    withdraw,
 )
-from jaxckpt.records._requests import ALREADY_DURABLE as ALREADY_DURABLE
-from jaxckpt.records._requests import ARCHIVED as ARCHIVED
-from jaxckpt.records._requests import FAILED as FAILED
-from jaxckpt.records._requests import FENCED as FENCED
-from jaxckpt.records._requests import GONE as GONE
-from jaxckpt.records._requests import PROMOTED as PROMOTED
-from jaxckpt.records._requests import UPLOADED as UPLOADED
-from jaxckpt.records._requests import WAITING as WAITING
-from jaxckpt.records._requests import PromotionRequest as PromotionRequest
-from jaxckpt.records._requests import PromotionResult as PromotionResult
-from jaxckpt.records._requests import read_requests as read_requests
-from jaxckpt.records._requests import request_promotion as request_promotion
-from jaxckpt.records._requests import withdraw as withdraw
-from jaxckpt.records._step import CommitMarker
 
 log = logging.getLogger("jaxckpt")
 
@@ -206,7 +203,7 @@ class Promoter:
                         request=request,
                     )
             else:
-                from jaxckpt.tools._copy import copy_step
+                from jaxckpt.tools import copy_step
 
                 nbytes = copy_step(self.local, writer, marker)
         except StepAlreadyExistsError:
@@ -277,7 +274,7 @@ class Promoter:
         A part is uploaded once: its manifest part is written after its chunks,
         so a present manifest part means the part is complete.
         """
-        from jaxckpt.tools._copy import copy_part
+        from jaxckpt.tools import copy_part
 
         assert request.attempt is not None
         step = request.step

@@ -25,7 +25,7 @@ import jax
 
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit._agree import Agreement
+from jaxckpt.commit import Agreement
 from jaxckpt.errors import (
     CheckpointError,
     PromotionError,
@@ -33,20 +33,20 @@ from jaxckpt.errors import (
     SaveFailedError,
 )
 from jaxckpt.lifecycle._promoter import Promoter
-from jaxckpt.records._keys import new_attempt
-from jaxckpt.records._requests import (
+from jaxckpt.records import (
     FAILED,
     FENCED,
     PROMOTED,
+    CommitMarker,
     PromotionRequest,
     PromotionResult,
+    new_attempt,
     read_requests,
     request_promotion,
     withdraw,
 )
-from jaxckpt.records._step import CommitMarker
-from jaxckpt.saving._telemetry import SaveRecorder
-from jaxckpt.tiers._tier import Tier
+from jaxckpt.saving import SaveRecorder
+from jaxckpt.tiers import Tier
 
 log = logging.getLogger("jaxckpt")
 

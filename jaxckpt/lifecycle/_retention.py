@@ -19,8 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from jaxckpt import policy
 from jaxckpt.errors import WriterFencedError
 from jaxckpt.lifecycle._keep import retention_decision
-from jaxckpt.records._step import CommitMarker
-from jaxckpt.tiers._tier import Tier
+from jaxckpt.records import CommitMarker
+from jaxckpt.tiers import Tier
 
 log = logging.getLogger("jaxckpt")
 

@@ -1,1 +1,31 @@
-"""Cost models, pure: the time and requests of a save and a restore, and at cluster scale."""
+"""Cost models, pure: the time and requests of a save and a restore, and at cluster scale.
+
+Other packages import from this face only; the ``_modules`` are this package's own
+(and its unit tests').
+"""
+
+from __future__ import annotations
+
+from jaxckpt.planning._assumptions import assumptions as assumptions
+from jaxckpt.planning._costs import object_plan as object_plan
+from jaxckpt.planning._costs import plan as plan
+from jaxckpt.planning._costs import process_share as process_share
+from jaxckpt.planning._floors import Link as Link
+from jaxckpt.planning._floors import floors as floors
+from jaxckpt.planning._profiles import PROFILES as PROFILES
+from jaxckpt.planning._profiles import fit_profile as fit_profile
+from jaxckpt.planning._scale import scale_plan as scale_plan
+from jaxckpt.planning._scale import to_dict as to_dict
+
+__all__ = [
+    "PROFILES",
+    "Link",
+    "assumptions",
+    "fit_profile",
+    "floors",
+    "object_plan",
+    "plan",
+    "process_share",
+    "scale_plan",
+    "to_dict",
+]

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from jaxckpt.formats import FORMATS
 from jaxckpt.policy import daly_interval
-from jaxckpt.records._layoutcost import RECORDS_PER_STEP, ProcessShare
+from jaxckpt.records import RECORDS_PER_STEP, ProcessShare
 
 __all__ = ["PlanResult", "plan"]
 
@@ -183,8 +183,7 @@ def process_share(
         _count(name, count)
     _positive("checkpoint_bytes", checkpoint_bytes)
     from jaxckpt._options import CheckpointOptions
-    from jaxckpt.records._keys import pack_count
-    from jaxckpt.records._step import TRAILER_BYTES
+    from jaxckpt.records import TRAILER_BYTES, pack_count
 
     default = CheckpointOptions()
     options = CheckpointOptions(

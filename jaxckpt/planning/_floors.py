@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from jaxckpt.formats import FORMATS, DataFormat
 from jaxckpt.planning._costs import _count, _positive
-from jaxckpt.records._layoutcost import RECORDS_PER_STEP, ProcessShare, in_flight
+from jaxckpt.records import RECORDS_PER_STEP, ProcessShare, in_flight
 
 __all__ = ["LayoutFloor", "Link", "floor", "floors"]
 
@@ -60,7 +60,7 @@ tree record with every manifest part, and the data reads."""
 
 def _request_concurrency() -> int:
     """``ObjectStoreOptions.request_concurrency``'s default (TensorStore's 32)."""
-    from jaxckpt.storage._options import ObjectStoreOptions
+    from jaxckpt.storage import ObjectStoreOptions
 
     return ObjectStoreOptions().request_concurrency
 

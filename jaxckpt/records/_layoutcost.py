@@ -136,7 +136,7 @@ class PlainCost:
         )
 
     def restore_requests(self, share: ProcessShare) -> int:
-        from jaxckpt.storage._options import DIRECT_PART_BYTES
+        from jaxckpt.storage import DIRECT_PART_BYTES
 
         return math.ceil(share.chunks) * math.ceil(share.chunk_bytes / DIRECT_PART_BYTES)
 
@@ -177,7 +177,7 @@ class PackedCost:
         """Runs of adjacent chunks of one pack, each about the bytes over
         ``objects_in_flight`` (within ``MIN_SPAN_BYTES`` and ``MAX_SPAN_BYTES``)."""
         from jaxckpt.records._keys import PACK_ALIGNMENT
-        from jaxckpt.storage._options import span_limit
+        from jaxckpt.storage import span_limit
 
         record = share.chunk_stored_bytes
         limit = span_limit(math.ceil(share.chunks) * record, share.objects_in_flight)

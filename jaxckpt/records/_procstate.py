@@ -28,8 +28,8 @@ from jaxckpt.errors import CheckpointError, CorruptCheckpointError, UnsupportedL
 from jaxckpt.records._step import crc32c, dumps
 
 if TYPE_CHECKING:
-    from jaxckpt.commit._agree import Agreement
-    from jaxckpt.restoring._select import Selection
+    from jaxckpt.commit import Agreement
+    from jaxckpt.restoring import Selection
 
 MAX_PROCESS_STATE_BYTES = 1 << 20
 """The largest ``process_state`` one process may save per step (encoded: bytes as they

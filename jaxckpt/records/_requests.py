@@ -16,7 +16,7 @@ from jaxckpt.records._keys import PROMOTE, parse_attempt, parse_promote_key, pro
 from jaxckpt.records._step import json_record, load_json_record
 
 if TYPE_CHECKING:
-    from jaxckpt.commit._protocol import CommitProtocol
+    from jaxckpt.commit import CommitProtocol
 
 log = logging.getLogger("jaxckpt")
 

@@ -32,7 +32,7 @@ from jaxckpt.records._names import checked_name
 from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, load_json_record, path_text
 
 if TYPE_CHECKING:
-    from jaxckpt.commit._protocol import CommitProtocol
+    from jaxckpt.commit import CommitProtocol
     from jaxckpt.records._step import CommitMarker, ManifestPart
 
 VALUE_TYPES = (bool, int, float, str, type(None))

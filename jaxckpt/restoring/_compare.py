@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt.records._pytree import flatten, path_str
+from jaxckpt.records import flatten, path_str
 from jaxckpt.restoring._resumereport import LeafMismatch
 
 

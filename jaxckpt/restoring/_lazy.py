@@ -23,14 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import StepNotFoundError
-from jaxckpt.formats._chunkread import RegionRequest
-from jaxckpt.formats._tsio import Region
-from jaxckpt.records._pytree import SavedLeaf
+from jaxckpt.formats import Region, RegionRequest
+from jaxckpt.records import SavedLeaf
 from jaxckpt.restoring._stepreader import LoadedStep, load_step, tier_reader
 from jaxckpt.storage import open_storage
-from jaxckpt.tiers._tier import reading_tier
+from jaxckpt.tiers import reading_tier
 
 __all__ = ["LeafView", "StepView", "dotted_path", "open_step"]
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxckpt.errors import TreeMismatchError
-from jaxckpt.records._tree import SavedLeaf
+from jaxckpt.records import SavedLeaf
 from jaxckpt.restoring._mismatch import SHOWN, Mismatch, mismatch_message
 
 __all__ = ["PathMap", "check_casts", "lossy_cast", "match_target", "rename_path"]

@@ -23,9 +23,8 @@ from typing import Any
 
 import jax
 
-from jaxckpt.formats._tsio import Region, full_region, region_of
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.records._step import ChunkRecord
+from jaxckpt.formats import Region, full_region, region_of
+from jaxckpt.records import ChunkRecord, SavedLeaf
 from jaxckpt.restoring._targets import target_sharding
 
 

@@ -43,13 +43,10 @@ import jax
 import numpy as np
 
 from jaxckpt import _pools as pools
-from jaxckpt.commit._agree import Agreement
-from jaxckpt.commit._phases import reached
+from jaxckpt.commit import Agreement, reached
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
-from jaxckpt.formats._tsio import chunk_key
-from jaxckpt.records._keys import StepLocation
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, chunk_problem
+from jaxckpt.formats import chunk_key
+from jaxckpt.records import TRAILER_BYTES, ChunkRecord, SavedLeaf, StepLocation, chunk_problem
 from jaxckpt.restoring._collective import _collective, _Meta, _reassemble
 from jaxckpt.restoring._crccombine import crc32c_combine
 from jaxckpt.storage import Storage, aligned_empty

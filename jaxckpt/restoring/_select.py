@@ -32,20 +32,17 @@ from typing import Any
 import jax
 
 from jaxckpt import errors
-from jaxckpt.commit._agree import Agreement, failure
-from jaxckpt.commit._protocol import brief
+from jaxckpt.commit import Agreement, brief, failure
 from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
     StepNotFoundError,
     UncommittedStepError,
 )
-from jaxckpt.records._keys import MarkerRef
-from jaxckpt.records._procstate import RestoredStates
-from jaxckpt.records._step import CommitMarker
+from jaxckpt.records import CommitMarker, MarkerRef, RestoredStates
 from jaxckpt.restoring._match import PathMap
 from jaxckpt.restoring._stepreader import StepRecords, tier_reader
-from jaxckpt.tiers._tier import Tier
+from jaxckpt.tiers import Tier
 
 log = logging.getLogger("jaxckpt")
 

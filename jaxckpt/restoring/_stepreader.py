@@ -11,28 +11,37 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt.commit._agree import Agreement
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import Agreement, CommitProtocol
 from jaxckpt.errors import CorruptCheckpointError, StorageError
-from jaxckpt.formats import PLAIN, DataFormat, format_named
-from jaxckpt.formats._chunkread import RegionRequest, plain_leaves, read_regions
-from jaxckpt.formats._tsio import (
+from jaxckpt.formats import (
+    PLAIN,
     ArrayWriter,
+    DataFormat,
     Region,
+    RegionRequest,
     check_chunks,
+    format_named,
     full_region,
+    plain_leaves,
     read_region,
+    read_regions,
     region_of,
 )
-from jaxckpt.records._keys import PACK_UPLOADS, manifest_name
-from jaxckpt.records._pytree import (
+from jaxckpt.records import (
+    PACK_UPLOADS,
+    CheckedStep,
+    ChunkRecord,
+    CommitMarker,
     SavedLeaf,
+    check_parts,
     flatten,
+    manifest_name,
+    parse_tree,
     path_str,
+    read_checked,
+    rebuild,
     unflatten_saved,
 )
-from jaxckpt.records._step import ChunkRecord, CommitMarker
-from jaxckpt.records._tree import CheckedStep, check_parts, parse_tree, read_checked, rebuild
 from jaxckpt.restoring._match import PathMap, check_casts, match_target
 from jaxckpt.restoring._parts import missing_chunk, needed_processes
 from jaxckpt.restoring._readonce import Exchange, plan
@@ -40,7 +49,7 @@ from jaxckpt.restoring._targets import place_keys, resolve_targets, target_shard
 from jaxckpt.storage import tensorstore_backed
 
 if TYPE_CHECKING:
-    from jaxckpt.tiers._tier import Tier
+    from jaxckpt.tiers import Tier
 
 log = logging.getLogger("jaxckpt")
 

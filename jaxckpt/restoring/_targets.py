@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxckpt.errors import TreeMismatchError
-from jaxckpt.records._pytree import SavedLeaf
+from jaxckpt.records import SavedLeaf
 
 __all__ = ["place_keys", "resolve_targets", "target_sharding", "uncommitted"]
 

@@ -1,3 +1,41 @@
 """Saving a step: the save session, the Orbax handler, the writing of one step and its
 commit, save telemetry, and the exit hook that commits a save still in flight.
+
+Other packages import from this face only; the ``_modules`` are this package's own
+(and its unit tests').
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from jaxckpt.saving._telemetry import SaveRecorder as SaveRecorder
+from jaxckpt.saving._telemetry import SaveStats as SaveStats
+from jaxckpt.saving._telemetry import human_bytes as human_bytes
+
+if TYPE_CHECKING:
+    from jaxckpt.saving._session import SaveSession as SaveSession
+
+# Names whose modules import jax or TensorStore load on first use, so that
+# the light modules of this package (and ``jaxckpt ls``) stay free of them.
+_LAZY = {
+    "SaveSession": "jaxckpt.saving._session",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxckpt.saving' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "SaveRecorder",
+    "SaveSession",
+    "SaveStats",
+    "human_bytes",
+]

@@ -26,8 +26,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.path import atomicity_types
 
-from jaxckpt.formats._tsio import HostArray, snapshot_array
-from jaxckpt.records._pytree import SavedLeaf
+from jaxckpt.formats import HostArray, snapshot_array
+from jaxckpt.records import SavedLeaf
 
 
 class StepWriter(Protocol):

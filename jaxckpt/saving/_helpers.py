@@ -10,14 +10,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxckpt import _pools
-from jaxckpt.commit._fence import Listing
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol, Listing
 from jaxckpt.errors import CheckpointError, UnsupportedLeafError, WriterFencedError
-from jaxckpt.formats._tsio import HostArray, chunk_key, chunks_of
-from jaxckpt.records._keys import StepLocation
-from jaxckpt.records._pytree import SavedLeaf, structure_of
-from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, json_record
-from jaxckpt.records._versions import writer_versions
+from jaxckpt.formats import HostArray, chunk_key, chunks_of
+from jaxckpt.records import (
+    TRAILER_BYTES,
+    ChunkRecord,
+    SavedLeaf,
+    StepLocation,
+    json_record,
+    structure_of,
+    writer_versions,
+)
 
 log = logging.getLogger("jaxckpt")
 

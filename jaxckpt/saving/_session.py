@@ -28,30 +28,30 @@ import jax
 
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit._agree import Agreement
-from jaxckpt.commit._fence import Listing
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import Agreement, CommitProtocol, Listing
 from jaxckpt.errors import (
     CheckpointError,
     SaveFailedError,
     SaveTimeoutError,
     WriterFencedError,
 )
-from jaxckpt.formats import StepWriter, format_named
-from jaxckpt.formats._tsio import ArrayWriter, HostArray
+from jaxckpt.formats import ArrayWriter, HostArray, StepWriter, format_named
 from jaxckpt.formats.writers import step_writer
-from jaxckpt.records import _procstate
-from jaxckpt.records._keys import StepLocation
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.records._requests import PromotionRequest, withdraw
-from jaxckpt.records._step import CommitMarker
+from jaxckpt.records import (
+    CommitMarker,
+    PromotionRequest,
+    SavedLeaf,
+    StepLocation,
+    encode_process_state,
+    withdraw,
+)
 from jaxckpt.saving import _atexit, _handler
 from jaxckpt.saving._helpers import (
     fence_error,
 )
 from jaxckpt.saving._stepwrite import Inflight, StepWrite, prepare_step
 from jaxckpt.saving._telemetry import SaveRecorder
-from jaxckpt.tiers._tier import Tier
+from jaxckpt.tiers import Tier
 
 log = logging.getLogger("jaxckpt")
 
@@ -149,7 +149,7 @@ class SaveSession:
         failure: Exception | None = None
         own_state = None
         try:
-            own_state = _procstate.encode(process_state, step=step, process=jax.process_index())
+            own_state = encode_process_state(process_state, step=step, process=jax.process_index())
             prepared = prepare_step(
                 self._tier,
                 self._options,

@@ -21,24 +21,23 @@ import jax
 
 from jaxckpt import _pools
 from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit._agree import Agreement
-from jaxckpt.commit._fence import Listing
-from jaxckpt.commit._phases import reached, watched
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import Agreement, CommitProtocol, Listing, reached, watched
 from jaxckpt.errors import CheckpointError, StepAlreadyExistsError
-from jaxckpt.formats import StepWriter
-from jaxckpt.formats._tsio import ArrayWriter, HostArray
-from jaxckpt.records._keys import (
+from jaxckpt.formats import ArrayWriter, HostArray, StepWriter
+from jaxckpt.records import (
     TREE_FILE,
+    ChunkRecord,
+    CommitMarker,
+    ManifestPart,
+    PartSummary,
+    PromotionRequest,
     StepLocation,
+    describe_state,
     held_manifest_name,
     manifest_name,
     new_attempt,
+    request_promotion,
 )
-from jaxckpt.records._pytree import describe_state
-from jaxckpt.records._requests import PromotionRequest, request_promotion
-from jaxckpt.records._step import ChunkRecord, CommitMarker, ManifestPart
-from jaxckpt.records._summary import PartSummary
 from jaxckpt.saving._helpers import (
     check_object_bound,
     listing_and_announce,
@@ -47,7 +46,7 @@ from jaxckpt.saving._helpers import (
     tree_record,
 )
 from jaxckpt.saving._telemetry import SaveRecorder
-from jaxckpt.tiers._tier import Tier
+from jaxckpt.tiers import Tier
 
 
 @dataclass

@@ -35,8 +35,12 @@ from jaxckpt.storage._base import Storage as Storage
 from jaxckpt.storage._base import TensorStoreStorage as TensorStoreStorage
 from jaxckpt.storage._base import tensorstore_backed as tensorstore_backed
 from jaxckpt.storage._buffers import aligned_empty as aligned_empty
+from jaxckpt.storage._durable import fsync_dir as fsync_dir
+from jaxckpt.storage._durable import makedirs_durable as makedirs_durable
 from jaxckpt.storage._local import LocalStorage as LocalStorage
+from jaxckpt.storage._options import DIRECT_PART_BYTES as DIRECT_PART_BYTES
 from jaxckpt.storage._options import ObjectStoreOptions as ObjectStoreOptions
+from jaxckpt.storage._options import span_limit as span_limit
 from jaxckpt.storage._uri import OBJECT_SCHEMES
 from jaxckpt.storage._uri import RootURI as RootURI
 from jaxckpt.storage._uri import parse_root as parse_root
@@ -117,6 +121,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DIRECT_PART_BYTES",
     "LocalStorage",
     "ObjectStorage",
     "ObjectStoreOptions",
@@ -125,7 +130,10 @@ __all__ = [
     "Storage",
     "TensorStoreStorage",
     "aligned_empty",
+    "fsync_dir",
+    "makedirs_durable",
     "open_storage",
     "parse_root",
+    "span_limit",
     "tensorstore_backed",
 ]

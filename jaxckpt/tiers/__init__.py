@@ -1,3 +1,43 @@
-"""Tiers and peers: the roots a manager saves to, peer-replicated local tiers, promotion of
-local steps to the durable root, and retention.
+"""Tiers and peers: the roots a manager saves to (shared or per-host local), where each
+save commits, and the peer replicas of local tiers.
+
+Other packages import from this face only; the ``_modules`` are this package's own
+(and its unit tests').
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jaxckpt.tiers._open import join_tiers as join_tiers
+    from jaxckpt.tiers._open import open_tiers as open_tiers
+    from jaxckpt.tiers._tier import Tier as Tier
+    from jaxckpt.tiers._tier import reading_tier as reading_tier
+
+# Names whose modules import jax or TensorStore load on first use, so that
+# the light modules of this package (and ``jaxckpt ls``) stay free of them.
+_LAZY = {
+    "join_tiers": "jaxckpt.tiers._open",
+    "open_tiers": "jaxckpt.tiers._open",
+    "Tier": "jaxckpt.tiers._tier",
+    "reading_tier": "jaxckpt.tiers._tier",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxckpt.tiers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "Tier",
+    "join_tiers",
+    "open_tiers",
+    "reading_tier",
+]

@@ -12,8 +12,8 @@ from typing import Protocol
 
 import jax
 
-from jaxckpt.commit._agree import Agreement
-from jaxckpt.records._keys import StepLocation
+from jaxckpt.commit import Agreement
+from jaxckpt.records import StepLocation
 
 __all__ = ["EVERY_HOST", "ONCE_FOR_THE_JOB", "CommitPoint"]
 

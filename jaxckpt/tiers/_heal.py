@@ -20,19 +20,21 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxckpt.commit._agree import Agreement
+from jaxckpt.commit import Agreement
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError, PeerError
-from jaxckpt.records._keys import (
+from jaxckpt.records import (
     REPLICAS,
+    FileDigest,
+    PromotionRequest,
+    ReplicaIndex,
     StepLocation,
     is_held_manifest_name,
     new_attempt,
     replica_holdings,
     replica_index_key,
     replica_prefix,
+    request_promotion,
 )
-from jaxckpt.records._requests import PromotionRequest, request_promotion
-from jaxckpt.records._step import FileDigest, ReplicaIndex
 from jaxckpt.tiers._peerclient import PeerClient
 from jaxckpt.tiers._placement import Held, Placement, fallback, heal_target
 

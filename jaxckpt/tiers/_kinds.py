@@ -19,15 +19,18 @@ import tensorstore as ts
 
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit import _gc
-from jaxckpt.commit._agree import Agreement
-from jaxckpt.commit._fence import EpochReader
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import Agreement, CommitProtocol, EpochReader, collect, scan
 from jaxckpt.errors import CheckpointError, LocalRootInUseError, NotACheckpointRootError
-from jaxckpt.formats._tsio import ArrayWriter
-from jaxckpt.records import _owner
-from jaxckpt.records._keys import COMMITS, ROOT_RECORD, MarkerRef
-from jaxckpt.records._step import CommitMarker
+from jaxckpt.formats import ArrayWriter
+from jaxckpt.records import (
+    COMMITS,
+    ROOT_RECORD,
+    TEMP_GRACE_S,
+    CommitMarker,
+    MarkerRef,
+    claim,
+    refusal,
+)
 from jaxckpt.storage import Storage, tensorstore_backed
 from jaxckpt.tiers._commitpoint import EVERY_HOST, ONCE_FOR_THE_JOB, CommitPoint
 from jaxckpt.tiers._peers import NoReplicas, Replicas, open_replicas
@@ -113,7 +116,7 @@ class _Root:
         with ``gc_grace_s``, collects garbage: this host's part of taking the epoch."""
         self.ensure(create=True)
         if serves is not None:
-            _owner.claim(self.storage, serves)
+            claim(self.storage, serves)
         keys = self.storage.list(COMMITS)  # the one listing of commits/ an open takes
         epoch = self.protocol.take_epoch(keys).epoch
         if gc_grace_s is not None:
@@ -127,8 +130,8 @@ class _Root:
           commit_keys: a listing of ``commits/`` just taken (None: list it).
         """
         try:
-            found = _gc.scan(self.protocol, full=False, commit_keys=commit_keys)
-            _gc.collect(self.protocol, found, grace_s=grace_s)
+            found = scan(self.protocol, full=False, commit_keys=commit_keys)
+            collect(self.protocol, found, grace_s=grace_s)
             self.peers.collect()
         except CheckpointError as e:
             log.warning("garbage collection on open of %s failed (retried later): %s", self.uri, e)
@@ -141,9 +144,9 @@ class _Root:
           WriterFencedError: a newer writer took over the root.
         """
         self.protocol.check_fence("collect garbage")
-        temp_grace = min(grace_s, _gc.TEMP_GRACE_S)  # a shorter grace covers temp files too
-        found = _gc.scan(self.protocol, full=True, temp_grace_s=temp_grace)
-        removed = _gc.collect(self.protocol, found, grace_s=grace_s, force=force)
+        temp_grace = min(grace_s, TEMP_GRACE_S)  # a shorter grace covers temp files too
+        found = scan(self.protocol, full=True, temp_grace_s=temp_grace)
+        removed = collect(self.protocol, found, grace_s=grace_s, force=force)
         return sorted({loc.step for loc in removed} | set(self.peers.collect()))
 
     def delete(self, step: int) -> None:
@@ -203,7 +206,7 @@ class OwnTier(_Root):
 
     def refusal(self, durable: str) -> str | None:
         """Why this root cannot serve the ``durable`` root (another job's), or None."""
-        return _owner.refusal(self.storage, durable)
+        return refusal(self.storage, durable)
 
     def take_epoch(
         self,
@@ -242,7 +245,7 @@ class OwnTier(_Root):
         )
         self.ensure(create=True)
         if serves is not None:
-            _owner.claim(self.storage, serves)
+            claim(self.storage, serves)
         self.protocol.epochs = EpochReader(self.storage)  # the cached records went too
         self.protocol.take_epoch()
         return True

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 import jax
 
 from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit._agree import Agreement
+from jaxckpt.commit import Agreement
 from jaxckpt.errors import CheckpointError
 from jaxckpt.storage import Storage, open_storage
 from jaxckpt.tiers._kinds import OwnTier, SharedTier

@@ -52,12 +52,12 @@ import jax
 
 from jaxckpt import _pools
 from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit._agree import Agreement
-from jaxckpt.commit._objects import list_attempt
-from jaxckpt.commit._phases import reached
+from jaxckpt.commit import Agreement, list_attempt, reached
 from jaxckpt.errors import CheckpointError, PeerError
-from jaxckpt.records._keys import (
+from jaxckpt.records import (
     REPLICAS,
+    FileDigest,
+    ReplicaIndex,
     StepLocation,
     is_stale_temp_key,
     is_temp_key,
@@ -65,7 +65,6 @@ from jaxckpt.records._keys import (
     replica_index_key,
     replica_prefix,
 )
-from jaxckpt.records._step import FileDigest, ReplicaIndex
 from jaxckpt.tiers._heal import Healing
 from jaxckpt.tiers._peerclient import connect
 from jaxckpt.tiers._placement import Placement, node_id, place

@@ -27,11 +27,9 @@ import tensorstore as ts
 
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit._agree import Agreement
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.formats._tsio import ArrayWriter
-from jaxckpt.records._keys import MarkerRef
-from jaxckpt.records._step import CommitMarker
+from jaxckpt.commit import Agreement, CommitProtocol
+from jaxckpt.formats import ArrayWriter
+from jaxckpt.records import CommitMarker, MarkerRef
 from jaxckpt.storage import Storage
 from jaxckpt.tiers._commitpoint import CommitPoint
 from jaxckpt.tiers._kinds import SharedTier

@@ -44,8 +44,7 @@ from typing import Any
 from uuid import uuid4
 
 from jaxckpt.errors import PeerAuthError
-from jaxckpt.storage import LocalStorage, Storage
-from jaxckpt.storage._durable import fsync_dir, makedirs_durable
+from jaxckpt.storage import LocalStorage, Storage, fsync_dir, makedirs_durable
 from jaxckpt.tiers._wire import (
     DIGEST_BYTES,
     HELLO,

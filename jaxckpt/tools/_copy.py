@@ -15,24 +15,23 @@ from typing import Any
 import numpy as np
 
 from jaxckpt import _pools as pools
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
-from jaxckpt.records._keys import (
-    TREE_FILE,
-    StepLocation,
-    manifest_name,
-    new_attempt,
-)
-from jaxckpt.records._names import joined_key
-from jaxckpt.records._step import (
+from jaxckpt.records import (
     TRAILER_BYTES,
+    TREE_FILE,
     ChunkRecord,
     CommitMarker,
     ManifestPart,
+    StepLocation,
     chunk_problem,
     crc32c,
+    joined_key,
+    manifest_name,
+    new_attempt,
+    parse_tree,
+    read_checked,
 )
-from jaxckpt.records._tree import parse_tree, read_checked
 from jaxckpt.storage import Storage, tensorstore_backed
 
 
@@ -190,7 +189,7 @@ def copy_part(
 
 
 def _zstd_metadata(leaf: Any, level: int) -> dict[str, Any]:
-    from jaxckpt.formats._tsio import zarr_metadata
+    from jaxckpt.formats import zarr_metadata
 
     meta = zarr_metadata(leaf)
     meta["codecs"] = [
@@ -209,7 +208,7 @@ def _copy_step_compressed(
     process states keeps one part per saving process, the others with no chunks."""
     import tensorstore as ts
 
-    from jaxckpt.restoring._stepreader import load_step
+    from jaxckpt.restoring import load_step
 
     step = marker.step
     loaded = load_step(src, marker)
@@ -294,7 +293,7 @@ def _transcode_packed(
 ) -> None:
     """Writes each chunk of a packed leaf to ``target``, 16 at a time, every one read by
     range and checked against its record (``_chunkread``)."""
-    from jaxckpt.formats._chunkread import RegionRequest, read_regions
+    from jaxckpt.formats import RegionRequest, read_regions
 
     loc = loaded.marker.location
     for lo in range(0, len(keys), 16):

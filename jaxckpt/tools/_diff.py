@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxckpt.errors import CorruptCheckpointError
-from jaxckpt.formats._tsio import Region
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.restoring._lazy import LeafView, StepView, dotted_path
+from jaxckpt.formats import Region
+from jaxckpt.records import SavedLeaf
+from jaxckpt.restoring import LeafView, StepView, dotted_path
 
 __all__ = ["LeafDiff", "StepDiff", "diff_steps"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from jaxckpt.errors import CheckpointError
-from jaxckpt.restoring._lazy import DEFAULT_BLOCK_BYTES, LeafView, StepView, dotted_path, open_step
+from jaxckpt.restoring import DEFAULT_BLOCK_BYTES, LeafView, StepView, dotted_path, open_step
 
 __all__ = [
     "ExportResult",

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.restoring._lazy import LeafView, StepView, open_step
+from jaxckpt.restoring import LeafView, StepView, open_step
 
 __all__ = ["LeafStats", "StepStats", "leaf_stats", "trajectory"]
 
@@ -155,7 +155,7 @@ def trajectory(
     Returns:
       One :class:`StepStats` per step, ascending.
     """
-    from jaxckpt.commit._protocol import CommitProtocol
+    from jaxckpt.commit import CommitProtocol
     from jaxckpt.storage import open_storage
 
     if steps is None:

@@ -8,12 +8,11 @@ from dataclasses import dataclass
 
 import tensorstore as ts
 
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CheckpointError
-from jaxckpt.formats._tsio import check_chunks, expected_chunk_count, zarr_metadata
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.restoring._lazy import dotted_path
-from jaxckpt.restoring._stepreader import LoadedStep, load_step
+from jaxckpt.formats import check_chunks, expected_chunk_count, zarr_metadata
+from jaxckpt.records import SavedLeaf
+from jaxckpt.restoring import LoadedStep, dotted_path, load_step
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxckpt.errors import CheckpointError, StepAlreadyExistsError
-from jaxckpt.tools._safetensors import read_safetensors, tree_from_names
+from jaxckpt.tools import read_safetensors, tree_from_names
 
 __all__ = ["ImportResult", "ImportSourceError", "import_safetensors"]
 

@@ -111,7 +111,7 @@ def _check_target(item: OrbaxItem, tree_meta: Any, target: Any, allow_lossy: boo
     lossy dtype conversion (jaxckpt's rule; ``allow_lossy_cast`` permits it)."""
     import jax
 
-    from jaxckpt.restoring._match import lossy_cast
+    from jaxckpt.restoring import lossy_cast
 
     saved = {_key(p): m for p, m in jax.tree_util.tree_flatten_with_path(tree_meta)[0]}
     problems = []

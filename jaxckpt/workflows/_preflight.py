@@ -35,12 +35,17 @@ import numpy as np
 
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.errors import CheckpointError
-from jaxckpt.restoring._compare import compare_trees, paths_of, restore_notes, tree_structure
-from jaxckpt.restoring._resumereport import CHECKPOINT as CHECKPOINT
-from jaxckpt.restoring._resumereport import NONDETERMINISTIC as NONDETERMINISTIC
-from jaxckpt.restoring._resumereport import OK as OK
-from jaxckpt.restoring._resumereport import LeafMismatch as LeafMismatch
-from jaxckpt.restoring._resumereport import ResumeReport as ResumeReport
+from jaxckpt.restoring import (
+    CHECKPOINT,
+    NONDETERMINISTIC,
+    OK,
+    LeafMismatch,
+    ResumeReport,
+    compare_trees,
+    paths_of,
+    restore_notes,
+    tree_structure,
+)
 
 _SAVED_STEP = 0
 
