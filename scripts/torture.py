@@ -361,7 +361,7 @@ class Torture:
         return result
 
     def latest(self, root: Root) -> int:
-        from jaxckpt.commit._protocol import CommitProtocol
+        from jaxckpt.commit import CommitProtocol
         from jaxckpt.storage import open_storage
 
         protocol = CommitProtocol(open_storage(root.uri))

@@ -216,7 +216,7 @@ def check_round(root: Root, result: RoundResult, writers: list[Writer]) -> None:
 
 def check_writers(root: Root, result: RoundResult, writers: list[Writer]) -> None:
     """What the writers' own output must show."""
-    from jaxckpt.commit._fence import EpochReader
+    from jaxckpt.commit import EpochReader
     from jaxckpt.storage import open_storage
 
     newest_epoch = EpochReader(open_storage(root.uri)).newest()
@@ -271,8 +271,8 @@ def check_writers(root: Root, result: RoundResult, writers: list[Writer]) -> Non
 def check_root(root: Root, result: RoundResult) -> None:
     """Invariants 1-3 of the module docstring, with fresh processes and managers."""
     import jaxckpt
-    from jaxckpt.commit._protocol import CommitProtocol
-    from jaxckpt.records._keys import ROOT_RECORD
+    from jaxckpt.commit import CommitProtocol
+    from jaxckpt.records import ROOT_RECORD
     from jaxckpt.storage import open_storage
 
     protocol = CommitProtocol(open_storage(root.uri))
@@ -369,7 +369,7 @@ def check_visibility(root: Root, result: RoundResult, protocol: Any, listed: lis
 
 def check_newest_writer(root: Root, result: RoundResult, listed: list[int]) -> None:
     """The steps the root's newest writer committed are listed (its retention aside)."""
-    from jaxckpt.commit._fence import EpochReader
+    from jaxckpt.commit import EpochReader
     from jaxckpt.storage import open_storage
 
     newest = EpochReader(open_storage(root.uri)).newest()
@@ -392,7 +392,7 @@ def check_newest_writer(root: Root, result: RoundResult, listed: list[int]) -> N
 
 def check_keys(result: RoundResult, protocol: Any) -> None:
     """Nothing under attempts/, data/, pending/, commits/ that the visible markers do not name."""
-    from jaxckpt.records._keys import (
+    from jaxckpt.records import (
         ATTEMPTS,
         COMMITS,
         DATA,

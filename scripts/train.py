@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxckpt
 import jaxckpt.flags
-from jaxckpt.saving._telemetry import human_bytes
+from jaxckpt.saving import human_bytes
 
 _STEPS = flags.DEFINE_integer("steps", 300, "Train until this step.")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Sequences per step.")

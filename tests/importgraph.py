@@ -146,3 +146,29 @@ def crossings(edges: dict[str, set[str]] | None = None) -> list[tuple[str, str]]
         and target.count(".") >= 1
         and (PACKAGE / target.split(".")[1]).is_dir()
     )
+
+
+def private_imports_of_file(path: Path, package: Path = PACKAGE) -> set[str]:
+    """The private modules of ``package`` that a file (a test, a script) imports by name.
+
+    ``jaxckpt.records._step`` counts; ``jaxckpt.records`` (the face) and
+    ``jaxckpt.errors`` do not; ``jaxckpt._options`` (a private top-level module) does.
+    """
+    root = package.name
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != root:
+                continue
+            for i in range(1, len(parts)):
+                if parts[i].startswith("_") and not parts[i].startswith("__"):
+                    if package.joinpath(*parts[1 : i + 1]).with_suffix(".py").exists():
+                        found.add(".".join(parts[: i + 1]))
+                    break
+    return found

@@ -42,18 +42,22 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxckpt.commit._objects import list_attempt
-from jaxckpt.commit._phases import PHASES
+from jaxckpt.commit import PHASES, list_attempt
 from jaxckpt.errors import CorruptCheckpointError
-from jaxckpt.records._keys import (
+from jaxckpt.records import (
     ATTEMPTS,
     DATA,
     PENDING,
     ROOT_RECORD,
+    TRAILER_BYTES,
     WRITERS,
+    CommitMarker,
+    FileDigest,
+    ManifestPart,
     StepLocation,
     is_latest_hint,
     is_temp_key,
+    json_record,
     manifest_name,
     new_attempt,
     pack_count,
@@ -61,13 +65,6 @@ from jaxckpt.records._keys import (
     parse_data_key,
     parse_marker_key,
     parse_pending_key,
-)
-from jaxckpt.records._step import (
-    TRAILER_BYTES,
-    CommitMarker,
-    FileDigest,
-    ManifestPart,
-    json_record,
 )
 from jaxckpt.storage import Storage
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from jaxckpt.commit._objects import list_attempt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import ATTEMPTS, DATA, LEGACY_STEPS, parse_data_key
+from jaxckpt.commit import CommitProtocol, list_attempt
+from jaxckpt.records import ATTEMPTS, DATA, LEGACY_STEPS, parse_data_key
 from jaxckpt.storage import Storage, open_storage
 
 

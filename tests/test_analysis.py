@@ -244,7 +244,7 @@ def test_trajectory_api_handles_zero_size_and_integer_leaves(tmp_path):
     root = str(tmp_path / "root")
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, {"e": np.zeros((0, 2), np.float32), "i": np.array([-3, 4], np.int8)})
-    from jaxckpt.tools._stats import trajectory
+    from jaxckpt.tools import trajectory
 
     (only,) = trajectory(root)
     e, i = only.leaves

@@ -15,8 +15,8 @@ from rootpaths import chunk_path, data_objects, data_steps
 from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._step import json_record
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import json_record
 from jaxckpt.storage import open_storage
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -53,7 +53,7 @@ def dtype_leaves(seed: int) -> dict[str, jax.Array]:
 
 
 def test_readme_names_every_storable_dtype_and_no_other():
-    from jaxckpt.records._pytree import storage_problem
+    from jaxckpt.records import storage_problem
 
     named = readme_dtypes()
     assert len(named) == len(set(named)) > 20

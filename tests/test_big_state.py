@@ -22,10 +22,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.commit._objects import list_attempt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import PACK_ALIGNMENT
-from jaxckpt.records._step import TRAILER_BYTES
+from jaxckpt.commit import CommitProtocol, list_attempt
+from jaxckpt.records import PACK_ALIGNMENT, TRAILER_BYTES
 from jaxckpt.storage import open_storage
 
 LEAVES = 24

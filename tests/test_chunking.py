@@ -14,8 +14,8 @@ from rootpaths import step_dir
 
 import jaxckpt
 from jaxckpt import zarr_compat
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._pytree import chunk_shape_for
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import chunk_shape_for
 from jaxckpt.storage import open_storage
 
 
@@ -122,7 +122,7 @@ class _Sharded(np.ndarray):
 
 
 def test_a_prime_axis_split_across_devices_with_nothing_else_to_split_is_refused():
-    from jaxckpt.records._pytree import describe_state
+    from jaxckpt.records import describe_state
 
     rows = np.zeros((2 * 8209, 2048), np.float32).view(_Sharded)
     (leaf,), _ = describe_state({"w": rows}, chunk_bytes=64 << 20)

@@ -20,10 +20,8 @@ from rootpaths import data_steps, step_dir
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.commit._gc import scan
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import StepLocation, new_attempt
-from jaxckpt.records._step import json_record
+from jaxckpt.commit import CommitProtocol, scan
+from jaxckpt.records import StepLocation, json_record, new_attempt
 from jaxckpt.storage import open_storage
 
 STEPS = (1, 2, 5, 10, 20, 30)

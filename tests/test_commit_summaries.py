@@ -13,11 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
-from jaxckpt.records._keys import StepLocation, manifest_name, new_attempt
-from jaxckpt.records._step import ChunkRecord, ManifestPart, crc32c, dumps, json_record
-from jaxckpt.records._summary import PartSummary, keys_hash, object_keys, objects_of
+from jaxckpt.records import (
+    ChunkRecord,
+    ManifestPart,
+    PartSummary,
+    StepLocation,
+    crc32c,
+    dumps,
+    json_record,
+    keys_hash,
+    manifest_name,
+    new_attempt,
+    object_keys,
+    objects_of,
+)
 from jaxckpt.storage import open_storage
 
 

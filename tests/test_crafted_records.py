@@ -23,10 +23,9 @@ import pytest
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
-from jaxckpt.records._keys import StepLocation
-from jaxckpt.records._step import FileDigest, ManifestPart, crc32c, dumps
+from jaxckpt.records import FileDigest, ManifestPart, StepLocation, crc32c, dumps
 from jaxckpt.storage import open_storage
 from jaxckpt.tools._copy import _copy_objects
 

@@ -50,8 +50,8 @@ import protocol_state as state
 import pytest
 
 import jaxckpt
-from jaxckpt.commit._phases import PHASES
-from jaxckpt.records._keys import pack_name
+from jaxckpt.commit import PHASES
+from jaxckpt.records import pack_name
 from jaxckpt.storage import Storage, open_storage
 
 CHILD_PATH = Path(__file__).with_name("crash_child.py")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.restoring._match import lossy_cast
+from jaxckpt.restoring import lossy_cast
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.commit._fence import EpochReader, EpochRecord, Epochs
-from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import StorageError, WriterFencedError
-from jaxckpt.records._keys import MarkerRef, epoch_key, marker_key
+from jaxckpt.records import MarkerRef, epoch_key, marker_key
 from jaxckpt.storage import PreconditionFailed, Storage, open_storage
 
 

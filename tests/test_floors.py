@@ -10,13 +10,17 @@ import pytest
 
 from jaxckpt import cli as jaxckpt_cli
 from jaxckpt.formats import FORMATS, DataFormat
-from jaxckpt.planning import _costs
-from jaxckpt.planning._costs import object_plan, process_share
-from jaxckpt.planning._floors import Link, floor, floors
-from jaxckpt.planning._profiles import PROFILES
-from jaxckpt.planning._scale import scale_plan
-from jaxckpt.records._keys import pack_count
-from jaxckpt.records._layoutcost import ProcessShare, SaveRequests
+from jaxckpt.planning import (
+    PROFILES,
+    Link,
+    _costs,
+    floor,
+    floors,
+    object_plan,
+    process_share,
+    scale_plan,
+)
+from jaxckpt.records import ProcessShare, SaveRequests, pack_count
 
 MiB, KiB = 1 << 20, 1 << 10
 CONN, RTT, HOST = 85e6, 0.020, 1.25e9  # the defaults: AWS's guidance, a 10 Gb/s NIC

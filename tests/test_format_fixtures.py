@@ -37,7 +37,7 @@ def fixture(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, Path]
 
 
 def test_there_is_a_fixture_for_every_format_version():
-    from jaxckpt.records._step import FORMAT_VERSION
+    from jaxckpt.records import FORMAT_VERSION
 
     # v3 is layout 2 with packed data (manifest parts of version 3, layout="packed"); v4
     # (packed) has parts that check themselves under hashed prefixes, process states and
@@ -58,7 +58,7 @@ def test_a_version_1_root_opened_for_writing_keeps_its_steps_and_gains_version_2
     with jaxckpt.CheckpointManager(root) as mgr:  # takes epoch 1; upgrades the root record
         assert mgr.epoch == 1 and mgr.steps() == [1, 2]
         mgr.save(3, {"w": np.arange(4.0)})
-    from jaxckpt.records._step import FORMAT_VERSION
+    from jaxckpt.records import FORMAT_VERSION
 
     record = json.loads((root / "jaxckpt.json").read_bytes())
     assert record["version"] == FORMAT_VERSION  # an older jaxckpt now refuses the root

@@ -12,8 +12,7 @@ import pytest
 import jaxckpt
 from jaxckpt.formats import FORMATS, PACKED, PLAIN, format_named, step_format
 from jaxckpt.formats.writers import WRITERS
-from jaxckpt.records._keys import StepLocation, new_attempt
-from jaxckpt.records._step import LAYOUTS, ChunkRecord, ManifestPart
+from jaxckpt.records import LAYOUTS, ChunkRecord, ManifestPart, StepLocation, new_attempt
 
 LOC = StepLocation(step=7, attempt=new_attempt(1))
 

@@ -15,21 +15,22 @@ from pathlib import Path
 
 import pytest
 
+from jaxckpt.commit import CommitProtocol, list_attempt
 from jaxckpt.commit._gc import Attempt, collect, is_live, scan
-from jaxckpt.commit._objects import list_attempt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import (
+from jaxckpt.records import (
     DATA,
     SPREAD_SLOTS,
     TEMP_GRACE_S,
+    CommitMarker,
+    FileDigest,
     StepLocation,
+    json_record,
     latest_hint_key,
     manifest_name,
     marker_key,
     new_attempt,
     pack_name,
 )
-from jaxckpt.records._step import CommitMarker, FileDigest, json_record
 from jaxckpt.storage import open_storage
 
 GRACE_S = 3600.0

@@ -9,9 +9,8 @@ import time
 import numpy as np
 
 import jaxckpt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import StepLocation, new_attempt
-from jaxckpt.records._step import json_record
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import StepLocation, json_record, new_attempt
 from jaxckpt.storage import open_storage
 
 # The operator's process: every clock reading of its own runs ``offset`` seconds ahead.

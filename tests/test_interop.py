@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 import jaxckpt
 from jaxckpt import cli, zarr_compat
-from jaxckpt.restoring._lazy import dotted_path
-from jaxckpt.tools._safetensors import SafetensorsFormatError, read_safetensors
+from jaxckpt.restoring import dotted_path
+from jaxckpt.tools import SafetensorsFormatError, read_safetensors
 
 
 def _state(step: int) -> dict:

@@ -8,9 +8,20 @@ its own (function-level imports count; ``TYPE_CHECKING`` imports do not).
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 import pytest
-from importgraph import cycles, graph, modules, unit, unit_graph
+from importgraph import (
+    PACKAGE,
+    crossings,
+    cycles,
+    graph,
+    modules,
+    private_imports_of_file,
+    private_module,
+    unit,
+    unit_graph,
+)
 
 MODULES = modules()
 
@@ -112,3 +123,56 @@ def test_at_most_30_modules_directly_in_the_package():
     """Modules and subpackages directly in ``jaxckpt/`` (a newcomer's first listing)."""
     top = {m for m in MODULES if m.count(".") == 1}
     assert len(top) <= 30, sorted(top)
+
+
+def test_at_most_a_tenth_of_the_imports_between_packages_name_a_private_module():
+    """Another package's ``_module`` is its own: imports between packages name the face."""
+    for type_checking in (False, True):
+        crossing = crossings(graph(type_checking=type_checking))
+        private = [edge for edge in crossing if private_module(edge[1])]
+        assert len(crossing) > 100  # (the measure sees the imports)
+        assert len(private) <= len(crossing) // 10, private
+
+
+TESTS = PACKAGE.parent / "tests"
+UNIT_TESTS = {
+    # Tests named for a concept rather than a module: the unit whose internals they test.
+    "test_peer_hardening.py": "tiers",
+    "test_peer_stream.py": "tiers",
+    "test_httpread.py": "storage",
+    "test_storage_contract.py": "storage",
+    "test_records.py": "records",
+    "test_process_state.py": "records",
+    "test_replicated.py": "restoring",
+    "test_restore_parts.py": "restoring",
+}
+
+
+def units_tested_by(test: Path) -> set[str]:
+    """The units a test file is the unit test of: ``test_gc.py`` of ``commit`` (``_gc``)."""
+    stem = test.stem.removeprefix("test_")
+    named = {
+        unit(m)
+        for m in MODULES
+        if (name := m.rpartition(".")[2].lstrip("_"))
+        and (stem == name or stem.startswith(f"{name}_"))
+    }
+    declared = {UNIT_TESTS[test.name]} if test.name in UNIT_TESTS else set()
+    return named | declared
+
+
+def test_units_tested_by():
+    assert units_tested_by(TESTS / "test_gc.py") == {"commit"}
+    assert units_tested_by(TESTS / "test_peer_stream.py") == {"tiers"}
+    assert units_tested_by(TESTS / "test_everything_else.py") == set()
+
+
+def test_at_most_25_test_files_import_a_private_module_of_another_unit():
+    """Tests use the faces, except a unit's own tests (which may use its internals)."""
+    offenders = {}
+    for test in sorted(TESTS.glob("test_*.py")):
+        mine = units_tested_by(test)
+        others = {m for m in private_imports_of_file(test) if unit(m) not in mine}
+        if others:
+            offenders[test.name] = sorted(others)
+    assert len(offenders) <= 25, offenders

@@ -6,9 +6,9 @@ import numpy as np
 from trees import assert_tree_bitexact
 
 import jaxckpt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._pytree import MAX_NAME_CHARS, array_names
-from jaxckpt.restoring._stepreader import load_step
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import MAX_NAME_CHARS, array_names
+from jaxckpt.restoring import load_step
 from jaxckpt.storage import open_storage
 
 

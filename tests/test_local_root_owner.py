@@ -21,9 +21,8 @@ from benchkit import servers
 
 import jaxckpt
 from jaxckpt import policy
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.lifecycle._promoter import read_requests
-from jaxckpt.records._keys import TIER_RECORD, WRITERS
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import TIER_RECORD, WRITERS, read_requests
 from jaxckpt.storage import open_storage
 
 

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import ROOT_RECORD, TIER_RECORD
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import ROOT_RECORD, TIER_RECORD
 from jaxckpt.storage import open_storage
 
 STEPS = 40

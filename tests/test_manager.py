@@ -371,7 +371,7 @@ def test_newer_format_version_is_refused(root):
     marker = json.loads(pathlib.Path(path).read_text())
     marker["version"] = 99
     marker.pop("marker_crc32c")
-    from jaxckpt.records._step import crc32c, dumps
+    from jaxckpt.records import crc32c, dumps
 
     marker["marker_crc32c"] = crc32c(dumps(marker))
     pathlib.Path(path).write_bytes(dumps(marker))

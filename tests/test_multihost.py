@@ -52,9 +52,8 @@ from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt
-from jaxckpt.commit._objects import list_attempt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._step import ManifestPart
+from jaxckpt.commit import CommitProtocol, list_attempt
+from jaxckpt.records import ManifestPart
 from jaxckpt.storage import open_storage
 
 CHILD_PATH = Path(__file__).with_name("multihost_child.py")

@@ -33,8 +33,8 @@ from benchkit import servers
 from rootpaths import chunk_path
 
 import jaxckpt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.lifecycle._promoter import read_requests
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import read_requests
 from jaxckpt.storage import open_storage
 
 pytestmark = pytest.mark.timeout(300)

@@ -275,7 +275,7 @@ def test_a_saved_step_is_restored_without_reading_its_zarr_json(
     object_root: str, monkeypatch
 ) -> None:
     """Its manifest says the codec chain (``"codecs": "bytes+crc32c"``): one GET per leaf less."""
-    from jaxckpt.records._step import PLAIN_CODECS
+    from jaxckpt.records import PLAIN_CODECS
     from jaxckpt.restoring import _stepreader as _restore
 
     state = {f"w{i}": jnp.arange(1000 + i, dtype=jnp.float32) for i in range(3)}

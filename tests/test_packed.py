@@ -25,9 +25,9 @@ from trees import assert_tree_bitexact, sample_state
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CorruptCheckpointError, UnsupportedFormatError
-from jaxckpt.records._keys import MAX_PACKS, pack_count
+from jaxckpt.records import MAX_PACKS, pack_count
 from jaxckpt.records._step import (
     FORMAT_VERSION,
     PACKED_VERSION,

@@ -20,7 +20,7 @@ import harness
 import pytest
 import test_multihost as mh
 
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.storage import open_storage
 
 pytestmark = pytest.mark.timeout(240)

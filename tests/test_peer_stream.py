@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jaxckpt import PeerError
-from jaxckpt.records._keys import TEMP_GRACE_S, is_stale_temp_key, is_temp_key, replica_holdings
+from jaxckpt.records import TEMP_GRACE_S, is_stale_temp_key, is_temp_key, replica_holdings
 from jaxckpt.storage import open_storage
 from jaxckpt.tiers._peerclient import connect
 from jaxckpt.tiers._peers import Peers

@@ -36,8 +36,8 @@ import pytest
 import test_multihost as mh
 
 import jaxckpt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import REPLICAS, parse_replica_index_key
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import REPLICAS, parse_replica_index_key
 from jaxckpt.storage import open_storage
 
 pytestmark = pytest.mark.timeout(300)

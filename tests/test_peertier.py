@@ -6,12 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxckpt import CorruptCheckpointError
-from jaxckpt._options import CheckpointOptions
-from jaxckpt.records._keys import replica_index_key, replica_prefix
-from jaxckpt.records._step import FileDigest, ReplicaIndex
-from jaxckpt.tiers._open import open_tier
-from jaxckpt.tiers._placement import heal_target
+from jaxckpt import CheckpointOptions, CorruptCheckpointError
+from jaxckpt.records import FileDigest, ReplicaIndex, replica_index_key, replica_prefix
+from jaxckpt.tiers import heal_target, open_tier
 
 A = "e1-1700000000-abcdef"
 
@@ -109,8 +106,8 @@ def test_retention_deletes_a_steps_replicas_and_gc_the_stale_ones(tmp_path):
 
 def test_promoter_metrics_report_replica_bytes_and_replication_lag(tmp_path):
     import jaxckpt
-    from jaxckpt.cli._metrics import PromoterMetrics
-    from jaxckpt.commit._protocol import CommitProtocol
+    from jaxckpt.cli import PromoterMetrics
+    from jaxckpt.commit import CommitProtocol
     from jaxckpt.storage import open_storage
 
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")

@@ -7,7 +7,7 @@ import math
 import pytest
 
 import jaxckpt
-from jaxckpt.planning._costs import PlanResult, object_plan, plan
+from jaxckpt.planning import PlanResult, object_plan, plan
 from jaxckpt.policy import daly_interval
 
 ARTICLE = {

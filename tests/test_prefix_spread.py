@@ -18,10 +18,9 @@ from benchkit import servers
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.commit._objects import list_attempt
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol, list_attempt
 from jaxckpt.formats import _packed
-from jaxckpt.records._keys import DATA, SPREAD_SLOTS, StepLocation
+from jaxckpt.records import DATA, SPREAD_SLOTS, StepLocation
 from jaxckpt.storage import open_storage
 
 HASHED = re.compile(r"data/[0-9a-f]{2}/(\d+)\.e\d+-\d+-[0-9a-f]+/(packs|manifest)/[^/]+")

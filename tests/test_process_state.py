@@ -26,9 +26,8 @@ from benchkit import servers
 
 import jaxckpt
 from jaxckpt.cli import main as cli_main
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records import _procstate
-from jaxckpt.records._keys import manifest_name
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import _procstate, manifest_name
 from jaxckpt.storage import open_storage
 
 CHILD = Path(__file__).with_name("procstate_child.py")

@@ -17,9 +17,10 @@ import pytest
 
 import jaxckpt
 from jaxckpt import policy
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.lifecycle import Promoter
 from jaxckpt.lifecycle import _promoter as _promote
-from jaxckpt.lifecycle._promoter import GONE, PROMOTED, Promoter, read_requests
+from jaxckpt.records import GONE, PROMOTED, read_requests
 from jaxckpt.storage import open_storage
 from jaxckpt.tools import _copy
 

@@ -16,7 +16,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.commit._protocol import CommitProtocol
+from jaxckpt.commit import CommitProtocol
 from jaxckpt.storage import open_storage
 from jaxckpt.tools import _copy
 

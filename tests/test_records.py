@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
+from jaxckpt.records import StepLocation, marker_key, new_attempt
 from jaxckpt.records import _step as R
-from jaxckpt.records._keys import StepLocation, marker_key, new_attempt
 
 WHERE = "s3://bucket/run/commits/000000000007.e2.json"
 ATTEMPT = new_attempt(2, now=1_700_000_000)

@@ -16,9 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxckpt.formats._tsio import chunk_key
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.records._step import ChunkRecord
+from jaxckpt.formats import chunk_key
+from jaxckpt.records import ChunkRecord, SavedLeaf
 from jaxckpt.restoring._collective import _Meta, _reassemble
 from jaxckpt.restoring._crccombine import crc32c_combine
 from jaxckpt.restoring._readonce import _stream_records, plan

@@ -21,9 +21,9 @@ from rootpaths import step_key, step_object
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.records._keys import marker_key
+from jaxckpt.records import marker_key
 from jaxckpt.storage import LocalStorage
-from jaxckpt.tools._safetensors import read_safetensors
+from jaxckpt.tools import read_safetensors
 
 
 def _load_faultproxy():

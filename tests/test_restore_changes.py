@@ -13,8 +13,8 @@ from trees import assert_tree_bitexact
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.restoring._stepreader import load_step
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.restoring import load_step
 from jaxckpt.storage import LocalStorage, open_storage
 
 

@@ -17,8 +17,7 @@ from typing import Any
 import jax
 import pytest
 
-from jaxckpt.records._pytree import SavedLeaf
-from jaxckpt.records._step import ChunkRecord
+from jaxckpt.records import ChunkRecord, SavedLeaf
 from jaxckpt.restoring import _parts
 
 ME = 1

@@ -13,7 +13,7 @@ from rootpaths import data_steps
 
 import jaxckpt
 from jaxckpt import policy
-from jaxckpt.records._keys import parse_marker_key
+from jaxckpt.records import parse_marker_key
 from jaxckpt.storage import open_storage
 
 EXPECTED = [10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 19980, 19990, 20000]

@@ -15,7 +15,7 @@ import pytest
 from absl import logging as absl_logging
 
 import jaxckpt
-from jaxckpt.records._keys import ATTEMPTS
+from jaxckpt.records import ATTEMPTS
 
 CHILD = """
 import sys

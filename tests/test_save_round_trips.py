@@ -19,7 +19,7 @@ from benchkit import servers
 from benchkit.shaper import Profile, Shaper
 
 import jaxckpt
-from jaxckpt.records._keys import SPREAD_SLOTS
+from jaxckpt.records import SPREAD_SLOTS
 from jaxckpt.storage import open_storage
 
 
@@ -118,7 +118,7 @@ def test_a_commit_refuses_when_a_record_or_pack_it_wrote_is_gone(
 ) -> None:
     """What the commit does not read back it still finds in the attempt's listing: gone
     (a collection of the attempt meanwhile), the step is not committed."""
-    from jaxckpt.commit._protocol import CommitProtocol
+    from jaxckpt.commit import CommitProtocol
 
     root = str(tmp_path / "ckpt")
     original = CommitProtocol.commit

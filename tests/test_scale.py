@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import COMMITS, latest_hint_key
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import COMMITS, latest_hint_key
 from jaxckpt.storage import Storage, open_storage
 
 

@@ -95,7 +95,7 @@ def test_the_commit_lists_the_attempts_prefixes_whatever_the_number_of_processes
 ) -> None:
     """The primary's save lists the protocol's prefixes (markers, writers), the attempt's
     own and its 32 hashed ones: the same at 2 processes as at 4 (and at 8,192)."""
-    from jaxckpt.records._keys import SPREAD_SLOTS
+    from jaxckpt.records import SPREAD_SLOTS
 
     lists = {n: measured[n]["summary"]["save"]["primary"]["requests"]["LIST"] for n in (2, 4)}
     assert lists[2] == lists[4] <= 3 + 1 + SPREAD_SLOTS, lists

@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxckpt import cli
-from jaxckpt.planning._assumptions import STORES
-from jaxckpt.planning._profiles import PROFILES, Linear, fit_profile
-from jaxckpt.planning._scale import PhaseCost, scale_plan
+from jaxckpt.planning import PROFILES, STORES, Linear, PhaseCost, fit_profile, scale_plan
 
 
 def _report(points: dict[int, tuple[int, int, int, int]]) -> dict[str, object]:
@@ -66,7 +64,7 @@ def test_todays_counts_exceed_s3_on_restore_at_a_thousand_processes() -> None:
 @pytest.mark.parametrize("rtt_ms", [20, 50])
 def test_the_target_meets_the_issue_bounds_on_s3_with_hashed_prefixes(rtt_ms: int) -> None:
     """Issue 35's model target: under 10 s at 1,024 and under 60 s at 8,192 on S3."""
-    from jaxckpt.planning._floors import Link
+    from jaxckpt.planning import Link
 
     rows = scale_plan(
         processes=[1024, 8192],

@@ -9,7 +9,7 @@ import pytest
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.records._keys import MAX_STEP, marker_key, parse_marker_key
+from jaxckpt.records import MAX_STEP, marker_key, parse_marker_key
 
 WIDE = 10**12  # the first step past the 12-digit marker names
 

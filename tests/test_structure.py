@@ -15,8 +15,8 @@ import pytest
 from rootpaths import step_dir
 
 import jaxckpt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._step import FileDigest, dumps
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import FileDigest, dumps
 from jaxckpt.storage import open_storage
 
 

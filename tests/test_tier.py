@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import policy
-from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit._agree import Agreement
-from jaxckpt.lifecycle._retention import Retention
-from jaxckpt.tiers._open import open_tier, open_tiers
+from jaxckpt import CheckpointOptions, policy
+from jaxckpt.commit import Agreement
+from jaxckpt.lifecycle import Retention
+from jaxckpt.tiers import open_tier, open_tiers
 
 
 def saved(root: Path, steps: range) -> None:

@@ -29,10 +29,8 @@ from trees import assert_tree_bitexact
 
 import jaxckpt
 from jaxckpt import policy
-from jaxckpt.commit._objects import list_attempt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.lifecycle._promoter import read_requests
-from jaxckpt.records._keys import ATTEMPTS, DATA, parse_data_key
+from jaxckpt.commit import CommitProtocol, list_attempt
+from jaxckpt.records import ATTEMPTS, DATA, parse_data_key, read_requests
 from jaxckpt.storage import open_storage
 
 CHILD = str(Path(__file__).with_name("tier_child.py"))

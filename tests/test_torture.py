@@ -28,9 +28,8 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import ATTEMPTS, COMMITS, PENDING, StepLocation, new_attempt
-from jaxckpt.records._step import json_record
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.records import ATTEMPTS, COMMITS, PENDING, StepLocation, json_record, new_attempt
 from jaxckpt.storage import open_storage
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"

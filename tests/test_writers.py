@@ -24,9 +24,8 @@ from rootpaths import marker_path, step_dir
 
 import jaxckpt
 from jaxckpt import cli
-from jaxckpt.commit._gc import scan
-from jaxckpt.commit._protocol import CommitProtocol
-from jaxckpt.records._keys import marker_key, parse_marker_key
+from jaxckpt.commit import CommitProtocol, scan
+from jaxckpt.records import marker_key, parse_marker_key
 from jaxckpt.restoring import _stepreader as _restore
 from jaxckpt.storage import Storage, open_storage
 

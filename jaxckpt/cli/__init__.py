@@ -29,8 +29,17 @@ from __future__ import annotations
 from jaxckpt.cli._common import split_source as split_source
 from jaxckpt.cli._main import main as main
 from jaxckpt.cli._main import parser as parser
+from jaxckpt.cli._metrics import PromoterMetrics as PromoterMetrics
 from jaxckpt.cli._output import Progress as Progress
 from jaxckpt.cli._output import human_bytes as human_bytes
 from jaxckpt.cli._output import human_duration as human_duration
 
-__all__ = ["Progress", "human_bytes", "human_duration", "main", "parser", "split_source"]
+__all__ = [
+    "Progress",
+    "PromoterMetrics",
+    "human_bytes",
+    "human_duration",
+    "main",
+    "parser",
+    "split_source",
+]

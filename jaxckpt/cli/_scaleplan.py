@@ -32,7 +32,7 @@ def register_options(p: argparse.ArgumentParser) -> None:
         "--counts",
         default="before",
         help="per-process counts: 'before' (fit to bench.py scale today), 'target' "
-        "(issue 35's), or a `bench.py scale --json` file to fit (default before)",
+        "(counts constant in N), or a `bench.py scale --json` file to fit (default before)",
     )
     g.add_argument(
         "--prefixes",

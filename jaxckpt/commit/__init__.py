@@ -18,6 +18,7 @@ from jaxckpt.commit._gc import collect as collect
 from jaxckpt.commit._gc import is_live as is_live
 from jaxckpt.commit._gc import scan as scan
 from jaxckpt.commit._objects import list_attempt as list_attempt
+from jaxckpt.commit._phases import PHASES as PHASES
 from jaxckpt.commit._phases import reached as reached
 from jaxckpt.commit._phases import watched as watched
 from jaxckpt.commit._protocol import CommitProtocol as CommitProtocol
@@ -45,6 +46,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "PHASES",
     "Agreement",
     "CommitProtocol",
     "EpochReader",

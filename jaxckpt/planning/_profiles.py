@@ -10,7 +10,7 @@ coordination-service calls. A :class:`Profile` holds one set:
 * ``before``: fit by least squares to ``python scripts/bench.py scale`` at 2, 4,
   8 and 16 real processes (:data:`BEFORE`, the code of 2026-12-04), or to any
   run's ``--json`` (:func:`fit_profile`);
-* ``target``: issue 35's target, derived from the protocol it asks for: every
+* ``target``: the scale target (counts constant in N), derived from the protocol it asks for: every
   count constant per process; the primary gathers one small summary per
   process (:data:`SUMMARY_BYTES`) through the coordination service; a restore
   reads its own manifest part and one more (the part holding its replicated
@@ -129,7 +129,7 @@ BEFORE = Profile(
 
 TARGET = Profile(
     name="target",
-    source="issue 35's target, derived from the protocol it asks for: today's constant terms; "
+    source="the scale target, derived from the protocol it asks for: today's constant terms; "
     f"the commit gathers a {SUMMARY_BYTES} B summary per process through one directory read "
     "instead of reading parts; a restore reads its own part and one more; a gather is a "
     "set, a barrier and one directory read",

@@ -15,6 +15,8 @@ from jaxckpt.records._keys import ATTEMPTS as ATTEMPTS
 from jaxckpt.records._keys import COMMITS as COMMITS
 from jaxckpt.records._keys import DATA as DATA
 from jaxckpt.records._keys import LEGACY_STEPS as LEGACY_STEPS
+from jaxckpt.records._keys import MAX_PACKS as MAX_PACKS
+from jaxckpt.records._keys import MAX_STEP as MAX_STEP
 from jaxckpt.records._keys import MIN_PACK_BYTES as MIN_PACK_BYTES
 from jaxckpt.records._keys import PACK_ALIGNMENT as PACK_ALIGNMENT
 from jaxckpt.records._keys import PACK_UPLOADS as PACK_UPLOADS
@@ -49,6 +51,7 @@ from jaxckpt.records._keys import parse_data_key as parse_data_key
 from jaxckpt.records._keys import parse_epoch_key as parse_epoch_key
 from jaxckpt.records._keys import parse_marker_key as parse_marker_key
 from jaxckpt.records._keys import parse_pending_key as parse_pending_key
+from jaxckpt.records._keys import parse_replica_index_key as parse_replica_index_key
 from jaxckpt.records._keys import parse_replica_step as parse_replica_step
 from jaxckpt.records._keys import promote_key as promote_key
 from jaxckpt.records._keys import replica_holdings as replica_holdings
@@ -58,6 +61,7 @@ from jaxckpt.records._keys import spread_slot as spread_slot
 from jaxckpt.records._layoutcost import RECORDS_PER_STEP as RECORDS_PER_STEP
 from jaxckpt.records._layoutcost import FormatCost as FormatCost
 from jaxckpt.records._layoutcost import ProcessShare as ProcessShare
+from jaxckpt.records._layoutcost import SaveRequests as SaveRequests
 from jaxckpt.records._layoutcost import in_flight as in_flight
 from jaxckpt.records._layouts import FORMATS as FORMATS
 from jaxckpt.records._layouts import NAMES_TEXT as NAMES_TEXT
@@ -87,6 +91,8 @@ from jaxckpt.records._requests import request_promotion as request_promotion
 from jaxckpt.records._requests import withdraw as withdraw
 from jaxckpt.records._step import FORMAT as FORMAT
 from jaxckpt.records._step import FORMAT_VERSION as FORMAT_VERSION
+from jaxckpt.records._step import LAYOUTS as LAYOUTS
+from jaxckpt.records._step import PLAIN_CODECS as PLAIN_CODECS
 from jaxckpt.records._step import SELF_CHECKED_VERSION as SELF_CHECKED_VERSION
 from jaxckpt.records._step import TRAILER_BYTES as TRAILER_BYTES
 from jaxckpt.records._step import ChunkAddress as ChunkAddress
@@ -116,15 +122,23 @@ from jaxckpt.records._versions import versions_text as versions_text
 from jaxckpt.records._versions import writer_versions as writer_versions
 
 if TYPE_CHECKING:
+    from jaxckpt.records._pytree import MAX_NAME_CHARS as MAX_NAME_CHARS
+    from jaxckpt.records._pytree import array_names as array_names
+    from jaxckpt.records._pytree import chunk_shape_for as chunk_shape_for
     from jaxckpt.records._pytree import describe_state as describe_state
     from jaxckpt.records._pytree import flatten as flatten
     from jaxckpt.records._pytree import path_str as path_str
+    from jaxckpt.records._pytree import storage_problem as storage_problem
     from jaxckpt.records._pytree import structure_of as structure_of
     from jaxckpt.records._pytree import unflatten_saved as unflatten_saved
 
 # Names whose modules import jax or TensorStore load on first use, so that
 # the light modules of this package (and ``jaxckpt ls``) stay free of them.
 _LAZY = {
+    "array_names": "jaxckpt.records._pytree",
+    "MAX_NAME_CHARS": "jaxckpt.records._pytree",
+    "chunk_shape_for": "jaxckpt.records._pytree",
+    "storage_problem": "jaxckpt.records._pytree",
     "describe_state": "jaxckpt.records._pytree",
     "flatten": "jaxckpt.records._pytree",
     "path_str": "jaxckpt.records._pytree",
@@ -154,7 +168,11 @@ __all__ = [
     "FORMATS",
     "FORMAT_VERSION",
     "GONE",
+    "LAYOUTS",
     "LEGACY_STEPS",
+    "MAX_NAME_CHARS",
+    "MAX_PACKS",
+    "MAX_STEP",
     "MIN_PACK_BYTES",
     "NAMES_TEXT",
     "PACKED",
@@ -162,6 +180,7 @@ __all__ = [
     "PACK_UPLOADS",
     "PENDING",
     "PLAIN",
+    "PLAIN_CODECS",
     "PROMOTE",
     "PROMOTED",
     "RECORDS_PER_STEP",
@@ -192,11 +211,14 @@ __all__ = [
     "PromotionResult",
     "ReplicaIndex",
     "RestoredStates",
+    "SaveRequests",
     "SavedLeaf",
     "StepLocation",
+    "array_names",
     "check_parts",
     "check_step",
     "chunk_problem",
+    "chunk_shape_for",
     "claim",
     "crc32c",
     "describe_state",
@@ -231,6 +253,7 @@ __all__ = [
     "parse_epoch_key",
     "parse_marker_key",
     "parse_pending_key",
+    "parse_replica_index_key",
     "parse_replica_step",
     "parse_tree",
     "parts_crc32c",
@@ -246,6 +269,7 @@ __all__ = [
     "request_promotion",
     "spread_slot",
     "step_format",
+    "storage_problem",
     "structure_of",
     "unflatten_saved",
     "versions_text",

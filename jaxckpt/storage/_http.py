@@ -2,7 +2,7 @@
 
 TensorStore hands every read to Python as a new ``bytes`` object, copied out
 of its own response buffer: a restore through it either holds twice the bytes
-in flight or keeps few requests in flight (issue 14). The restore's chunk
+in flight or keeps few requests in flight. The restore's chunk
 reads instead go over this module's own HTTP connections
 (:mod:`http.client`), whose ``readinto`` writes each response body into the
 array buffer it becomes: no response copy, and memory no larger than the

@@ -10,8 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from jaxckpt.tiers._placement import heal_target as heal_target
+
 if TYPE_CHECKING:
     from jaxckpt.tiers._open import join_tiers as join_tiers
+    from jaxckpt.tiers._open import open_tier as open_tier
     from jaxckpt.tiers._open import open_tiers as open_tiers
     from jaxckpt.tiers._tier import Tier as Tier
     from jaxckpt.tiers._tier import reading_tier as reading_tier
@@ -19,6 +22,7 @@ if TYPE_CHECKING:
 # Names whose modules import jax or TensorStore load on first use, so that
 # the light modules of this package (and ``jaxckpt ls``) stay free of them.
 _LAZY = {
+    "open_tier": "jaxckpt.tiers._open",
     "join_tiers": "jaxckpt.tiers._open",
     "open_tiers": "jaxckpt.tiers._open",
     "Tier": "jaxckpt.tiers._tier",
@@ -37,7 +41,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Tier",
+    "heal_target",
     "join_tiers",
+    "open_tier",
     "open_tiers",
     "reading_tier",
 ]

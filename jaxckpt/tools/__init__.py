@@ -15,6 +15,7 @@ from jaxckpt.tools._copy import copy_step as copy_step
 if TYPE_CHECKING:
     from jaxckpt.tools._diff import IDENTICAL as IDENTICAL
     from jaxckpt.tools._diff import diff_steps as diff_steps
+    from jaxckpt.tools._safetensors import SafetensorsFormatError as SafetensorsFormatError
     from jaxckpt.tools._safetensors import export_safetensors as export_safetensors
     from jaxckpt.tools._safetensors import read_safetensors as read_safetensors
     from jaxckpt.tools._safetensors import tree_from_names as tree_from_names
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 # Names whose modules import jax or TensorStore load on first use, so that
 # the light modules of this package (and ``jaxckpt ls``) stay free of them.
 _LAZY = {
+    "SafetensorsFormatError": "jaxckpt.tools._safetensors",
     "IDENTICAL": "jaxckpt.tools._diff",
     "diff_steps": "jaxckpt.tools._diff",
     "export_safetensors": "jaxckpt.tools._safetensors",
@@ -52,6 +54,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "IDENTICAL",
     "Problem",
+    "SafetensorsFormatError",
     "VerifyReport",
     "copy_part",
     "copy_step",

@@ -15,11 +15,11 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
 KEEP_BYTES = 3 * GiB  # scratch kept on disk within a case (see Scratch)
 CONTENDERS = ("raw", "jaxckpt", "jaxckpt-packed", "orbax")
-# jaxckpt-packed: CheckpointOptions(layout="packed") (issue 15), a few pack objects per
+# jaxckpt-packed: CheckpointOptions(layout="packed"), a few pack objects per
 # process instead of two files per leaf; local save + restore rounds only.
 PACKED_OPTIONS = {"layout": "packed"}
 LOOP_CONTENDERS = ("raw", "jaxckpt", "orbax", "jaxckpt-nice")
-# jaxckpt-nice: the background save's threads at nice WRITER_NICE (issue 14, item 4).
+# jaxckpt-nice: the background save's threads at nice WRITER_NICE.
 WRITER_NICE = 10
 STORE_CONTENDERS = (
     "raw-s3",
@@ -30,8 +30,8 @@ STORE_CONTENDERS = (
     "jaxckpt-gcs",
     "jaxckpt-gcs-ts",
 )
-# jaxckpt-*-ts: restores read through TensorStore (direct_reads=False), as before issue 14's
-# fourth pass; jaxckpt-*-lowmem: the restore memory budget lowered for small-RAM hosts.
+# jaxckpt-*-ts: restores read through TensorStore (direct_reads=False), as before the
+# direct HTTP reads; jaxckpt-*-lowmem: the restore memory budget lowered for small-RAM hosts.
 LOWMEM_RESTORE_BYTES = 8 * MiB  # CheckpointOptions.restore_memory_bytes (default 16 MiB)
 
 

@@ -1,6 +1,6 @@
 """``bench.py denied``: one host loses access to its data; how fast every host learns it.
 
-Issue 35's target: "one host that cannot read its data (HTTP 403): every host
+The target: "one host that cannot read its data (HTTP 403): every host
 raises within 30 s, naming that host". ``--processes`` real JAX processes (one
 CPU device each; ``benchkit/scale_child.py --mode denied``) talk to a loopback
 S3 server (moto), each through a fault proxy of its own

@@ -52,8 +52,8 @@ def fill(root: str, steps: int) -> None:
     import numpy as np
 
     import jaxckpt
-    from jaxckpt.commit._protocol import CommitProtocol
-    from jaxckpt.records._keys import latest_hint_key
+    from jaxckpt.commit import CommitProtocol
+    from jaxckpt.records import latest_hint_key
     from jaxckpt.storage import open_storage
 
     with jaxckpt.CheckpointManager(root) as mgr:

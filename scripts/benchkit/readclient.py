@@ -3,7 +3,7 @@
 The restore reads chunks (plain) and spans of packs (packed) as ranged GETs
 over jaxckpt's own HTTP client (``jaxckpt.storage._http``, through
 ``ObjectStorage.read_range`` and ``storage._ranged``), ``READ_WORKERS`` at once
-from the ``read`` pool. Issue 24 asks whether a well-kept library, obstore
+from the ``read`` pool. The question here is whether a well-kept library, obstore
 (Rust ``object_store`` behind Python bindings), does better on the same
 requests. Against moto, bare and behind :class:`benchkit.shaper.Shaper`, this
 reads the same ranges with the same concurrency through

@@ -83,7 +83,7 @@ def _said(out: str, prefix: str) -> str:
 def measure(root: str, scale: str) -> tuple[int, list[dict[str, Any]]]:
     """Saves one step to ``root`` and restores it four ways; the step's bytes and the rows."""
     run_group(root, "save", 2, 2, "--mesh=2x2", "--steps=1", scale)
-    from jaxckpt.commit._protocol import CommitProtocol
+    from jaxckpt.commit import CommitProtocol
     from jaxckpt.storage import open_storage
 
     stored = CommitProtocol(open_storage(root)).require_marker(1).nbytes

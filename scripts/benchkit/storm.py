@@ -1,6 +1,6 @@
 """``bench.py storm``: a save and a restore through a store that throttles every request.
 
-Issue 35's target: "a save and a restore through a proxy that answers every
+The target: "a save and a restore through a proxy that answers every
 request with ``503 SlowDown`` for 60 s both complete (slower), and
 commit/restore the right step". ``--processes`` real JAX processes (one CPU
 device each; ``benchkit/scale_child.py --mode storm``) talk to a loopback S3

@@ -131,7 +131,7 @@ TARGETS = (
         at_least=True,
         bound=1.5,
     ),
-    Target(  # issue 14, item 5
+    Target(  # save throughput against raw writes
         kind="many-small",
         label="save throughput vs raw write+fsync",
         measure=lambda s, c: _vs(s, "save_gbps", "raw", c),
