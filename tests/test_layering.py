@@ -8,6 +8,7 @@ its own (function-level imports count; ``TYPE_CHECKING`` imports do not).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,23 @@ def test_at_most_25_test_files_import_a_private_module_of_another_unit():
         if others:
             offenders[test.name] = sorted(others)
     assert len(offenders) <= 25, offenders
+
+
+def test_build_md_is_a_reference_of_at_most_900_lines():
+    lines = (PACKAGE.parent / "BUILD.md").read_text().splitlines()
+    assert len(lines) <= 900, len(lines)
+
+
+def test_the_product_cites_no_issue_numbers():
+    """Issue numbers mean nothing to a reader of the product: say what, not which ticket."""
+    root = PACKAGE.parent
+    files = [*PACKAGE.rglob("*.py"), *(root / "scripts").rglob("*.py")]
+    files += [root / "README.md", root / "BUILD.md"]
+    pattern = re.compile(r"[Ii]ssues?\s*#?\d+")
+    cited = [
+        f"{path.relative_to(root)}:{n}"
+        for path in files
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert cited == []
