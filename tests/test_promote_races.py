@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 
 import jaxckpt
-from jaxckpt import policy
+from jaxckpt import policy, tools
 from jaxckpt.commit import CommitProtocol
 from jaxckpt.lifecycle import Promoter
 from jaxckpt.lifecycle import _promoter as _promote
 from jaxckpt.records import GONE, PROMOTED, read_requests
 from jaxckpt.storage import open_storage
-from jaxckpt.tools import _copy
 
 
 def requested(local: Path, root: str, steps: list[int]) -> tuple[CommitProtocol, CommitProtocol]:
@@ -43,14 +42,14 @@ def test_a_local_step_deleted_mid_copy_is_skipped_and_the_rest_promoted(
 ) -> None:
     local = tmp_path / "nvme"
     local_p, durable_p = requested(local, storage_root, [1, 2, 3])
-    copy = _copy.copy_step
+    copy = tools.copy_step
 
     def racing(src: CommitProtocol, dst: CommitProtocol, marker: Any, **kw: Any) -> int:
         if marker.step == 2:  # retention deletes it while the copy starts
             CommitProtocol(open_storage(str(local))).delete(2)
         return copy(src, dst, marker, **kw)
 
-    monkeypatch.setattr(_copy, "copy_step", racing)
+    monkeypatch.setattr(tools, "copy_step", racing)  # the face: what the promoter calls
     caplog.set_level(logging.INFO, logger="jaxckpt")
     results = Promoter(local_p, durable_p).promote_once()
     outcomes = {r.step: r.outcome for r in results}
