@@ -1,13 +1,14 @@
 """CheckpointManager: the public entry point; it builds the parts and delegates to them.
 
-The manager holds its tiers (:mod:`jaxckpt.tiers._tier`, nearest first), the save
-session (:mod:`jaxckpt.saving._session`), retention (:mod:`jaxckpt.lifecycle._retention`),
-promotion (:mod:`jaxckpt.lifecycle._promotion`), the agreement among hosts and the
-preemption watcher. A save goes manager → :class:`~jaxckpt.saving._session.SaveSession`
-→ Orbax AsyncCheckpointer → :class:`~jaxckpt.saving._handler.ZarrHandler` →
-``SaveSession.write`` → :class:`~jaxckpt.formats._tsio.ArrayWriter` → TensorStore; a
-restore goes manager → :func:`jaxckpt.restoring._select.restore` →
-:class:`~jaxckpt.restoring._stepreader.StepReader`.
+The manager holds its tiers (:mod:`jaxckpt.tiers`, nearest first), the save session
+(:class:`~jaxckpt.saving.SaveSession`), retention and promotion
+(:mod:`jaxckpt.lifecycle`), the restore selection (:class:`~jaxckpt.restoring.Selection`),
+the agreement among hosts and the preemption watcher. A save goes manager →
+``SaveSession.save`` → Orbax's ``AsyncCheckpointer`` → ``ZarrHandler.async_save``
+(the host snapshot) and, on Orbax's background thread, ``SaveSession.write`` →
+``StepWrite.run`` → the layout's :class:`~jaxckpt.formats.StepWriter` (chunks), then
+the agreed commit (marker); a restore goes manager → ``Selection.restore`` →
+``StepReader.restore`` (:func:`~jaxckpt.restoring.tier_reader`).
 """
 
 from __future__ import annotations

@@ -36,10 +36,12 @@ if TYPE_CHECKING:
     from jaxckpt.restoring._select import Selection as Selection
     from jaxckpt.restoring._stepreader import LoadedStep as LoadedStep
     from jaxckpt.restoring._stepreader import load_step as load_step
+    from jaxckpt.restoring._stepreader import tier_reader as tier_reader
 
 # Names whose modules import jax or TensorStore load on first use, so that
 # the light modules of this package (and ``jaxckpt ls``) stay free of them.
 _LAZY = {
+    "tier_reader": "jaxckpt.restoring._stepreader",
     "compare_trees": "jaxckpt.restoring._compare",
     "paths_of": "jaxckpt.restoring._compare",
     "restore_notes": "jaxckpt.restoring._compare",
@@ -92,5 +94,6 @@ __all__ = [
     "paths_of",
     "restore_notes",
     "step_metadata",
+    "tier_reader",
     "tree_structure",
 ]

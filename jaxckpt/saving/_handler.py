@@ -1,13 +1,17 @@
-"""The Orbax extension points: a handler, its args and a marker-commit path.
+"""The Orbax extension points: a handler, its args and a step path.
 
 ``orbax.checkpoint.AsyncCheckpointer`` drives a save: it calls
-:meth:`StepPath.create` on the primary host (our ``pending`` record), then
-:meth:`ZarrHandler.async_save` on every host (the blocking host snapshot; the
-returned future does the TensorStore writes and the manifest part), waits for
-that future on every host, meets at a barrier, and calls
-:meth:`StepPath.finalize` on the primary host, which writes the commit marker.
-Orbax's own tmp-directory-and-rename commit and its metadata files are not
-used: the final path is never renamed, and the metadata store is a no-op.
+:meth:`StepPath.create` on the primary host (:meth:`SaveSession.begin`, which has
+nothing left to do), then :meth:`ZarrHandler.async_save` on every host (the
+blocking host snapshot; the returned future runs :meth:`SaveSession.write` on
+Orbax's background thread: this process's chunks, its manifest part and the
+agreed commit, marker included), waits for that future, and calls
+:meth:`StepPath.finalize` on the primary host (:meth:`SaveSession.commit`, which
+ends the session). Orbax's barriers are no-ops (``_already_met``: the session's
+agreements meet every host and carry failures), its metadata store is a no-op,
+and its tmp-directory-and-rename commit is not used: the final path is never
+renamed. What Orbax still provides: the blocking/background split, the
+background thread and ``wait_until_finished``.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from jaxckpt.formats import HostArray, snapshot_array
 from jaxckpt.records import SavedLeaf
 
 
-class StepWriter(Protocol):
-    """What the handler needs from the manager: begin, write and commit a step."""
+class SessionHooks(Protocol):
+    """What Orbax's handler and step path call on the save session (``SaveSession``):
+    begin, write (and commit, agreed) and end a step. A layout's writer of a step's
+    chunks is :class:`jaxckpt.formats.StepWriter`, another thing."""
 
     def begin(self, step: int) -> None: ...
 
@@ -74,13 +80,13 @@ class ZarrHandler(ocp.AsyncCheckpointHandler):
 
     def __init__(
         self,
-        writer: StepWriter,
+        session: SessionHooks,
         *,
         primary_host: int = 0,
         per_host: bool = False,
         writer_nice: int = 0,
     ) -> None:
-        self._writer = writer
+        self._session = session
         self._primary_host = primary_host
         self._per_host = per_host  # a local tier: every host keeps every index it addresses
         self._executor = ThreadPoolExecutor(
@@ -97,7 +103,7 @@ class ZarrHandler(ocp.AsyncCheckpointHandler):
             for leaf, value in zip(args.leaves, args.values, strict=True)
             if leaf.kind != "value"
         ]
-        return [self._executor.submit(self._writer.write, args.step, args.leaves, arrays)]
+        return [self._executor.submit(self._session.write, args.step, args.leaves, arrays)]
 
     def save(self, directory: epath.Path, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("jaxckpt saves only through AsyncCheckpointer")
@@ -195,8 +201,8 @@ def orbax_step_path(step: int) -> epath.Path:
     return epath.Path(tempfile.gettempdir()) / _PLACEHOLDER / str(step)
 
 
-def step_path_class(writer: StepWriter) -> type[atomicity_types.TemporaryPath]:
-    """A TemporaryPath bound to ``writer``: create = begin, finalize = commit."""
+def step_path_class(session: SessionHooks) -> type[atomicity_types.TemporaryPath]:
+    """A TemporaryPath bound to ``session``: create = begin, finalize = commit (the end)."""
 
     class StepPath(atomicity_types.TemporaryPath):
         def __init__(self, final_path: epath.Path) -> None:
@@ -226,11 +232,11 @@ def step_path_class(writer: StepWriter) -> type[atomicity_types.TemporaryPath]:
             return self._final
 
         async def create(self) -> epath.Path:
-            writer.begin(self._step)
+            session.begin(self._step)
             return self._final
 
         async def finalize(self, *args: Any, **kwargs: Any) -> None:
-            writer.commit(self._step)
+            session.commit(self._step)
 
     return StepPath
 
@@ -241,7 +247,7 @@ def _already_met(*, key: str, timeout_ms: int) -> None:
 
 
 def make_checkpointer(
-    writer: StepWriter,
+    session: SessionHooks,
     *,
     timeout_s: float,
     primary_host: int = 0,
@@ -258,7 +264,7 @@ def make_checkpointer(
     """
     install_log_filter()
     return ocp.AsyncCheckpointer(
-        ZarrHandler(writer, primary_host=primary_host, per_host=per_host, writer_nice=writer_nice),
+        ZarrHandler(session, primary_host=primary_host, per_host=per_host, writer_nice=writer_nice),
         timeout_secs=max(1, int(timeout_s)),
         async_options=ocp.options.AsyncOptions(
             timeout_secs=max(1, int(timeout_s)),
@@ -267,6 +273,6 @@ def make_checkpointer(
         ),
         file_options=ocp.options.FileOptions(skip_sync_file_validations=True),
         checkpoint_metadata_store=NoopMetadataStore(),
-        temporary_path_class=step_path_class(writer),
+        temporary_path_class=step_path_class(session),
         multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=primary_host),
     )

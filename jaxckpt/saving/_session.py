@@ -2,17 +2,18 @@
 
 :meth:`SaveSession.save` checks the step, describes the state and hands it
 to Orbax's ``AsyncCheckpointer``, whose handler then calls
-:meth:`SaveSession.begin` (primary host, blocking part),
+:meth:`SaveSession.begin` (primary host, blocking part: nothing left to do),
 :meth:`SaveSession.write` (every host, background thread) and
-:meth:`SaveSession.commit` (primary host, after the barrier). On a local tier
-(``per_host``) every host is the writer of its own local root: ``write``
-begins, writes and commits the host's own part there (after writing the
-step's promotion request, if it is to be promoted), and ``commit`` only ends
-the session. The session knows the attempt's
-:class:`~jaxckpt.records._keys.StepLocation`, so every key of the save comes from
-one place. It owns the checkpointer and the wait, failure and fence state;
-the writing of each step is a :class:`~jaxckpt.saving._stepwrite.StepWrite`. A
-commit notifies its listeners (retention, promotion), never the manager.
+:meth:`SaveSession.commit` (primary host, at Orbax's finalize: ends the session).
+``write`` is where the step is written and committed: a
+:class:`~jaxckpt.saving._stepwrite.StepWrite` writes this process's part, the
+hosts agree that every part is written, and the primary of a shared tier (or
+each host of its own local tier, after the step's promotion request) writes
+the marker; a second agreement tells every host the commit's outcome. The
+session knows the attempt's :class:`~jaxckpt.records.StepLocation`, so every
+key of the save comes from one place. It owns the checkpointer and the wait,
+failure and fence state. A commit notifies its listeners (retention,
+promotion), never the manager.
 """
 
 from __future__ import annotations
@@ -362,7 +363,7 @@ class SaveSession:
     def _where(self) -> str:
         return self._protocol.storage.uri
 
-    # -- StepWriter ----------------------------------------------------------
+    # -- SessionHooks (called by Orbax's handler and step path) ---------------
 
     def begin(self, step: int) -> None:
         """Orbax's create: nothing left to do (``save`` began the attempt, agreed)."""
