@@ -183,7 +183,7 @@ def _committed(
     root: str | os.PathLike[str], step: int | None, endpoint: str | None, region: str | None
 ) -> tuple[Any, Any]:
     """The root's commit protocol and the marker of ``step`` (None: the latest)."""
-    from jaxckpt.commit import CommitProtocol
+    from jaxckpt.commit import CommitReader
     from jaxckpt.storage import open_storage
 
     options: dict[str, Any] = {}
@@ -191,8 +191,8 @@ def _committed(
         options["endpoint"] = endpoint
     if region is not None:
         options["region"] = region
-    protocol = CommitProtocol(open_storage(root, **options))
-    protocol.ensure_root(create=False)
+    protocol = CommitReader(open_storage(root, **options))
+    protocol.check_root()
     return protocol, protocol.marker_or_latest(step)
 
 

@@ -22,6 +22,7 @@ from jaxckpt.commit._phases import PHASES as PHASES
 from jaxckpt.commit._phases import reached as reached
 from jaxckpt.commit._phases import watched as watched
 from jaxckpt.commit._protocol import CommitProtocol as CommitProtocol
+from jaxckpt.commit._readmodel import CommitReader as CommitReader
 from jaxckpt.commit._readmodel import brief as brief
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ __all__ = [
     "PHASES",
     "Agreement",
     "CommitProtocol",
+    "CommitReader",
     "EpochReader",
     "Listing",
     "brief",

@@ -28,6 +28,7 @@ from jaxckpt.errors import (
 from jaxckpt.records import (
     COMMITS,
     PENDING,
+    ROOT_RECORD,
     TREE_FILE,
     CommitMarker,
     FileDigest,
@@ -35,6 +36,7 @@ from jaxckpt.records import (
     MarkerRef,
     crc32c,
     dumps,
+    load_json_record,
     marker_key,
     marker_refs_of,
     parse_marker_key,
@@ -61,6 +63,20 @@ class CommitReader:
         self.epoch: int | None = None
         self._list_workers = list_workers
         self.hints = Hints(storage, lambda: self.epoch)
+
+    def check_root(self) -> None:
+        """Checks the root record (a reader's open; a writer's is ``CommitProtocol.ensure_root``).
+
+        Raises:
+          NotACheckpointRootError: no root record.
+          UnsupportedFormatError: the root was written by a newer format.
+        """
+        data = self.storage.read(ROOT_RECORD)
+        if data is None:
+            raise NotACheckpointRootError(
+                f"{self.storage.uri} is not a jaxckpt root (no {ROOT_RECORD})"
+            )
+        load_json_record(data, self.where(ROOT_RECORD))
 
     def where(self, key: str = "") -> str:
         """The full URI of ``key``, for messages."""

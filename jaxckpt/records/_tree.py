@@ -32,7 +32,7 @@ from jaxckpt.records._names import checked_name
 from jaxckpt.records._step import TRAILER_BYTES, ChunkRecord, load_json_record, path_text
 
 if TYPE_CHECKING:
-    from jaxckpt.commit import CommitProtocol
+    from jaxckpt.commit import CommitReader
     from jaxckpt.records._step import CommitMarker, ManifestPart
 
 VALUE_TYPES = (bool, int, float, str, type(None))
@@ -331,7 +331,7 @@ class CheckedStep:
 
 
 def read_checked(
-    protocol: CommitProtocol, marker: CommitMarker, parts: Sequence[str] | None = None
+    protocol: CommitReader, marker: CommitMarker, parts: Sequence[str] | None = None
 ) -> CheckedStep:
     """Reads a committed step's tree record and manifest parts and checks them together.
 
@@ -353,7 +353,7 @@ def read_checked(
 
 
 def check_parts(
-    protocol: CommitProtocol,
+    protocol: CommitReader,
     marker: CommitMarker,
     tree: TreeRecord,
     parts: Sequence[ManifestPart],

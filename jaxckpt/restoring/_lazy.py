@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxckpt.commit import CommitProtocol
+from jaxckpt.commit import CommitReader
 from jaxckpt.errors import StepNotFoundError
 from jaxckpt.formats import Region, RegionRequest
 from jaxckpt.records import SavedLeaf
@@ -188,7 +188,7 @@ class LeafView:
 class StepView:
     """A committed step opened for lazy reading; see :func:`open_step`."""
 
-    def __init__(self, protocol: CommitProtocol, loaded: LoadedStep) -> None:
+    def __init__(self, protocol: CommitReader, loaded: LoadedStep) -> None:
         self._protocol = protocol
         self._loaded = loaded
         self._reader = tier_reader(reading_tier(protocol.storage))
@@ -306,8 +306,8 @@ def open_step(
       StepNotFoundError: no committed ``step`` (the message lists the committed ones).
       CorruptCheckpointError: the step's records or a chunk read fail their checksums.
     """
-    protocol = CommitProtocol(open_storage(root, **storage_options))
-    protocol.ensure_root(create=False)
+    protocol = CommitReader(open_storage(root, **storage_options))
+    protocol.check_root()
     if step is not None and (
         isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0
     ):

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxckpt.commit import Agreement, CommitProtocol
+from jaxckpt.commit import Agreement, CommitProtocol, CommitReader
 from jaxckpt.errors import CorruptCheckpointError, StorageError
 from jaxckpt.formats import (
     PLAIN,
@@ -83,7 +83,7 @@ class LoadedStep:
         return self.format.raw_chunks or self.plain_codecs
 
 
-def load_step(protocol: CommitProtocol, marker: CommitMarker) -> LoadedStep:
+def load_step(protocol: CommitReader, marker: CommitMarker) -> LoadedStep:
     """Reads and checks the tree record and every manifest part of a step."""
     return _loaded(marker, read_checked(protocol, marker))
 

@@ -155,12 +155,12 @@ def trajectory(
     Returns:
       One :class:`StepStats` per step, ascending.
     """
-    from jaxckpt.commit import CommitProtocol
+    from jaxckpt.commit import CommitReader
     from jaxckpt.storage import open_storage
 
     if steps is None:
-        protocol = CommitProtocol(open_storage(root, **storage_options))
-        protocol.ensure_root(create=False)
+        protocol = CommitReader(open_storage(root, **storage_options))
+        protocol.check_root()
         steps = sorted(protocol.committed())
     out = []
     for step in sorted(steps):
