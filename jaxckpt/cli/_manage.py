@@ -18,6 +18,7 @@ from jaxckpt.cli._common import (
 from jaxckpt.cli._output import ago, err, human_bytes, human_duration, print_table
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError
+from jaxckpt.records import _health
 from jaxckpt.records._step import CommitMarker
 from jaxckpt.tiers._keep import retention_decision
 
@@ -52,7 +53,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         return 2
     protocol = open_root(args.root)
     committed = protocol.committed()
-    decision = retention_decision(committed, rule)
+    decision = retention_decision(committed, rule, bad=_health.bad_steps(protocol.storage))
     verb = "would delete" if args.dry_run else "delete"
     rows = [["ACTION", "STEP", "SIZE", "WHY"]]
     for s in committed:
