@@ -273,21 +273,21 @@ class Health:
             except CorruptCheckpointError as e:
                 log.warning("rollback: step %d is corrupt (%s); trying an older one", target, e)
                 continue
-            newer = [s for s in steps if s > target and s not in bad]
-            self._roll_back_past(target, newer)
+            self._roll_back_past(target, [s for s in steps if s > target], bad)
             return state
         raise StepNotFoundError(
             f"rollback under {self._storage.uri}: no good committed step older than {below} "
             f"(steps: {steps}; marked bad: {sorted(bad)})"
         )
 
-    def _roll_back_past(self, target: int, newer: list[int]) -> None:
+    def _roll_back_past(self, target: int, newer: list[int], bad: frozenset[int]) -> None:
+        """The steps newer than ``target`` are bad now, and a save may replace them."""
         log.warning("rolled back to step %d; steps %s are marked bad", target, newer or "-")
         self._replaced |= set(newer)
         self._select.corrupt |= set(newer)
         if not self._writes:
             return
-        for s in newer:
+        for s in (s for s in newer if s not in bad):
             try:
                 reason = f"rolled back to step {target}"
                 _health.write_mark(self._storage, _health.mark_now(s, False, reason, "rollback"))
