@@ -31,11 +31,14 @@ from jaxckpt import policy
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.errors import CorruptCheckpointError, StepNotFoundError
 from jaxckpt.records import _health, _runs
+from jaxckpt.records._procstate import RestoredStates
 from jaxckpt.records._step import CommitMarker
 from jaxckpt.restoring._select import Selection
 from jaxckpt.storage import Storage
 
 log = logging.getLogger("jaxckpt")
+
+_Restored = tuple[int, Any, RestoredStates]
 
 REASONS_SHOWN = 16
 """How many of the newest bad steps a restore reads the reasons of (for its log)."""
@@ -50,6 +53,8 @@ class RestorePlan:
     bad: frozenset[int] = frozenset()
     reasons: Mapping[int, str] = field(default_factory=dict)
     explicit: int | None = None
+    hooks: Mapping[str, Any] = field(default_factory=dict)
+    """``Selection.restore``'s ``skip`` (without a step) and ``attempting``."""
 
 
 class Health:
@@ -81,18 +86,15 @@ class Health:
         self._progress = False
         self._exited = False
         self.position: int | None = None
-        """The step last saved or restored (where ``rollback`` goes back from)."""
+        """The step last committed here or restored (where ``rollback`` goes back from)."""
         self.failures = 0
         """Records that could not be read or written (each logged)."""
 
     # -- saves -------------------------------------------------------------------
 
-    def saved(self, step: int) -> None:
-        """A save of ``step`` started."""
-        self.position = step
-
     def committed(self, marker: CommitMarker) -> None:
         """A commit of this process (a session listener): judge it, note progress."""
+        self.position = marker.step  # the primary's is agreed by rollback
         if not self._writes:
             return
         try:
@@ -184,7 +186,8 @@ class Health:
             except Exception as e:  # unknown health is good health: restore as before
                 self._failed("the health marks", e)
         bad, reasons = self._agreement.agree("health", payload)
-        return RestorePlan(frozenset(bad), {int(s): r for s, r in reasons.items()}, step)
+        hooks = {"skip": frozenset(bad) if step is None else (), "attempting": self.attempting}
+        return RestorePlan(frozenset(bad), {int(s): r for s, r in reasons.items()}, step, hooks)
 
     def _quarantine(self, marks: dict[int, _health.MarkKey]) -> dict[int, _health.MarkKey]:
         """Marks the step of a crash loop bad (the primary, before a restore)."""
@@ -218,30 +221,30 @@ class Health:
         except Exception as e:
             self._failed("the restore record", e)
 
-    def restored(self, plan: RestorePlan, step: int) -> None:
-        """A restore returned ``step``: log what it skipped; a save may replace those."""
+    def restored(self, plan: RestorePlan, restored: _Restored) -> _Restored:
+        """A restore returned ``restored`` (its step first): logs what it skipped (a save
+        may replace those); returns ``restored``."""
+        step = restored[0]
         self.position, self._recording = step, False
         if plan.explicit is not None:
             if step in plan.bad:
                 why = plan.reasons.get(step, "marked bad")
                 log.warning("restoring step %d although it is marked bad: %s", step, why)
-            return
+            return restored
         skipped = sorted((s for s in plan.bad if s > step), reverse=True)
         for s in skipped:
             log.warning("restore skipped step %d: %s", s, plan.reasons.get(s, "marked bad"))
         self._replaced |= set(skipped)
         self._select.corrupt |= set(skipped)  # a save of such a step replaces it
+        return restored
 
     # -- ends of a run -----------------------------------------------------------
 
-    def preempted(self) -> None:
-        """A preemption notice came: this run never counts toward a crash loop."""
-        self.ended("preempted")
-
-    def ended(self, how: str) -> None:
-        """Records how this run ended (once; only runs that restored have a record)."""
+    def ended(self, how: str | None) -> None:
+        """Records how this run ended, ``"clean"`` or ``"preempted"`` (None: neither);
+        once, and only for a run that restored."""
         with self._lock:
-            if self._exited or self._run is None or not self._writes:
+            if how is None or self._exited or self._run is None or not self._writes:
                 return
             self._exited = True
             run = self._run
@@ -260,7 +263,7 @@ class Health:
         Raises:
           StepNotFoundError: no good step is older than the position.
         """
-        below = self.position
+        below = self._agreement.agree("rollback-from", self.position)
         if below is None:
             raise StepNotFoundError(
                 f"rollback under {self._storage.uri}: nothing was saved or restored yet"

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxckpt._health import Health
+from jaxckpt._healthaccess import HealthAccess
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt.commit._agree import Agreement
@@ -86,7 +87,7 @@ def _collective(kind: str) -> Callable[[_F], _F]:
     return wrap
 
 
-class CheckpointManager(ProcessStateAccess):
+class CheckpointManager(ProcessStateAccess, HealthAccess):
     """Saves and restores checkpoints of a JAX pytree under one root.
 
     Saves are asynchronous: ``save`` returns once the state is in host memory;
@@ -130,7 +131,7 @@ class CheckpointManager(ProcessStateAccess):
             protected=(session.current_steps, self._promotion.pending_steps),
             on_fenced=session.fence,
             bad=lambda: self._health.bad_steps(),
-            deleted=lambda step: self._health.deleted(step),
+            deleted=lambda s: self._health.deleted(s),
         )
         fallback, guard = opts.fallback_on_corrupt, retention.restoring
         self._select = _select.Selection(self._tiers, self._agreement, fallback, guard)
@@ -199,15 +200,7 @@ class CheckpointManager(ProcessStateAccess):
         self.wait()
         request = self._promotion.request
         self._session.save(step, state, metadata, metrics, keep, request, process_state)
-        self._health.saved(step)
         return True
-
-    def preempted(self, step: int = 0) -> bool:
-        """True once SIGTERM/SIGINT or JAX's preemption notice came (``policy.OnPreemption``)."""
-        preempted = self._watcher is not None and self._watcher.preempted(step)
-        if preempted:
-            self._health.preempted()  # this run never counts toward a crash loop
-        return preempted
 
     @_collective("wait")
     def wait(self) -> None:
@@ -279,10 +272,8 @@ class CheckpointManager(ProcessStateAccess):
         Collective on several processes: all restore the primary's choice of step.
 
         Args:
-          step: the step to restore (with a warning if it is marked bad); None means the
-            newest committed step not marked bad (skipped steps are logged with their
-            reasons), after a crash-loop check, falling back to older steps if it is
-            corrupt (``fallback_on_corrupt``).
+          step: the step to restore (warns if it is marked bad); None: the newest step not
+            marked bad, falling back past corrupt ones (``fallback_on_corrupt``; README).
           target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (with shardings) giving
             the structure, dtypes and shardings of the result. Without it, arrays come
             back as read-only numpy arrays (views of the buffers read) in the saved nesting.
@@ -307,45 +298,9 @@ class CheckpointManager(ProcessStateAccess):
         self.wait()
         step = None if step is None else _check_step(step)
         lossy = self.options.allow_lossy_cast if allow_lossy_cast is None else allow_lossy_cast
-        plan = self._health.plan(step)
-        skip, attempting = (plan.bad if step is None else ()), self._health.attempting
-        restored = self._select.restore(
-            step, target, partial, rename, lossy, skip=skip, attempting=attempting
-        )
-        self._health.restored(plan, restored[0])
-        return self._restored(restored)
-
-    @_collective("latest-good")
-    def latest_good_step(self) -> int | None:
-        """The newest committed step not marked bad, or None (collective)."""
-        bad = self._health.plan(None, restoring=False).bad
-        return next((s for s in reversed(self._select.steps()) if s not in bad), None)
-
-    @_collective("rollback")
-    def rollback(self, target: Any = None, **kwargs: Any) -> Any:
-        """Restores the newest good step older than the step last saved or restored (the
-        newer ones are marked bad and may be saved again); ``restored_process_state``
-        rolls back with it. For a loop: ``if not math.isfinite(loss): state =
-        mgr.rollback(target)``. Collective. ``kwargs``: as :meth:`restore`.
-
-        Raises:
-          StepNotFoundError: no good step is older (or nothing was saved or restored).
-        """
-        self.wait()
-        steps = self._select.steps()
-        return self._health.rollback(lambda s: self.restore(s, target=target, **kwargs), steps)
-
-    def mark(self, step: int, *, good: bool, reason: str = "") -> None:
-        """Marks ``step`` good or bad by hand (a new record beside it, with time and host;
-        the newest mark wins, so it is reversible; the step's data is untouched).
-        ``restore()`` skips bad steps. The primary writes it.
-
-        Raises:
-          StepNotFoundError: no such committed step.
-          CheckpointError: the manager is read-only or closed.
-        """
-        self._session.check_writable()
-        self._health.mark(_check_step(step), good, reason)
+        plan = self._health.plan(step)  # the steps to skip, after a crash-loop check
+        restored = self._select.restore(step, target, partial, rename, lossy, **plan.hooks)
+        return self._restored(self._health.restored(plan, restored))
 
     def metadata(self, step: int) -> StepMetadata:
         """The user metadata and a description of the saved tree of ``step``."""
@@ -412,8 +367,7 @@ class CheckpointManager(ProcessStateAccess):
             return
         try:
             self.wait()  # after an interrupted wait() too: commits or raises
-            if self._clean_exit:
-                self._health.ended("clean")  # this run is no crash
+            self._health.ended("clean" if self._clean_exit else None)  # no crash
         finally:
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
@@ -424,8 +378,6 @@ class CheckpointManager(ProcessStateAccess):
 
     def __enter__(self) -> CheckpointManager:
         return self
-
-    _clean_exit = True
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._clean_exit = exc_type is None or not issubclass(exc_type, Exception)  # ^C: clean

@@ -136,8 +136,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         kept = ", ".join(reasons) or ("" if rule is None else "- (prune would delete)")
         when = f"{local_time(m.time)} ({ago(m.time)})"
         health, why = _health.describe(marks.get(s))
-        health = f"{health}: {why}" if why else health
-        rows.append([str(s), "committed", human_bytes(m.nbytes), when, kept, health])
+        shown_health = f"{health}: {why}" if why else health
+        rows.append([str(s), "committed", human_bytes(m.nbytes), when, kept, shown_health])
         if tiers is not None:
             rows[-1].insert(2, "+".join(tiers[s]))
         if replicated:
