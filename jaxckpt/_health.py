@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import jax
 
@@ -57,6 +57,33 @@ class RestorePlan:
     """``Selection.restore``'s ``skip`` (without a step) and ``attempting``."""
 
 
+class _Lazy(Sequence[Mapping[str, float]]):
+    """The metrics of earlier saves, loaded when a policy first looks at them."""
+
+    def __init__(self, load: Callable[[], list[Mapping[str, float]]]) -> None:
+        self._load = load
+        self._items: list[Mapping[str, float]] | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._items is not None
+
+    def _get(self) -> list[Mapping[str, float]]:
+        if self._items is None:
+            self._items = self._load()
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    @overload
+    def __getitem__(self, i: int) -> Mapping[str, float]: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Mapping[str, float]]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        return self._get()[i]
+
+
 class Health:
     """The health side of one manager.
 
@@ -82,6 +109,7 @@ class Health:
         self._replaced: set[int] = set()  # bad steps a save may replace (judged afresh)
         self._run: str | None = None  # set at the first restore of a writable manager
         self._recording = False  # inside the first restore: its attempts are recorded
+        self._listed_runs: list[_runs.Run] | None = None  # the quarantine's listing
         self._restored: int | None = None
         self._progress = False
         self._exited = False
@@ -111,11 +139,9 @@ class Health:
     def _judge(self, marker: CommitMarker) -> None:
         if self._policy is None:
             return
-        metrics = dict(marker.metrics)
-        with self._lock:
-            if self._history is None:
-                self._history = self._seed()
-            history = list(self._history)
+        metrics, step = dict(marker.metrics), marker.step
+        known = self._history
+        history = _Lazy(lambda: self._seed(step)) if known is None else _Lazy(lambda: known)
         reason = self._policy.check(marker.step, metrics, history)
         replaced = marker.step in self._replaced
         if reason is not None or replaced:
@@ -126,15 +152,16 @@ class Health:
         if reason is not None:
             log.warning("step %d is bad: %s (restore() will skip it)", marker.step, reason)
             return
-        with self._lock:
+        if history.loaded:  # else the steps committed since are read when first needed
             self._history = [*history, metrics][-HISTORY:]
 
-    def _seed(self) -> list[Mapping[str, float]]:
-        """The metrics of the newest committed good steps (once per manager)."""
+    def _seed(self, below: int) -> list[Mapping[str, float]]:
+        """The metrics of the newest committed good steps before ``below`` (read once per
+        manager, and only by a policy that looks at earlier steps)."""
         try:
             tier = self._select.tiers[0]
             bad = _health.bad_steps(self._storage)
-            committed = tier.committed()
+            committed = {s: m for s, m in tier.committed().items() if s < below}
             steps = [s for s in sorted(committed)[-HISTORY:] if s not in bad]
             return [dict(committed[s].metrics) for s in steps if committed[s].metrics]
         except Exception as e:
@@ -193,7 +220,8 @@ class Health:
         """Marks the step of a crash loop bad (the primary, before a restore)."""
         if self._limit is None or not self._recording:  # only a run's first restore
             return marks
-        step, n = _runs.crash_loop(_runs.list_runs(self._storage))
+        self._listed_runs = _runs.list_runs(self._storage)
+        step, n = _runs.crash_loop(self._listed_runs)
         if step is None or n < self._limit or (step in marks and not marks[step].good):
             return marks
         reason = f"crash loop: restored {n} times without progress"
@@ -214,7 +242,8 @@ class Health:
         assert run is not None
         try:
             if first:
-                _runs.prune_runs(self._storage, _runs.list_runs(self._storage), _runs.KEEP_RUNS - 1)
+                listed = self._listed_runs or _runs.list_runs(self._storage)
+                _runs.prune_runs(self._storage, listed, _runs.KEEP_RUNS - 1)
             else:  # the first restore fell back to an older step: record that one instead
                 self._storage.delete_prefix(f"{_runs.RUNS}{run}/")
             _runs.write_restore(self._storage, run, step)
