@@ -138,6 +138,12 @@ def test_a_nan_step_is_skipped_and_a_spike_detected(tmp_path, caplog, capsys):
     ]  # fmt: skip
     assert health[6]["health_reason"] == "metric loss is nan"
     assert health[4]["health_reason"] is None
+    # a new run compares with the good saves before it, read from their markers
+    saved(root, {7: 2.2, 8: 7.0}, health=spike)
+    assert jaxckpt.CheckpointManager(root, read_only=True).latest_good_step() == 7
+    reason = ls_json(root, capsys)[8]["health_reason"]
+    # steps 3, 4 and 7 (1.9, 2.0, 2.2): the bad steps 5 and 6 are not compared with
+    assert reason == "loss 7 is above 3 x the median 2 of the last 3 saves"
 
 
 def test_marks_by_api_and_cli_are_reversible_and_never_touch_the_step(tmp_path, capsys):
