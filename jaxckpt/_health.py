@@ -28,6 +28,7 @@ from typing import Any, overload
 import jax
 
 from jaxckpt import policy
+from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.errors import CorruptCheckpointError, StepNotFoundError
 from jaxckpt.records import _health, _runs
@@ -95,7 +96,11 @@ class Health:
     """
 
     def __init__(
-        self, storage: Storage, selection: Selection, agreement: Agreement, options: Any
+        self,
+        storage: Storage,
+        selection: Selection,
+        agreement: Agreement,
+        options: CheckpointOptions,
     ) -> None:
         self._storage = storage
         self._select = selection
@@ -221,7 +226,8 @@ class Health:
         if self._limit is None or not self._recording:  # only a run's first restore
             return marks
         self._listed_runs = _runs.list_runs(self._storage)
-        step, n = _runs.crash_loop(self._listed_runs)
+        since = lambda s: marks[s].stamp if s in marks else ""  # noqa: E731
+        step, n = _runs.crash_loop(self._listed_runs, since)
         if step is None or n < self._limit or (step in marks and not marks[step].good):
             return marks
         reason = f"crash loop: restored {n} times without progress"

@@ -284,6 +284,22 @@ def test_a_crash_loop_quarantines_its_step_with_real_processes(tmp_path, capsys,
     assert _runs.list_runs(open_storage(str(root)))[0].exit == "clean"
 
 
+def test_a_step_marked_good_by_hand_starts_its_count_again(tmp_path, capsys):
+    root = tmp_path / "run"
+    saved(root, {1: 1.0, 2: 1.0})
+    storage = open_storage(str(root))
+    for _ in range(2):  # two runs restored step 2 and died
+        _runs.write_restore(storage, _runs.new_run(), 2)
+    assert cli_main(["mark", str(root), "2", "--good", "--reason", "fixed the input"]) == 0
+    with jaxckpt.CheckpointManager(root, crash_loop_limit=2) as mgr:
+        assert mgr.restore()["step"] == 2  # the runs before the mark do not count
+    for _ in range(2):
+        _runs.write_restore(storage, _runs.new_run(), 2)
+    with jaxckpt.CheckpointManager(root, crash_loop_limit=2) as mgr:
+        assert mgr.restore()["step"] == 1  # two failed runs since the mark: a loop
+    assert ls_json(root, capsys)[2]["health"] == "bad"
+
+
 def test_run_records_stay_bounded(tmp_path):
     root = tmp_path / "run"
     saved(root, {1: 1.0})

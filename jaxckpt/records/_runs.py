@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from jaxckpt.records._health import host, parse_step_name, stamp
@@ -87,14 +87,18 @@ def list_runs(storage: Storage) -> list[Run]:
     return parse_runs(storage.list(RUNS))
 
 
-def crash_loop(runs: list[Run]) -> tuple[int | None, int]:
+def crash_loop(
+    runs: list[Run], since: Callable[[int], str] = lambda step: ""
+) -> tuple[int | None, int]:
     """``(step, n)``: the step the newest run restored and how many of the newest runs
-    in a row restored it and failed (:attr:`Run.failed`); ``(None, 0)`` without runs."""
+    in a row restored it and failed (:attr:`Run.failed`), counting only runs that
+    started after ``since(step)`` (a run id or a mark's stamp: a step marked good by
+    hand starts its count again); ``(None, 0)`` without runs."""
     if not runs or runs[0].restored is None:
         return None, 0
     step, n = runs[0].restored, 0
     for run in runs:
-        if run.restored != step or not run.failed:
+        if run.restored != step or not run.failed or run.run <= since(step):
             break
         n += 1
     return step, n
