@@ -204,6 +204,8 @@ def test_retention_never_deletes_the_newest_good_step(tmp_path):
     assert mgr.explain()[1] == ("newest good",)
     assert mgr.restore()["step"] == 1
     mgr.close()
+    assert cli_main(["prune", str(root), "--keep-last", "1"]) == 0  # the CLI's rule too
+    assert jaxckpt.CheckpointManager(root, read_only=True).steps() == [1, 4]
 
 
 def test_rollback_restores_the_newest_good_older_step_with_its_process_state(tmp_path, caplog):

@@ -41,6 +41,7 @@ from jaxckpt.errors import (
     StepNotFoundError,
     WriterFencedError,
 )
+from jaxckpt.records import _health
 from jaxckpt.records._keys import (
     PENDING,
     StepLocation,
@@ -321,8 +322,10 @@ class Promoter:
             time.sleep(0.1)
 
     def apply_retention(self, writer: CommitProtocol) -> list[int]:
-        """Deletes the durable steps ``retention`` does not keep; returns them."""
-        decision = retention_decision(writer.committed(), self.retention)
+        """Deletes the durable steps ``retention`` does not keep (never the newest good
+        one); returns them."""
+        bad = _health.bad_steps(writer.storage)
+        decision = retention_decision(writer.committed(), self.retention, bad=bad)
         deleted = []
         for step in decision.delete:
             log.info("durable retention: deleting step %d under %s", step, writer.where())
