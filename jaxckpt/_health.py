@@ -52,7 +52,8 @@ class RestorePlan:
     """What the primary decided before a restore, the same on every process."""
 
     bad: frozenset[int] = frozenset()
-    reasons: Mapping[int, str] = field(default_factory=dict)
+    marks: Mapping[int, _health.MarkKey] = field(default_factory=dict)
+    """The primary's listing of the newest marks (empty on the others)."""
     explicit: int | None = None
     hooks: Mapping[str, Any] = field(default_factory=dict)
     """``Selection.restore``'s ``skip`` (without a step) and ``attempting``."""
@@ -203,29 +204,38 @@ class Health:
         """The primary's decision before a restore of ``step`` (None: the newest good
         one; collective): the bad steps, after a crash-loop quarantine if one is due,
         and the reasons of the newest ones. ``restoring=False``: only the bad steps."""
-        payload: list[Any] = [[], {}]
+        bad: list[int] = []
+        marks: dict[int, _health.MarkKey] = {}
         if restoring:
             self._recording = self._writes and self._limit is not None and self._run is None
         if self._primary:
             try:
-                marks = _health.list_marks(self._storage)
+                keys = self._storage.list(_health.HEALTH)  # marks and runs: one listing
+                marks = _health.newest_marks(keys)
                 if step is None and restoring:
-                    marks = self._quarantine(marks)
+                    marks = self._quarantine(marks, keys)
                 bad = sorted(s for s, k in marks.items() if not k.good)
-                shown = bad[-REASONS_SHOWN:]
-                reasons = {str(s): _health.read_mark(self._storage, marks[s]).reason for s in shown}
-                payload = [bad, reasons]
             except Exception as e:  # unknown health is good health: restore as before
                 self._failed("the health marks", e)
-        bad, reasons = self._agreement.agree("health", payload)
+        bad = self._agreement.agree("health", bad)
         hooks = {"skip": frozenset(bad) if step is None else (), "attempting": self.attempting}
-        return RestorePlan(frozenset(bad), {int(s): r for s, r in reasons.items()}, step, hooks)
+        return RestorePlan(frozenset(bad), marks, step, hooks)
 
-    def _quarantine(self, marks: dict[int, _health.MarkKey]) -> dict[int, _health.MarkKey]:
+    def _reasons(self, plan: RestorePlan, steps: list[int]) -> dict[int, str]:
+        """Why each of ``steps`` (bad ones) is bad: the primary reads the newest
+        :data:`REASONS_SHOWN` records; the others say "marked bad"."""
+        reasons = dict.fromkeys(steps, "marked bad")
+        for s in sorted((s for s in steps if s in plan.marks), reverse=True)[:REASONS_SHOWN]:
+            reasons[s] = _health.read_mark(self._storage, plan.marks[s]).reason or "marked bad"
+        return reasons
+
+    def _quarantine(
+        self, marks: dict[int, _health.MarkKey], keys: list[str]
+    ) -> dict[int, _health.MarkKey]:
         """Marks the step of a crash loop bad (the primary, before a restore)."""
         if self._limit is None or not self._recording:  # only a run's first restore
             return marks
-        self._listed_runs = _runs.list_runs(self._storage)
+        self._listed_runs = _runs.parse_runs(keys)
         since = lambda s: marks[s].stamp if s in marks else ""  # noqa: E731
         step, n = _runs.crash_loop(self._listed_runs, since)
         if step is None or n < self._limit or (step in marks and not marks[step].good):
@@ -233,7 +243,9 @@ class Health:
         reason = f"crash loop: restored {n} times without progress"
         log.error("step %d: %s; marking it bad and restoring an older step", step, reason)
         key = _health.write_mark(self._storage, _health.mark_now(step, False, reason, "crash-loop"))
-        return {**marks, step: _health.MarkKey(key, step, "", False)}
+        parsed = _health.parse_mark_key(key)
+        assert parsed is not None  # a key write_mark made
+        return {**marks, step: parsed}
 
     def attempting(self, step: int) -> None:
         """The restore is about to read ``step``: the first restore of a writable manager
@@ -248,7 +260,8 @@ class Health:
         assert run is not None
         try:
             if first:
-                listed = self._listed_runs or _runs.list_runs(self._storage)
+                listed = self._listed_runs
+                listed = _runs.list_runs(self._storage) if listed is None else listed
                 _runs.prune_runs(self._storage, listed, _runs.KEEP_RUNS - 1)
             else:  # the first restore fell back to an older step: record that one instead
                 self._storage.delete_prefix(f"{_runs.RUNS}{run}/")
@@ -263,12 +276,12 @@ class Health:
         self.position, self._recording = step, False
         if plan.explicit is not None:
             if step in plan.bad:
-                why = plan.reasons.get(step, "marked bad")
+                why = self._reasons(plan, [step])[step]
                 log.warning("restoring step %d although it is marked bad: %s", step, why)
             return restored
         skipped = sorted((s for s in plan.bad if s > step), reverse=True)
-        for s in skipped:
-            log.warning("restore skipped step %d: %s", s, plan.reasons.get(s, "marked bad"))
+        for s, why in self._reasons(plan, skipped).items():
+            log.warning("restore skipped step %d: %s", s, why)
         self._replaced |= set(skipped)
         self._select.corrupt |= set(skipped)  # a save of such a step replaces it
         return restored
