@@ -116,6 +116,7 @@ class Health:
         self._run: str | None = None  # set at the first restore of a writable manager
         self._recording = False  # inside the first restore: its attempts are recorded
         self._listed_runs: list[_runs.Run] | None = None  # the quarantine's listing
+        self._marked: set[int] | None = None  # the steps with marks, at the last bad_steps()
         self._restored: int | None = None
         self._progress = False
         self._exited = False
@@ -187,12 +188,15 @@ class Health:
 
     def bad_steps(self) -> set[int]:
         """The steps whose newest mark is bad (one listing; raises on a storage error)."""
-        return _health.bad_steps(self._storage)
+        marks = _health.list_marks(self._storage)
+        self._marked = set(marks)
+        return {s for s, k in marks.items() if not k.good}
 
     def deleted(self, step: int) -> None:
         """``step`` was deleted from the durable root: its marks go (a step saved again
-        under that number starts unknown)."""
-        if self._writes:
+        under that number starts unknown). Retention tells it after :meth:`bad_steps`,
+        so only a step with marks costs requests."""
+        if self._writes and (self._marked is None or step in self._marked):
             try:
                 _health.drop_marks(self._storage, step)
             except Exception as e:

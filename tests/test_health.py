@@ -201,6 +201,7 @@ def test_retention_never_deletes_the_newest_good_step(tmp_path):
     saved(root, {1: 1.0, 2: NAN, 3: INF, 4: NAN}, retention=policy.KeepLast(2))
     mgr = jaxckpt.CheckpointManager(root, retention=policy.KeepLast(2))
     assert mgr.steps() == [1, 3, 4]
+    assert set(_health.list_marks(open_storage(str(root)))) == {3, 4}  # 2's went with it
     assert mgr.explain()[1] == ("newest good",)
     assert mgr.restore()["step"] == 1
     mgr.close()
