@@ -182,6 +182,18 @@ def test_marks_by_api_and_cli_are_reversible_and_never_touch_the_step(tmp_path, 
     assert {p: p.read_bytes() for p in step_files} == before
 
 
+def test_a_verdict_that_cannot_be_written_never_fails_the_save(tmp_path, monkeypatch, caplog):
+    def refuse(storage, mark):
+        raise jaxckpt.StorageError(28, f"{storage.uri}: no space left")
+
+    monkeypatch.setattr(_health, "write_mark", refuse)
+    with caplog.at_level(logging.ERROR, "jaxckpt"), jaxckpt.CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state(1), metrics={"loss": NAN})
+        mgr.wait()
+        assert mgr.steps() == [1] and mgr._health.failures == 1
+    assert "could not read or write health of step 1" in caplog.text
+
+
 def test_untrusted_marks_are_ignored_or_bounded(tmp_path, caplog, capsys):
     root = tmp_path / "run"
     saved(root, {1: 1.0, 2: 1.0})
