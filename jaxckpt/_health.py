@@ -135,8 +135,9 @@ class Health:
         try:
             self._judge(marker)
             with self._lock:
+                restored = -1 if self._restored is None else self._restored
                 progress = self._run is not None and not self._progress
-                progress = progress and marker.step > (self._restored or -1)
+                progress = progress and marker.step > restored
                 self._progress |= progress
             if progress and self._run is not None:
                 _runs.write_progress(self._storage, self._run, marker.step)
