@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from jaxckpt._health import Health
+from jaxckpt._healthaccess import HealthAccess
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt.commit import Agreement
@@ -80,7 +82,7 @@ def _collective(kind: str) -> Callable[[_F], _F]:
     return wrap
 
 
-class CheckpointManager(ProcessStateAccess):
+class CheckpointManager(ProcessStateAccess, HealthAccess):
     """Saves and restores checkpoints of a JAX pytree under one root.
 
     Saves are asynchronous: ``save`` returns once the state is in host memory;
@@ -123,12 +125,15 @@ class CheckpointManager(ProcessStateAccess):
             primary=jax.process_index() == opts.primary_host,
             protected=(session.current_steps, self._promotion.pending_steps),
             on_fenced=session.fence,
+            bad=lambda: self._health.bad_steps(),
+            deleted=lambda s: self._health.deleted(s),
         )
-        session.listen(self._promotion, retention)
-        self._promotion.start(on_promoted=retention.committed)
         fallback, guard = opts.fallback_on_corrupt, retention.restoring
         self._select = Selection(self._tiers, self._agreement, fallback, guard)
         session.corrupt = self._select.corrupt  # a save replaces a step found corrupt
+        self._health = Health(self._tiers[-1].storage, self._select, self._agreement, opts)
+        session.listen(self._promotion, self._health, retention)  # judged before pruned
+        self._promotion.start(on_promoted=retention.committed)
 
     @property
     def root(self) -> str:
@@ -191,10 +196,6 @@ class CheckpointManager(ProcessStateAccess):
         request = self._promotion.request
         self._session.save(step, state, metadata, metrics, keep, request, process_state)
         return True
-
-    def preempted(self, step: int = 0) -> bool:
-        """True once SIGTERM/SIGINT or JAX's preemption notice came (``policy.OnPreemption``)."""
-        return self._watcher is not None and self._watcher.preempted(step)
 
     @_collective("wait")
     def wait(self) -> None:
@@ -260,14 +261,14 @@ class CheckpointManager(ProcessStateAccess):
         rename: PathMap | None = None,
         allow_lossy_cast: bool | None = None,
     ) -> Any:
-        """Restores a committed step (the newest by default); ``restored_step`` then says
-        which (older than ``latest_step()`` when the newest was corrupt).
+        """Restores a committed step (the newest good one by default); ``restored_step``
+        then says which (older than ``latest_step()`` when the newest was corrupt or bad).
 
         Collective on several processes: all restore the primary's choice of step.
 
         Args:
-          step: the step to restore; None means the newest committed step, falling
-            back to older steps if it is corrupt (``fallback_on_corrupt``).
+          step: the step to restore (warns if it is marked bad); None: the newest step not
+            marked bad, falling back past corrupt ones (``fallback_on_corrupt``; README).
           target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (with shardings) giving
             the structure, dtypes and shardings of the result. Without it, arrays come
             back as read-only numpy arrays (views of the buffers read) in the saved nesting.
@@ -292,7 +293,9 @@ class CheckpointManager(ProcessStateAccess):
         self.wait()
         step = None if step is None else _check_step(step)
         lossy = self.options.allow_lossy_cast if allow_lossy_cast is None else allow_lossy_cast
-        return self._restored(self._select.restore(step, target, partial, rename, lossy))
+        plan = self._health.plan(step)  # the steps to skip, after a crash-loop check
+        restored = self._select.restore(step, target, partial, rename, lossy, **plan.hooks)
+        return self._restored(self._health.restored(plan, restored))
 
     def metadata(self, step: int) -> StepMetadata:
         """The user metadata and a description of the saved tree of ``step``."""
@@ -359,6 +362,7 @@ class CheckpointManager(ProcessStateAccess):
             return
         try:
             self.wait()  # after an interrupted wait() too: commits or raises
+            self._health.ended("clean" if self._clean_exit else None)  # no crash
         finally:
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
@@ -371,6 +375,7 @@ class CheckpointManager(ProcessStateAccess):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._clean_exit = exc_type is None or not issubclass(exc_type, Exception)  # ^C: clean
         try:
             self.close()
         except CheckpointError as e:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,13 @@ from jaxckpt.records import TRAILER_BYTES
 from jaxckpt.storage import ObjectStoreOptions, parse_root
 
 if TYPE_CHECKING:
-    from jaxckpt.policy import RetentionPolicy, SavePolicy
+    from jaxckpt.policy import HealthPolicy, RetentionPolicy, SavePolicy
+
+
+def _finite_metrics() -> HealthPolicy:
+    from jaxckpt.policy import FiniteMetrics
+
+    return FiniteMetrics()
 
 
 MIN_OBJECT_BYTES = 1 << 10
@@ -109,6 +115,14 @@ class CheckpointOptions:
         other processes (``local_replicas > 1``); None: ``JAXCKPT_PEER_HOST``,
         else loopback when the JAX coordinator is on loopback, else the
         address of this host's name.
+      health: judges each committed step from the metrics saved with it
+        (``policy.FiniteMetrics()``, ``policy.MetricSpike(...)``, a function
+        ``(step, metrics) -> bool``, combined with ``&`` and ``|``); a bad verdict is
+        stored beside the step and ``restore()`` skips it. None judges nothing.
+      crash_loop_limit: when this many runs in a row restored the same step and
+        ended without committing a newer one, a clean ``close()`` or a preemption
+        notice, the next ``restore()`` marks that step bad and takes an older one.
+        None turns the quarantine (and its records) off.
     """
 
     save_policy: SavePolicy | None = None
@@ -135,6 +149,10 @@ class CheckpointOptions:
     local_replicas: int = 1
     peer_timeout_s: float = 60.0
     peer_host: str | None = None
+    health: HealthPolicy | Callable[[int, Mapping[str, float]], bool] | None = field(
+        default_factory=_finite_metrics
+    )
+    crash_loop_limit: int | None = 3
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -198,6 +216,15 @@ class CheckpointOptions:
             raise ValueError(f"peer_timeout_s must be positive, got {self.peer_timeout_s}")
         if self.save_timeout_s <= 0:
             raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")
+        if self.health is not None:
+            from jaxckpt.policy import health_from
+
+            health_from(self.health)  # a TypeError names what it got
+        limit = self.crash_loop_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+            raise ValueError(f"crash_loop_limit must be an int >= 1 or None, got {limit!r}")
+        if limit is not None and limit < 1:
+            raise ValueError(f"crash_loop_limit must be an int >= 1 or None, got {limit!r}")
 
     @property
     def stored_chunk_bytes(self) -> int:

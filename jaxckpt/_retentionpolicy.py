@@ -229,12 +229,14 @@ def decide_retention(
     steps: Sequence[StepInfo],
     *,
     protected: Collection[int] = (),
+    bad: Collection[int] = (),
 ) -> RetentionDecision:
     """Decides which committed steps to keep and which to delete.
 
-    Beyond what ``policy`` keeps, the newest step ("newest"), pinned steps ("pinned") and
-    ``protected`` steps ("in use", e.g. being restored or still being written) are always
-    kept; with ``policy=None`` everything is kept ("no retention policy"). Steps a policy
+    Beyond what ``policy`` keeps, the newest step ("newest"), the newest step not in
+    ``bad`` ("newest good"), pinned steps ("pinned") and ``protected`` steps ("in use",
+    e.g. being restored or still being written) are always kept; with ``policy=None``
+    everything is kept ("no retention policy"). Steps a policy
     names that are not in ``steps`` are ignored. The result depends only on the arguments,
     so every host computes the same decision.
 
@@ -242,6 +244,7 @@ def decide_retention(
         policy: The retention rule, or None to keep everything.
         steps: The committed steps, in any order; step numbers must be unique.
         protected: Steps that must not be deleted now.
+        bad: Steps marked bad (health marks): the newest step not among them is kept.
 
     Returns:
         The decision, with kept steps and deletions in ascending step order.
@@ -255,6 +258,8 @@ def decide_retention(
     {5: ('pinned',), 7: ('in use',), 9: ('KeepLast(1)', 'newest')}
     >>> d.delete
     ()
+    >>> decide_retention(KeepLast(1), [StepInfo(step=s) for s in (1, 2, 3)], bad=[3]).keep
+    {2: ('newest good',), 3: ('KeepLast(1)', 'newest')}
     """
     ordered = sorted(steps, key=lambda info: info.step)
     numbers = [info.step for info in ordered]
@@ -271,6 +276,10 @@ def decide_retention(
                 _merge(keep, s, reasons)
     if numbers:
         _merge(keep, numbers[-1], ["newest"])
+    bad = set(bad)
+    good = [s for s in numbers if s not in bad]
+    if good and bad:
+        _merge(keep, good[-1], ["newest good"])
     for info in ordered:
         if info.pinned:
             _merge(keep, info.step, ["pinned"])

@@ -1,4 +1,4 @@
-"""When to save and which checkpoints to keep: pure policies.
+"""When to save, which checkpoints to keep and which are good: pure policies.
 
 This module imports only the standard library (no jax, numpy or tensorstore), so the CLI
 and any host can evaluate policies cheaply. Every policy is a small frozen dataclass behind
@@ -30,6 +30,14 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from jaxckpt._healthpolicy import AllHealthy as AllHealthy
+from jaxckpt._healthpolicy import AnyHealthy as AnyHealthy
+from jaxckpt._healthpolicy import ComposableHealth as ComposableHealth
+from jaxckpt._healthpolicy import FiniteMetrics as FiniteMetrics
+from jaxckpt._healthpolicy import HealthPolicy as HealthPolicy
+from jaxckpt._healthpolicy import Healthy as Healthy
+from jaxckpt._healthpolicy import MetricSpike as MetricSpike
+from jaxckpt._healthpolicy import health_from as health_from
 from jaxckpt._retentionpolicy import AnyKeep as AnyKeep
 from jaxckpt._retentionpolicy import ComposableRetention as ComposableRetention
 from jaxckpt._retentionpolicy import KeepBest as KeepBest
@@ -45,17 +53,24 @@ from jaxckpt._retentionpolicy import retention_from as retention_from
 
 __all__ = [
     "Adaptive",
+    "AllHealthy",
+    "AnyHealthy",
     "AnyKeep",
     "AnySave",
     "AtSteps",
+    "ComposableHealth",
     "ComposableRetention",
     "ComposableSave",
     "EveryNSeconds",
     "EveryNSteps",
+    "FiniteMetrics",
+    "HealthPolicy",
+    "Healthy",
     "KeepBest",
     "KeepEvery",
     "KeepLast",
     "KeepMilestones",
+    "MetricSpike",
     "OnPreemption",
     "RetentionDecision",
     "RetentionPolicy",
@@ -64,6 +79,7 @@ __all__ = [
     "StepInfo",
     "daly_interval",
     "decide_retention",
+    "health_from",
     "retention_from",
 ]
 

@@ -63,17 +63,24 @@ def infos(steps: Sequence[int], pinned: Sequence[int] = ()) -> list[StepInfo]:
 def test_public_surface() -> None:
     assert sorted(policy.__all__) == [
         "Adaptive",
+        "AllHealthy",
+        "AnyHealthy",
         "AnyKeep",
         "AnySave",
         "AtSteps",
+        "ComposableHealth",
         "ComposableRetention",
         "ComposableSave",
         "EveryNSeconds",
         "EveryNSteps",
+        "FiniteMetrics",
+        "HealthPolicy",
+        "Healthy",
         "KeepBest",
         "KeepEvery",
         "KeepLast",
         "KeepMilestones",
+        "MetricSpike",
         "OnPreemption",
         "RetentionDecision",
         "RetentionPolicy",
@@ -82,6 +89,7 @@ def test_public_surface() -> None:
         "StepInfo",
         "daly_interval",
         "decide_retention",
+        "health_from",
         "retention_from",
     ]
 

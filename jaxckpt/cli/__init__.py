@@ -2,12 +2,12 @@
 
 Every command works on a local directory, ``gs://bucket/prefix`` or ``s3://bucket/prefix``
 root (endpoints come from the environment, see the README). ``ls``, ``inspect``, ``prune``,
-``gc`` and ``plan`` read only the commit protocol's JSON records and never import jax, so
+``gc``, ``mark`` and ``plan`` read only the commit protocol's JSON records and never import jax, so
 they start fast; ``verify`` opens the root before it imports TensorStore, so a wrong root
 fails at once. ``diff``, ``stats``, ``export`` and ``import`` read arrays through jaxckpt's
 lazy reader (:func:`jaxckpt.open_step`).
 
-One module per command group (``_ls``, ``_inspect``, ``_verify``, ``_manage``,
+One module per command group (``_ls``, ``_inspect``, ``_verify``, ``_manage``, ``_mark``,
 ``_analysis``, ``_interop``, ``_plan``) registers its subcommands; ``_output`` holds the
 shared tables, units, progress bars and JSON printing.
 

@@ -1,4 +1,4 @@
-"""``jaxckpt ls``: committed and partial steps, sizes, commit times, keep reasons."""
+"""``jaxckpt ls``: committed and partial steps, sizes, commit times, keep reasons, health."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from jaxckpt.cli._output import ago, err, human_bytes, json_out, local_time, pri
 from jaxckpt.commit import CommitProtocol, scan
 from jaxckpt.errors import NotACheckpointRootError
 from jaxckpt.lifecycle import retention_decision
-from jaxckpt.records import REPLICAS, CommitMarker, is_held_manifest_name, replica_holdings
+from jaxckpt.records import (
+    REPLICAS,
+    CommitMarker,
+    health_records,
+    is_held_manifest_name,
+    replica_holdings,
+)
 
 DEFAULT_LIMIT = 50
 
@@ -64,9 +70,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
         committed = dict(sorted({**committed, **{s: local[s] for s in local}}.items()))
     partial = [a for a in found.attempts if a.kind != "damaged"]
     rule = retention(args)
-    decision = retention_decision(committed, rule)
+    listed = health_records.list_marks(protocol.storage)
+    bad = {s for s, k in listed.items() if not k.good}
+    decision = retention_decision(committed, rule, bad=bad)
     limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
     shown = sorted(committed)[-limit:] if limit > 0 else sorted(committed)
+    marks = {s: health_records.read_mark(protocol.storage, listed[s]) for s in shown if s in listed}
     if args.json:
         json_out(
             {
@@ -79,6 +88,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "commit_time": committed[s].time,
                         "keep": committed[s].keep,
                         "metrics": dict(committed[s].metrics),
+                        **health_records.as_json(marks.get(s)),
                         "kept_by": _kept_by(decision.keep.get(s, ()), rule),
                         **({"tiers": tiers[s]} if tiers is not None else {}),
                         **({"copies": _copies_json(copies, s)} if replicated else {}),
@@ -114,7 +124,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     )
     if not committed and not partial and not found.damaged and not found.hidden:
         return 0
-    rows = [["STEP", "STATE", "SIZE", "COMMITTED", "KEPT BY"]]
+    rows = [["STEP", "STATE", "SIZE", "COMMITTED", "KEPT BY", "HEALTH"]]
     if tiers is not None:
         rows[0].insert(2, "TIERS")
     if replicated:
@@ -124,7 +134,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         reasons = _kept_by(decision.keep.get(s, ()), rule)
         kept = ", ".join(reasons) or ("" if rule is None else "- (prune would delete)")
         when = f"{local_time(m.time)} ({ago(m.time)})"
-        rows.append([str(s), "committed", human_bytes(m.nbytes), when, kept])
+        health, why = health_records.describe(marks.get(s))
+        shown_health = f"{health}: {why}" if why else health
+        rows.append([str(s), "committed", human_bytes(m.nbytes), when, kept, shown_health])
         if tiers is not None:
             rows[-1].insert(2, "+".join(tiers[s]))
         if replicated:
@@ -134,11 +146,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         age = p.age(now)
         when = f"started {ago(now - age)}" if age is not None else "-"
         state = f"partial ({p.operation})" if p.kind == "partial" else "orphaned"
-        rows.append([str(p.step), state, "-", when, f"attempt {p.location.attempt or '(v1)'}"])
+        attempt = f"attempt {p.location.attempt or '(v1)'}"
+        rows.append([str(p.step), state, "-", when, attempt, "-"])
     for s, ref in found.damaged.items():
-        rows.append([str(s), "DAMAGED", "-", "-", f"invalid commit marker {ref.key}; data kept"])
+        damaged = f"invalid commit marker {ref.key}; data kept"
+        rows.append([str(s), "DAMAGED", "-", "-", damaged, "-"])
     for m in found.hidden:
-        rows.append([str(m.step), "fenced", "-", "-", f"committed by fenced epoch {m.epoch}"])
+        rows.append([str(m.step), "fenced", "-", "-", f"committed by fenced epoch {m.epoch}", "-"])
     rows[1:] = sorted(rows[1:], key=lambda r: int(r[0]))
     if tiers is not None:  # partial, damaged and fenced attempts are the durable root's
         pad = ["durable", "-"] if replicated else ["durable"]

@@ -19,7 +19,7 @@ from jaxckpt.cli._output import ago, err, human_bytes, human_duration, print_tab
 from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CheckpointError
 from jaxckpt.lifecycle import retention_decision
-from jaxckpt.records import CommitMarker
+from jaxckpt.records import CommitMarker, health_records
 
 
 def register(sub: Any) -> None:
@@ -52,7 +52,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         return 2
     protocol = open_root(args.root)
     committed = protocol.committed()
-    decision = retention_decision(committed, rule)
+    decision = retention_decision(committed, rule, bad=health_records.bad_steps(protocol.storage))
     verb = "would delete" if args.dry_run else "delete"
     rows = [["ACTION", "STEP", "SIZE", "WHY"]]
     for s in committed:

@@ -55,6 +55,7 @@ from jaxckpt.records import (
     PromotionRequest,
     PromotionResult,
     StepLocation,
+    health_records,
     manifest_name,
     promote_key,
     read_requests,
@@ -318,8 +319,10 @@ class Promoter:
             time.sleep(0.1)
 
     def apply_retention(self, writer: CommitProtocol) -> list[int]:
-        """Deletes the durable steps ``retention`` does not keep; returns them."""
-        decision = retention_decision(writer.committed(), self.retention)
+        """Deletes the durable steps ``retention`` does not keep (never the newest good
+        one); returns them."""
+        bad = health_records.bad_steps(writer.storage)
+        decision = retention_decision(writer.committed(), self.retention, bad=bad)
         deleted = []
         for step in decision.delete:
             log.info("durable retention: deleting step %d under %s", step, writer.where())

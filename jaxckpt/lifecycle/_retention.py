@@ -35,6 +35,8 @@ class Retention:
         step in flight, the steps awaiting promotion); restoring steps are
         added by :meth:`restoring`.
       on_fenced: told when a deletion finds that a newer writer took over.
+      bad: the steps marked bad; the newest step of a tier not among them is kept.
+      deleted: told of each step deleted from the last (durable) tier (its marks go).
     """
 
     def __init__(
@@ -44,8 +46,12 @@ class Retention:
         primary: bool,
         protected: Sequence[Callable[[], set[int]]],
         on_fenced: Callable[[WriterFencedError], None],
+        bad: Callable[[], set[int]] = set,
+        deleted: Callable[[int], None] = lambda step: None,
     ) -> None:
         self._tiers = tuple(tiers)
+        self._bad = bad
+        self._deleted = deleted
         self._primary = primary
         self._protected = tuple(protected)
         self._on_fenced = on_fenced
@@ -76,12 +82,14 @@ class Retention:
 
     def decision(self, tier: Tier) -> policy.RetentionDecision:
         """What ``tier``'s rule keeps (and why) and deletes now."""
-        return retention_decision(tier.committed(), tier.retention, protected=self.protected())
+        protected, bad = self.protected(), self._bad()
+        return retention_decision(tier.committed(), tier.retention, protected=protected, bad=bad)
 
     def explain(self, tier: Tier) -> dict[int, tuple[str, ...]]:
         """For every step committed on ``tier``, the rules that keep it (empty: deleted)."""
         committed = tier.committed()
-        decision = retention_decision(committed, tier.retention, protected=self.protected())
+        protected, bad = self.protected(), self._bad()
+        decision = retention_decision(committed, tier.retention, protected=protected, bad=bad)
         return {s: decision.keep.get(s, ()) for s in sorted(committed)}
 
     def delete(self, step: int) -> None:
@@ -95,6 +103,8 @@ class Retention:
         for tier in holders:
             if tier is self._tiers[0] or self._primary:
                 tier.delete(step)
+                if tier is self._tiers[-1]:
+                    self._deleted(step)
 
     # -- the deleter -----------------------------------------------------------
 
@@ -118,6 +128,8 @@ class Retention:
                 for step in self.decision(tier).delete:
                     log.info("retention: deleting step %d under %s", step, tier.uri)
                     tier.delete(step)
+                    if tier is self._tiers[-1]:
+                        self._deleted(step)
         except WriterFencedError as e:
             self._on_fenced(e)
             log.error("retention stopped: %s", e)

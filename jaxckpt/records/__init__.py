@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from jaxckpt.records import _health as health_records
+from jaxckpt.records import _runs as run_records
 from jaxckpt.records._keys import ATTEMPTS as ATTEMPTS
 from jaxckpt.records._keys import COMMITS as COMMITS
 from jaxckpt.records._keys import DATA as DATA
@@ -227,6 +229,7 @@ __all__ = [
     "epoch_key",
     "flatten",
     "format_named",
+    "health_records",
     "held_manifest_name",
     "in_flight",
     "is_held_manifest_name",
@@ -267,6 +270,7 @@ __all__ = [
     "replica_index_key",
     "replica_prefix",
     "request_promotion",
+    "run_records",
     "spread_slot",
     "step_format",
     "storage_problem",

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -83,10 +83,14 @@ class Selection:
         partial: bool = False,
         rename: PathMap | None = None,
         allow_lossy_cast: bool = False,
+        *,
+        skip: Collection[int] = (),
+        attempting: Callable[[int], None] | None = None,
     ) -> tuple[int, Any, RestoredStates]:
         """Restores ``step`` (None: the newest restorable one) on every host; returns
         ``(step, state, its process states)``. The other arguments: as
-        ``CheckpointManager.restore``.
+        ``CheckpointManager.restore``; without a step, steps in ``skip`` (bad ones) are
+        never candidates, and ``attempting(s)`` is told before each candidate is read.
 
         Raises:
           StepNotFoundError, UncommittedStepError, CorruptCheckpointError: as
@@ -94,10 +98,12 @@ class Selection:
         """
         tiers, agreement = self.tiers, self._agreement
         tiers[0].peers.heal(step)  # a part lost with its node comes back from its peers
-        candidates = _Candidates(tiers, agreement, step, primary=self._primary)
+        candidates = _Candidates(tiers, agreement, step, primary=self._primary, skip=skip)
         collective = len(tiers) == 1  # every host reads the same copy
         s = candidates.first
         while True:
+            if attempting is not None:
+                attempting(s)
             restored, error, states = None, None, RestoredStates()
             nearest = [
                 (t, refs) for t, refs in zip(tiers, candidates.held, strict=True) if s in refs
@@ -193,10 +199,17 @@ class _Candidates:
     """
 
     def __init__(
-        self, tiers: Sequence[Tier], agreement: Agreement, step: int | None, *, primary: bool
+        self,
+        tiers: Sequence[Tier],
+        agreement: Agreement,
+        step: int | None,
+        *,
+        primary: bool,
+        skip: Collection[int] = (),
     ) -> None:
         self._args = (tiers, agreement, step)
         self._primary = primary
+        self._skip = frozenset(skip)
         self._listed = False
         self.held: list[dict[int, MarkerRef | None]] = []
         self._steps: list[int] = []
@@ -204,14 +217,23 @@ class _Candidates:
         if step is None:
             with contextlib.suppress(StepNotFoundError):  # no valid newest marker: list
                 self.held, steps = _candidates(*self._args, primary=primary, listed=_newest)
+            steps = [s for s in steps if s not in self._skip]
         if not steps:
             self._list()
             steps = self._steps
         self._steps = steps
+        if not steps:  # every committed step is marked bad
+            where = " or ".join(t.uri for t in tiers)
+            raise StepNotFoundError(
+                f"no good committed step under {where}: every one is marked bad "
+                f"({brief(sorted(self._skip))}; `jaxckpt ls` says why, "
+                "`jaxckpt mark ROOT STEP --good` takes a mark back)"
+            )
         self.first = steps[0]
 
     def _list(self) -> None:
-        self.held, self._steps = _candidates(*self._args, primary=self._primary)
+        self.held, steps = _candidates(*self._args, primary=self._primary)
+        self._steps = [s for s in steps if s not in self._skip]
         self._listed = True
 
     def after(self, step: int) -> int | None:
