@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -141,7 +142,7 @@ class CheckpointOptions:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
-        if self.gc_grace_s < 0:
+        if not self.gc_grace_s >= 0:  # NaN too; infinity keeps every attempt of the epoch
             raise ValueError(f"gc_grace_s must be non-negative, got {self.gc_grace_s}")
         if self.max_object_bytes < MIN_OBJECT_BYTES:
             raise ValueError(
@@ -194,10 +195,10 @@ class CheckpointOptions:
                 f"local_replicas={self.local_replicas}: must be at least 1, and above 1 "
                 "only with a local_root"
             )
-        if self.peer_timeout_s <= 0:
-            raise ValueError(f"peer_timeout_s must be positive, got {self.peer_timeout_s}")
-        if self.save_timeout_s <= 0:
-            raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")
+        for name in ("peer_timeout_s", "save_timeout_s"):  # NaN or infinity: no deadline at all
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
     @property
     def stored_chunk_bytes(self) -> int:
