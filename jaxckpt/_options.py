@@ -105,7 +105,12 @@ class CheckpointOptions:
         ``JAXCKPT_NODE_ID``) before the local commit, and a restore after a
         lost node fetches the missing parts from them.
       peer_timeout_s: the bound of every peer transfer's socket operation: a
-        dead or stalled peer fails the save (or a restore's fetch) after this.
+        dead or stalled peer fails its transfer (or a restore's fetch) after this.
+      strict_replication: with ``local_replicas > 1``: a part that cannot be
+        replicated to one of its holders fails the save. False (default): the step
+        commits without that copy ("not replicated": logged, counted in
+        ``Peers.not_replicated``, and healed by the next restore, which gives
+        holders that lack a replica their copy again).
       peer_host: the address the peer listener binds and publishes to the
         other processes (``local_replicas > 1``); None: ``JAXCKPT_PEER_HOST``,
         else loopback when the JAX coordinator is on loopback, else the
@@ -136,6 +141,7 @@ class CheckpointOptions:
     local_replicas: int = 1
     peer_timeout_s: float = 60.0
     peer_host: str | None = None
+    strict_replication: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -188,6 +194,10 @@ class CheckpointOptions:
                 )
         if isinstance(self.writer_nice, bool) or self.writer_nice not in range(20):
             raise ValueError(f"writer_nice must be an integer 0-19, got {self.writer_nice!r}")
+        if not isinstance(self.strict_replication, bool):
+            raise ValueError(
+                f"strict_replication must be True or False, got {self.strict_replication!r}"
+            )
         if isinstance(self.local_replicas, bool) or not isinstance(self.local_replicas, int):
             raise ValueError(f"local_replicas must be an int, got {self.local_replicas!r}")
         if self.local_replicas < 1 or (self.local_replicas > 1 and self.local_root is None):

@@ -12,8 +12,11 @@ placement (:mod:`jaxckpt.tiers._placement`). It does two things:
   ``replicas/<step>/<process>/<attempt>/`` of their own local root (checked
   against its CRC32C on arrival), then the replica's index (every file's size
   and CRC32C), which makes the replica complete. The local commit waits for
-  every holder's acknowledgement; a dead or stalled holder fails the save
-  after ``peer_timeout_s``, and no marker is written.
+  every holder's acknowledgement or failure; a dead or stalled holder fails
+  its transfer after ``peer_timeout_s``, and the step commits *not replicated*
+  there (logged and counted, :attr:`Peers.not_replicated`; the next restore's
+  heal gives the holder its copy), unless ``strict_replication`` makes it fail
+  the save (then no marker is written).
 * **heal** (before a restore picks its step, on every process together):
   every process reports the steps it holds on its own root and the replicas
   it holds; the newest step whose every part is somewhere (the union of the
@@ -174,6 +177,8 @@ class Peers(Healing):
         self._max_bytes = max(options.max_object_bytes, MIN_FRAME_BYTES)
         self.me = jax.process_index()
         self._server: PeerServer | None = None
+        self.not_replicated = 0
+        """Copies of this process's parts that could not be sent (the steps went on)."""
 
     def join(self, agreement: Agreement, durable: Tier) -> None:
         """Agrees on the nodes, the placement and the job's secret, opens this process's
@@ -258,8 +263,11 @@ class Peers(Healing):
         """Sends this process's part of ``loc`` to every holder; returns once each has
         acknowledged every file and the index (which carries the promotion ``request``).
 
+        A holder that fails (unreachable, refused, timed out) leaves the step not
+        replicated there: logged and counted, unless ``strict_replication``.
+
         Raises:
-          PeerError: a holder could not be reached, refused, or timed out (named).
+          PeerError: with ``strict_replication``, a holder failed (named).
         """
         holders = self.placement.holders(self.me)
         reached("replicating", loc.step)
@@ -269,7 +277,7 @@ class Peers(Healing):
             futures = [
                 pool.submit(self._push, h, loc, dict(metrics or {}), keep, promote) for h in holders
             ]
-            sent = [f.result() for f in futures]
+            sent = [self._sent(loc.step, h, f) for h, f in zip(holders, futures, strict=True)]
         log.info(
             "step %d: replicated this process's part (%d bytes) to %s in %.2fs",
             loc.step,
@@ -277,6 +285,25 @@ class Peers(Healing):
             ", ".join(f"process {h}" for h in holders),
             time.monotonic() - start,
         )
+
+    def _sent(self, step: int, holder: int, pushed: Any) -> int:
+        """The bytes a push sent; a failed one is raised (strict) or counted and logged."""
+        try:
+            return int(pushed.result())
+        except PeerError as e:
+            if self._options.strict_replication:
+                raise
+            self.not_replicated += 1
+            log.warning(
+                "step %d is not replicated to %s: %s; the step commits without that copy "
+                "(%d not replicated so far; a restore heals it; strict_replication=True "
+                "fails the save instead)",
+                step,
+                self._where(holder),
+                e,
+                self.not_replicated,
+            )
+            return 0
 
     def _push(
         self,
