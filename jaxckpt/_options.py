@@ -109,8 +109,8 @@ class CheckpointOptions:
       strict_replication: with ``local_replicas > 1``: a part that cannot be
         replicated to one of its holders fails the save. False (default): the step
         commits without that copy ("not replicated": logged, counted in
-        ``Peers.not_replicated``, and healed by the next restore, which gives
-        holders that lack a replica their copy again).
+        ``Peers.not_replicated``, and sent again before the next save's
+        replication).
       peer_host: the address the peer listener binds and publishes to the
         other processes (``local_replicas > 1``); None: ``JAXCKPT_PEER_HOST``,
         else loopback when the JAX coordinator is on loopback, else the

@@ -182,6 +182,25 @@ def test_a_replication_failure_leaves_the_step_not_replicated_not_failed(tmp_pat
     assert "step 7 is not replicated to process 1 (node node1" in said, said
     assert "strict_replication" in said, said
 
+    # The holder is back: the next replication sends the owed copy first.
+    from jaxckpt.records._keys import replica_index_key
+    from jaxckpt.storage import open_storage
+    from jaxckpt.tiers._transport import PeerServer
+
+    local = peers._local.storage
+    for step in (7, 8):
+        local.write(StepLocation(step, A).key("manifest/0.json"), b"part %d" % step)
+    holder = open_storage(str(tmp_path / "holder"))
+    server = PeerServer(holder, peers._secret, timeout_s=5.0)
+    try:
+        peers.addresses[1] = server.address
+        peers.replicate(StepLocation(8, A), metrics=None, keep=False)
+    finally:
+        server.close()
+    assert holder.read(replica_index_key(7, 0, A)) is not None  # healed
+    assert holder.read(replica_index_key(8, 0, A)) is not None
+    assert peers.not_replicated == 1 and not peers._owed
+
     strict = _peers(tmp_path, _dead_address(), strict_replication=True)
     with pytest.raises(PeerError, match="replicating process 0's part to process 1"):
         strict.replicate(loc, metrics=None, keep=False)
