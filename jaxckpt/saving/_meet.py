@@ -25,6 +25,7 @@ from orbax.checkpoint._src.futures import synchronization
 from orbax.checkpoint._src.multihost import multihost
 
 from jaxckpt.commit._agree import Agreement
+from jaxckpt.errors import CheckpointError, SaveFailedError
 
 __all__ = ["Meetings", "meeting_checkpointer"]
 
@@ -48,10 +49,16 @@ class Meetings:
         """Meets every process (a barrier with the save's deadline), telling ``error``.
 
         Raises:
-          CheckpointError: some process failed (named), or did not arrive in time.
+          CheckpointError: some process failed (named; ``SaveFailedError`` unless its
+            error was a more specific ``CheckpointError``), or did not arrive in time.
         """
         try:
             self._agreement.settle(MEETING, error, what=self._what)
+        except CheckpointError as e:
+            self._met_failure = True
+            if type(e) is CheckpointError:  # another process's OSError, ...: a failed save
+                raise SaveFailedError(str(e)) from e
+            raise
         except BaseException:
             self._met_failure = True
             raise
