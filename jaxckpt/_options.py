@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -110,7 +111,12 @@ class CheckpointOptions:
         ``JAXCKPT_NODE_ID``) before the local commit, and a restore after a
         lost node fetches the missing parts from them.
       peer_timeout_s: the bound of every peer transfer's socket operation: a
-        dead or stalled peer fails the save (or a restore's fetch) after this.
+        dead or stalled peer fails its transfer (or a restore's fetch) after this.
+      strict_replication: with ``local_replicas > 1``: a part that cannot be
+        replicated to one of its holders fails the save. False (default): the step
+        commits without that copy ("not replicated": logged, counted in
+        ``Peers.not_replicated``, and sent again before the next save's
+        replication).
       peer_host: the address the peer listener binds and publishes to the
         other processes (``local_replicas > 1``); None: ``JAXCKPT_PEER_HOST``,
         else loopback when the JAX coordinator is on loopback, else the
@@ -153,13 +159,14 @@ class CheckpointOptions:
         default_factory=_finite_metrics
     )
     crash_loop_limit: int | None = 3
+    strict_replication: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
-        if self.gc_grace_s < 0:
+        if not self.gc_grace_s >= 0:  # NaN too; infinity keeps every attempt of the epoch
             raise ValueError(f"gc_grace_s must be non-negative, got {self.gc_grace_s}")
         if self.max_object_bytes < MIN_OBJECT_BYTES:
             raise ValueError(
@@ -205,6 +212,10 @@ class CheckpointOptions:
                 )
         if isinstance(self.writer_nice, bool) or self.writer_nice not in range(20):
             raise ValueError(f"writer_nice must be an integer 0-19, got {self.writer_nice!r}")
+        if not isinstance(self.strict_replication, bool):
+            raise ValueError(
+                f"strict_replication must be True or False, got {self.strict_replication!r}"
+            )
         if isinstance(self.local_replicas, bool) or not isinstance(self.local_replicas, int):
             raise ValueError(f"local_replicas must be an int, got {self.local_replicas!r}")
         if self.local_replicas < 1 or (self.local_replicas > 1 and self.local_root is None):
@@ -212,10 +223,10 @@ class CheckpointOptions:
                 f"local_replicas={self.local_replicas}: must be at least 1, and above 1 "
                 "only with a local_root"
             )
-        if self.peer_timeout_s <= 0:
-            raise ValueError(f"peer_timeout_s must be positive, got {self.peer_timeout_s}")
-        if self.save_timeout_s <= 0:
-            raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")
+        for name in ("peer_timeout_s", "save_timeout_s"):  # NaN or infinity: no deadline at all
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if self.health is not None:
             from jaxckpt.policy import health_from
 

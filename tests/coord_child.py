@@ -17,6 +17,11 @@ The state is ``x`` (``8P x 4`` float32, sharded over every process), ``r``
   state has a leaf that cannot be saved: its local check fails), printing
   ``FAILED <step> <class> <seconds>`` and ``MESSAGE <step> <text>`` for each;
   then commits step 4 (``COMMITTED 4``).
+* ``fail_orbax``: commits step 1; saves step 2 while process 1 has no file
+  descriptor to spare at the moment Orbax's save creates its event loop (a real
+  ``EMFILE`` between Orbax's first collective and the next; the limit is back
+  right after), printing ``FAILED``/``MESSAGE`` like ``fail_save``; then
+  commits step 3.
 * ``fail_restore``: restores the newest step, 1 (one process cannot read its
   data), and prints ``FAILED`` and ``MESSAGE`` like ``fail_save``.
 * ``resume``: the README resume loop: restores the newest restorable step
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
+import resource
 import sys
 import time
 from typing import Any
@@ -67,7 +74,10 @@ def main() -> int:
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--root", required=True)
-    p.add_argument("--mode", choices=("count", "fail_save", "fail_check", "fail_restore", "resume"))
+    p.add_argument(
+        "--mode",
+        choices=("count", "fail_save", "fail_check", "fail_orbax", "fail_restore", "resume"),
+    )
     p.add_argument("--save-timeout", type=float, default=60.0)
     args = p.parse_args()
     join_group(args.coordinator, args.num_processes, args.process_id)
@@ -125,6 +135,16 @@ def main() -> int:
         mgr.save(4, state(4))
         mgr.wait()
         _say("COMMITTED 4")
+    elif args.mode == "fail_orbax":
+        mgr.save(1, state(1))
+        mgr.wait()
+        _say("COMMITTED 1")
+        if jax.process_index() == 1:
+            _no_descriptors_for_orbax_once()
+        _failing(jaxckpt, 2, lambda: (mgr.save(2, state(2)), mgr.wait()))
+        mgr.save(3, state(3))
+        mgr.wait()
+        _say("COMMITTED 3")
     elif args.mode == "fail_restore":
         _failing(jaxckpt, 1, mgr.restore)
     else:
@@ -139,6 +159,26 @@ def main() -> int:
     mgr.close()
     _say("DONE")
     return 0
+
+
+def _no_descriptors_for_orbax_once() -> None:
+    """The next event loop Orbax's save creates meets a file-descriptor limit of what
+    is open now (a real EMFILE: epoll and the loop's self-pipe); the limit is restored
+    right after that one call."""
+    from orbax.checkpoint._src import asyncio_utils
+
+    run_sync = asyncio_utils.run_sync
+
+    def starved(coro: Any) -> Any:
+        asyncio_utils.run_sync = run_sync
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+        try:
+            return run_sync(coro)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    asyncio_utils.run_sync = starved
 
 
 def _failing(jaxckpt: Any, step: int, run: Any) -> None:

@@ -9,6 +9,7 @@ Usage::
         [--exchange-min-bytes N] [--exchange-part-bytes N] [--scale K]
         [--local-root PREFIX --promotion {background,external}] [--leaves x,y]
         [--local-replicas K --peer-timeout S --promote-every N --probe-wrong-secret]
+        [--strict-replication]
 
 The process joins a ``jax.distributed`` group of ``P`` processes with ``D``
 CPU devices each, builds a ``('data', 'model')`` mesh of shape ``AxB`` over
@@ -147,6 +148,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--leaves", default=None, help="comma-separated leaves to save (default all)")
     p.add_argument("--local-replicas", type=int, default=1, help="CheckpointOptions.local_replicas")
     p.add_argument("--peer-timeout", type=float, default=60.0, help="...peer_timeout_s")
+    p.add_argument("--strict-replication", action="store_true", help="...strict_replication")
     p.add_argument("--promote-every", type=int, default=None, help="promote_policy EveryNSteps")
     p.add_argument("--probe-wrong-secret", action="store_true")
     p.add_argument("--local-keep", type=int, default=None, help="local_retention KeepLast(N)")
@@ -221,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         tiered = {"local_root": f"{args.local_root}{own}", "promotion": args.promotion}
         if args.local_replicas > 1:
             tiered.update(local_replicas=args.local_replicas, peer_timeout_s=args.peer_timeout)
+            tiered["strict_replication"] = args.strict_replication
         if args.local_keep is not None:
             tiered["local_retention"] = jaxckpt.policy.KeepLast(args.local_keep)
         if args.promote_every is not None:

@@ -170,6 +170,27 @@ def test_one_process_whose_save_fails_on_its_own_fails_it_everywhere_naming_it(
         proxy.close()
 
 
+def test_one_process_failing_inside_orbax_s_save_fails_it_everywhere_naming_it(
+    tmp_path: Path,
+) -> None:
+    """Process 1 of 2 runs out of file descriptors after Orbax's first collective of
+    the save of step 2: the other waited in the next one (a gloo collective
+    without a deadline) for ever. Every process raises, naming process 1 and the
+    error, and step 3 commits on all once the cause is gone."""
+    root = str(tmp_path / "run")
+    with group(tmp_path, root, "fail_orbax", 2) as g:
+        for i in range(2):
+            kind, seconds, message = _failed(g, i, 2)
+            assert seconds < AGREED_WITHIN_S, g.report()
+            assert kind == "SaveFailedError", g.report()
+            assert "Too many open files" in message, message
+            if i != 1:  # the failing process raises its own error
+                assert "save of step 2" in message and "failed on process 1" in message, message
+            assert g.lines(i, "COMMITTED") == ["1", "3"], g.report()
+    with jaxckpt.CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.steps() == [1, 3]
+
+
 def test_one_process_that_cannot_read_its_data_fails_the_restore_everywhere_naming_it(
     tmp_path: Path, denied_root: tuple[str, str]
 ) -> None:

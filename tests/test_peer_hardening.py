@@ -225,14 +225,15 @@ def test_a_bad_key_is_a_refused_request_and_the_connection_goes_on(served, capfd
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_connections_beyond_the_handshake_cap_are_closed_on_arrival(tmp_path):
+def test_connections_beyond_the_handshake_cap_evict_the_oldest_pending_one(tmp_path):
     storage = open_storage(str(tmp_path / "root"))
     secret = new_secret()
     server = PeerServer(storage, secret, timeout_s=30.0, handshake_timeout_s=5.0, max_handshakes=2)
     try:
         host, _, port = server.address.rpartition(":")
         idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(5)]
-        harness.wait_until(lambda: server.turned_away == 3, what="3 turned away", timeout_s=10)
+        harness.wait_until(lambda: server.evicted == 3, what="3 evicted", timeout_s=10)
+        harness.wait_until(lambda: conn_threads() <= 2, what="2 handshakes left", timeout_s=10)
         for sock in idle:
             sock.close()
         harness.wait_until(lambda: conn_threads() == 0, what="idle threads gone", timeout_s=10)
@@ -240,3 +241,83 @@ def test_connections_beyond_the_handshake_cap_are_closed_on_arrival(tmp_path):
             peer.put(KEY, b"ok")
     finally:
         server.close()
+
+
+def test_idle_outsiders_never_lock_a_member_out(tmp_path):
+    """Outsiders without the secret hold every handshake slot and more (they send
+    nothing, and the deadline is long): a member's connection evicts the oldest of
+    them and authenticates, instead of being closed after 0 bytes."""
+    storage = open_storage(str(tmp_path / "root"))
+    secret = new_secret()
+    server = PeerServer(storage, secret, timeout_s=30.0, handshake_timeout_s=30.0, max_handshakes=4)
+    host, _, port = server.address.rpartition(":")
+    idle = []
+    try:
+        for _ in range(10):
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+            harness.wait_until(
+                lambda: conn_threads() >= min(len(idle), 4), what="pending", timeout_s=10
+            )
+        for n in range(3):  # every member connection gets in while they stay
+            with connect(server.address, secret, timeout_s=5.0) as peer:
+                peer.put(KEY, b"member %d" % n)
+        assert storage.read(KEY) == b"member 2"
+        assert server.evicted >= 6 and server.refused == 0
+    finally:
+        for sock in idle:
+            sock.close()
+        server.close()
+
+
+class _DropFirst:
+    """A loopback TCP proxy to ``target`` that closes its first ``drops`` connections
+    at once (what a server does when it evicts a pending handshake)."""
+
+    def __init__(self, target: str, drops: int) -> None:
+        self._target, self.drops, self.accepted = target, drops, 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.accepted <= self.drops:
+                conn.close()
+                continue
+            host, _, port = self._target.rpartition(":")
+            upstream = socket.create_connection((host, int(port)))
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def test_a_client_whose_connection_is_closed_before_the_hello_retries(served):
+    storage, secret, server = served
+    proxy = _DropFirst(server.address, drops=2)
+    try:
+        with connect(proxy.address, secret, timeout_s=10.0) as peer:
+            peer.put(KEY, b"after two drops")
+        assert storage.read(KEY) == b"after two drops" and proxy.accepted == 3
+        proxy.drops = 10**6  # closed every time: a PeerError within the timeout, no hang
+        with (
+            pytest.raises(PeerError, match="closed"),
+            connect(proxy.address, secret, timeout_s=2.0),
+        ):
+            pass
+    finally:
+        proxy.close()

@@ -20,8 +20,9 @@ d. node 1's local tier wiped and its only replica (on node 2) corrupted on
    replica (node 3) is used instead (a test below); with only older replicas
    intact, the next newest local step is healed (a test below);
 b. three of four local tiers wiped: the newest durable step (2);
-c. a holder SIGKILLed while its peer replicates to it: that save fails on the
-   survivors within the bound, and the older step still restores.
+c. a holder SIGKILLed while its peer replicates to it (strict replication):
+   that save fails on the survivors within the bound, and the older step still
+   restores.
 """
 
 from __future__ import annotations
@@ -242,7 +243,9 @@ def test_a_holder_killed_mid_replication_fails_that_save_within_the_bound(
     tmp_path: Path,
 ) -> None:
     """Process 1 replicates to process 2: process 2 is killed while both pause before
-    replicating step 2, then process 1 goes on and meets a dead peer."""
+    replicating step 2, then process 1 goes on and meets a dead peer (with strict
+    replication: without it, a holder's failure alone leaves a step not replicated,
+    see ``test_peertier``)."""
     root, local = str(tmp_path / "durable"), tmp_path / "local"
     resume = tmp_path / "resume"
     resume.mkdir()
@@ -257,7 +260,7 @@ def test_a_holder_killed_mid_replication_fails_that_save_within_the_bound(
         mode="save_and_die",
         save_timeout_s=HOLDER_SAVE_TIMEOUT_S,
         env_for=env_for,
-        extra=args(local),
+        extra=args(local, "--strict-replication"),
         **GROUP,
     ) as procs:
         mh.wait_for_phase(procs[2], "JAXCKPT_PHASE replicating 2", procs)

@@ -129,3 +129,78 @@ def test_promoter_metrics_report_replica_bytes_and_replication_lag(tmp_path):
     value = metrics.registry.get_sample_value
     assert value("jaxckpt_replica_bytes") == 150
     assert value("jaxckpt_replication_lag_steps") == 1  # local step 3, newest replica 2
+
+
+class _Local:
+    """The part of a local tier replication reads: its storage and its URI."""
+
+    def __init__(self, root) -> None:
+        from jaxckpt.storage import open_storage
+
+        self.storage = open_storage(str(root))
+        self.uri = self.storage.uri
+
+
+def _peers(tmp_path, address: str, **options):
+    """A joined ``Peers`` of process 0 whose holder (process 1) listens at ``address``."""
+    from jaxckpt.tiers._peers import Peers
+    from jaxckpt.tiers._placement import place
+    from jaxckpt.tiers._transport import new_secret
+
+    opts = CheckpointOptions(
+        local_root=str(tmp_path / "local"), local_replicas=2, peer_timeout_s=2.0, **options
+    )
+    peers = Peers(_Local(tmp_path / "local"), opts)  # type: ignore[arg-type]
+    peers.placement = place(["node0", "node1"], 2)
+    peers.addresses = ["127.0.0.1:9", address]
+    peers._secret = new_secret()
+    return peers
+
+
+def _dead_address() -> str:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:  # closed again: refused
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_replication_failure_leaves_the_step_not_replicated_not_failed(tmp_path, caplog):
+    """A holder that cannot be reached costs the step its copy there (logged, counted;
+    a restore heals it), not the save, unless strict replication was asked for."""
+    from jaxckpt import PeerError
+    from jaxckpt.records._keys import StepLocation
+
+    loc = StepLocation(7, A)
+    peers = _peers(tmp_path, _dead_address())
+    with caplog.at_level("WARNING", logger="jaxckpt"):
+        peers.replicate(loc, metrics=None, keep=False)  # returns: the save goes on
+    assert peers.not_replicated == 1
+    said = caplog.text
+    assert "step 7 is not replicated to process 1 (node node1" in said, said
+    assert "strict_replication" in said, said
+
+    # The holder is back: the next replication sends the owed copy first.
+    from jaxckpt.records._keys import replica_index_key
+    from jaxckpt.storage import open_storage
+    from jaxckpt.tiers._transport import PeerServer
+
+    local = peers._local.storage
+    for step in (7, 8):
+        local.write(StepLocation(step, A).key("manifest/0.json"), b"part %d" % step)
+    holder = open_storage(str(tmp_path / "holder"))
+    server = PeerServer(holder, peers._secret, timeout_s=5.0)
+    try:
+        peers.addresses[1] = server.address
+        peers.replicate(StepLocation(8, A), metrics=None, keep=False)
+    finally:
+        server.close()
+    assert holder.read(replica_index_key(7, 0, A)) is not None  # healed
+    assert holder.read(replica_index_key(8, 0, A)) is not None
+    assert peers.not_replicated == 1 and not peers._owed
+
+    strict = _peers(tmp_path, _dead_address(), strict_replication=True)
+    with pytest.raises(PeerError, match="replicating process 0's part to process 1"):
+        strict.replicate(loc, metrics=None, keep=False)
+    assert strict.not_replicated == 0
+    with pytest.raises(ValueError, match="strict_replication"):
+        CheckpointOptions(strict_replication=1)  # type: ignore[arg-type]

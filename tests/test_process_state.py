@@ -202,3 +202,62 @@ def test_a_lost_local_root_gets_its_state_back_from_its_peer(tmp_path):
         assert "RESTORED 2" in lines, lines
         assert f"OWN {procstate_child.state_of(process, 2).hex()}" in lines, lines
         assert f"ALL {everyone}" in lines, lines  # gathered from the local tiers
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ({1: "a"}, "key 1 (int)"),
+        ({"it": {True: 1}}, "['it']: key True (bool)"),
+        ({None: 1}, "key None (NoneType)"),
+        ((1, 2), "a tuple"),
+        ({"parents": [{"seed": (3,)}]}, "['parents'][0]['seed']: a tuple"),
+        ({"i": np.int64(3)}, "['i']: a numpy.int64"),
+        ({"i": np.float32(0.5)}, "['i']: a numpy.float32"),
+    ],
+)
+def test_values_json_cannot_carry_exactly_are_refused_by_name(value, named):
+    """``{1: 'a'}`` came back as ``{'1': 'a'}`` and ``(1, 2)`` as ``[1, 2]``: refused,
+    naming the key or the type, before anything is written."""
+    with pytest.raises(jaxckpt.UnsupportedLeafError) as info:
+        _procstate.encode(value, step=3, process=1)
+    assert "step 3: process_state of process 1" in str(info.value)
+    assert named in str(info.value), str(info.value)
+
+
+def test_a_deep_value_is_refused_without_a_recursion_error():
+    deep: list = []
+    inner = deep
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]
+    with pytest.raises(jaxckpt.UnsupportedLeafError, match="nested deeper than 100"):
+        _procstate.encode(deep, step=1, process=0)
+    shallow: list = []
+    inner = shallow
+    for _ in range(98):  # with the dict: 100 levels
+        inner.append([])
+        inner = inner[0]
+    record = _procstate.encode({"a": shallow, "n": float("nan")}, step=1, process=0)
+    back = _procstate.decode(record, "r")
+    assert back["a"] == shallow and back["n"] != back["n"]  # NaN round trips as NaN
+
+
+def test_a_record_over_the_bound_is_refused_on_read():
+    """The bound holds on read too: a crafted record of 3 MiB with a matching size and
+    CRC32C (a writer that skipped the check) is corrupt, not returned."""
+    import base64
+
+    from jaxckpt.records._step import crc32c, dumps
+
+    raw = b"x" * (3 << 20)
+    crafted = {
+        "bytes": {"kind": "bytes", "data": base64.b64encode(raw).decode(), "size": len(raw)},
+        "str": {"kind": "str", "data": raw.decode(), "size": len(raw)},
+        "json": {"kind": "json", "data": [raw.decode()], "size": len(dumps([raw.decode()]))},
+    }
+    for kind, record in crafted.items():
+        body = raw if kind != "json" else dumps([raw.decode()])
+        record = {**record, "crc32c": crc32c(body)}
+        with pytest.raises(jaxckpt.CorruptCheckpointError, match="MAX_PROCESS_STATE_BYTES"):
+            _procstate.decode(record, "step 1: process_state of process 0")

@@ -114,3 +114,20 @@ def test_lossy_casts_are_counted_not_all_listed(tmp_path):
         text = _mismatch(mgr, 1, {f"w{i}": np.ones(2, np.float16) for i in range(500)})
     assert text.startswith("restore target converts 500 saved arrays to dtypes")
     assert text.splitlines()[-1] == "  ... and 497 more" and len(text.splitlines()) == 5
+
+
+@pytest.mark.parametrize("scalar", [1.0, 1, True, "w"])
+def test_a_python_scalar_is_no_target_for_an_array_leaf(tmp_path, scalar):
+    """A Python scalar has no shape or dtype to restore into: refused, naming the path,
+    instead of quietly handing back a numpy array of the saved shape."""
+    with jaxckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(1, {"w": jnp.arange(4.0), "z": jnp.float32(1.5), "lr": 0.1})
+        mgr.wait()
+        for path in ("w", "z"):
+            target = {"w": jnp.zeros(4), "z": jnp.float32(0), "lr": 0.0, path: scalar}
+            text = _mismatch(mgr, 1, target)
+            assert f"type mismatch at ['{path}']: saved " in text, text
+            assert f"target a Python {type(scalar).__name__}" in text, text
+        # A saved Python value still restores into a Python scalar target.
+        restored = mgr.restore(1, target={"w": jnp.zeros(4), "z": jnp.float32(0), "lr": 0.0})
+    assert restored["lr"] == 0.1 and float(restored["z"]) == 1.5

@@ -115,6 +115,21 @@ def seconds(text: str) -> float:
     return value
 
 
+def number(text: str) -> float:
+    """An argparse ``type``: a finite number >= 0 (NaN and infinity are refused).
+
+    >>> number("2.5")
+    2.5
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def step_list(text: str) -> list[int]:
     """An argparse ``type``: comma-separated integers >= 1 (``--keep-milestones``).
 

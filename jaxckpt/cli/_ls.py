@@ -47,7 +47,12 @@ def register(sub: Any) -> None:
 def cmd_ls(args: argparse.Namespace) -> int:
     protocol = open_root(args.root)
     found = scan(protocol, full=True)
-    committed = dict(sorted(found.committed.items()))
+    broken = found.incomplete  # a marker covering parts that are not stored: damaged
+    committed = {s: m for s, m in sorted(found.committed.items()) if s not in broken}
+    damaged = {s: "invalid commit marker" for s in found.damaged}
+    damaged |= broken
+    where = {s: r.key for s, r in found.damaged.items()}
+    where |= {s: found.committed[s].key for s in broken}
     tiers: dict[int, list[str]] | None = None
     copies: dict[int, dict[int, int]] = {}  # step -> process -> copies of its part
     replicated = False  # some local root holds replicas (local_replicas > 1)
@@ -107,7 +112,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                     for p in partial
                 ],
                 "damaged": [
-                    {"step": s, "marker": protocol.where(r.key)} for s, r in found.damaged.items()
+                    {"step": s, "marker": protocol.where(where[s]), "reason": why}
+                    for s, why in sorted(damaged.items())
                 ],
                 "fenced": [
                     {"step": m.step, "epoch": m.epoch, "attempt": m.attempt} for m in found.hidden
@@ -119,10 +125,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(
         f"{protocol.storage.uri}: {len(committed)} committed steps ({human_bytes(total)})"
         + (f", {len(partial)} partial or orphaned" if partial else "")
-        + (f", {len(found.damaged)} DAMAGED" if found.damaged else "")
+        + (f", {len(damaged)} DAMAGED" if damaged else "")
         + (f", {len(found.hidden)} fenced" if found.hidden else "")
     )
-    if not committed and not partial and not found.damaged and not found.hidden:
+    if not committed and not partial and not damaged and not found.hidden:
         return 0
     rows = [["STEP", "STATE", "SIZE", "COMMITTED", "KEPT BY", "HEALTH"]]
     if tiers is not None:
@@ -146,11 +152,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         age = p.age(now)
         when = f"started {ago(now - age)}" if age is not None else "-"
         state = f"partial ({p.operation})" if p.kind == "partial" else "orphaned"
-        attempt = f"attempt {p.location.attempt or '(v1)'}"
-        rows.append([str(p.step), state, "-", when, attempt, "-"])
-    for s, ref in found.damaged.items():
-        damaged = f"invalid commit marker {ref.key}; data kept"
-        rows.append([str(s), "DAMAGED", "-", "-", damaged, "-"])
+        rows.append([str(p.step), state, "-", when, f"attempt {p.location.attempt or '(v1)'}", "-"])
+    for s, why in damaged.items():
+        what = f"invalid commit marker {where[s]}" if s in found.damaged else why
+        rows.append([str(s), "DAMAGED", "-", "-", f"{what}; data kept", "-"])
     for m in found.hidden:
         rows.append([str(m.step), "fenced", "-", "-", f"committed by fenced epoch {m.epoch}", "-"])
     rows[1:] = sorted(rows[1:], key=lambda r: int(r[0]))
@@ -163,9 +168,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"({hidden} older committed steps not shown; --limit 0 shows all)")
     if partial:
         print("(partial steps are saves under way or interrupted; `jaxckpt gc` removes old ones)")
-    if found.damaged:
-        print("(a DAMAGED step's marker fails its checksum: it is corruption, not garbage; its")
-        print(" data is kept; `jaxckpt gc --force` removes it)")
+    if damaged:
+        print("(a DAMAGED step's marker fails its checksum or covers parts that are missing: it")
+        print(" is corruption, not garbage; its data is kept; `jaxckpt gc --force` removes an")
+        print(" invalid marker's data)")
     return 0
 
 

@@ -10,11 +10,12 @@ With ``--processes``, instead, one save and one restore at cluster scale
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from jaxckpt.cli import _scaleplan
-from jaxckpt.cli._common import command
+from jaxckpt.cli._common import command, number
 from jaxckpt.cli._output import err, json_out
 
 _INTERVAL_OPTIONS = (
@@ -38,36 +39,39 @@ def count(text: str) -> float:
     """
     scale = _SUFFIXES.get(text[-1:].lower(), 1.0)
     try:
-        return float(text[:-1] if scale != 1.0 else text) * scale
+        value = float(text[:-1] if scale != 1.0 else text) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r} (e.g. 30e9 or 30B)") from None
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"not a finite number >= 0: {text!r} (e.g. 30e9 or 30B)")
+    return value
 
 
 def register(sub: Any) -> None:
     p = command(sub, "plan", cmd_plan, "what a checkpoint interval costs, and Daly's optimal one")
     p.add_argument("--params", type=count, help="parameter count (30e9 or 30B)")
-    p.add_argument("--bytes-per-param", type=float, default=2.0, help="default 2 (bf16)")
-    p.add_argument("--step-seconds", type=float, help="seconds per step")
-    p.add_argument("--write-gbps", type=float, help="write speed, GB/s")
+    p.add_argument("--bytes-per-param", type=number, default=2.0, help="default 2 (bf16)")
+    p.add_argument("--step-seconds", type=number, help="seconds per step")
+    p.add_argument("--write-gbps", type=number, help="write speed, GB/s")
     p.add_argument("--every-steps", type=int, help="save every N steps")
-    p.add_argument("--mtbf-hours", type=float, help="job's mean time to failure")
+    p.add_argument("--mtbf-hours", type=number, help="job's mean time to failure")
     p.add_argument("--gpus", type=int, help="GPUs idle during a blocking save")
-    p.add_argument("--gpu-hour-usd", type=float, help="price of a GPU-hour")
-    p.add_argument("--run-hours", type=float, default=504.0, help="training hours (default 504)")
+    p.add_argument("--gpu-hour-usd", type=number, help="price of a GPU-hour")
+    p.add_argument("--run-hours", type=number, default=504.0, help="training hours (default 504)")
     p.add_argument(
         "--async-blocking-seconds",
-        type=float,
+        type=number,
         help="blocking seconds of an async save (default: saves are synchronous)",
     )
     p.add_argument("--devices", type=int, help="devices the state is sharded over (with --leaves)")
     p.add_argument("--leaves", type=int, help="array leaves of the state (with --devices)")
     p.add_argument("--devices-per-process", type=int, default=8, help="default 8 (one per host)")
     p.add_argument(
-        "--write-usd-per-1000", type=float, default=0.005, help="PUT/LIST price (default 0.005)"
+        "--write-usd-per-1000", type=number, default=0.005, help="PUT/LIST price (default 0.005)"
     )
     p.add_argument(
         "--write-requests-per-s",
-        type=float,
+        type=number,
         default=1000.0,
         help="the bucket's write request rate (default 1000, a new GCS bucket)",
     )
@@ -84,11 +88,11 @@ def register(sub: Any) -> None:
     # The time floors of one save and one restore (with --devices/--leaves);
     # see jaxckpt.planning._floors.
     p.add_argument(
-        "--conn-mbps", type=float, default=85.0, help="MB/s per connection (default 85, AWS)"
+        "--conn-mbps", type=number, default=85.0, help="MB/s per connection (default 85, AWS)"
     )
-    p.add_argument("--rtt-ms", type=float, default=20.0, help="round trip, ms (default 20)")
+    p.add_argument("--rtt-ms", type=number, default=20.0, help="round trip, ms (default 20)")
     p.add_argument(
-        "--host-gbps", type=float, default=1.25, help="host NIC, GB/s (default 1.25: 10 Gb/s)"
+        "--host-gbps", type=number, default=1.25, help="host NIC, GB/s (default 1.25: 10 Gb/s)"
     )
     p.add_argument(
         "--connections",

@@ -9,10 +9,18 @@ import threading
 import time
 from typing import Any
 
-from jaxckpt.cli._common import add_retention_flags, command, open_root, retention
+from jaxckpt.cli._common import add_retention_flags, command, open_root, retention, seconds
 from jaxckpt.cli._output import err, human_bytes, human_duration
 
 log = logging.getLogger("jaxckpt")
+
+
+def hours(text: str) -> float:
+    """An argparse ``type``: a finite number of hours >= 0."""
+    try:
+        return seconds(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a number of hours >= 0, got {text!r}") from None
 
 
 def register(sub: Any) -> None:
@@ -26,7 +34,7 @@ def register(sub: Any) -> None:
     p.add_argument("root", metavar="ROOT", help="the durable root")
     p.add_argument("--watch", action="store_true", help="keep promoting until SIGTERM (sidecar)")
     p.add_argument(
-        "--interval", type=float, default=5.0, metavar="SECONDS", help="--watch: poll period"
+        "--interval", type=seconds, default=5.0, metavar="SECONDS", help="--watch: poll period"
     )
     p.add_argument(
         "--metrics-port",
@@ -39,7 +47,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--parts-timeout",
-        type=float,
+        type=seconds,
         default=300.0,
         metavar="SECONDS",
         help="multi-host job, the primary host's promoter: how long to wait for the other "
@@ -53,7 +61,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--archive-after-hours",
-        type=float,
+        type=hours,
         default=24.0,
         metavar="H",
         help="--archive: only steps committed more than H hours ago (default 24)",

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxckpt.cli._common import number
 from jaxckpt.cli._output import json_out
 from jaxckpt.records import SPREAD_SLOTS
 
@@ -42,7 +43,7 @@ def register_options(p: argparse.ArgumentParser) -> None:
         "hashed prefixes; 1: a format 2-3 step)",
     )
     g.add_argument(
-        "--state-bytes", type=float, default=1.1e12, help="default 1.1e12 (70B with Adam)"
+        "--state-bytes", type=number, default=1.1e12, help="default 1.1e12 (70B with Adam)"
     )
     g.add_argument("--stores", default="s3,gcs", help="comma-separated: s3, gcs (default both)")
 

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 from jaxckpt.commit._fence import Epochs
+from jaxckpt.commit._partcheck import incomplete_steps
 from jaxckpt.commit._protocol import CommitProtocol
 from jaxckpt.errors import CheckpointError, StorageError
 from jaxckpt.records import (
@@ -103,6 +104,9 @@ class RootScan:
     temp_keys: list[str]
     full: bool
     named: set[StepLocation] = field(default_factory=set)
+    incomplete: dict[int, str] = field(default_factory=dict)
+    """``full`` only: committed steps whose stored manifest parts are fewer than their
+    marker covers (damaged; their data is kept), with what is missing."""
 
 
 def scan(
@@ -179,6 +183,7 @@ def scan(
         temp_keys=temp,
         full=full,
         named=named,
+        incomplete=incomplete_steps(storage, committed, data_keys) if full else {},
     )
 
 

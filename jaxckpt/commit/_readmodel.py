@@ -10,6 +10,7 @@ extends this reader.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 from jaxckpt import _pools as pools
 from jaxckpt.commit._fence import EpochReader, Epochs, Listing
 from jaxckpt.commit._hints import Hints
+from jaxckpt.commit._window import windowed_map
 from jaxckpt.errors import (
     CorruptCheckpointError,
     NotACheckpointRootError,
@@ -326,9 +328,11 @@ class CommitReader:
             ``parts_crc32c``).
         """
         names = marker.manifest_names() if parts is None else list(parts)
-        jobs: list[Callable[[], Any]] = [lambda: self.read_step_file(marker, TREE_FILE)] * tree
-        jobs += [functools.partial(self.read_part, marker, n) for n in names]
-        done = self.map(lambda job: job(), jobs)  # every record in flight at once
+        jobs: Iterable[Callable[[], Any]] = itertools.chain(  # made as taken: a stored count
+            [lambda: self.read_step_file(marker, TREE_FILE)] * tree,
+            (functools.partial(self.read_part, marker, n) for n in names),
+        )
+        done = self.map(lambda job: job(), jobs, size=tree + len(names))
         tree_data, read = done[: int(tree)], done[int(tree) :]
         if parts is None and marker.parts_crc32c is not None:
             listed = dumps([[n, len(d), crc32c(d)] for n, (d, _) in zip(names, read, strict=True)])
@@ -339,13 +343,17 @@ class CommitReader:
                 )
         return (tree_data[0] if tree else None), [part for _, part in read]
 
-    def map(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
-        """``fn`` over ``items`` on a small thread pool (many small reads)."""
-        items = list(items)
-        if len(items) <= 1:
+    def map(self, fn: Callable[[_T], _R], items: Iterable[_T], size: int | None = None) -> list[_R]:
+        """``fn`` over ``items`` on a small thread pool (many small reads), a bounded
+        window of them in flight; ``size``: how many ``items`` yields (None: counted)."""
+        if size is None:
+            items = list(items)
+            size = len(items)
+        if size <= 1:
             return [fn(i) for i in items]
-        with pools.borrow("map", min(self._list_workers, len(items))) as pool:
-            return list(pool.map(fn, items))
+        workers = min(self._list_workers, size)
+        with pools.borrow("map", workers) as pool:  # a count read from storage: never all queued
+            return windowed_map(pool, fn, items, window=2 * workers)
 
 
 def brief(steps: list[int], limit: int = 20) -> str:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxckpt import errors
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError, UnsupportedLeafError
+from jaxckpt.records._jsonvalue import json_problem
 from jaxckpt.records._step import crc32c, dumps
 
 if TYPE_CHECKING:
@@ -56,6 +57,12 @@ def encode(value: Any, *, step: int, process: int) -> dict[str, Any] | None:
     elif isinstance(value, str):
         kind, raw, data = "str", value.encode("utf-8"), value
     else:
+        problem = json_problem(value)
+        if problem is not None:
+            raise UnsupportedLeafError(
+                f"{where} must be bytes, str or JSON that comes back unchanged (dicts of "
+                f"str keys, lists, str, int, float, bool, None): {problem}"
+            )
         try:
             raw = dumps(value)
         except (TypeError, ValueError) as e:
@@ -83,6 +90,21 @@ def decode(record: Any, what: str) -> Any:
         raise CorruptCheckpointError(f"{what} is not a process_state record")
     kind = record["kind"]
     data: Any = record.get("data")
+    size = record.get("size")
+    if (
+        isinstance(size, bool)
+        or not isinstance(size, int)
+        or not 0 <= size <= MAX_PROCESS_STATE_BYTES
+    ):
+        raise CorruptCheckpointError(  # the bound holds on read too, before anything is decoded
+            f"{what} claims {size!r} bytes; at most MAX_PROCESS_STATE_BYTES="
+            f"{MAX_PROCESS_STATE_BYTES:,}"
+        )
+    if isinstance(data, str) and len(data) > 4 * (MAX_PROCESS_STATE_BYTES // 3 + 1):
+        raise CorruptCheckpointError(
+            f"{what} holds {len(data):,} characters; at most MAX_PROCESS_STATE_BYTES="
+            f"{MAX_PROCESS_STATE_BYTES:,} bytes"
+        )
     value, raw = data, b""
     try:
         if kind == "bytes":

@@ -255,6 +255,20 @@ def rebuild(structure: Any, values: Sequence[Any]) -> Any:
     return build(structure)
 
 
+def _check_once(path: str, records: Sequence[ChunkRecord], what: str) -> None:
+    """Refuses a chunk that two records (two parts) list with different bytes: each
+    chunk is written once, so a reader would take one of them at random."""
+    seen: dict[str, tuple[int, int]] = {}
+    for record in records:
+        stored = seen.setdefault(record.key, (record.size, record.crc32c))
+        if stored != (record.size, record.crc32c):
+            raise CorruptCheckpointError(
+                f"{what}: {path}: chunk {record.key} is listed twice with different bytes "
+                f"({stored[0]} bytes with CRC32C {stored[1]:08x}, and {record.size} with "
+                f"{record.crc32c:08x}): the manifest parts overlap"
+            )
+
+
 def check_manifest(
     leaves: Sequence[SavedLeaf],
     chunks: Mapping[str, Sequence[ChunkRecord]],
@@ -290,6 +304,7 @@ def check_manifest(
             continue
         grid = tuple(-(-d // c) for d, c in zip(leaf.shape, leaf.chunk_shape, strict=True))
         full = math.prod(leaf.chunk_shape) * leaf.numpy_dtype.itemsize + TRAILER_BYTES
+        _check_once(leaf.path_text, records, what)
         for record in records:
             index = record.key.split("/")[1:]
             if len(index) != len(grid) or any(

@@ -46,6 +46,10 @@ def rename_path(path: str, rename: PathMap) -> str | None:
     return path
 
 
+_PYTHON_SCALARS = (bool, int, float, complex, str, bytes)
+"""Target leaves that can only receive a saved Python value, never an array."""
+
+
 def match_target(
     saved: Sequence[SavedLeaf],
     target_paths: Sequence[str],
@@ -87,6 +91,12 @@ def match_target(
             missing.append((path, _describe(target)))
             continue
         matched.append(leaf)
+        if leaf.kind != "value" and isinstance(target, _PYTHON_SCALARS):
+            shapes.append(  # no shape or dtype to restore into: never a silent numpy array
+                f"type mismatch at {path}: saved {leaf.shape} {leaf.dtype} array, target a "
+                f"Python {type(target).__name__} (pass an array or a jax.ShapeDtypeStruct)"
+            )
+            continue
         if leaf.kind == "value" or not hasattr(target, "shape"):
             continue
         shape = tuple(target.shape)

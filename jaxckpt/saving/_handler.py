@@ -32,6 +32,7 @@ from orbax.checkpoint._src.path import atomicity_types
 
 from jaxckpt.formats import HostArray, snapshot_array
 from jaxckpt.records import SavedLeaf
+from jaxckpt.saving._meet import Meetings, meeting_checkpointer
 
 
 class SessionHooks(Protocol):
@@ -253,6 +254,7 @@ def make_checkpointer(
     primary_host: int = 0,
     per_host: bool = False,
     writer_nice: int = 0,
+    meetings: Meetings | None = None,
 ) -> ocp.AsyncCheckpointer:
     """An AsyncCheckpointer wired to jaxckpt's handler and commit protocol.
 
@@ -261,9 +263,11 @@ def make_checkpointer(
     ``primary_host`` creates and commits each step (Orbax's primary host) and
     writes the numpy leaves, as it writes the tree record in the manager.
     ``per_host``: saves to a local tier (see :func:`~jaxckpt.formats._tsio.snapshot_array`).
+    ``meetings``: Orbax's barriers after its first become these (see ``_meet``).
     """
     install_log_filter()
-    return ocp.AsyncCheckpointer(
+    checkpointer = ocp.AsyncCheckpointer if meetings is None else meeting_checkpointer(meetings)
+    return checkpointer(
         ZarrHandler(session, primary_host=primary_host, per_host=per_host, writer_nice=writer_nice),
         timeout_secs=max(1, int(timeout_s)),
         async_options=ocp.options.AsyncOptions(

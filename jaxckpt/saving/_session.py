@@ -50,6 +50,7 @@ from jaxckpt.saving import _atexit, _handler
 from jaxckpt.saving._helpers import (
     fence_error,
 )
+from jaxckpt.saving._meet import Meetings
 from jaxckpt.saving._stepwrite import Inflight, StepWrite, prepare_step
 from jaxckpt.saving._telemetry import SaveRecorder
 from jaxckpt.tiers import Tier
@@ -89,6 +90,7 @@ class SaveSession:
         self.recorder = SaveRecorder()
         self._options = options
         self._agreement = agreement
+        self._meetings = Meetings(agreement)
         self._root = where
         self._primary = jax.process_index() == options.primary_host
         self._listeners = tuple(listeners)
@@ -191,12 +193,14 @@ class SaveSession:
                 process_state=own_state,
             )
         )
+        self._meetings.begin(f"save of step {step} under {self._root}")
         try:
             self._checkpointer.save(
                 _handler.orbax_step_path(step),
                 args=_handler.SaveArgs(step=step, leaves=leaves, values=values),
             )
         except Exception as e:
+            self._meetings.tell(e)  # the others wait at this process's next meeting
             self.end(failed=True)
             fenced = fence_error(e) or self._fenced_now(step)
             if fenced is not None:
@@ -216,6 +220,7 @@ class SaveSession:
                 primary_host=self._options.primary_host,
                 per_host=self._commits.per_host,
                 writer_nice=self._options.writer_nice,
+                meetings=self._meetings,
             )
         return self._checkpointer
 

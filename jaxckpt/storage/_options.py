@@ -102,16 +102,15 @@ class ObjectStoreOptions:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not isinstance(self.direct_reads, bool):
             raise ValueError(f"direct_reads must be True or False, got {self.direct_reads!r}")
-        if not 0.001 <= self.initial_delay_s <= self.max_delay_s:
+        if not 0.001 <= self.initial_delay_s <= self.max_delay_s < math.inf:
             raise ValueError(
                 "need 0.001 <= initial_delay_s <= max_delay_s, got "
                 f"{self.initial_delay_s!r} and {self.max_delay_s!r}"
             )
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 or None, got {self.timeout_s!r}")
-        deadline = self.retry_deadline_s
-        if deadline is not None and (isinstance(deadline, bool) or not deadline > 0):
-            raise ValueError(f"retry_deadline_s must be > 0 or None, got {deadline!r}")
+        for name in ("timeout_s", "retry_deadline_s"):  # None, not infinity, means no bound
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
 
     @classmethod
     def from_mapping(

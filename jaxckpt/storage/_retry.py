@@ -53,8 +53,14 @@ class Backoff:
     max_retries: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 < self.initial_s <= self.max_s:
-            raise ValueError(f"need 0 < initial_s <= max_s, got {self.initial_s}, {self.max_s}")
+        if not 0 < self.initial_s <= self.max_s < math.inf:
+            raise ValueError(
+                f"need 0 < initial_s <= max_s < inf, got {self.initial_s}, {self.max_s}"
+            )
+        if self.deadline_s is not None and not 0 < self.deadline_s < math.inf:
+            raise ValueError(
+                f"deadline_s must be a finite number > 0 or None, got {self.deadline_s}"
+            )
         if self.deadline_s is None and self.max_retries is None:
             raise ValueError("a backoff needs a deadline or a number of retries")
 

@@ -9,6 +9,8 @@ never a hang. Imports neither jax nor numpy.
 from __future__ import annotations
 
 import hmac
+import itertools
+import random
 import secrets
 import socket
 import time
@@ -88,20 +90,50 @@ def connect(
       PeerError: it could not be reached, or did not answer within ``timeout_s``.
     """
     host, _, port = address.rpartition(":")
-    try:
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except OSError as e:
-        raise PeerError(f"cannot reach the peer at {address} within {timeout_s:g}s: {e}") from e
+    deadline = time.monotonic() + timeout_s
+    for attempt in itertools.count():
+        left = deadline - time.monotonic()
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=max(left, 0.001))
+        except OSError as e:
+            raise PeerError(f"cannot reach the peer at {address} within {timeout_s:g}s: {e}") from e
+        try:
+            session = _handshake(sock, address, secret, timeout_s, deadline)
+            break
+        except _ClosedBeforeHello as e:
+            sock.close()
+            # The listener evicted this handshake (too many connections authenticating,
+            # e.g. outsiders holding them): try again after a jittered back-off.
+            pause = random.uniform(0.5, 1.0) * min(_RETRY_S[0] * 2**attempt, _RETRY_S[1])
+            if time.monotonic() + pause >= deadline:
+                raise PeerError(f"{e} ({attempt + 1} tries within {timeout_s:g}s)") from e
+            time.sleep(pause)
+        except BaseException:
+            sock.close()
+            raise
     with sock:
-        session = _handshake(sock, address, secret, timeout_s)
         sock.settimeout(timeout_s)
         yield PeerClient(sock, session, address, max_bytes)
 
 
-def _handshake(sock: socket.socket, address: str, secret: bytes, timeout_s: float) -> Session:
-    deadline = time.monotonic() + timeout_s
+_RETRY_S = (0.05, 1.0)
+"""The first and the longest back-off before connecting again after an evicted handshake."""
+
+
+class _ClosedBeforeHello(PeerError):
+    """The listener closed the connection before its hello (it evicted the handshake)."""
+
+
+def _handshake(
+    sock: socket.socket, address: str, secret: bytes, timeout_s: float, deadline: float
+) -> Session:
     try:
-        hello = recv_exact(sock, len(HELLO) + NONCE_BYTES, deadline=deadline)
+        try:
+            hello = recv_exact(sock, len(HELLO) + NONCE_BYTES, deadline=deadline)
+        except (Closed, ConnectionResetError) as e:
+            raise _ClosedBeforeHello(
+                f"the peer at {address} closed the connection before its hello: {e}"
+            ) from e
         if not hello.startswith(HELLO):
             raise PeerAuthError(f"{address} is not a jaxckpt peer listener of this version")
         nonce = secrets.token_bytes(NONCE_BYTES)

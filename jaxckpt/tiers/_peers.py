@@ -12,8 +12,11 @@ placement (:mod:`jaxckpt.tiers._placement`). It does two things:
   ``replicas/<step>/<process>/<attempt>/`` of their own local root (checked
   against its CRC32C on arrival), then the replica's index (every file's size
   and CRC32C), which makes the replica complete. The local commit waits for
-  every holder's acknowledgement; a dead or stalled holder fails the save
-  after ``peer_timeout_s``, and no marker is written.
+  every holder's acknowledgement or failure; a dead or stalled holder fails
+  its transfer after ``peer_timeout_s``, and the step commits *not replicated*
+  there (logged and counted, :attr:`Peers.not_replicated`; the copy is sent
+  again before the next save's replication while the step is held), unless
+  ``strict_replication`` makes it fail the save (then no marker is written).
 * **heal** (before a restore picks its step, on every process together):
   every process reports the steps it holds on its own root and the replicas
   it holds; the newest step whose every part is somewhere (the union of the
@@ -173,6 +176,10 @@ class Peers(Healing):
         self._max_bytes = max(options.max_object_bytes, MIN_FRAME_BYTES)
         self.me = jax.process_index()
         self._server: PeerServer | None = None
+        self.not_replicated = 0
+        """Copies of this process's parts that could not be sent (the steps went on)."""
+        self._owed: dict[int, tuple[StepLocation, set[int], dict[str, float], bool, Any]] = {}
+        """Steps not replicated to some holders: sent again before the next replication."""
 
     def join(self, agreement: Agreement, durable: Tier) -> None:
         """Agrees on the nodes, the placement and the job's secret, opens this process's
@@ -257,18 +264,21 @@ class Peers(Healing):
         """Sends this process's part of ``loc`` to every holder; returns once each has
         acknowledged every file and the index (which carries the promotion ``request``).
 
+        A holder that fails (unreachable, refused, timed out) leaves the step not
+        replicated there: logged and counted, unless ``strict_replication``.
+
         Raises:
-          PeerError: a holder could not be reached, refused, or timed out (named).
+          PeerError: with ``strict_replication``, a holder failed (named).
         """
         holders = self.placement.holders(self.me)
         reached("replicating", loc.step)
+        self._send_owed()
         start = time.monotonic()
         with _pools.borrow("peers", len(holders)) as pool:
             promote = None if request is None else request.decode()
-            futures = [
-                pool.submit(self._push, h, loc, dict(metrics or {}), keep, promote) for h in holders
-            ]
-            sent = [f.result() for f in futures]
+            copy = (dict(metrics or {}), keep, promote)
+            futures = [pool.submit(self._push, h, loc, *copy) for h in holders]
+            sent = [self._sent(loc, h, f, copy) for h, f in zip(holders, futures, strict=True)]
         log.info(
             "step %d: replicated this process's part (%d bytes) to %s in %.2fs",
             loc.step,
@@ -276,6 +286,47 @@ class Peers(Healing):
             ", ".join(f"process {h}" for h in holders),
             time.monotonic() - start,
         )
+
+    def _sent(self, loc: StepLocation, holder: int, pushed: Any, copy: tuple[Any, ...]) -> int:
+        """The bytes a push sent; a failed one is raised (strict), or counted, logged and
+        owed (sent again before the next replication)."""
+        try:
+            return int(pushed.result())
+        except PeerError as e:
+            if self._options.strict_replication:
+                raise
+            self.not_replicated += 1
+            self._owed.setdefault(loc.step, (loc, set(), *copy))[1].add(holder)
+            log.warning(
+                "step %d is not replicated to %s: %s; the step commits without that copy "
+                "(%d not replicated so far; it is sent again with the next save, and a "
+                "restore heals it; strict_replication=True fails the save instead)",
+                loc.step,
+                self._where(holder),
+                e,
+                self.not_replicated,
+            )
+            return 0
+
+    def _send_owed(self) -> None:
+        """Sends the copies earlier replications could not, of steps still held here; a
+        failure leaves them owed (logged), never fails this save."""
+        for step, (loc, holders, metrics, keep, promote) in sorted(self._owed.items()):
+            if not list_attempt(self._local.storage, loc):  # deleted since (retention)
+                del self._owed[step]
+                continue
+            for holder in sorted(holders):
+                try:
+                    self._push(holder, loc, metrics, keep, promote)
+                except CheckpointError as e:  # PeerError, or the step vanished meanwhile
+                    log.warning(
+                        "step %d is still not replicated to %s: %s", step, self._where(holder), e
+                    )
+                    continue
+                holders.discard(holder)
+                log.info("step %d: replicated to %s late", step, self._where(holder))
+            if not holders:
+                del self._owed[step]
 
     def _push(
         self,

@@ -11,11 +11,15 @@ A connection starts with a mutual challenge-response over a per-job secret
 serves nothing until the client has proved it knows the secret, and the
 client sends nothing until the server has proved it too. The whole handshake
 must finish within ``handshake_timeout_s``, and at most ``max_handshakes``
-connections may be in it at once (more are closed at once), so connections
-that never authenticate cannot pile up. Then the client sends requests, one at
-a time, each a frame of a :class:`~jaxckpt.tiers._wire.Session`: a JSON header
-and a payload, each with an HMAC keyed from the handshake, so a frame that the
-authenticated peer did not send is refused and the connection closed. Requests:
+connections may be in it at once: a new connection evicts the oldest one
+still authenticating, so connections that never authenticate cannot pile up,
+and cannot lock members out either (a member's handshake takes one round trip;
+an outsider's idle connections are the oldest, and a member whose handshake
+is evicted all the same retries with a back-off, see ``_peerclient``).
+Then the client sends requests, one at a time, each a frame of a
+:class:`~jaxckpt.tiers._wire.Session`: a JSON header and a payload, each with
+an HMAC keyed from the handshake, so a frame that the authenticated peer did
+not send is refused and the connection closed. Requests:
 ``put`` (write a key), ``get`` (read one), ``list`` (the keys under a prefix)
 and ``delete`` (a prefix), each on a safe key under the one prefix the server
 serves (``replicas/``); any other key is a refused request, never a failed
@@ -62,7 +66,7 @@ DEFAULT_MAX_BYTES = 4 << 30
 HANDSHAKE_TIMEOUT_S = 10.0
 """The longest a connection may take to authenticate (at most the server's ``timeout_s``)."""
 MAX_HANDSHAKES = 64
-"""Connections that may be authenticating at once; more are closed on arrival."""
+"""Connections that may be authenticating at once; a new one evicts the oldest."""
 MAX_KEY_CHARS = 1024
 _ACCEPT_BACKOFF_S = (0.05, 2.0)
 _FATAL_ACCEPT = (errno.EBADF, errno.EINVAL, errno.ENOTSOCK)
@@ -109,7 +113,8 @@ class PeerServer:
       max_bytes: the largest payload accepted.
       handshake_timeout_s: the bound of the whole handshake (default
         ``HANDSHAKE_TIMEOUT_S``, at most ``timeout_s``).
-      max_handshakes: connections that may be authenticating at once.
+      max_handshakes: connections that may be authenticating at once (a new one
+        evicts the oldest).
     """
 
     def __init__(
@@ -131,14 +136,15 @@ class PeerServer:
         self._handshake_s = min(handshake_timeout_s or HANDSHAKE_TIMEOUT_S, timeout_s)
         self._prefix = prefix
         self._max_bytes = max_bytes
-        self._handshakes = threading.BoundedSemaphore(max_handshakes)
+        self._max_handshakes = max_handshakes
+        self._pending: dict[socket.socket, None] = {}  # authenticating, oldest first
         self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.2)  # the accept loop looks at ``_closed`` this often
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self.refused = 0
         """Connections refused for a failed authentication or a frame that fails its MAC."""
-        self.turned_away = 0
-        """Connections closed on arrival: ``max_handshakes`` were authenticating."""
+        self.evicted = 0
+        """Handshakes cut to make room: ``max_handshakes`` were authenticating."""
         self.accept_errors = 0
         """``accept()`` calls that failed (no file descriptors left, ...)."""
         self._closed = threading.Event()
@@ -198,27 +204,33 @@ class PeerServer:
             self._start(conn, addr)
 
     def _start(self, conn: socket.socket, addr: Any) -> None:
-        if not self._handshakes.acquire(blocking=False):
-            self.turned_away += 1
-            if self.turned_away == 1 or self.turned_away % 1000 == 0:
-                log.warning(
-                    "peer listener %s: %d connections turned away (too many authenticating "
-                    "at once)",
-                    self.address,
-                    self.turned_away,
-                )
-            conn.close()
-            return
+        oldest = None
         with self._lock:
+            if len(self._pending) >= self._max_handshakes:
+                oldest = next(iter(self._pending))
+                del self._pending[oldest]
+                self.evicted += 1
+            self._pending[conn] = None
             self._conns.add(conn)
+        if oldest is not None:  # its thread's read ends; the thread closes it
+            with suppress(OSError):
+                oldest.shutdown(socket.SHUT_RDWR)
+            if self.evicted == 1 or self.evicted % 1000 == 0:
+                log.warning(
+                    "peer listener %s: %d handshakes evicted (more than %d connections "
+                    "authenticating at once)",
+                    self.address,
+                    self.evicted,
+                    self._max_handshakes,
+                )
         try:
             threading.Thread(
                 target=self._handle, args=(conn, addr), name="jaxckpt-peer-conn", daemon=True
             ).start()
         except RuntimeError as e:  # no thread could be started: this connection only
             log.warning("peer listener %s: connection from %s closed: %s", self.address, addr, e)
-            self._handshakes.release()
             with self._lock:
+                self._pending.pop(conn, None)
                 self._conns.discard(conn)
             conn.close()
 
@@ -243,8 +255,10 @@ class PeerServer:
         try:
             session = self._authenticate(conn, addr)
         finally:
-            self._handshakes.release()
-        if session is None:
+            with self._lock:
+                evicted = conn not in self._pending  # cut to make room: its socket is shut
+                self._pending.pop(conn, None)
+        if session is None or evicted:
             return
         conn.settimeout(self._timeout_s)
         while not self._closed.is_set():

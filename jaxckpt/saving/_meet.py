@@ -1,0 +1,100 @@
+"""Orbax's barriers in a save's blocking phase, as agreements that carry failures.
+
+Orbax's ``AsyncCheckpointer.save`` meets every process at collectives without a
+deadline (gloo all-gathers) between pieces of local work: a process that failed
+between two of them (its file descriptors ran out as Orbax created its event
+loop) raised, and every other process waited in the next collective for ever.
+
+Here the collectives after Orbax's first one (``save_start``, before any local
+work) are meetings of the manager's :class:`~jaxckpt.commit._agree.Agreement`:
+coordination-service barriers with the save's deadline that carry failures. A
+process that fails locally anywhere inside Orbax's save *tells* its failure at
+its next meeting, which is the meeting the others wait at (the agreement's keys
+count meetings, and every process has met as often), so every process raises
+at once, naming the failing one. A failure that a meeting raised was met by
+every process already and is not told again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.futures import synchronization
+from orbax.checkpoint._src.multihost import multihost
+
+from jaxckpt.commit._agree import Agreement
+from jaxckpt.errors import CheckpointError, SaveFailedError
+
+__all__ = ["Meetings", "meeting_checkpointer"]
+
+MEETING = "orbax"
+"""The name of every meeting (the agreement's counter tells them apart)."""
+
+
+class Meetings:
+    """The meetings of one manager's saves (see the module docstring)."""
+
+    def __init__(self, agreement: Agreement) -> None:
+        self._agreement = agreement
+        self._what = "save"
+        self._met_failure = False
+
+    def begin(self, what: str) -> None:
+        """A save starts (``what`` names it in messages): no failure met yet."""
+        self._what, self._met_failure = what, False
+
+    def meet(self, error: BaseException | None = None) -> None:
+        """Meets every process (a barrier with the save's deadline), telling ``error``.
+
+        Raises:
+          CheckpointError: some process failed (named; ``SaveFailedError`` unless its
+            error was a more specific ``CheckpointError``), or did not arrive in time.
+        """
+        try:
+            self._agreement.settle(MEETING, error, what=self._what)
+        except CheckpointError as e:
+            self._met_failure = True
+            if type(e) is CheckpointError:  # another process's OSError, ...: a failed save
+                raise SaveFailedError(str(e)) from e
+            raise
+        except BaseException:
+            self._met_failure = True
+            raise
+
+    def tell(self, error: BaseException) -> None:
+        """After ``error`` inside Orbax's save on this process: tells the others, who
+        wait at this process's next meeting (unless a meeting raised it: they know)."""
+        if self._met_failure:
+            return
+        self._met_failure = True
+        with contextlib.suppress(Exception):  # the caller raises its own error
+            self._agreement.settle(MEETING, error, what=self._what)
+
+
+def meeting_checkpointer(meetings: Meetings) -> type[ocp.AsyncCheckpointer]:
+    """An ``AsyncCheckpointer`` whose barriers after ``save_start`` are ``meetings``."""
+
+    class MeetingCheckpointer(ocp.AsyncCheckpointer):
+        def synchronize_next_awaitable_signal_operation_id(self) -> None:
+            # Orbax meets after this increment; the meeting before the step's creation
+            # (every process increments first) does it here.
+            synchronization.OperationIdGenerator.next_operation_id()
+
+        async def create_temporary_path(self, temporary_path: Any) -> None:
+            meetings.meet()  # nobody failed before; the primary may create
+            failure = None
+            if multihost.is_primary_host(self._primary_host):
+                try:
+                    await temporary_path.create()
+                except Exception as e:
+                    failure = e
+            meetings.meet(failure)
+
+        async def _save(self, tmpdir: Any, *args: Any, **kwargs: Any) -> Any:
+            ops = await super()._save(tmpdir, *args, **kwargs)
+            meetings.meet()  # every snapshot taken before any background write starts
+            return ops
+
+    return MeetingCheckpointer
