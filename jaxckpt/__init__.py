@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from jaxckpt import policy as policy
     from jaxckpt._manager import CheckpointManager as CheckpointManager
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
+    from jaxckpt.ledger import Report as Report
+    from jaxckpt.ledger import report as report
     from jaxckpt.records._metadata import LeafInfo as LeafInfo
     from jaxckpt.records._metadata import StepMetadata as StepMetadata
     from jaxckpt.restoring._lazy import LeafView as LeafView
@@ -78,6 +80,8 @@ _LAZY = {
     "Problem": "jaxckpt.tools._verify",
     "VerifyReport": "jaxckpt.tools._verify",
     "ObjectStoreOptions": "jaxckpt.storage",
+    "Report": "jaxckpt.ledger",
+    "report": "jaxckpt.ledger",
 }
 
 
@@ -109,6 +113,7 @@ __all__ = [
     "Problem",
     "PromotionError",
     "PromotionTimeoutError",
+    "Report",
     "ResumeReport",
     "SaveFailedError",
     "SaveStats",
@@ -133,4 +138,5 @@ __all__ = [
     "nnx_step_fn",
     "open_step",
     "policy",
+    "report",
 ]

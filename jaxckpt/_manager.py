@@ -27,6 +27,7 @@ from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.errors import CheckpointError
+from jaxckpt.ledger import RunLedger
 from jaxckpt.records._keys import check_step
 from jaxckpt.records._metadata import StepMetadata, step_metadata
 from jaxckpt.records._procstate import ProcessStateAccess
@@ -77,7 +78,7 @@ def _collective(kind: str) -> Callable[[_F], _F]:
                     key = _check_step(args[0] if args else kwargs["step"])
                 except (ValueError, KeyError, IndexError):
                     key = None  # the method raises it
-            with self._agreement.operation(kind, key):
+            with self._agreement.operation(kind, key), self.ledger.observe(kind, key):
                 return method(self, *args, **kwargs)
 
         return run  # type: ignore[return-value]
@@ -114,6 +115,7 @@ class CheckpointManager(ProcessStateAccess):
     ) -> None:
         opts = options or CheckpointOptions()
         self.options = opts = replace(opts, **kwargs) if kwargs else opts
+        self.ledger = RunLedger.starting(root, opts)  # the run ledger (see jaxckpt report)
         self._tiers: tuple[Tier, ...] = open_tiers(root, opts)  # every root valid before a write
         self._agreement = Agreement.for_root(
             self.root, primary=opts.primary_host, timeout_s=opts.save_timeout_s
@@ -134,6 +136,7 @@ class CheckpointManager(ProcessStateAccess):
         fallback, guard = opts.fallback_on_corrupt, retention.restoring
         self._select = _select.Selection(self._tiers, self._agreement, fallback, guard)
         session.corrupt = self._select.corrupt  # a save replaces a step found corrupt
+        self.ledger.opened(self)
 
     @property
     def root(self) -> str:

@@ -109,6 +109,19 @@ class CheckpointOptions:
         other processes (``local_replicas > 1``); None: ``JAXCKPT_PEER_HOST``,
         else loopback when the JAX coordinator is on loopback, else the
         address of this host's name.
+      ledger: record the run ledger under the durable root (``ledger/``): saves,
+        restores, the reached step, promotions, retention deletions, startup phases
+        and clean exits, which ``jaxckpt report`` turns into goodput. Written in
+        batches by a background thread; a write that fails is logged and counted
+        (``CheckpointManager.ledger.write_failures``), never fails a save.
+      ledger_flush_s: the longest an event waits before it is written (the reached
+        step is at most this late); the ledger's thread writes at most this often.
+      metrics_port: the primary process serves Prometheus metrics of its saves,
+        restores and reached step on this port (``pip install 'jaxckpt[promote]'``).
+      compilation_cache: keep JAX's persistent compilation cache in
+        ``compilation-cache/`` of the local tier (or of a local root), so a restarted
+        job loads its compiled programs instead of compiling them again (sets
+        ``jax_compilation_cache_dir`` unless the job set one).
     """
 
     save_policy: SavePolicy | None = None
@@ -135,6 +148,10 @@ class CheckpointOptions:
     local_replicas: int = 1
     peer_timeout_s: float = 60.0
     peer_host: str | None = None
+    ledger: bool = True
+    ledger_flush_s: float = 10.0
+    metrics_port: int | None = None
+    compilation_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -198,6 +215,11 @@ class CheckpointOptions:
             raise ValueError(f"peer_timeout_s must be positive, got {self.peer_timeout_s}")
         if self.save_timeout_s <= 0:
             raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")
+        if not 0 < self.ledger_flush_s <= 600:
+            raise ValueError(f"ledger_flush_s must be in (0, 600], got {self.ledger_flush_s}")
+        port = self.metrics_port
+        if port is not None and (isinstance(port, bool) or port not in range(65536)):
+            raise ValueError(f"metrics_port must be a port number 0-65535, got {port!r}")
 
     @property
     def stored_chunk_bytes(self) -> int:

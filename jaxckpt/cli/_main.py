@@ -7,11 +7,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-from jaxckpt.cli import _analysis, _inspect, _interop, _ls, _manage, _plan, _promote, _verify
+from jaxckpt.cli import (
+    _analysis,
+    _inspect,
+    _interop,
+    _ls,
+    _manage,
+    _plan,
+    _promote,
+    _report,
+    _verify,
+)
 from jaxckpt.cli._output import dotted_paths, err
 from jaxckpt.errors import CheckpointError
 
-_COMMANDS = (_ls, _inspect, _verify, _manage, _promote, _analysis, _interop, _plan)
+_COMMANDS = (_ls, _inspect, _verify, _manage, _promote, _analysis, _interop, _plan, _report)
 
 
 def _version() -> str:
