@@ -228,3 +228,15 @@ def test_the_compilation_cache_is_kept_in_a_local_root(tmp_path: Path) -> None:
         compilation_cache.reset_cache()
     with pytest.raises(ValueError, match="compilation_cache needs a local_root"):
         jaxckpt.CheckpointManager("s3://bucket/run", compilation_cache=True)
+
+
+def test_a_loop_that_raises_ends_a_failed_run(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    with pytest.raises(RuntimeError), jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": np.zeros(4)})
+        raise RuntimeError("the loss diverged")
+    _train(root, range(2, 3))
+    (run, _) = read_ledger(open_storage(root))
+    assert run.of("exit")[0]["error"] == "RuntimeError: the loss diverged"
+    (restart,) = jaxckpt.report(root).restarts
+    assert restart.crash and restart.restored_step == 1

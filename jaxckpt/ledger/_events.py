@@ -63,7 +63,9 @@ FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
     "promoted": {"step": _INT, "nbytes": _INT, "seconds": _NUM, "durable_s": _OPT_NUM},
     "deleted": {"step": _INT, "tier": _STR, "nbytes": _INT},
     "preemption": {"step": _OPT_INT},
-    "exit": {"closed": (bool,)},
+    # the manager closed (closed) or was open at interpreter exit; error: while an
+    # exception unwound the training loop (a failed run)
+    "exit": {"closed": (bool,), "error": _OPT_STR},
 }
 WHY = (None, "fallback", "healing", "quarantine")
 """Why a restore took an older step than the newest committed one (None: it did not)."""

@@ -15,13 +15,13 @@ job; its *end* is its last recorded event, at most ``ledger_flush_s`` before it 
   blocking of its saves in that time.
 * ``goodput``: the rest of the wall time as a share of it.
 
-A run without a clean exit (``close``, or interpreter exit with the manager open)
-is a failure; the job's MTBF is the wall time over the failures, and ``daly`` sets
-Daly's optimal interval (:func:`jaxckpt.policy.daly_interval`, the formula ``jaxckpt
-plan`` uses with guesses) from the measured median blocking time and that MTBF
-against the run's own interval. ``storage`` estimates requests from the saves' bytes
-(the records of a step, its packs and listings; ``jaxckpt plan`` has the model) and
-bills them at list prices.
+A run without a clean exit on every process (``close``, or interpreter exit with the
+manager open, not while an exception unwinds the loop) is a failure; the job's MTBF is
+the wall time over the failures, and ``daly`` sets Daly's optimal interval
+(:func:`jaxckpt.policy.daly_interval`, the formula ``jaxckpt plan`` uses with guesses)
+from the measured median blocking time and that MTBF against the run's own interval.
+``storage`` estimates requests from the saves' bytes (the records of a step, its packs
+and listings; ``jaxckpt plan`` has the model) and bills them at list prices.
 """
 
 from __future__ import annotations
@@ -151,7 +151,11 @@ class _Run:
         self.why = None if first is None else first["why"]
         first_saves = run.of("first_save")
         self.first_save = max((e["t"] for e in first_saves), default=None)
-        exits = {p for p, es in run.events.items() if any(e["kind"] == "exit" for e in es)}
+        exits = {
+            p
+            for p, es in run.events.items()
+            if any(e["kind"] == "exit" and e.get("error") is None for e in es)
+        }
         self.clean = bool(exits) and exits >= set(run.events)
         primary = next((p for p in sorted(run.events) if run.of("reached", p)), min(run.events))
         self.saves: dict[int, dict[str, Any]] = {}

@@ -8,7 +8,8 @@ those the policy declines: a compare and an assignment), the first save call and
 preemption notice, and after it returns, the saves committed since (taken from the
 session's :class:`~jaxckpt.saving._telemetry.SaveRecorder`, which holds their figures);
 ``restore`` times the restore and notes the step, the tier and why an older step was
-taken; ``close`` records the clean exit. Promotions and retention deletions come
+taken; ``close`` records the exit (with the error when it runs while an exception
+unwinds the loop, e.g. from ``__exit__``: a failed run). Promotions and retention deletions come
 through hooks of those components. Everything is buffered by a
 :class:`~jaxckpt.ledger._writer.LedgerWriter` and written by its thread, never by
 a save; metrics go out through :class:`~jaxckpt.ledger._monitor.Monitor`.
@@ -20,6 +21,7 @@ import atexit
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -158,6 +160,7 @@ class RunLedger:
         now = time.time()
         if kind == "save" and step is not None:
             self._save_called(writer, parts, step, now)
+        unwinding = sys.exc_info()[1] if kind == "close" else None  # close() from __exit__
         try:
             yield
         except Exception as e:
@@ -166,7 +169,7 @@ class RunLedger:
             raise
         finally:
             if kind == "close":
-                self._close(closed=True)
+                self._close(closed=True, error=unwinding)
         if kind == "save" and step is not None:
             with self._lock:
                 self._returned.add(step)
@@ -270,13 +273,14 @@ class RunLedger:
             self._writer.append("deleted", step=step, tier=tier, nbytes=nbytes)
             self._monitor.deleted(nbytes)
 
-    def _close(self, *, closed: bool) -> None:
+    def _close(self, *, closed: bool, error: BaseException | None = None) -> None:
         writer = self._writer
         if writer is None or self._closed:
             return
         self._closed = True
         self._harvest()
-        writer.append("exit", closed=closed)
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        writer.append("exit", closed=closed, error=text)
         writer.close(self._options.save_timeout_s)
         atexit.unregister(self._at_exit)
 
