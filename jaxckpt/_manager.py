@@ -78,8 +78,8 @@ def _collective(kind: str) -> Callable[[_F], _F]:
                     key = _check_step(args[0] if args else kwargs["step"])
                 except (ValueError, KeyError, IndexError):
                     key = None  # the method raises it
-            with self._agreement.operation(kind, key), self.ledger.observe(kind, key):
-                return method(self, *args, **kwargs)
+            with self._agreement.operation(kind, key):
+                return self.ledger.call(kind, key, lambda: method(self, *args, **kwargs))
 
         return run  # type: ignore[return-value]
 

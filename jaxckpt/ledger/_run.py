@@ -3,7 +3,7 @@
 A :class:`RunLedger` is made first thing when a manager opens (:meth:`RunLedger.starting`:
 the open's start time, and the compilation cache when asked for) and joined to the
 manager's parts once they exist (:meth:`opened`). The manager's collective methods
-then run inside :meth:`observe`: ``save`` notes the reached step (every call, also
+then run through :meth:`call`: ``save`` notes the reached step (every call, also
 those the policy declines: a compare and an assignment), the first save call and a
 preemption notice, and after it returns, the saves committed since (taken from the
 session's :class:`~jaxckpt.saving._telemetry.SaveRecorder`, which holds their figures);
@@ -18,14 +18,13 @@ a save; metrics go out through :class:`~jaxckpt.ledger._monitor.Monitor`.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from jaxckpt.ledger._events import LedgerObject
 from jaxckpt.ledger._monitor import Monitor
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("jaxckpt")
 
 _OBSERVED = frozenset({"save", "restore", "close"})
+_T = TypeVar("_T")
 
 
 class _Session(Protocol):
@@ -150,19 +150,20 @@ class RunLedger:
         if self.process_start is not None:
             self._monitor.startup(phase, now - self.process_start)
 
-    @contextlib.contextmanager
-    def observe(self, kind: str, step: int | None) -> Iterator[None]:
-        """Runs one of the manager's collective methods (``kind``), observing it."""
+    def call(self, kind: str, step: int | None, method: Callable[[], _T]) -> _T:
+        """Runs ``method``, one of the manager's collective methods (``kind``), observing it.
+
+        A ``save`` call the policy declines costs a clock read and two assignments.
+        """
         writer, parts = self._writer, self._parts
         if writer is None or parts is None or kind not in _OBSERVED or self._closed:
-            yield
-            return
+            return method()
         now = time.time()
         if kind == "save" and step is not None:
             self._save_called(writer, parts, step, now)
         unwinding = sys.exc_info()[1] if kind == "close" else None  # close() from __exit__
         try:
-            yield
+            result = method()
         except Exception as e:
             if kind == "save":
                 writer.append("save_failed", step=step, error=f"{type(e).__name__}: {e}")
@@ -170,12 +171,14 @@ class RunLedger:
         finally:
             if kind == "close":
                 self._close(closed=True, error=unwinding)
-        if kind == "save" and step is not None:
+        if kind == "save" and result is True and step is not None:
             with self._lock:
                 self._returned.add(step)
+        if kind == "save" and self._returned:
             self._harvest()
         elif kind == "restore":
             self._restored(writer, parts, time.time() - now)
+        return result
 
     def _save_called(
         self, writer: LedgerWriter, parts: ManagerParts, step: int, now: float

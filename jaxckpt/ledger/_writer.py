@@ -110,9 +110,9 @@ class LedgerWriter:
 
     def reached(self, step: int, t: float) -> None:
         """Notes the newest step the loop reached; written with the next flush."""
-        with self._lock:
-            if self._reached is None or step != self._reached[0]:
-                self._reached = (step, t)
+        reached = self._reached
+        if reached is None or step != reached[0]:
+            self._reached = (step, t)  # one assignment (atomic): no lock on the loop's path
 
     def flush(self, timeout_s: float = -1) -> None:
         """Writes the buffered events (and a changed reached step); never raises.
