@@ -1,10 +1,11 @@
 """The report's timeline as a picture (matplotlib: ``pip install 'jaxckpt[plot]'``).
 
 Steps reached against wall time, one line per run; saves as dots on it (filled when
-durable); each failure a red vertical line; each restore a green triangle at the step
-it restored; the lost work of each restart shaded red between the time the step it
-restored was reached and the failure. ``.png`` writes the picture, ``.html`` a page
-with the picture (SVG, inline) and the report's figures.
+durable); each run's startup (from its process start, or the failure before, until
+its first save call) shaded grey; each failure a red vertical line; each restore a
+green triangle at the step it restored; the lost work of each restart shaded red
+between the time the step it restored was reached and the failure. ``.png`` writes
+the picture, ``.html`` a page with the picture (SVG, inline) and the report's figures.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _figure(r: Report) -> object:
             ax.scatter(
                 xs, ys, s=18, zorder=3, facecolor=fill, edgecolor="tab:blue", label=f"save ({kind})"
             )
+    for i, (x0, x1) in enumerate(t.startup):
+        ax.axvspan(x0, x1, color="tab:gray", alpha=0.15, lw=0, label="startup" if i == 0 else None)
     for i, x in enumerate(t.failures):
         ax.axvline(x, color="tab:red", ls="--", lw=1, label="failure" if i == 0 else None)
     if t.restores:

@@ -96,6 +96,9 @@ class Timeline:
     restores: tuple[tuple[float, int], ...] = ()
     lost: tuple[tuple[float, float, int, int], ...] = ()
     """(from, to, restored step, reached step) of each restart's lost work."""
+    startup: tuple[tuple[float, float], ...] = ()
+    """(from, to) of each run's startup: its process start (or the run before's end)
+    until its first save call."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +169,8 @@ class _Run:
             s["started"] = min(s["started"] or e["started"], e["started"] or s["started"])
             s["nbytes"] += e["nbytes"]
             s["processes"] += 1
-        points = {e["step"]: e["t"] for e in run.of("reached", primary)}
+        points = {e["step"]: e["t"] for e in run.of("first_save", primary)}
+        points.update((e["step"], e["t"]) for e in run.of("reached", primary))
         for step, s in self.saves.items():
             if s["started"]:
                 points[step] = min(points.get(step, s["started"]), s["started"])
@@ -392,6 +396,10 @@ def build_report(
             (p.end - origin - x.lost_s, p.end - origin, x.restored_step or 0, x.reached_step or 0)
             for p, x in zip(runs, restarts, strict=False)
             if x.lost_steps
+        ),
+        startup=tuple(
+            (start - origin, min(r.work_start, r.end) - origin)
+            for start, r in zip([runs[0].start, *(p.end for p in runs[:-1])], runs, strict=True)
         ),
     )
     return Report(
