@@ -51,6 +51,11 @@ FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
     },
     "first_save": {"step": _INT},  # the first save() call of the run (startup's end)
     "reached": {"step": _INT},  # the newest step the loop called save() with, at t
+    # a save() call that started a save, on every process: the seconds the loop waited
+    # (the previous save's end included)
+    "save_call": {"step": _INT, "seconds": _NUM},
+    # a committed save, where this process committed it (the primary; every process on
+    # a local tier): nbytes is the commit marker's (the step's bytes on a shared root)
     "save": {
         "step": _INT,
         "blocking_s": _NUM,

@@ -4,8 +4,9 @@ Definitions (seconds of wall time; a *run* is one writer epoch, i.e. one start o
 job; its *end* is its last recorded event, at most ``ledger_flush_s`` before it died):
 
 * ``wall_s``: from the first run's process start to the last run's end.
-* ``badput_s.save_blocking``: the seconds ``save`` blocked the loop (per step, the
-  slowest process), outside lost work.
+* ``badput_s.save_blocking``: the seconds the ``save`` calls that saved took (per
+  step, the slowest process; the wait for the previous save included), outside lost
+  work.
 * ``badput_s.restore``: each run's restore (the slowest process).
 * ``badput_s.startup``: each run's start until its first ``save`` call (process start →
   manager open → restore done → first save call), less its restore, plus the time
@@ -167,8 +168,12 @@ class _Run:
             s["blocking_s"] = max(s["blocking_s"], e["blocking_s"])
             s["total_s"] = max(s["total_s"], e["total_s"])
             s["started"] = min(s["started"] or e["started"], e["started"] or s["started"])
-            s["nbytes"] += e["nbytes"]
+            s["nbytes"] += e["nbytes"]  # each process's commit marker (one on a shared root)
             s["processes"] += 1
+        for e in run.of("save_call"):  # the loop's wait: the slowest process's call
+            if e["step"] in self.saves:
+                s = self.saves[e["step"]]
+                s["blocking_s"] = max(s["blocking_s"], e["seconds"])
         points = {e["step"]: e["t"] for e in run.of("first_save", primary)}
         points.update((e["step"], e["t"]) for e in run.of("reached", primary))
         for step, s in self.saves.items():

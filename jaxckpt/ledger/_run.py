@@ -33,6 +33,7 @@ from jaxckpt.ledger._writer import LedgerWriter
 
 if TYPE_CHECKING:
     from jaxckpt._options import CheckpointOptions
+    from jaxckpt.records._step import CommitMarker
     from jaxckpt.saving._telemetry import SaveRecorder
     from jaxckpt.tiers._requests import PromotionResult
     from jaxckpt.tiers._tier import Tier
@@ -46,6 +47,7 @@ _T = TypeVar("_T")
 class _Session(Protocol):
     @property
     def recorder(self) -> SaveRecorder: ...
+    def listen(self, *listeners: Any) -> None: ...
 
 
 class ManagerParts(Protocol):
@@ -90,6 +92,7 @@ class RunLedger:
         self._lock = threading.Lock()
         self._returned: set[int] = set()  # save() returned; its stats not yet logged
         self._logged: set[int] = set()
+        self._marker_bytes: dict[int, int] = {}  # committed here: the marker's bytes
         self._first_save = True
         self._preempted = False
         self._primary = False
@@ -142,6 +145,7 @@ class RunLedger:
         if hasattr(parts._promotion, "on_result"):
             parts._promotion.on_result = self._promoted
         parts._retention.on_deleted = self._deleted
+        parts._session.listen(self)
         self._writer = writer
         atexit.register(self._at_exit)
         writer.start()
@@ -172,6 +176,7 @@ class RunLedger:
             if kind == "close":
                 self._close(closed=True, error=unwinding)
         if kind == "save" and result is True and step is not None:
+            writer.append("save_call", step=step, seconds=time.time() - now)
             with self._lock:
                 self._returned.add(step)
         if kind == "save" and self._returned:
@@ -208,6 +213,9 @@ class RunLedger:
             for stats in history:
                 if stats.step not in self._returned or stats.step in self._logged:
                     continue
+                nbytes = self._marker_bytes.pop(stats.step, None)
+                if nbytes is None:  # its commit is being announced: the next look logs it
+                    continue
                 self._returned.discard(stats.step)
                 self._logged.add(stats.step)
                 writer.append(
@@ -215,12 +223,15 @@ class RunLedger:
                     step=stats.step,
                     blocking_s=stats.blocking_s,
                     total_s=stats.total_s,
-                    nbytes=stats.nbytes,
+                    nbytes=nbytes,
                     tier=tier,
                     started=stats.started,
                 )
                 self._monitor.saved(stats.step, stats.blocking_s, stats.total_s, stats.nbytes)
-            self._logged &= {s.step for s in history}
+            recent = {s.step for s in history}
+            self._logged &= recent
+            for step in [s for s in self._marker_bytes if s not in recent]:
+                del self._marker_bytes[step]  # never returned from save() here (bounded)
             self._monitor.failures(writer.failures)
 
     def _restored(self, writer: LedgerWriter, parts: ManagerParts, seconds: float) -> None:
@@ -251,6 +262,11 @@ class RunLedger:
         lost = _lost_steps(parts._tiers[-1], writer, step) if self._primary else None
         self._monitor.restored(step, seconds, nbytes, why, lost)
         self._startup("restored", now)
+
+    def committed(self, marker: CommitMarker) -> None:
+        """A commit of this process (the session's listener): the step's bytes."""
+        with self._lock:
+            self._marker_bytes[marker.step] = marker.nbytes
 
     def _promoted(self, result: PromotionResult) -> None:
         writer, parts = self._writer, self._parts
