@@ -240,3 +240,38 @@ def test_a_loop_that_raises_ends_a_failed_run(tmp_path: Path) -> None:
     assert run.of("exit")[0]["error"] == "RuntimeError: the loss diverged"
     (restart,) = jaxckpt.report(root).restarts
     assert restart.crash and restart.restored_step == 1
+
+
+def test_a_restore_that_falls_back_says_why(tmp_path: Path) -> None:
+    from rootpaths import data_objects
+
+    root = str(tmp_path / "root")
+    _train(root, range(1, 11))
+    for key in data_objects(root, 10):  # step 10 damaged at rest: the restore takes step 5
+        path = tmp_path / "root" / key
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    _train(root, range(6, 7))
+    (restart,) = jaxckpt.report(root).restarts
+    assert (restart.restored_step, restart.why, restart.lost_steps) == (5, "fallback", 5)
+
+
+def test_the_trainer_serves_prometheus_metrics(tmp_path: Path) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(tmp_path / "root")
+    with jaxckpt.CheckpointManager(root, save_policy=policy.EveryNSteps(5), metrics_port=port) as m:
+        for step in range(1, 8):
+            m.save(step, {"w": np.zeros(4)})
+        m.wait()
+        m.save(8, {"w": np.zeros(4)})  # declined; the committed save 5 is counted now
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    assert "jaxckpt_reached_step 8.0" in text and "jaxckpt_saves_total 1.0" in text
+    with socket.socket() as s:  # closing the manager stopped the server: the port is free
+        s.bind(("127.0.0.1", port))

@@ -85,8 +85,15 @@ class TrainerMetrics:
         self.failures = g("jaxckpt_ledger_write_failures", "Ledger writes that failed", registry=r)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        """Serves ``/metrics`` on ``addr:port`` from a daemon thread."""
-        self._prom.start_http_server(port, addr=addr, registry=self.registry)
+        """Serves ``/metrics`` on ``addr:port`` from a daemon thread (until :meth:`close`)."""
+        served = self._prom.start_http_server(port, addr=addr, registry=self.registry)
+        self._server = served[0] if isinstance(served, tuple) else None
+
+    def close(self) -> None:
+        server, self._server = getattr(self, "_server", None), None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
 
 class Monitor:
@@ -101,8 +108,18 @@ class Monitor:
         self._on = primary
         self.prometheus: TrainerMetrics | None = None
         if primary and metrics_port is not None:
-            self.prometheus = TrainerMetrics()
-            self.prometheus.serve(metrics_port)
+            metrics = TrainerMetrics()
+            try:
+                metrics.serve(metrics_port)
+            except OSError as e:  # metrics are not worth failing the job for: said
+                log.warning("Prometheus metrics not served on port %d: %s", metrics_port, e)
+            else:
+                self.prometheus = metrics
+
+    def close(self) -> None:
+        """Stops serving Prometheus metrics."""
+        if self.prometheus is not None:
+            self.prometheus.close()
 
     def _duration(self, name: str, secs: float) -> None:
         import jax

@@ -301,6 +301,7 @@ class RunLedger:
         text = None if error is None else f"{type(error).__name__}: {error}"
         writer.append("exit", closed=closed, error=text)
         writer.close(self._options.save_timeout_s)
+        self._monitor.close()
         atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:
