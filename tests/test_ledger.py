@@ -273,5 +273,16 @@ def test_the_trainer_serves_prometheus_metrics(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
             text = response.read().decode()
     assert "jaxckpt_reached_step 8.0" in text and "jaxckpt_saves_total 1.0" in text
-    with socket.socket() as s:  # closing the manager stopped the server: the port is free
+    with socket.socket() as s:  # closing the manager stopped the server: no one listens
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, not a listener
         s.bind(("127.0.0.1", port))
+
+
+def test_an_exit_with_the_manager_open_is_recorded_as_a_clean_end(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    with harness.running([sys.executable, CHILD, root, "--until", "7", "--exit"]) as child:
+        child.expect("REACHED 7")
+        assert child.finish() == 0
+    (run,) = read_ledger(open_storage(root))
+    assert run.events[0][-1]["kind"] == "exit" and run.events[0][-1]["closed"] is False
+    assert [e["step"] for e in run.of("save")] == [5]  # harvested at exit

@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -147,7 +148,7 @@ class RunLedger:
         parts._retention.on_deleted = self._deleted
         parts._session.listen(self)
         self._writer = writer
-        atexit.register(self._at_exit)
+        _open_at_exit(self)
         writer.start()
 
     def _startup(self, phase: str, now: float) -> None:
@@ -292,7 +293,9 @@ class RunLedger:
             self._writer.append("deleted", step=step, tier=tier, nbytes=nbytes)
             self._monitor.deleted(nbytes)
 
-    def _close(self, *, closed: bool, error: BaseException | None = None) -> None:
+    def _close(
+        self, *, closed: bool, error: BaseException | None = None, timeout_s: float = 30.0
+    ) -> None:
         writer = self._writer
         if writer is None or self._closed:
             return
@@ -300,13 +303,37 @@ class RunLedger:
         self._harvest()
         text = None if error is None else f"{type(error).__name__}: {error}"
         writer.append("exit", closed=closed, error=text)
-        writer.close(self._options.save_timeout_s)
+        writer.close(timeout_s)
         self._monitor.close()
-        atexit.unregister(self._at_exit)
+        _OPEN.discard(self)
 
-    def _at_exit(self) -> None:
-        """The interpreter exits with the manager open: the process ended by itself."""
-        self._close(closed=False)
+
+_OPEN: weakref.WeakSet[RunLedger] = weakref.WeakSet()
+AT_EXIT_S = 5.0
+"""How long interpreter exit waits for the last flushes of managers left open (all together)."""
+
+
+def _open_at_exit(ledger: RunLedger) -> None:
+    if not _OPEN:
+        atexit.unregister(_at_exit)
+        atexit.register(_at_exit)
+    _OPEN.add(ledger)
+
+
+def _at_exit() -> None:
+    """The interpreter exits with managers open: their processes ended by themselves. Their
+    last flushes run at once, bounded together (their stores may be gone by now)."""
+    deadline = time.monotonic() + AT_EXIT_S
+    threads = [
+        threading.Thread(
+            target=lambda x=x: x._close(closed=False, timeout_s=AT_EXIT_S), daemon=True
+        )
+        for x in list(_OPEN)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
 
 
 def _where_restored(tiers: Sequence[Tier], step: int) -> tuple[str | None, int | None, int]:

@@ -186,9 +186,21 @@ class LedgerWriter:
                 return
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stops the flusher and writes what is left (bounded by ``timeout_s``)."""
+        """Stops the flusher and writes what is left, waiting at most ``timeout_s`` in all
+        (a store that does not answer keeps retrying in a daemon thread, never the caller:
+        at interpreter exit the object-store servers may be gone)."""
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout_s)
-        self.flush(timeout_s)
+        last = threading.Thread(
+            target=self.flush,
+            args=(max(0.0, deadline - time.monotonic()),),
+            name="jaxckpt-ledger-close",
+            daemon=True,
+        )
+        last.start()
+        last.join(max(0.0, deadline - time.monotonic()))
+        if last.is_alive():
+            log.warning("ledger %s: the last flush did not finish in %.0fs", self.where, timeout_s)
