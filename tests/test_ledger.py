@@ -55,15 +55,19 @@ def test_ledger_lives_with_the_durable_root_through_a_local_tier(
     object_root: str, tmp_path: Path
 ) -> None:
     local = str(tmp_path / "local")
-    mgr = _train(object_root, range(1, 11), local_root=local, promote_policy=policy.EveryNSteps(10))
+    tiered = {"local_root": local, "promote_policy": policy.EveryNSteps(10)}
+    mgr = _train(object_root, range(1, 11), **tiered)
+    _train(object_root, range(11, 12), **tiered)  # restores step 10 from the local tier
     assert open_storage(local).list("ledger/") == []
-    (run,) = read_ledger(open_storage(object_root))
+    run, _ = read_ledger(open_storage(object_root))
     assert {e["tier"] for e in run.of("save")} == {"local"}
     (promoted,) = run.of("promoted")
     assert promoted["step"] == 10 and promoted["durable_s"] is not None
     r = jaxckpt.report(object_root)
     assert r.saves["by_tier"] == {"local": 2} and r.saves["promoted"] == 1
     assert r.storage["written_bytes"] == promoted["nbytes"] > 0
+    (restart,) = r.restarts
+    assert (restart.restored_step, restart.tier, restart.crash) == (10, "local", False)
     assert mgr.ledger.write_failures == 0
 
 
