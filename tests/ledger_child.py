@@ -2,12 +2,11 @@
 
 Usage::
 
-    python tests/ledger_child.py ROOT --until N [--exit]
+    python tests/ledger_child.py ROOT --until N
 
 Opens ``jaxckpt.CheckpointManager(ROOT)`` (``EveryNSteps(5)``, the ledger flushed every
 0.2 s), calls ``save`` for steps 1 .. N, prints ``REACHED N`` and then waits forever:
-the parent kills it once the ledger holds the reached step. With ``--exit`` it returns
-instead, leaving the manager open (the interpreter's exit ends the run).
+the parent kills it once the ledger holds the reached step.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("root")
     p.add_argument("--until", type=int, required=True)
-    p.add_argument("--exit", action="store_true")
     args = p.parse_args()
     mgr = jaxckpt.CheckpointManager(
         args.root, save_policy=policy.EveryNSteps(5), ledger_flush_s=0.2
@@ -35,7 +33,7 @@ def main() -> None:
         mgr.save(step, {"w": np.full(256, float(step))})
     mgr.wait()
     print(f"REACHED {args.until}", flush=True)
-    while not args.exit:
+    while True:
         time.sleep(1)
 
 
