@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from jaxckpt import policy as policy
     from jaxckpt._manager import CheckpointManager as CheckpointManager
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
+    from jaxckpt.ledger import Report, report
     from jaxckpt.restoring import (
         LeafInfo,
         LeafMismatch,
@@ -74,6 +75,8 @@ _LAZY = {
     "Problem": "jaxckpt.tools",
     "VerifyReport": "jaxckpt.tools",
     "ObjectStoreOptions": "jaxckpt.storage",
+    "Report": "jaxckpt.ledger",
+    "report": "jaxckpt.ledger",
 }
 
 
@@ -105,6 +108,7 @@ __all__ = [
     "Problem",
     "PromotionError",
     "PromotionTimeoutError",
+    "Report",
     "ResumeReport",
     "SaveFailedError",
     "SaveStats",
@@ -129,4 +133,5 @@ __all__ = [
     "nnx_step_fn",
     "open_step",
     "policy",
+    "report",
 ]

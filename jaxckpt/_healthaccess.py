@@ -16,7 +16,7 @@ from jaxckpt.restoring import Selection
 
 if TYPE_CHECKING:
     from jaxckpt._preemption import PreemptionWatcher
-    from jaxckpt.saving._session import SaveSession
+    from jaxckpt.saving import SaveSession
 
 
 class HealthAccess:

@@ -30,6 +30,7 @@ from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt.commit import Agreement
 from jaxckpt.errors import CheckpointError
+from jaxckpt.ledger import RunLedger
 from jaxckpt.lifecycle import Retention, open_promotion
 from jaxckpt.records import ProcessStateAccess, check_step
 from jaxckpt.restoring import PathMap, Selection, StepMetadata, step_metadata
@@ -75,7 +76,7 @@ def _collective(kind: str) -> Callable[[_F], _F]:
                 except (ValueError, KeyError, IndexError):
                     key = None  # the method raises it
             with self._agreement.operation(kind, key):
-                return method(self, *args, **kwargs)
+                return self.ledger.call(kind, key, lambda: method(self, *args, **kwargs))
 
         return run  # type: ignore[return-value]
 
@@ -111,6 +112,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
     ) -> None:
         opts = options or CheckpointOptions()
         self.options = opts = replace(opts, **kwargs) if kwargs else opts
+        self.ledger = RunLedger.starting(root, opts)  # the run ledger (see jaxckpt report)
         self._tiers: tuple[Tier, ...] = open_tiers(root, opts)  # every root valid before a write
         self._agreement = Agreement.for_root(
             self.root, primary=opts.primary_host, timeout_s=opts.save_timeout_s
@@ -134,6 +136,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         self._health = Health(self._tiers[-1].storage, self._select, self._agreement, opts)
         session.listen(self._promotion, self._health, retention)  # judged before pruned
         self._promotion.start(on_promoted=retention.committed)
+        self.ledger.opened(self)
 
     @property
     def root(self) -> str:

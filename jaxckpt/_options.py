@@ -129,6 +129,19 @@ class CheckpointOptions:
         ended without committing a newer one, a clean ``close()`` or a preemption
         notice, the next ``restore()`` marks that step bad and takes an older one.
         None turns the quarantine (and its records) off.
+      ledger: record the run ledger under the durable root (``ledger/``): saves,
+        restores, the reached step, promotions, retention deletions, startup phases
+        and clean exits, which ``jaxckpt report`` turns into goodput. Written in
+        batches by a background thread; a write that fails is logged and counted
+        (``CheckpointManager.ledger.write_failures``), never fails a save.
+      ledger_flush_s: the longest an event waits before it is written (the reached
+        step is at most this late); the ledger's thread writes at most this often.
+      metrics_port: the primary process serves Prometheus metrics of its saves,
+        restores and reached step on this port (``pip install 'jaxckpt[promote]'``).
+      compilation_cache: keep JAX's persistent compilation cache in
+        ``compilation-cache/`` of the local tier (or of a local root), so a restarted
+        job loads its compiled programs instead of compiling them again (sets
+        ``jax_compilation_cache_dir`` unless the job set one).
     """
 
     save_policy: SavePolicy | None = None
@@ -160,6 +173,10 @@ class CheckpointOptions:
     )
     crash_loop_limit: int | None = 3
     strict_replication: bool = False
+    ledger: bool = True
+    ledger_flush_s: float = 10.0
+    metrics_port: int | None = None
+    compilation_cache: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -236,6 +253,11 @@ class CheckpointOptions:
             raise ValueError(f"crash_loop_limit must be an int >= 1 or None, got {limit!r}")
         if limit is not None and limit < 1:
             raise ValueError(f"crash_loop_limit must be an int >= 1 or None, got {limit!r}")
+        if not 0 < self.ledger_flush_s <= 600:
+            raise ValueError(f"ledger_flush_s must be in (0, 600], got {self.ledger_flush_s}")
+        port = self.metrics_port
+        if port is not None and (isinstance(port, bool) or port not in range(65536)):
+            raise ValueError(f"metrics_port must be a port number 0-65535, got {port!r}")
 
     @property
     def stored_chunk_bytes(self) -> int:

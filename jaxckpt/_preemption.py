@@ -54,6 +54,11 @@ class PreemptionWatcher:
         """Marks the process as preempted (for schedulers with their own notice)."""
         self._event.set()
 
+    @property
+    def noticed(self) -> bool:
+        """A notice arrived (without asking JAX's sync point)."""
+        return self._event.is_set()
+
     def preempted(self, step: int) -> bool:
         """True once a notice arrived; also asks JAX's preemption sync point."""
         if self._event.is_set():

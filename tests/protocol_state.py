@@ -237,7 +237,8 @@ def valid_marker_steps(storage: Storage) -> list[int]:
 
 
 def stray_objects(storage: Storage, committed: list[int]) -> list[str]:
-    """Stored objects other than root records, epochs, hints and the committed steps' objects.
+    """Stored objects other than root records, epochs, hints, the run ledger (``ledger/``,
+    the job's own record) and the committed steps' objects.
 
     A local create-only write's hidden temp file (``commits/.<marker>.<unix>-<hex>.tmp``)
     left by a writer killed inside that write is not counted: it is never read
@@ -251,7 +252,7 @@ def stray_objects(storage: Storage, committed: list[int]) -> list[str]:
         k
         for k in storage.list("")
         if k not in allowed
-        and not k.startswith(WRITERS)
+        and not k.startswith((WRITERS, "ledger/"))
         and not is_latest_hint(k)
         and not is_temp_key(k)
     ]

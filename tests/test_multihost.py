@@ -346,6 +346,24 @@ def test_save_writes_each_chunk_once(saved_local: str) -> None:
         check_written_once(saved_local, step, processes=2)
 
 
+def test_every_process_records_its_saves_in_the_run_ledger(saved_local: str) -> None:
+    from jaxckpt.ledger import read_ledger
+
+    run = read_ledger(open_storage(saved_local))[0]  # the save (restores by others follow)
+    assert run.processes == 2 and sorted(run.events) == [0, 1]
+    for p in (0, 1):  # every process's wait in save(), and its exit
+        assert [e["step"] for e in run.of("save_call", p)] == list(STEPS)
+        assert [e["kind"] for e in run.events[p]][-1] == "exit"
+    assert [e["step"] for e in run.of("save", 0)] == list(STEPS) and run.of("save", 1) == []
+    assert run.of("reached", 1) == [] and run.of("reached", 0)[-1]["step"] == STEPS[-1]
+    report = jaxckpt.report(saved_local)
+    assert report.saves["count"] == len(STEPS)
+    stored = CommitProtocol(open_storage(saved_local)).committed()
+    assert report.saves["bytes"] == sum(stored[s].nbytes for s in STEPS)  # both parts'
+    slowest = {s: max(e["seconds"] for e in run.of("save_call") if e["step"] == s) for s in STEPS}
+    assert report.saves["blocking_s"]["max"] == max(slowest.values())
+
+
 def test_restore_on_one_process_with_four_devices(saved_local: str, tmp_path: Path) -> None:
     (p,) = restore(tmp_path, saved_local, processes=1, devices=4, mesh="1x4", spec="None,model")
     assert restored_steps([p]) == [STEPS[-1]]

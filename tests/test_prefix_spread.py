@@ -90,6 +90,7 @@ def test_a_step_spreads_over_hashed_prefixes_and_its_delete_is_one_batch(
             "pending",
             "attempts",
             "commits",
+            "ledger",
             DATA.rstrip("/"),
         }
         # Read back, verified and copied from there (cp into a local root and back).

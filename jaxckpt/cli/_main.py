@@ -16,12 +16,13 @@ from jaxckpt.cli import (
     _mark,
     _plan,
     _promote,
+    _report,
     _verify,
 )
 from jaxckpt.cli._output import dotted_paths, err
 from jaxckpt.errors import CheckpointError
 
-_COMMANDS = (_ls, _inspect, _verify, _manage, _mark, _promote, _analysis, _interop, _plan)
+_COMMANDS = (_ls, _inspect, _verify, _manage, _mark, _promote, _analysis, _interop, _plan, _report)
 
 
 def _version() -> str:

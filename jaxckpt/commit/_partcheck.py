@@ -14,8 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from jaxckpt.records._keys import StepLocation, is_manifest_name, manifest_name, parse_data_key
-from jaxckpt.records._step import SELF_CHECKED_VERSION, CommitMarker
+from jaxckpt.records import (
+    SELF_CHECKED_VERSION,
+    CommitMarker,
+    StepLocation,
+    is_manifest_name,
+    manifest_name,
+    parse_data_key,
+)
 from jaxckpt.storage import Storage
 
 __all__ = ["incomplete_steps", "missing_part", "stored_parts"]

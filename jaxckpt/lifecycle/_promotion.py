@@ -54,6 +54,8 @@ log = logging.getLogger("jaxckpt")
 class NoPromotion:
     """The promotion of a manager without a local tier: nothing is ever requested."""
 
+    on_result: Callable[[PromotionResult], None] | None = None  # never called: nothing promotes
+
     def __init__(self, root: str) -> None:
         self._root = root
 
@@ -139,6 +141,8 @@ class Promotion:
         self._thread: threading.Thread | None = None
         self._promoter: Promoter | None = None
         self._writes = not read_only
+        self.on_result: Callable[[PromotionResult], None] | None = None
+        """Told each result of the background promoter (the ledger)."""
         if self._writes:
             self._restamp()
 
@@ -286,6 +290,8 @@ class Promotion:
                 self._errors.pop(result.step, None)
             if result.outcome == PROMOTED and result.durable_time is not None:
                 self._durable_times[result.step] = result.durable_time
+        if self.on_result is not None:
+            self.on_result(result)
 
     def record_durable(self, recorder: SaveRecorder) -> None:
         """Fills in ``durable_s`` of the recorded saves that have become durable."""

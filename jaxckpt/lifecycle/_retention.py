@@ -60,6 +60,8 @@ class Retention:
         self._pool: ThreadPoolExecutor | None = None
         self._deletion: Future[None] | None = None
         self._closed = False
+        self.on_deleted: Callable[[str, int, int], None] | None = None
+        """Told ``(tier name, step, bytes)`` after each deletion by the rule (the ledger)."""
 
     @contextlib.contextmanager
     def restoring(self, step: int) -> Iterator[None]:
@@ -125,11 +127,16 @@ class Retention:
             for tier in self._tiers:
                 if tier.retention is None or not tier.prunes(primary=self._primary):
                     continue
-                for step in self.decision(tier).delete:
+                committed = tier.committed()
+                protected, bad = self.protected(), self._bad()
+                rule = retention_decision(committed, tier.retention, protected=protected, bad=bad)
+                for step in rule.delete:
                     log.info("retention: deleting step %d under %s", step, tier.uri)
                     tier.delete(step)
                     if tier is self._tiers[-1]:
                         self._deleted(step)
+                    if self.on_deleted is not None:
+                        self.on_deleted(tier.name, step, committed[step].nbytes)
         except WriterFencedError as e:
             self._on_fenced(e)
             log.error("retention stopped: %s", e)

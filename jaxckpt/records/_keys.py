@@ -27,6 +27,9 @@ of 256 hashed prefixes that every step reuses, the hash ahead of the step::
                                                names in the attempt; see _peers)
     replicas/<step>/<p>/<attempt>.json         its index (every file's size and CRC32C),
                                                written last: the replica is complete
+    ledger/<epoch>/<process>/<seq>.json        the run ledger (durable root only): each
+                                               process's events, batched (the keys are
+                                               built and checked by jaxckpt.ledger._events)
 
 **Hashed prefixes** (:func:`spread_bucket`): ``<hh>`` is two hex digits of a hash of
 (step, attempt, slot), one of the attempt's :data:`SPREAD_SLOTS` (32) slots: process

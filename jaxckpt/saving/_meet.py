@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.futures import synchronization
 from orbax.checkpoint._src.multihost import multihost
 
-from jaxckpt.commit._agree import Agreement
+from jaxckpt.commit import Agreement
 from jaxckpt.errors import CheckpointError, SaveFailedError
 
 __all__ = ["Meetings", "meeting_checkpointer"]

@@ -1,0 +1,206 @@
+"""Writes one process's ledger: batched, bounded objects, off every save's critical path.
+
+:meth:`LedgerWriter.append` only takes a lock and appends to a bounded buffer. A daemon
+thread flushes the buffer at most every ``interval_s`` (and at once when the writer
+starts, so a run that dies early is still seen), plus the newest *reached* step when it
+changed; :meth:`close` flushes what is left. A flush writes one object per
+:data:`~jaxckpt.ledger._events.MAX_OBJECT_BYTES` of events (one, in practice), so the
+requests per process are one per flush, whatever the number of saves in it. A write
+that fails is logged, counted (:attr:`failures`) and retried at the next flush with the
+same sequence number; when the store stays down the buffer keeps its newest
+:data:`MAX_BUFFERED` events and counts the ones it dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from jaxckpt.ledger._events import MAX_EVENT_BYTES, MAX_OBJECT_BYTES, LedgerObject, ledger_key
+from jaxckpt.storage import Storage
+
+log = logging.getLogger("jaxckpt")
+
+MAX_BUFFERED = 10_000
+"""Events kept in memory while the store cannot be written (the oldest are dropped)."""
+
+
+def _encoded(event: dict[str, Any]) -> dict[str, Any]:
+    """``event`` as it is stored: an over-long text field is cut to fit an event's cap."""
+    if len(json.dumps(event, allow_nan=False)) <= MAX_EVENT_BYTES:
+        return event
+    cut = dict(event)
+    for name, value in event.items():
+        if isinstance(value, str) and len(value) > 256:
+            cut[name] = value[:256] + "..."
+    return cut
+
+
+class LedgerWriter:
+    """The ledger objects of one process of one run (epoch).
+
+    Args:
+      storage: the durable root's storage.
+      epoch: the run's writer epoch (every process of the run has the same).
+      process, processes: this process's index and the job's process count.
+      interval_s: the longest a flushed event waits (and the shortest time between
+        two flushes of the background thread).
+      before_flush: called before each flush (to append what has happened since).
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        epoch: int,
+        process: int,
+        processes: int,
+        interval_s: float,
+        before_flush: Callable[[], None] | None = None,
+    ) -> None:
+        self._storage = storage
+        self._epoch, self._process, self._processes = epoch, process, processes
+        self._interval_s = interval_s
+        self._before_flush = before_flush
+        self._lock = threading.Lock()
+        self._flushing = threading.Lock()
+        self._events: deque[dict[str, Any]] = deque()
+        self._reached: tuple[int, float] | None = None
+        self._reached_written: int | None = None
+        self._seq = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failures = 0
+        """Ledger writes that failed (each logged; none fails a save)."""
+        self.dropped = 0
+        """Events dropped because the buffer was full while the store failed."""
+        self.objects = 0
+        """Ledger objects written."""
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def process(self) -> int:
+        return self._process
+
+    @property
+    def where(self) -> str:
+        return f"{self._storage.uri}/{ledger_key(self._epoch, self._process, self._seq)}"
+
+    def start(self) -> None:
+        """Starts the background flusher (its first flush is immediate)."""
+        self._thread = threading.Thread(target=self._run, name="jaxckpt-ledger", daemon=True)
+        self._thread.start()
+
+    def append(self, kind: str, t: float | None = None, **fields: Any) -> None:
+        """Buffers one event (no I/O)."""
+        event = {"kind": kind, "t": time.time() if t is None else t, **fields}
+        with self._lock:
+            if len(self._events) >= MAX_BUFFERED:
+                self._events.popleft()
+                self.dropped += 1
+            self._events.append(event)
+
+    def reached(self, step: int, t: float) -> None:
+        """Notes the newest step the loop reached; written with the next flush."""
+        reached = self._reached
+        if reached is None or step != reached[0]:
+            self._reached = (step, t)  # one assignment (atomic): no lock on the loop's path
+
+    def flush(self, timeout_s: float = -1) -> None:
+        """Writes the buffered events (and a changed reached step); never raises.
+
+        Args:
+          timeout_s: how long to wait for a flush under way (-1: as long as it takes).
+        """
+        if self._before_flush is not None:
+            try:
+                self._before_flush()
+            except Exception:  # pragma: no cover - a bug, said; the flush goes on
+                log.exception("ledger: collecting events failed")
+        if not self._flushing.acquire(timeout=timeout_s):
+            log.warning("ledger %s: a flush is still under way; not flushed", self.where)
+            return
+        try:
+            with self._lock:
+                reached = self._reached
+                if reached is not None and reached[0] != self._reached_written:
+                    at = len(self._events)  # in time order among the buffered events
+                    while at > 0 and self._events[at - 1]["t"] > reached[1]:
+                        at -= 1
+                    self._events.insert(
+                        at, {"kind": "reached", "t": reached[1], "step": reached[0]}
+                    )
+                    self._reached_written = reached[0]
+                pending = list(self._events)
+            while pending:
+                batch: list[dict[str, Any]] = []
+                size = 200
+                for event in pending:
+                    encoded = _encoded(event)
+                    n = len(json.dumps(encoded, separators=(",", ":"))) + 1
+                    if batch and size + n > MAX_OBJECT_BYTES:
+                        break
+                    batch.append(encoded)
+                    size += n
+                if not self._write(batch):
+                    return
+                with self._lock:
+                    for _ in batch:
+                        if self._events:
+                            self._events.popleft()
+                pending = pending[len(batch) :]
+        finally:
+            self._flushing.release()
+
+    def _write(self, batch: list[dict[str, Any]]) -> bool:
+        obj = LedgerObject(
+            epoch=self._epoch,
+            process=self._process,
+            seq=self._seq,
+            processes=self._processes,
+            events=tuple(batch),
+        )
+        key = ledger_key(self._epoch, self._process, self._seq)
+        try:
+            self._storage.write(key, obj.to_bytes())
+        except Exception as e:  # the ledger never fails the training job
+            self.failures += 1
+            log.warning("ledger write %s failed (%d so far): %s", self.where, self.failures, e)
+            return False
+        self._seq += 1
+        self.objects += 1
+        return True
+
+    def _run(self) -> None:
+        while True:
+            self.flush()
+            if self._stop.wait(self._interval_s):
+                return
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stops the flusher and writes what is left, waiting at most ``timeout_s`` in all
+        (a store that does not answer keeps retrying in a daemon thread, never the caller:
+        at interpreter exit the object-store servers may be gone)."""
+        deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout_s)
+        last = threading.Thread(
+            target=self.flush,
+            args=(max(0.0, deadline - time.monotonic()),),
+            name="jaxckpt-ledger-close",
+            daemon=True,
+        )
+        last.start()
+        last.join(max(0.0, deadline - time.monotonic()))
+        if last.is_alive():
+            log.warning("ledger %s: the last flush did not finish in %.0fs", self.where, timeout_s)

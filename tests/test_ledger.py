@@ -1,0 +1,300 @@
+"""The run ledger and ``jaxckpt report``: events round-trip on every backend, a failing
+ledger never fails a save, a SIGKILLed run shows as a restart with lost steps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import harness
+import jax
+import numpy as np
+import pytest
+
+import jaxckpt
+from jaxckpt import policy
+from jaxckpt.cli import main
+from jaxckpt.ledger import LedgerObject, RunEvents, ledger_key, read_ledger
+from jaxckpt.ledger._report import build_report
+from jaxckpt.storage import open_storage
+
+CHILD = str(Path(__file__).with_name("ledger_child.py"))
+KEYS = ["badput_s", "daly", "goodput", "restarts", "saves", "storage", "wall_s"]
+
+
+def _train(root: str, steps: range, **kwargs: object) -> jaxckpt.CheckpointManager:
+    opts = {"save_policy": policy.EveryNSteps(5), "ledger_flush_s": 0.2, **kwargs}
+    with jaxckpt.CheckpointManager(root, **opts) as mgr:  # type: ignore[arg-type]
+        if mgr.latest_step() is not None:
+            mgr.restore()
+        for step in steps:
+            mgr.save(step, {"w": np.full(64, float(step))})
+    return mgr
+
+
+def _kinds(run: RunEvents, process: int = 0) -> list[str]:
+    return [e["kind"] for e in run.events[process]]
+
+
+def test_ledger_round_trips(storage_root: str) -> None:
+    mgr = _train(storage_root, range(1, 13), retention=policy.KeepLast(1))
+    assert mgr.ledger.write_failures == 0
+    (run,) = read_ledger(open_storage(storage_root))
+    assert run.epoch == mgr.epoch and run.processes == 1 and run.skipped == 0
+    kinds = _kinds(run)
+    assert kinds[0] == "open" and kinds[-1] == "exit" and "first_save" in kinds
+    assert [e["step"] for e in run.of("save")] == [5, 10]
+    assert run.of("reached")[-1]["step"] == 12
+    assert [e["step"] for e in run.of("deleted")] == [5]
+    saved = run.of("save")[0]
+    assert saved["tier"] == "durable" and saved["nbytes"] > 0 and saved["total_s"] > 0
+
+
+def test_ledger_lives_with_the_durable_root_through_a_local_tier(
+    object_root: str, tmp_path: Path
+) -> None:
+    local = str(tmp_path / "local")
+    tiered = {"local_root": local, "promote_policy": policy.EveryNSteps(10)}
+    mgr = _train(object_root, range(1, 11), **tiered)
+    _train(object_root, range(11, 12), **tiered)  # restores step 10 from the local tier
+    assert open_storage(local).list("ledger/") == []
+    run, _ = read_ledger(open_storage(object_root))
+    assert {e["tier"] for e in run.of("save")} == {"local"}
+    (promoted,) = run.of("promoted")
+    assert promoted["step"] == 10 and promoted["durable_s"] is not None
+    r = jaxckpt.report(object_root)
+    assert r.saves["by_tier"] == {"local": 2} and r.saves["promoted"] == 1
+    assert r.storage["written_bytes"] == promoted["nbytes"] > 0
+    (restart,) = r.restarts
+    assert (restart.restored_step, restart.tier, restart.crash) == (10, "local", False)
+    assert mgr.ledger.write_failures == 0
+
+
+def test_an_unwritable_ledger_never_fails_a_save(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "ledger").write_text("a file where the ledger's directory would go")
+    mgr = _train(str(root), range(1, 11))
+    assert mgr.ledger.write_failures >= 1
+    with jaxckpt.CheckpointManager(str(root), read_only=True) as reader:
+        assert reader.steps() == [5, 10]
+
+
+def test_a_sigkilled_run_is_a_restart_with_lost_steps(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    storage = open_storage(root)
+
+    def reached(step: int) -> bool:
+        runs = read_ledger(storage) if storage.list("ledger/") else []
+        return any(e["step"] == step for run in runs for e in run.of("reached"))
+
+    with harness.running([sys.executable, CHILD, root, "--until", "13"]) as child:
+        child.expect("REACHED 13")
+        harness.wait_until(lambda: reached(13), what="reached step 13 in the ledger", timeout_s=60)
+        assert child.kill() == -9
+    _train(root, range(11, 16))  # restores step 10: steps 11-13 are done again
+    r = jaxckpt.report(root)
+    (restart,) = r.restarts
+    assert (restart.restored_step, restart.reached_step, restart.lost_steps) == (10, 13, 3)
+    assert restart.crash and restart.tier == "durable" and restart.lost_s > 0
+    assert r.daly["failures"] == 1 and r.daly["optimal_s"] is not None
+    assert 0 < r.goodput < 1 and r.badput_s.lost_work == restart.lost_s
+
+
+def test_report_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(tmp_path / "root")
+    _train(root, range(1, 8))
+    _train(root, range(6, 12))
+    png, page = tmp_path / "t.png", tmp_path / "t.html"
+    assert main(["report", root, "--json", "--plot", str(png)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert sorted(out) == KEYS
+    assert sorted(out["badput_s"]) == ["lost_work", "restore", "save_blocking", "startup"]
+    (restart,) = out["restarts"]
+    assert {"restored_step", "reached_step", "lost_steps", "lost_s", "tier"} <= set(restart)
+    assert (restart["restored_step"], restart["reached_step"], restart["lost_steps"]) == (5, 7, 2)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["report", root, "--plot", str(page)]) == 0
+    assert "goodput" in capsys.readouterr().out
+    assert "<svg" in page.read_text()
+
+
+def _run(epoch: int, *events: dict[str, object]) -> RunEvents:
+    return RunEvents(epoch=epoch, processes=1, events={0: [dict(e) for e in events]})
+
+
+def test_the_report_arithmetic() -> None:
+    """Run 1 starts at 0, saves step 10 at t=10 (0.5 s blocking) and dies at t=15 with
+    step 15 reached; run 2 starts at 20, restores step 10 (1 s) and exits at 41."""
+    first = _run(
+        1,
+        {"kind": "open", "t": 1.0, "process_start": 0.0, "open_start": 0.5, "tiers": [], "pid": 1},
+        {"kind": "first_save", "t": 2.0, "step": 1},
+        {"kind": "reached", "t": 2.0, "step": 1},
+        {
+            "kind": "save",
+            "t": 11.0,
+            "step": 10,
+            "blocking_s": 0.5,
+            "total_s": 1.0,
+            "nbytes": 8,
+            "tier": "durable",
+            "started": 10.0,
+        },
+        {"kind": "reached", "t": 15.0, "step": 15},
+    )
+    second = _run(
+        2,
+        {
+            "kind": "open",
+            "t": 22.0,
+            "process_start": 20.0,
+            "open_start": 21.0,
+            "tiers": [],
+            "pid": 2,
+        },
+        {
+            "kind": "restore",
+            "t": 23.0,
+            "step": 10,
+            "tier": "durable",
+            "seconds": 1.0,
+            "newest": 10,
+            "why": None,
+            "nbytes": 8,
+        },
+        {"kind": "first_save", "t": 24.0, "step": 11},
+        {"kind": "reached", "t": 40.0, "step": 30},
+        {"kind": "exit", "t": 41.0, "closed": True},
+    )
+    r = build_report("root", [first, second])
+    assert r.wall_s == 41.0
+    assert (r.badput_s.save_blocking, r.badput_s.restore, r.badput_s.lost_work) == (0.5, 1.0, 5.0)
+    assert r.badput_s.startup == 2.0 + 3.0 + 5.0  # each run's start, and the restart's gap
+    assert r.goodput == pytest.approx((41.0 - 16.5) / 41.0)
+    assert r.daly["failures"] == 1 and r.daly["mtbf_s"] == 41.0
+
+
+def test_the_reader_skips_what_is_not_a_ledger_object(tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path))
+    good = LedgerObject(
+        epoch=3,
+        process=0,
+        seq=0,
+        processes=1,
+        events=({"kind": "reached", "t": 1.0, "step": 4}, {"kind": "reached", "t": 2.0}),
+    )
+    storage.write(ledger_key(3, 0, 0), good.to_bytes())
+    storage.write(ledger_key(3, 0, 1), b"{" * (2 << 20))  # oversized
+    storage.write(ledger_key(3, 1, 0), good.to_bytes())  # the body names another process
+    storage.write("ledger/000000000003/000000/x.json", good.to_bytes())  # not a ledger name
+    (run,) = read_ledger(storage)
+    assert run.of("reached") == [{"kind": "reached", "t": 1.0, "step": 4}]
+    assert run.skipped == 3  # the event without a step, the oversized and the mismatched
+
+
+def test_saves_and_restores_are_recorded_under_orbax_names(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    def listen(name: str, *args: object, **kwargs: object) -> None:
+        seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    jax.monitoring.register_scalar_listener(listen)
+    try:
+        _train(str(tmp_path / "root"), range(1, 6))
+        _train(str(tmp_path / "root"), range(6, 7))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+        jax.monitoring.unregister_scalar_listener(listen)
+    for name in (
+        "/jax/orbax/write/blocking_duration_secs",
+        "/jax/orbax/write/total_duration_secs",
+        "/jax/orbax/write/gbytes_per_sec",
+        "/jax/orbax/read/total_duration_secs",
+        "/jax/checkpoint/read/gbytes_per_sec",
+        "/jax/jaxckpt/startup/first_save_secs",
+    ):
+        assert name in seen, name
+
+
+def test_the_compilation_cache_is_kept_in_a_local_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        with jaxckpt.CheckpointManager(str(root), compilation_cache=True):
+            assert jax.config.jax_compilation_cache_dir == str(root / "compilation-cache")
+    finally:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+    with pytest.raises(ValueError, match="compilation_cache needs a local_root"):
+        jaxckpt.CheckpointManager("s3://bucket/run", compilation_cache=True)
+
+
+def test_a_loop_that_raises_ends_a_failed_run(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    with pytest.raises(RuntimeError), jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": np.zeros(4)})
+        raise RuntimeError("the loss diverged")
+    _train(root, range(2, 3))
+    (run, _) = read_ledger(open_storage(root))
+    assert run.of("exit")[0]["error"] == "RuntimeError: the loss diverged"
+    (restart,) = jaxckpt.report(root).restarts
+    assert restart.crash and restart.restored_step == 1
+
+
+def test_a_restore_that_falls_back_says_why(tmp_path: Path) -> None:
+    from rootpaths import data_objects
+
+    root = str(tmp_path / "root")
+    _train(root, range(1, 11))
+    for key in data_objects(root, 10):  # step 10 damaged at rest: the restore takes step 5
+        path = tmp_path / "root" / key
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    _train(root, range(6, 7))
+    (restart,) = jaxckpt.report(root).restarts
+    assert (restart.restored_step, restart.why, restart.lost_steps) == (5, "fallback", 5)
+
+
+def test_the_trainer_serves_prometheus_metrics(tmp_path: Path) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(tmp_path / "root")
+    with jaxckpt.CheckpointManager(root, save_policy=policy.EveryNSteps(5), metrics_port=port) as m:
+        for step in range(1, 8):
+            m.save(step, {"w": np.zeros(4)})
+        m.wait()
+        m.save(8, {"w": np.zeros(4)})  # declined; the committed save 5 is counted now
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    assert "jaxckpt_reached_step 8.0" in text and "jaxckpt_saves_total 1.0" in text
+    with socket.socket() as s:  # closing the manager stopped the server: no one listens
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, not a listener
+        s.bind(("127.0.0.1", port))
+
+
+def test_an_exit_with_the_manager_open_is_recorded_as_a_clean_end(tmp_path: Path) -> None:
+    """The interpreter's exit handler (``atexit``) ends a run left open, flushing its last
+    events; close() after it adds nothing."""
+    from jaxckpt.ledger import _run
+
+    root = str(tmp_path / "root")
+    mgr = jaxckpt.CheckpointManager(root, save_policy=policy.EveryNSteps(5))
+    for step in range(1, 8):
+        mgr.save(step, {"w": np.zeros(4)})
+    mgr.wait()
+    _run._at_exit()
+    mgr.close()
+    (run,) = read_ledger(open_storage(root))
+    assert run.events[0][-1]["kind"] == "exit" and run.events[0][-1]["closed"] is False
+    assert len(run.of("exit")) == 1
+    assert [e["step"] for e in run.of("save")] == [5] and run.of("reached")[-1]["step"] == 7
