@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from jaxckpt import _openroots
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt.commit._agree import Agreement
@@ -134,6 +135,8 @@ class CheckpointManager(ProcessStateAccess):
         fallback, guard = opts.fallback_on_corrupt, retention.restoring
         self._select = _select.Selection(self._tiers, self._agreement, fallback, guard)
         session.corrupt = self._select.corrupt  # a save replaces a step found corrupt
+        if self.epoch is not None:  # an import into these roots is refused while open
+            _openroots.register(self, tuple(t.uri for t in self._tiers))
 
     @property
     def root(self) -> str:
@@ -365,6 +368,7 @@ class CheckpointManager(ProcessStateAccess):
         try:
             self.wait()  # after an interrupted wait() too: commits or raises
         finally:
+            _openroots.unregister(self)
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
             self._retention.close()

@@ -89,6 +89,12 @@ def register(sub: Any) -> None:
         metavar="NAME",
         help="orbax: leave out this item of a Composite (recorded in the step's metadata)",
     )
+    p.add_argument(
+        "--max-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="orbax: the most one step's arrays may claim (default: this host's memory)",
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -154,8 +160,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise ImportSourceError(f"{args.src} does not exist")
     kind = _kind(args.src, args.kind)
     if kind == "safetensors":
-        if args.steps or args.skip_item:
-            args.parser.error("--step and --skip-item apply to Orbax sources only")
+        if args.steps or args.skip_item or args.max_bytes:
+            args.parser.error("--step, --skip-item and --max-bytes apply to Orbax sources only")
         results = [import_safetensors(args.src, root, step=step)]
     else:
         from jaxckpt.tools._orbax_import import import_orbax
@@ -163,7 +169,12 @@ def cmd_import(args: argparse.Namespace) -> int:
         if step is not None and args.steps is not None and len(args.steps) != 1:
             args.parser.error(f"ROOT:{step} names the step of one import; choose one --step")
         results = import_orbax(
-            args.src, root, steps=args.steps, step=step, skip_items=args.skip_item
+            args.src,
+            root,
+            steps=args.steps,
+            step=step,
+            skip_items=args.skip_item,
+            max_bytes=args.max_bytes,
         )
     for result in results:
         print(
