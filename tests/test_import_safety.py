@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -114,9 +115,9 @@ def test_a_failed_import_into_a_plain_directory_removes_only_what_it_added(tmp_p
 def test_a_huge_claimed_shape_is_refused_before_anything_is_read_or_written(tmp_path, capsys):
     src = _orbax(tmp_path / "orb", ocdbt=False)
     [zarray] = glob.glob(f"{src}/**/w/.zarray", recursive=True)
-    meta = json.loads(open(zarray).read())
+    meta = json.loads(Path(zarray).read_text())
     meta["shape"] = [1 << 40]  # 4 TiB of float32 claimed, 32 bytes on disk
-    open(zarray, "w").write(json.dumps(meta))
+    Path(zarray).write_text(json.dumps(meta))
     dst = str(tmp_path / "dst")
     # A child under an address-space limit: before the check, TensorStore's allocation
     # of the claimed shape killed the process with std::bad_alloc.
@@ -162,7 +163,7 @@ def test_a_link_out_of_the_source_is_refused_not_followed(tmp_path):
 def test_deep_records_and_huge_step_numbers_are_one_line_errors(tmp_path, capsys):
     src = _orbax(tmp_path / "orb", steps=(1,))
     record = os.path.join(src, "1", "_CHECKPOINT_METADATA")
-    open(record, "w").write("[" * 100_000 + "]" * 100_000)
+    Path(record).write_text("[" * 100_000 + "]" * 100_000)
     rc, text = _cli(capsys, "import", src, str(tmp_path / "a"))
     assert rc == 1 and "Traceback" not in text
     assert "nested too deeply" in text and text.count("\n") == 1

@@ -9,6 +9,7 @@ checksummed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -130,10 +131,8 @@ def _commit(
 
 
 def _delete_quietly(mgr: Any, step: int) -> None:
-    try:
+    with contextlib.suppress(CheckpointError):  # never committed: nothing to remove
         mgr.delete(step)
-    except CheckpointError:
-        pass  # never committed (the save failed): nothing to remove
 
 
 def import_safetensors(

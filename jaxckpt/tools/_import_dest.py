@@ -45,7 +45,7 @@ def refuse_held(uri: str) -> None:
 
 
 def _local_entries(path: str) -> set[str]:
-    entries = set()
+    entries: set[str] = set()
     for top, dirs, files in os.walk(path):
         entries.update(os.path.join(top, name) for name in (*dirs, *files))
     return entries
