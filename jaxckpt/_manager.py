@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import os
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
-import numpy as np
 
 from jaxckpt import _openroots
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
+from jaxckpt._stepclock import StepClock, check_step_value
 from jaxckpt.commit._agree import Agreement
 from jaxckpt.errors import CheckpointError
-from jaxckpt.records._keys import check_step
 from jaxckpt.records._metadata import StepMetadata, step_metadata
 from jaxckpt.records._procstate import ProcessStateAccess
 from jaxckpt.restoring import _select
@@ -46,22 +44,7 @@ log = logging.getLogger("jaxckpt")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _check_step(step: object) -> int:
-    """``step`` as a step id: any integer (a Python int, a numpy integer, an integer
-    scalar ``jax.Array`` such as ``state.step``), from 0 to 2**63 - 1.
-
-    Raises:
-      ValueError: anything else (a bool, a float, a non-scalar array, out of range).
-    """
-    if isinstance(step, jax.Array):
-        if step.ndim != 0 or not np.issubdtype(step.dtype, np.integer):
-            raise ValueError(
-                f"step must be an integer scalar, got an array {step.dtype}{step.shape}"
-            )
-        step = int(step)
-    elif not isinstance(step, (bool, int)) and hasattr(step, "__index__"):
-        step = operator.index(step)  # numpy integers
-    return check_step(step)
+_check_step = check_step_value
 
 
 def _collective(kind: str) -> Callable[[_F], _F]:
@@ -73,7 +56,7 @@ def _collective(kind: str) -> Callable[[_F], _F]:
         @functools.wraps(method)
         def run(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
             key = None
-            if kind == "save":
+            if kind == "save" and not isinstance(args[0] if args else None, jax.Array):
                 try:
                     key = _check_step(args[0] if args else kwargs["step"])
                 except (ValueError, KeyError, IndexError):
@@ -120,6 +103,7 @@ class CheckpointManager(ProcessStateAccess):
             self.root, primary=opts.primary_host, timeout_s=opts.save_timeout_s
         )
         self._watcher = PreemptionWatcher.for_policy(opts.save_policy)
+        self._clock = StepClock(predict=jax.process_count() == 1)  # save(state.step) is free
         join_tiers(self._tiers, self._agreement, opts)  # epochs; the local tier's peers
         self._protocol, self._storage = self._tiers[0].protocol, self._tiers[0].storage
         self._promotion = open_promotion(self._tiers, self._agreement, opts, self.preempted)
@@ -190,15 +174,27 @@ class CheckpointManager(ProcessStateAccess):
           WriterFencedError: another process opened the root for writing since.
         """
         self._session.check_writable()
-        says = self._session.policy_says_save
-        step = _check_step(step)
-        if not force and not says(step, self.preempted, self.latest_step):
+        step, saving = self._decide(step, force)
+        if not saving:
             self._session.check_background()  # a finished failed save still surfaces, at once
             return False
         self.wait()
         request = self._promotion.request
         self._session.save(step, state, metadata, metrics, keep, request, process_state)
         return True
+
+    def _decide(self, step: object, force: bool) -> tuple[int, bool]:
+        """The step's value and whether to save it; a ``jax.Array`` step still being
+        computed is predicted (:mod:`jaxckpt._stepclock`) and read only to be saved."""
+        if force:
+            return check_step_value(step), True
+        says = self._session.policy_says_save
+        value, exact = self._clock.read(step)
+        saving = says(value, self.preempted, self.latest_step)
+        if not exact and saving:
+            guess, value = value, self._clock.exact(cast(jax.Array, step), value)
+            saving = saving if value == guess else says(value, self.preempted, self.latest_step)
+        return value, saving
 
     def preempted(self, step: int = 0) -> bool:
         """True once SIGTERM/SIGINT or JAX's preemption notice came (``policy.OnPreemption``)."""
