@@ -36,6 +36,12 @@ log = logging.getLogger("jaxckpt")
 _MAX_PENDING = 256  # predictions awaiting their check; the oldest is then read (long done)
 
 
+@jax.jit
+def _copy(step: jax.Array) -> jax.Array:
+    """A copy of a scalar, dispatched without waiting (~30 us on CPU)."""
+    return step + 0
+
+
 def _ready(array: jax.Array) -> bool:
     """Whether the computation of ``array`` is done (``ArrayImpl.is_ready``; the
     ``jax.Array`` protocol does not declare it)."""
@@ -85,7 +91,7 @@ class StepClock:
             return self._seen(check_step_value(step)), True
         assert self._last is not None and self._stride is not None
         guess = check_step(self._last + self._stride)
-        self._pending.append((jax.numpy.array(step, copy=True), guess))  # donation-proof
+        self._pending.append((_copy(step), guess))  # a state donated later keeps it
         if len(self._pending) > _MAX_PENDING:
             self._check_pending(wait=True)
         self._last = guess

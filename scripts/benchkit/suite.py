@@ -6,7 +6,8 @@ environment (cloud variables, ``XLA_FLAGS`` device count, loopback servers)
 cannot leak into the next. Every result lands under ``--out`` with the name
 the part writes on its own: ``bench.md``/``bench.png``/``bench.json`` (core),
 ``bench_tiers.json``, ``bench_packed.json``, ``bench_cloud.json``, ``replread.json``,
-``savemem.json``, ``bench_readclient.json``, ``bench_peers.json``, ``listing.json``;
+``savemem.json``, ``bench_readclient.json``, ``bench_peers.json``, ``listing.json``,
+``bench_declined.json``;
 ``bench_all.json`` records each part's command, exit status and wall time. A failing
 part does not stop the others; the exit status is 1 if any failed.
 """
@@ -96,6 +97,12 @@ PARTS = {
             out_flag="--json",
             result="listing.json",
             tiny=("--steps", "2,6", "--repeats", "1"),
+        ),
+        Part(
+            name="declined",
+            out_flag="--json",
+            result="bench_declined.json",
+            tiny=("--steps", "6", "--rounds", "1", "--size", "64"),
         ),
     )
 }
