@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 from jaxckpt.cli._common import command, open_root, split_source
 from jaxckpt.cli._output import Progress, human_bytes, human_duration
@@ -46,6 +46,13 @@ def register(sub: Any) -> None:
         "FILE.safetensors; orbax: a CheckpointManager directory (OUT/<step>/default)",
     )
     p.add_argument("--format", choices=["safetensors", "orbax"], default="safetensors")
+    p.add_argument(
+        "--layout",
+        choices=["manager", "flax"],
+        help="orbax: 'manager' (default): OUT/<step>/default, for Orbax's CheckpointManager "
+        "and StandardRestore; 'flax': OUT/checkpoint_<step>, for Flax's "
+        "flax.training.checkpoints.restore_checkpoint(OUT, target)",
+    )
     p.add_argument(
         "--leaf",
         action="append",
@@ -106,6 +113,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from jaxckpt.tools._safetensors import export_safetensors
 
+    if args.layout:
+        args.parser.error("--layout applies to --format orbax only")
     bar = Progress.on_stderr(f"step {marker.step}", marker.nbytes, quiet=args.no_progress)
     result = export_safetensors(
         root,
@@ -129,10 +138,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_orbax(args: argparse.Namespace, root: str, step: int) -> int:
     if args.leaf or args.max_shard_size:
         args.parser.error("--leaf and --max-shard-size apply to --format safetensors only")
+    layout: Literal["manager", "flax"] = args.layout or "manager"
     from jaxckpt.tools._orbax_export import export_orbax
 
     start = time.monotonic()
-    result = export_orbax(root, args.out, step=step)
+    result = export_orbax(root, args.out, step=step, layout=layout)
     print(
         f"step {result.step}: exported {result.arrays} arrays ({human_bytes(result.nbytes)}) "
         f"to {result.path} (Orbax) in {human_duration(time.monotonic() - start)}"
