@@ -23,6 +23,7 @@ import jax
 
 from jaxckpt import _openroots
 from jaxckpt._options import CheckpointOptions
+from jaxckpt._orbaxlog import quiet_orbax_info
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt._stepclock import StepClock, check_step_value
 from jaxckpt.commit._agree import Agreement
@@ -96,6 +97,7 @@ class CheckpointManager(ProcessStateAccess):
     def __init__(
         self, root: str | os.PathLike[str], options: CheckpointOptions | None = None, **kwargs: Any
     ) -> None:
+        quiet_orbax_info()  # Orbax's six INFO lines per save: jaxckpt logs one
         opts = options or CheckpointOptions()
         self.options = opts = replace(opts, **kwargs) if kwargs else opts
         self._tiers: tuple[Tier, ...] = open_tiers(root, opts)  # every root valid before a write

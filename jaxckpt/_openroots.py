@@ -15,7 +15,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["holder", "register", "unregister"]
+__all__ = ["any_open", "holder", "register", "unregister"]
 
 _open: weakref.WeakKeyDictionary[Any, tuple[str, ...]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -36,3 +36,8 @@ def holder(root: str) -> Any:
     """The open manager of this process that writes ``root`` (a normalised URI), or None."""
     with _lock:
         return next((m for m, roots in _open.items() if root in roots), None)
+
+
+def any_open() -> bool:
+    """Whether any manager of this process writes a root now."""
+    return bool(_open)
