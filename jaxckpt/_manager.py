@@ -17,13 +17,12 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import jax
 
 from jaxckpt import _openroots
 from jaxckpt._options import CheckpointOptions
-from jaxckpt._orbaxlog import quiet_orbax_info
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt._stepclock import StepClock, check_step_value
 from jaxckpt.commit._agree import Agreement
@@ -97,7 +96,6 @@ class CheckpointManager(ProcessStateAccess):
     def __init__(
         self, root: str | os.PathLike[str], options: CheckpointOptions | None = None, **kwargs: Any
     ) -> None:
-        quiet_orbax_info()  # Orbax's six INFO lines per save: jaxckpt logs one
         opts = options or CheckpointOptions()
         self.options = opts = replace(opts, **kwargs) if kwargs else opts
         self._tiers: tuple[Tier, ...] = open_tiers(root, opts)  # every root valid before a write
@@ -121,8 +119,7 @@ class CheckpointManager(ProcessStateAccess):
         fallback, guard = opts.fallback_on_corrupt, retention.restoring
         self._select = _select.Selection(self._tiers, self._agreement, fallback, guard)
         session.corrupt = self._select.corrupt  # a save replaces a step found corrupt
-        if self.epoch is not None:  # an import into these roots is refused while open
-            _openroots.register(self, tuple(t.uri for t in self._tiers))
+        _openroots.register(self, () if self.epoch is None else tuple(t.uri for t in self._tiers))
 
     @property
     def root(self) -> str:
@@ -176,7 +173,8 @@ class CheckpointManager(ProcessStateAccess):
           WriterFencedError: another process opened the root for writing since.
         """
         self._session.check_writable()
-        step, saving = self._decide(step, force)
+        policy = self._session.policy_says_save
+        step, saving = self._clock.decide(step, force, policy, self.preempted, self.latest_step)
         if not saving:
             self._session.check_background()  # a finished failed save still surfaces, at once
             return False
@@ -184,19 +182,6 @@ class CheckpointManager(ProcessStateAccess):
         request = self._promotion.request
         self._session.save(step, state, metadata, metrics, keep, request, process_state)
         return True
-
-    def _decide(self, step: object, force: bool) -> tuple[int, bool]:
-        """The step's value and whether to save it; a ``jax.Array`` step still being
-        computed is predicted (:mod:`jaxckpt._stepclock`) and read only to be saved."""
-        if force:
-            return check_step_value(step), True
-        says = self._session.policy_says_save
-        value, exact = self._clock.read(step)
-        saving = says(value, self.preempted, self.latest_step)
-        if not exact and saving:
-            guess, value = value, self._clock.exact(cast(jax.Array, step), value)
-            saving = saving if value == guess else says(value, self.preempted, self.latest_step)
-        return value, saving
 
     def preempted(self, step: int = 0) -> bool:
         """True once SIGTERM/SIGINT or JAX's preemption notice came (``policy.OnPreemption``)."""

@@ -23,6 +23,8 @@ from __future__ import annotations
 import collections
 import logging
 import operator
+from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -96,6 +98,24 @@ class StepClock:
             self._check_pending(wait=True)
         self._last = guess
         return guess, False
+
+    def decide(
+        self, step: object, force: bool, policy: Callable[..., bool], *context: Any
+    ) -> tuple[int, bool]:
+        """The step's value and whether to save it (``policy(step, *context)``: the save
+        policy's answer); a step still being computed is predicted, and read only to be saved."""
+        if force:
+            return check_step_value(step), True
+
+        def says(value: int) -> bool:
+            return bool(policy(value, *context))
+
+        value, exact = self.read(step)
+        saving = says(value)
+        if not exact and saving:
+            guess, value = value, self.exact(cast(jax.Array, step), value)
+            saving = saving if value == guess else says(value)
+        return value, saving
 
     def exact(self, step: jax.Array, guess: int) -> int:
         """The value of a predicted ``step`` (waits for it); a wrong guess stops predicting."""
