@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import jaxckpt
+import jaxckpt.flags
 
 SCRIPT = """
 from absl import app
@@ -42,16 +44,20 @@ def test_a_wrong_init_from_is_a_usage_error_and_orbax_info_lines_stay_out(tmp_pa
     pretrained = tmp_path / "pretrained"
     with jaxckpt.CheckpointManager(pretrained) as mgr:
         mgr.save(3, {"w": np.ones(2)})
-    for init_from, why in (
-        (f"{pretrained}:4", "step 4 not found"),
-        (str(tmp_path / "nothing"), "is not a jaxckpt root"),
+    init_from = f"{pretrained}:4"  # a step the root does not hold
+    done = _run(
+        tmp_path, f"--checkpoint_root={tmp_path / 'run'}", f"--checkpoint_init_from={init_from}"
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "USAGE" in done.stdout + done.stderr
+    assert f"--checkpoint_init_from={init_from}: step 4 not found" in done.stderr
+    nothing = str(tmp_path / "nothing")  # not a root: the same usage error (in process here)
+    fv = jaxckpt.flags.flags_from_mapping({"root": str(tmp_path / "run2"), "init_from": nothing})
+    with (
+        jaxckpt.flags.manager_from_flags(fv) as mgr,
+        pytest.raises(jaxckpt.flags.CheckpointFlagError, match="is not a jaxckpt root"),
     ):
-        done = _run(
-            tmp_path, f"--checkpoint_root={tmp_path / 'run'}", f"--checkpoint_init_from={init_from}"
-        )
-        assert done.returncode == 1, done.stderr[-2000:]
-        assert "Traceback" not in done.stderr and "USAGE" in done.stdout + done.stderr
-        assert f"--checkpoint_init_from={init_from}" in done.stderr and why in done.stderr
+        jaxckpt.flags.init_from_flags(mgr, {"w": np.zeros(2)}, fv)
     done = _run(
         tmp_path, f"--checkpoint_root={tmp_path / 'run'}", f"--checkpoint_init_from={pretrained}:3"
     )
