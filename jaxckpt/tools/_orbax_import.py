@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from jaxckpt.tools._import_checks import (
     host_memory,
 )
 from jaxckpt.tools._orbax_layout import OrbaxItem, OrbaxStep, choose, read_json, read_source
+
+if TYPE_CHECKING:
+    from jaxckpt import CheckpointManager
 
 __all__ = ["import_orbax"]
 
@@ -282,7 +285,7 @@ def _load(plan: _Plan, target: Any) -> Imported:
 
 def import_orbax(
     src: str | os.PathLike[str],
-    root: str | os.PathLike[str],
+    root: str | os.PathLike[str] | CheckpointManager,
     *,
     target: Any = None,
     steps: int | Iterable[int] | None = None,
