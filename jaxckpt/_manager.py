@@ -15,26 +15,24 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
 import jax
-import numpy as np
 
-from jaxckpt._health import Health
-from jaxckpt._healthaccess import HealthAccess
+from jaxckpt import _openroots
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import PreemptionWatcher
 from jaxckpt.commit import Agreement
 from jaxckpt.errors import CheckpointError
+from jaxckpt.health import Health, HealthAccess
 from jaxckpt.ledger import RunLedger
 from jaxckpt.lifecycle import Retention, open_promotion
-from jaxckpt.records import ProcessStateAccess, check_step
+from jaxckpt.records import ProcessStateAccess
 from jaxckpt.restoring import PathMap, Selection, StepMetadata, step_metadata
-from jaxckpt.saving import SaveSession, SaveStats
+from jaxckpt.saving import SaveSession, SaveStats, StepClock, check_step_value
 from jaxckpt.tiers import Tier, join_tiers, open_tiers
 from jaxckpt.tools import VerifyReport, verify_step
 
@@ -43,22 +41,7 @@ log = logging.getLogger("jaxckpt")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _check_step(step: object) -> int:
-    """``step`` as a step id: any integer (a Python int, a numpy integer, an integer
-    scalar ``jax.Array`` such as ``state.step``), from 0 to 2**63 - 1.
-
-    Raises:
-      ValueError: anything else (a bool, a float, a non-scalar array, out of range).
-    """
-    if isinstance(step, jax.Array):
-        if step.ndim != 0 or not np.issubdtype(step.dtype, np.integer):
-            raise ValueError(
-                f"step must be an integer scalar, got an array {step.dtype}{step.shape}"
-            )
-        step = int(step)
-    elif not isinstance(step, (bool, int)) and hasattr(step, "__index__"):
-        step = operator.index(step)  # numpy integers
-    return check_step(step)
+_check_step = check_step_value
 
 
 def _collective(kind: str) -> Callable[[_F], _F]:
@@ -70,7 +53,7 @@ def _collective(kind: str) -> Callable[[_F], _F]:
         @functools.wraps(method)
         def run(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
             key = None
-            if kind == "save":
+            if kind == "save" and not isinstance(args[0] if args else None, jax.Array):
                 try:
                     key = _check_step(args[0] if args else kwargs["step"])
                 except (ValueError, KeyError, IndexError):
@@ -90,9 +73,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
     the data is written in the background and becomes visible only when its
     commit marker is written. At most one save is in flight.
 
-    With ``local_root`` there are two tiers: saves commit to the fast local root, and steps
-    ``promote_policy`` chooses are promoted to ``root`` (durable) in the background or by a
-    ``jaxckpt promote`` sidecar; ``restore`` reads the newest step of either (see README).
+    With ``local_root``, saves commit to the fast local tier and ``promote_policy``'s steps are
+    promoted to ``root`` in the background or by a ``jaxckpt promote`` sidecar (README).
 
     Args:
       root: a local path, ``file://`` URI, ``gs://bucket/prefix`` or ``s3://bucket/prefix``.
@@ -118,6 +100,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
             self.root, primary=opts.primary_host, timeout_s=opts.save_timeout_s
         )
         self._watcher = PreemptionWatcher.for_policy(opts.save_policy)
+        self._clock = StepClock(predict=jax.process_count() == 1)  # save(state.step) is free
         join_tiers(self._tiers, self._agreement, opts)  # epochs; the local tier's peers
         self._protocol, self._storage = self._tiers[0].protocol, self._tiers[0].storage
         self._promotion = open_promotion(self._tiers, self._agreement, opts, self.preempted)
@@ -137,6 +120,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         session.listen(self._promotion, self._health, retention)  # judged before pruned
         self._promotion.start(on_promoted=retention.committed)
         self.ledger.opened(self)
+        _openroots.register(self, () if self.epoch is None else tuple(t.uri for t in self._tiers))
 
     @property
     def root(self) -> str:
@@ -190,9 +174,9 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
           WriterFencedError: another process opened the root for writing since.
         """
         self._session.check_writable()
-        says = self._session.policy_says_save
-        step = _check_step(step)
-        if not force and not says(step, self.preempted, self.latest_step):
+        policy = self._session.policy_says_save
+        step, saving = self._clock.decide(step, force, policy, self.preempted, self.latest_step)
+        if not saving:
             self._session.check_background()  # a finished failed save still surfaces, at once
             return False
         self.wait()
@@ -226,8 +210,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         the durable step waited for (None: nothing durable and nothing asked).
 
         Args:
-          step: a step chosen for promotion; None: the newest step this manager asked to
-            promote (when it asked for none, the newest durable step is returned).
+          step: a step chosen for promotion; None: the newest this manager asked to promote
+            (if none, the newest durable step is returned).
           timeout_s: how long to wait; None means ``save_timeout_s``.
 
         Raises:
@@ -250,8 +234,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
 
     @_collective("latest")
     def latest_step(self) -> int | None:
-        """The newest committed step of any tier, or None (reads the newest markers only;
-        collective: call it on every process)."""
+        """The newest committed step of any tier, or None (newest markers only; collective)."""
         return self._select.latest()
 
     @_collective("restore")
@@ -266,7 +249,6 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
     ) -> Any:
         """Restores a committed step (the newest good one by default); ``restored_step``
         then says which (older than ``latest_step()`` when the newest was corrupt or bad).
-
         Collective on several processes: all restore the primary's choice of step.
 
         Args:
@@ -329,10 +311,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
           CheckpointError: the step is being saved.
           WriterFencedError: another process took over the root.
         """
-        self._session.check_writable()
-        step = _check_step(step)
-        if step in self._session.current_steps():
-            raise CheckpointError(f"step {step} is being saved; wait() before deleting it")
+        self._session.check_deletable(step := _check_step(step))
         self._promotion.withdraw(step)  # never promote a deleted step
         self._retention.delete(step)
 
@@ -367,6 +346,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
             self.wait()  # after an interrupted wait() too: commits or raises
             self._health.ended("clean" if self._clean_exit else None)  # no crash
         finally:
+            _openroots.unregister(self)
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
             self._retention.close()

@@ -237,13 +237,15 @@ def init_from_flags(
       restore_kwargs: more arguments of ``restore`` (e.g. ``allow_lossy_cast``).
 
     Raises:
-      CheckpointFlagError: the init flags are inconsistent.
-      StepNotFoundError, TreeMismatchError: as ``CheckpointManager.restore``.
+      CheckpointFlagError: the init flags are inconsistent, or ``--checkpoint_init_from``
+        names no root or a step it does not hold (a usage error under ``absl.app.run``).
+      TreeMismatchError: as ``CheckpointManager.restore``.
     """
     import logging
 
     from jaxckpt import CheckpointManager
     from jaxckpt.cli import split_source
+    from jaxckpt.errors import NotACheckpointRootError, StepNotFoundError, StorageError
 
     fv = flag_values_or_default(flag_values)
     problem = init_problem({name: fv[name].value for name in fv})
@@ -257,7 +259,13 @@ def init_from_flags(
         return None
     root, step = split_source(fv.checkpoint_init_from)
     rename = dict(r.split("=", 1) for r in fv.checkpoint_init_rename) or None
-    with CheckpointManager(root, read_only=True) as source:
+    try:  # a root or step that is not there is the flag's mistake: a usage error
+        source = CheckpointManager(root, read_only=True)
+        if step is not None:
+            source.metadata(step)
+    except (NotACheckpointRootError, StepNotFoundError, StorageError) as e:
+        raise flag_error(f"--checkpoint_init_from={fv.checkpoint_init_from}: {e}") from e
+    with source:
         state = source.restore(
             step, target=target, partial=fv.checkpoint_init_partial, rename=rename, **restore_kwargs
         )

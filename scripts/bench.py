@@ -47,6 +47,7 @@ The other benchmarks are subcommands of this one entry point, each a module
     python scripts/bench.py replread  # multi-host restore bytes (replread.json)
     python scripts/bench.py readclient  # direct reads vs obstore; TensorStore vs obstore PUTs
     python scripts/bench.py listing   # open, latest_step(), restore(), save at 10-10,000 steps
+    python scripts/bench.py declined  # what a declined save costs: int step vs state.step
     python scripts/bench.py peers     # replicated vs single-node local commits, restore after
                                       # a lost node from peers vs the durable root
     python scripts/bench.py scale     # 2-16 real JAX processes: requests, metadata bytes and

@@ -27,7 +27,8 @@ from importgraph import (
 MODULES = modules()
 
 LAYERS: list[set[str]] = [
-    {"errors", "_pools", "_retentionpolicy"},
+    {"errors", "_pools", "_retentionpolicy", "_openroots"},
+    {"_healthpolicy"},  # judging a step from its metrics
     {"policy", "_flagdefs"},
     {"_preemption", "storage"},
     {"records"},  # what is on storage: keys, markers, manifests, tree records, layouts
@@ -36,8 +37,8 @@ LAYERS: list[set[str]] = [
     {"_options"},
     {"tiers"},  # a root opened for saving and reading, with its peers
     {"restoring", "saving"},
-    {"tools", "planning"},
-    {"lifecycle"},  # promotion, retention and archiving of committed steps
+    {"tools", "planning", "ledger"},  # ledger: the run's events and the goodput report
+    {"lifecycle", "health"},  # promotion, retention, archiving; health verdicts and crash loops
     {"_manager"},
     {"workflows", "_disabled"},  # built on the manager: preflight, import and export
     {"cli", "_flagpolicies", "zarr_compat"},

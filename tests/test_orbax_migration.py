@@ -236,16 +236,16 @@ def test_composite_items_are_imported_or_refused_by_name_never_dropped(capsys, t
     assert mgr.restored_process_state == {"next_index": 42}
     # Exported, the process state is a data-iterator item again, in grain's layout.
     dest = str(tmp_path / "back")
-    assert jaxckpt.export_orbax(root, dest).path == os.path.join(dest, "5", "state")
-    with ocp.CheckpointManager(dest) as back:
+    assert jaxckpt.export_orbax(root, dest).path == os.path.join(dest, "5", "default")
+    with ocp.CheckpointManager(dest, item_names=("default", "data_iter")) as back:
         items = back.restore(
             5,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(state), data_iter=_IteratorArgs()
+                default=ocp.args.StandardRestore(state), data_iter=_IteratorArgs()
             ),
         )
     assert items["data_iter"] == {"next_index": 42}
-    assert _bits(items["state"]["w"]) == _bits(state["w"])
+    assert _bits(items["default"]["w"]) == _bits(state["w"])
     # Leaving the iterator out is explicit, and recorded.
     skipped = str(tmp_path / "skipped")
     rc, out, err = _run(capsys, "import", orbax_dir, skipped, "--skip-item", "data_iter")

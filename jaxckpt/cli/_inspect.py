@@ -12,6 +12,10 @@ from jaxckpt.cli._output import human_bytes, json_out, local_time, print_table
 from jaxckpt.commit import CommitProtocol
 from jaxckpt.formats import step_format
 from jaxckpt.records import TREE_FILE, CommitMarker, parse_tree, versions_text
+from jaxckpt.records import process_state_summaries as summaries
+
+_SHOWN_STATES = 4
+"""Processes whose ``process_state`` the text output lists (``--json``: all)."""
 
 
 def register(sub: Any) -> None:
@@ -23,15 +27,17 @@ def register(sub: Any) -> None:
 
 def _stored_bytes(
     protocol: CommitProtocol, marker: CommitMarker
-) -> tuple[dict[str, int], str, int]:
-    """Stored bytes per array, the step's layout and its number of data objects."""
+) -> tuple[dict[str, int], str, int, dict[int, Any]]:
+    """Stored bytes per array, the step's layout, its number of data objects and its
+    ``process_state`` records by process."""
     sizes: dict[str, int] = {}
     parts = protocol.read_manifest(marker)
     for part in parts:
         for name, chunks in part.arrays.items():
             sizes[name] = sizes.get(name, 0) + sum(c.size for c in chunks)
     layout = step_format(part.layout for part in parts).name
-    return sizes, layout, sum(part.objects for part in parts)
+    states = {p.process: p.process_state for p in parts if p.process_state is not None}
+    return sizes, layout, sum(part.objects for part in parts), states
 
 
 def _describe_sharding(sharding: dict[str, Any] | None) -> str:
@@ -60,7 +66,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         protocol.where(marker.location.tree_key),
         step=marker.step,
     )
-    stored, layout, objects = _stored_bytes(protocol, marker)
+    stored, layout, objects, records = _stored_bytes(protocol, marker)
+    states = summaries(records, marker.step)
     leaves: list[dict[str, Any]] = []
     for leaf in tree.leaves:
         is_value = leaf.kind == "value"
@@ -95,6 +102,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "epoch": marker.epoch,
                 "layout": layout,
                 "data_objects": objects,
+                "process_states": [summary.as_json() for summary in states],
                 "leaves": leaves,
             }
         )
@@ -114,6 +122,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in marker.metrics.items()))
     if tree.metadata is not None:
         print(f"metadata: {json.dumps(tree.metadata)}")
+    for summary in states[:_SHOWN_STATES]:
+        print(f"process_state of process {summary.process}: {summary.describe()}")
+    if len(states) > _SHOWN_STATES:
+        print(f"... and {len(states) - _SHOWN_STATES} more processes' (--json lists every one)")
     rows = [["PATH", "KIND", "SHAPE", "DTYPE", "SHARDING", "BYTES"]]
     for x in leaves:
         if x["kind"] == "value":

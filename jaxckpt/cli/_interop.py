@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 from jaxckpt.cli._common import command, open_root, split_source
 from jaxckpt.cli._output import Progress, human_bytes, human_duration
@@ -46,6 +46,13 @@ def register(sub: Any) -> None:
         "FILE.safetensors; orbax: a CheckpointManager directory (OUT/<step>/default)",
     )
     p.add_argument("--format", choices=["safetensors", "orbax"], default="safetensors")
+    p.add_argument(
+        "--layout",
+        choices=["manager", "flax"],
+        help="orbax: 'manager' (default): OUT/<step>/default, for Orbax's CheckpointManager "
+        "and StandardRestore; 'flax': OUT/checkpoint_<step>, for Flax's "
+        "flax.training.checkpoints.restore_checkpoint(OUT, target)",
+    )
     p.add_argument(
         "--leaf",
         action="append",
@@ -89,6 +96,12 @@ def register(sub: Any) -> None:
         metavar="NAME",
         help="orbax: leave out this item of a Composite (recorded in the step's metadata)",
     )
+    p.add_argument(
+        "--max-bytes",
+        type=_size,
+        metavar="SIZE",
+        help="orbax: the most one step's arrays may claim (default: this host's memory)",
+    )
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -100,6 +113,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from jaxckpt.tools import export_safetensors
 
+    if args.layout:
+        args.parser.error("--layout applies to --format orbax only")
     bar = Progress.on_stderr(f"step {marker.step}", marker.nbytes, quiet=args.no_progress)
     result = export_safetensors(
         root,
@@ -123,10 +138,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _export_orbax(args: argparse.Namespace, root: str, step: int) -> int:
     if args.leaf or args.max_shard_size:
         args.parser.error("--leaf and --max-shard-size apply to --format safetensors only")
+    layout: Literal["manager", "flax"] = args.layout or "manager"
     from jaxckpt.workflows import export_orbax
 
     start = time.monotonic()
-    result = export_orbax(root, args.out, step=step)
+    result = export_orbax(root, args.out, step=step, layout=layout)
     print(
         f"step {result.step}: exported {result.arrays} arrays ({human_bytes(result.nbytes)}) "
         f"to {result.path} (Orbax) in {human_duration(time.monotonic() - start)}"
@@ -154,8 +170,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         raise ImportSourceError(f"{args.src} does not exist")
     kind = _kind(args.src, args.kind)
     if kind == "safetensors":
-        if args.steps or args.skip_item:
-            args.parser.error("--step and --skip-item apply to Orbax sources only")
+        if args.steps or args.skip_item or args.max_bytes:
+            args.parser.error("--step, --skip-item and --max-bytes apply to Orbax sources only")
         results = [import_safetensors(args.src, root, step=step)]
     else:
         from jaxckpt.workflows import import_orbax
@@ -163,7 +179,12 @@ def cmd_import(args: argparse.Namespace) -> int:
         if step is not None and args.steps is not None and len(args.steps) != 1:
             args.parser.error(f"ROOT:{step} names the step of one import; choose one --step")
         results = import_orbax(
-            args.src, root, steps=args.steps, step=step, skip_items=args.skip_item
+            args.src,
+            root,
+            steps=args.steps,
+            step=step,
+            skip_items=args.skip_item,
+            max_bytes=args.max_bytes,
         )
     for result in results:
         print(

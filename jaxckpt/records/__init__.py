@@ -78,6 +78,7 @@ from jaxckpt.records._owner import refusal as refusal
 from jaxckpt.records._procstate import ProcessStateAccess as ProcessStateAccess
 from jaxckpt.records._procstate import RestoredStates as RestoredStates
 from jaxckpt.records._procstate import encode as encode_process_state
+from jaxckpt.records._procsummary import summaries as process_state_summaries
 from jaxckpt.records._requests import ALREADY_DURABLE as ALREADY_DURABLE
 from jaxckpt.records._requests import ARCHIVED as ARCHIVED
 from jaxckpt.records._requests import FAILED as FAILED
@@ -261,6 +262,7 @@ __all__ = [
     "parse_tree",
     "parts_crc32c",
     "path_str",
+    "process_state_summaries",
     "promote_key",
     "read_checked",
     "read_requests",

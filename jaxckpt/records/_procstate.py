@@ -64,7 +64,7 @@ def encode(value: Any, *, step: int, process: int) -> dict[str, Any] | None:
                 f"str keys, lists, str, int, float, bool, None): {problem}"
             )
         try:
-            raw = dumps(value)
+            raw = dumps(plain_numbers(value))
         except (TypeError, ValueError) as e:
             raise UnsupportedLeafError(
                 f"{where} must be bytes, str or JSON-serialisable (a dict of str keys, lists, "
@@ -78,6 +78,26 @@ def encode(value: Any, *, step: int, process: int) -> dict[str, Any] | None:
             "position in it and save larger per-process data as arrays of the state"
         )
     return {"kind": kind, "data": data, "size": len(raw), "crc32c": crc32c(raw)}
+
+
+def plain_numbers(value: Any) -> Any:
+    """``value`` with numpy scalars (``np.int64``, ``np.float32``, ``np.bool_``: what a
+    data iterator's state often holds) as the Python numbers they equal; else unchanged."""
+    try:
+        return _plain(value)
+    except RecursionError:
+        return value  # too deep to walk here: the JSON encoder decides
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    item = getattr(value, "item", None)
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and item:
+        return item()
+    return value
 
 
 def decode(record: Any, what: str) -> Any:

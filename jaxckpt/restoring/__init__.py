@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from jaxckpt.restoring._stepreader import LoadedStep as LoadedStep
     from jaxckpt.restoring._stepreader import load_step as load_step
     from jaxckpt.restoring._stepreader import tier_reader as tier_reader
+    from jaxckpt.restoring._targets import concrete_targets as concrete_targets
 
 # Names whose modules import jax or TensorStore load on first use, so that
 # the light modules of this package (and ``jaxckpt ls``) stay free of them.
@@ -59,6 +60,7 @@ _LAZY = {
     "Selection": "jaxckpt.restoring._select",
     "LoadedStep": "jaxckpt.restoring._stepreader",
     "load_step": "jaxckpt.restoring._stepreader",
+    "concrete_targets": "jaxckpt.restoring._targets",
 }
 
 
@@ -86,6 +88,7 @@ __all__ = [
     "StepMetadata",
     "StepView",
     "compare_trees",
+    "concrete_targets",
     "dotted_path",
     "load_step",
     "lossy_cast",

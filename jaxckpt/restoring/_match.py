@@ -106,7 +106,7 @@ def match_target(
             saved_as = "" if leaf.path_text == path else f" (saved as {leaf.path_text})"
             shapes.append(
                 f"shape mismatch at {path}{saved_as}: saved {leaf.shape} {leaf.dtype}, "
-                f"target {_describe(target)}"
+                f"target {_describe(target)}{key_data_hint(leaf, target)}"
             )
     extra = [] if partial else sorted(set(by_path) - set(target_paths))
     if missing or shapes or duplicates or extra:
@@ -119,6 +119,7 @@ def match_target(
             targets=len(target_paths),
             partial=partial,
             renamed=rename is not None,
+            unused=sorted(set(by_path) - set(target_paths)) if partial else (),
         )
         raise TreeMismatchError(mismatch_message(mismatch))
     return matched
@@ -181,6 +182,23 @@ def check_casts(
             "every value (pass allow_lossy_cast=True to convert anyway):\n"
             + "\n".join(problems[:SHOWN] + more)
         )
+
+
+def key_data_hint(leaf: SavedLeaf, target: Any) -> str:
+    """A typed-key target for a leaf saved as a key's raw data (an Orbax import without
+    a target keeps ``jax.random.key_data``): how to get the key back."""
+    dtype = getattr(target, "dtype", None)
+    if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return ""
+    if leaf.kind != "array" or leaf.dtype != "uint32":
+        return ""
+    if tuple(leaf.shape) != jax.eval_shape(jax.random.key_data, target).shape:
+        return ""
+    return (
+        " (saved as the key's raw data: restore it as a uint32 array, e.g. with partial "
+        "restores or rename=lambda p: None for it, and wrap it with "
+        "jax.random.wrap_key_data; or import with target= so it is saved as a key)"
+    )
 
 
 def _describe(x: Any) -> str:

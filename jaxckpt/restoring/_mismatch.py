@@ -39,6 +39,8 @@ class Mismatch:
       targets: how many leaves the target has.
       partial: the restore was already partial.
       renamed: a ``rename`` was given.
+      unused: saved paths the target lacks when ``partial`` (not an error then, but
+        where a rename would find the missing paths).
     """
 
     missing: Sequence[tuple[str, str]]
@@ -49,6 +51,7 @@ class Mismatch:
     targets: int
     partial: bool
     renamed: bool
+    unused: Sequence[str] = ()
 
 
 def _tokens(path: str) -> list[str] | None:
@@ -108,6 +111,12 @@ def _apply_prefixes(mapping: dict[str, str]) -> Callable[[str], str]:
     return rename
 
 
+def _attribute_of(saved: str, target: str) -> bool:
+    """Saved ``['name']``, target ``.name`` (a dataclass or namedtuple field, as Orbax
+    saves it without a target)."""
+    return saved.startswith("['") and target == f".{_key(saved)}" and _key(saved).isidentifier()
+
+
 def _replacements(token_pairs: Counter[tuple[str, str]]) -> tuple[Callable[[str], str], str]:
     """One callable (and its source text) rewriting every differing component."""
     subs: list[tuple[str, str]] = []
@@ -121,8 +130,16 @@ def _replacements(token_pairs: Counter[tuple[str, str]]) -> tuple[Callable[[str]
         )
         subs.append((pattern, repl))
         body = f're.sub(r"{pattern}", r"{repl}", {body})'
+    attributes = sorted(
+        _key(a) for a, b in token_pairs if _attribute_of(a, b) and (a, b) not in index_like
+    )
+    if len(attributes) > 1:  # saved ['name'], target .name: one pattern for every name
+        pattern = r"\['(" + "|".join(re.escape(n) for n in attributes) + r")'\]"
+        repl = r".\1"
+        subs.append((pattern, repl))
+        body = f're.sub(r"{pattern}", r"{repl}", {body})'
     for a, b in token_pairs:
-        if (a, b) not in index_like:
+        if (a, b) not in index_like and not (len(attributes) > 1 and _attribute_of(a, b)):
             subs.append((re.escape(a), b.replace("\\", "\\\\")))
             body = f"{body}.replace({a!r}, {b!r})"
 
@@ -155,7 +172,8 @@ def _suggest(missing: Sequence[str], extra: Sequence[str]) -> tuple[list[str], s
             if a != b:
                 token_pairs[(a, b)] += 1
     if not pairs:
-        return _suggest_value_suffix(missing, extra)
+        fallback = _suggest_value_suffix(missing, extra)
+        return fallback if fallback[1] is not None else _suggest_renamed_keys(missing, extra)
     kinds: Counter[str] = Counter()
     examples: dict[str, tuple[str, str]] = {}
     for (a, b), n in token_pairs.most_common():
@@ -173,9 +191,11 @@ def _suggest(missing: Sequence[str], extra: Sequence[str]) -> tuple[list[str], s
     candidates: list[tuple[Callable[[str], str], str, int]] = []  # (rename, text, entries)
     if len(prefixes) <= MAX_RENAMES:
         candidates.append((_apply_prefixes(prefixes), f"rename={prefixes!r}", len(prefixes)))
-    if len(token_pairs) <= MAX_RENAMES or kinds.keys() == {"string key vs list index"}:
+    attrs = sum(_attribute_of(a, b) for a, b in token_pairs)
+    collapsed = len(token_pairs) - max(attrs - 1, 0)  # the attributes: one pattern
+    if collapsed <= MAX_RENAMES or kinds.keys() == {"string key vs list index"}:
         index_like = [_kind(a, b) == "string key vs list index" for a, b in token_pairs]
-        entries = index_like.count(False) + any(index_like)  # one regex for every index
+        entries = index_like.count(False) + any(index_like) - max(attrs - 1, 0)
         candidates.append((*_replacements(token_pairs), entries))
     # The one that supplies the most missing paths; of those, the shortest.
     best = min(candidates, key=lambda c: (-_fits(c[0], wanted, extra), c[2]), default=None)
@@ -183,6 +203,42 @@ def _suggest(missing: Sequence[str], extra: Sequence[str]) -> tuple[list[str], s
         return lines, None, 0
     fixed = _fits(best[0], wanted, extra)
     return lines, (best[1] if fixed else None), fixed
+
+
+def _suggest_renamed_keys(
+    missing: Sequence[str], extra: Sequence[str]
+) -> tuple[list[str], str | None, int]:
+    """Saved paths that differ from missing target paths in exactly one key (a renamed
+    module or top-level key: saved ``['params']``, target ``['model']``): the prefix
+    renames that supply the most missing paths, at most :data:`MAX_RENAMES`."""
+    index: dict[tuple[int, int, tuple[str, ...]], list[list[str]]] = {}
+    for path in missing:
+        tokens = _tokens(path)
+        if tokens is None:
+            continue
+        keys = tuple(map(_key, tokens))
+        for i in range(len(keys)):
+            index.setdefault((len(keys), i, keys[:i] + keys[i + 1 :]), []).append(tokens)
+    counts: Counter[tuple[str, str]] = Counter()
+    for path in extra:
+        tokens = _tokens(path)
+        if tokens is None:
+            continue
+        keys = tuple(map(_key, tokens))
+        for i in range(len(keys)):
+            for target in index.get((len(keys), i, keys[:i] + keys[i + 1 :]), ()):
+                counts["".join(tokens[: i + 1]), "".join(target[: i + 1])] += 1
+    mapping: dict[str, str] = {}
+    for (old, new), _ in counts.most_common():
+        if old not in mapping and new not in mapping.values() and len(mapping) < MAX_RENAMES:
+            mapping[old] = new
+    if not mapping:
+        return [], None, 0
+    fixed = _fits(_apply_prefixes(mapping), set(missing), extra)
+    if not fixed:
+        return [], None, 0
+    line = f"  {fixed} of them are saved under another key (a renamed module or key)"
+    return [line], f"rename={mapping!r}", fixed
 
 
 def _suggest_value_suffix(
@@ -224,7 +280,7 @@ def mismatch_message(m: Mismatch) -> str:
         f"{len(extra)} saved leaves not in the target, {len(m.shapes)} shape mismatches"
     ]
     try:
-        causes, rename, fixed = _suggest(missing, extra)
+        causes, rename, fixed = _suggest(missing, extra or list(m.unused))
     except Exception:  # a diagnosis must never hide the mismatch itself
         causes, rename, fixed = [], None, 0
     lines += causes

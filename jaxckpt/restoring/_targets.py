@@ -23,7 +23,13 @@ import numpy as np
 from jaxckpt.errors import TreeMismatchError
 from jaxckpt.records import SavedLeaf
 
-__all__ = ["place_keys", "resolve_targets", "target_sharding", "uncommitted"]
+__all__ = [
+    "concrete_targets",
+    "place_keys",
+    "resolve_targets",
+    "target_sharding",
+    "uncommitted",
+]
 
 
 def uncommitted(target: Any) -> bool:
@@ -62,6 +68,22 @@ def _concrete(path: str, sharding: Any) -> Any:
             "restore under the mesh the target was traced under"
         )
     return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def concrete_targets(targets: Any) -> Any:
+    """A pytree of targets with every abstract-mesh sharding resolved (for readers, such
+    as Orbax's, that need a concrete mesh); see :func:`resolve_targets` for the rules."""
+
+    def one(path: Any, target: Any) -> Any:
+        sharding = getattr(target, "sharding", None)
+        if not isinstance(target, jax.ShapeDtypeStruct) or sharding is None:
+            return target
+        concrete = _concrete(jax.tree_util.keystr(path), sharding)
+        if concrete is sharding:
+            return target
+        return jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=concrete)
+
+    return jax.tree_util.tree_map_with_path(one, targets)
 
 
 def _key_shape(leaf: SavedLeaf) -> tuple[int, ...]:

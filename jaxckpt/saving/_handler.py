@@ -184,6 +184,9 @@ _FILTER = _OwnSaveFailures()
 
 def install_log_filter() -> None:
     """Installs the filter on Orbax's (absl's) logger, once per process."""
+    from jaxckpt.saving._orbaxlog import quiet_orbax_info
+
+    quiet_orbax_info()  # Orbax's six INFO lines per save: jaxckpt logs one
     logger = logging.getLogger("absl")
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)

@@ -307,6 +307,12 @@ class SaveSession:
         if self.fenced is not None:
             raise self.fenced
 
+    def check_deletable(self, step: int) -> None:
+        """Raises unless ``step`` may be deleted now (writable, and not being saved)."""
+        self.check_writable()
+        if step in self.current_steps():
+            raise CheckpointError(f"step {step} is being saved; wait() before deleting it")
+
     def close(self) -> None:
         """Closes the checkpointer (and the handler's writer thread) and the tier's peers."""
         self.closed = True

@@ -47,6 +47,12 @@ class GcsStorage(ObjectStorage):
         probe = self._name(_AUTH_PROBE)  # sent inside: the lookup runs with the request
         quiet_gcs_auth(lambda: store.read(probe).result(timeout=_AUTH_PROBE_S))
 
+    def _tried(self) -> str:
+        if self._endpoint and self._endpoint.startswith("http://"):
+            return "; the store is unreachable: tried without credentials (plain HTTP)"
+        where = "" if self._endpoint else " at https://storage.googleapis.com"
+        return f"; the store is unreachable: tried{where} with Google's default credentials"
+
     def _direct_reader(self) -> DirectReader | None:
         timeout = self._options.timeout_s
         return gcs_reader(self._bucket, self._endpoint, timeout, self._backoff)

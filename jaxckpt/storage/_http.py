@@ -39,7 +39,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from jaxckpt.storage._retry import RETRY_HTTP_STATUSES, Backoff, elapsed_note
+from jaxckpt.storage._retry import RETRY_HTTP_STATUSES, Backoff, elapsed_note, unreachable
 
 _log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class DirectReader:
                 failure = e
             except (OSError, http.client.HTTPException, ValueError) as e:
                 raise DirectReadError(f"{type(e).__name__}: {e}") from e
-            delay = self._backoff.delay(retry, started)
+            delay = self._backoff.delay(retry, started, unreachable=unreachable(failure))
             if delay is None:
                 note = elapsed_note(retry + 1, started)
                 raise StoreUnavailableError(f"{_describe(failure)}{note}") from failure

@@ -23,7 +23,7 @@ from jaxckpt.errors import StorageError
 from jaxckpt.storage._http import DirectReader
 from jaxckpt.storage._options import ObjectStoreOptions
 from jaxckpt.storage._ranged import RangedReader
-from jaxckpt.storage._retry import elapsed_note, tensorstore_transient
+from jaxckpt.storage._retry import elapsed_note, tensorstore_transient, unreachable
 from jaxckpt.storage._tsenv import bound_stalls
 from jaxckpt.storage._tserror import duration, storage_error
 from jaxckpt.storage._uri import RootURI
@@ -92,6 +92,11 @@ class ObjectRequests:
         """TensorStore context resources for this cloud's credentials."""
         return {}
 
+    def _tried(self) -> str:
+        """``; tried ...``: where this root's requests went and with which credentials,
+        for the error of a store that could not be reached."""
+        return "; the store is unreachable"
+
     # -- naming and errors -------------------------------------------------
 
     @property
@@ -151,9 +156,10 @@ class ObjectRequests:
                 if not tensorstore_transient(e):
                     raise self._error(action, name, e) from e
                 failure = e
-            delay = self._backoff.delay(retry, started)
+            lost = unreachable(failure)
+            delay = self._backoff.delay(retry, started, unreachable=lost)
             if delay is None:
-                note = elapsed_note(retry + 1, started)
+                note = elapsed_note(retry + 1, started) + (self._tried() if lost else "")
                 raise self._error(action, name, failure, note) from failure
             retry += 1
             _log.debug("%s %s: %s; retry %d in %.2f s", action, name, failure, retry, delay)

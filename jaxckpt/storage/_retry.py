@@ -64,13 +64,20 @@ class Backoff:
         if self.deadline_s is None and self.max_retries is None:
             raise ValueError("a backoff needs a deadline or a number of retries")
 
-    def delay(self, retry: int, started: float, now: float | None = None) -> float | None:
+    def delay(
+        self, retry: int, started: float, now: float | None = None, *, unreachable: bool = False
+    ) -> float | None:
         """Seconds to wait before retry ``retry`` (0: the first) of an operation whose
-        first attempt began at ``started`` (``time.monotonic()``); None: give up."""
+        first attempt began at ``started`` (``time.monotonic()``); None: give up.
+        ``unreachable``: the store could not be reached at all (:func:`unreachable`),
+        which is retried for :data:`UNREACHABLE_S` only, whatever the deadline."""
         if self.max_retries is not None and retry >= self.max_retries:
             return None
         now = time.monotonic() if now is None else now
-        left = math.inf if self.deadline_s is None else started + self.deadline_s - now
+        deadline = self.deadline_s
+        if unreachable:
+            deadline = UNREACHABLE_S if deadline is None else min(deadline, UNREACHABLE_S)
+        left = math.inf if deadline is None else started + deadline - now
         if left <= 0:
             return None
         window = min(self.max_s, self.initial_s * 2 ** min(retry, 62))
@@ -92,6 +99,34 @@ class Backoff:
             total += min(self.max_s, self.initial_s * 2 ** min(retries, 62))
             retries += 1
         return retries
+
+
+UNREACHABLE_S = 8.0
+"""How long a store that cannot be reached at all (no such host, nothing listening,
+no route) is retried: long enough for a restarting endpoint or a DNS blip, short
+enough that a wrong endpoint or a machine without network fails within seconds.
+Throttling and server errors are retried to the deadline instead."""
+
+_UNREACHABLE = (
+    "Could not resolve host",  # curl 6 (TensorStore), no DNS or a wrong name
+    "Could not resolve proxy",  # curl 5
+    "Could not connect to server",  # curl 7: refused, no route
+    "Failed to connect to",
+    "Could not connect to the endpoint URL",  # botocore's EndpointConnectionError
+    "Connection refused",
+    "Name or service not known",
+    "No route to host",
+    "Network is unreachable",
+)
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether a failure says the store could not be reached at all (the request never
+    got an answer, and repeating it soon will not change that)."""
+    if isinstance(error, ConnectionRefusedError):
+        return True
+    text = "".join([str(error), *getattr(error, "__notes__", ())])
+    return any(marker in text for marker in _UNREACHABLE)
 
 
 def tensorstore_transient(error: BaseException) -> bool:

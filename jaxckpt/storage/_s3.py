@@ -22,18 +22,23 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import tensorstore as ts
+
 from jaxckpt.storage._cloudreads import s3_reader
 from jaxckpt.storage._http import DirectReader
 from jaxckpt.storage._object import ObjectStorage
 from jaxckpt.storage._options import ObjectStoreOptions
 from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
-from jaxckpt.storage._tsenv import aws_credentials
+from jaxckpt.storage._tsenv import aws_credentials, quiet_s3_auth
 from jaxckpt.storage._uri import RootURI
 
 __all__ = ["S3Storage"]
 
 _log = logging.getLogger(__name__)
 
+_AUTH_PROBE = ".jaxckpt-probe/auth"
+_AUTH_PROBE_S = 10.0
+"""The longest the first request waits with stderr filtered."""
 _CREATE_TIMEOUT_S = 300.0
 """botocore's connect and read timeout of a create-only PUT when ``timeout_s`` is None."""
 
@@ -62,6 +67,10 @@ class S3Storage(ObjectStorage):
         if self._endpoint:
             self._extra["endpoint"] = self._endpoint.rstrip("/")
 
+    def _opened(self, store: ts.KvStore) -> None:
+        probe = self._name(_AUTH_PROBE)  # the SDK's credential lookup runs with it
+        quiet_s3_auth(lambda: store.read(probe).result(timeout=_AUTH_PROBE_S))
+
     def _direct_reader(self) -> DirectReader | None:
         timeout = self._options.timeout_s
         return s3_reader(self._bucket, self._region, self._endpoint, timeout, self._backoff)
@@ -73,6 +82,13 @@ class S3Storage(ObjectStorage):
 
     def _credentials(self) -> dict[str, Any]:
         return aws_credentials()
+
+    def _tried(self) -> str:
+        keys = "the environment's keys" if aws_credentials() else "the AWS default chain"
+        where = "" if self._endpoint else f" at https://s3.{self._region}.amazonaws.com"
+        return (
+            f"; the store is unreachable: tried region {self._region}{where}, credentials: {keys}"
+        )
 
     # -- botocore's create-only PUTs and batch deletes ------------------------
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from jaxckpt.storage._retry import RETRY_HTTP_STATUSES, Backoff, elapsed_note
+from jaxckpt.storage._retry import RETRY_HTTP_STATUSES, Backoff, elapsed_note, unreachable
 
 _log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class S3Creates:
             except Exception as e:
                 if not transient(e):
                     raise
-                delay = self._backoff.delay(retry, started)
+                delay = self._backoff.delay(retry, started, unreachable=unreachable(e))
                 if delay is None:
                     e.add_note(elapsed_note(retry + 1, started))
                     raise

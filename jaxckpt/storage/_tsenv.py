@@ -70,8 +70,18 @@ def resolve_gcs_endpoint(explicit: str | None) -> str | None:
 
 
 _AUTH_LINE = b"google_auth_provider.cc"
+_S3_AUTH_LINES = (b"AuthCredentialsProvider", b"common-io", b"AWSProfile")
+"""The AWS SDK's lines (inside TensorStore's S3 driver) while its default chain looks for
+credentials: a missing ~/.aws file or environment variable is an error line each."""
 _primed = threading.Lock()
 _primed_pid: list[int] = []
+_primed_s3: list[int] = []
+
+
+def quiet_s3_auth(first_request: Callable[[], object]) -> None:
+    """:func:`quiet_gcs_auth` for TensorStore's S3 driver: its first request, whose
+    credential lookup logs a line per place it looked, runs with stderr filtered."""
+    _quiet(first_request, _primed_s3, _S3_AUTH_LINES)
 
 
 def quiet_gcs_auth(first_request: Callable[[], object]) -> None:
@@ -86,10 +96,14 @@ def quiet_gcs_auth(first_request: Callable[[], object]) -> None:
     lookup runs here, once, and other output of that moment is kept, only delayed.
     Failures of the request are left to the caller's own request.
     """
+    _quiet(first_request, _primed_pid, (_AUTH_LINE,))
+
+
+def _quiet(first_request: Callable[[], object], primed: list[int], drop: tuple[bytes, ...]) -> None:
     with _primed:
-        if _primed_pid == [os.getpid()]:
+        if primed == [os.getpid()]:
             return
-        _primed_pid[:] = [os.getpid()]
+        primed[:] = [os.getpid()]
         sys.stderr.flush()
         with tempfile.TemporaryFile() as captured:
             saved = os.dup(2)
@@ -97,14 +111,14 @@ def quiet_gcs_auth(first_request: Callable[[], object]) -> None:
             try:
                 first_request()
             except Exception as e:  # reported by the caller's own request
-                _log.debug("first GCS request failed: %s", e)
+                _log.debug("first request failed: %s", e)
             finally:
                 sys.stderr.flush()
                 os.dup2(saved, 2)
                 os.close(saved)
             captured.seek(0)
             lines = captured.read().splitlines(keepends=True)
-        kept = b"".join(line for line in lines if _AUTH_LINE not in line)
+        kept = b"".join(line for line in lines if not any(d in line for d in drop))
         if kept:
             os.write(2, kept)
 

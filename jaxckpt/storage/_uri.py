@@ -5,7 +5,7 @@ same, after the scheme; ``file:/abs/path`` and ``file:///abs/path`` both mean
 ``/abs/path``), or ``gs://BUCKET[/PREFIX]`` / ``s3://BUCKET[/PREFIX]``. A cloud
 scheme with one slash or none (``gs:/bucket``, ``s3:bucket``) is a typo, refused
 with the spelling that works: taken as a path it would checkpoint into
-``./gs:/bucket`` on local disk.
+``./gs:/bucket`` on local disk. So is an upper-case scheme (``S3://``, ``GS://``).
 An object-store root must stay inside its bucket and prefix: the prefix is
 split on ``/`` and every segment must be non-empty and neither ``.`` nor
 ``..`` (HTTP clients normalise dot segments in request paths, not in listings,
@@ -28,6 +28,11 @@ Traceback (most recent call last):
 ...
 jaxckpt.errors.StorageError: [Errno 22] invalid checkpoint root 'gs:/bucket/run': \
 'gs:' needs two slashes after it: use 'gs://bucket/run'
+>>> parse_root("S3://bucket/run")
+Traceback (most recent call last):
+...
+jaxckpt.errors.StorageError: [Errno 22] invalid checkpoint root 'S3://bucket/run': \
+the scheme is lower case: use 's3://bucket/run'
 >>> parse_root("file:/tmp/run").uri
 '/tmp/run'
 """
@@ -107,6 +112,8 @@ def parse_root(root: str | os.PathLike[str]) -> RootURI:
     scheme = match.group(1).lower()
     if scheme not in OBJECT_SCHEMES:
         raise _invalid(text, "use a path, file://, gs://BUCKET/PREFIX or s3://BUCKET/PREFIX")
+    if match.group(1) != scheme:  # other tools read S3:// differently, or not at all
+        raise _invalid(text, f"the scheme is lower case: use {scheme + text[len(scheme) :]!r}")
     bucket, _, prefix = text[match.end() :].partition("/")
     _check_bucket(text, scheme, bucket)
     return RootURI(scheme=scheme, bucket=bucket, prefix=_check_prefix(text, prefix))

@@ -278,4 +278,34 @@ def diff_steps(
                 max_abs_diff=max_diff if values else None,
             )
         )
+    out.extend(_process_states(a, b))
     return StepDiff(a_root=a.root, a_step=a.step, b_root=b.root, b_step=b.step, leaves=tuple(out))
+
+
+def _process_states(a: StepView, b: StepView) -> list[LeafDiff]:
+    """One row per process that saved a ``process_state`` in either step (kind, size and
+    CRC32C compared; a record failing its own check is damaged)."""
+    from jaxckpt.records._procsummary import summaries
+
+    sa = {s.process: s for s in summaries(a.loaded.process_states, a.step)}
+    sb = {s.process: s for s in summaries(b.loaded.process_states, b.step)}
+    out = []
+    for process in sorted(sa.keys() | sb.keys()):
+        x, y = sa.get(process), sb.get(process)
+        damage = next((s.damaged for s in (x, y) if s is not None and s.damaged), None)
+        if damage is not None:
+            status = DAMAGED
+        elif x is None or y is None:
+            status = ADDED if x is None else REMOVED
+        else:
+            status = IDENTICAL if x.same_as(y) else CHANGED
+        out.append(
+            LeafDiff(
+                path=f"process_state[{process}]",
+                status=status,
+                a=None if x is None else x.describe(),
+                b=None if y is None else y.describe(),
+                detail=damage or "",
+            )
+        )
+    return out

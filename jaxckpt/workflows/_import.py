@@ -9,6 +9,7 @@ checksummed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,38 +53,68 @@ class Imported:
 
 
 def commit_imports(
-    root: str | os.PathLike[str],
+    root: Any,
     steps: Sequence[int | None],
     load: Callable[[int], Imported],
     storage_options: dict[str, Any],
 ) -> list[ImportResult]:
     """Saves ``load(i)`` as ``steps[i]`` (None: the newest + 1), one step at a time.
 
-    Every step is checked to be free before anything is written; each is
-    committed (and its tree released) before the next is loaded.
+    ``root`` is a root URI or path, or an open :class:`~jaxckpt.CheckpointManager`
+    (the import then saves through it). The first step is loaded before anything is
+    written; every step is checked to be free before the first save; each is
+    committed (and its tree released) before the next is loaded. All or nothing: a
+    failure removes what the import made (:class:`~jaxckpt.workflows._import_dest.Destination`).
     """
+    from jaxckpt._manager import CheckpointManager
+    from jaxckpt.workflows._import_dest import Destination
+
+    if isinstance(root, CheckpointManager):
+        return _commit(root, steps, load, None, None)
+    dest = Destination.note(root, storage_options)
+    first = load(0)  # the source is read before the destination is touched
+    committed: list[int] = []
+    try:
+        with CheckpointManager(root, storage_options=storage_options) as mgr:
+            try:
+                return _commit(mgr, steps, load, first, committed)
+            except BaseException:
+                if dest.is_root:
+                    dest.undo(lambda s: _delete_quietly(mgr, s), committed)
+                raise
+    except BaseException:
+        if not dest.is_root:
+            dest.undo(lambda _: None, committed)
+        raise
+
+
+def _commit(
+    mgr: Any,
+    steps: Sequence[int | None],
+    load: Callable[[int], Imported],
+    first: Imported | None,
+    committed: list[int] | None,
+) -> list[ImportResult]:
     import jax
 
-    from jaxckpt._manager import CheckpointManager
-
+    committed = [] if committed is None else committed
+    existing = set(mgr.steps())
+    taken = sorted({s for s in steps if s is not None} & existing)
+    if taken:
+        others = f" (and {len(taken) - 1} more of the steps to import)" if len(taken) > 1 else ""
+        raise StepAlreadyExistsError(
+            f"step {taken[0]} already exists under {mgr.root}{others}; import into another "
+            "step or root"
+        )
     results = []
-    with CheckpointManager(root, storage_options=storage_options) as mgr:
-        existing = set(mgr.steps())
-        taken = sorted({s for s in steps if s is not None} & existing)
-        if taken:
-            others = (
-                f" (and {len(taken) - 1} more of the steps to import)" if len(taken) > 1 else ""
-            )
-            raise StepAlreadyExistsError(
-                f"step {taken[0]} already exists under {mgr.root}{others}; import into another "
-                "step or root"
-            )
+    try:
         for i, wanted in enumerate(steps):
             step = wanted if wanted is not None else max(existing, default=-1) + 1
-            item = load(i)
+            item = first if i == 0 and first is not None else load(i)
             extra = {} if item.process_state is None else {"process_state": item.process_state}
             metadata = {"imported_from": item.source, **item.metadata}
             mgr.save(step, item.tree, force=True, metadata=metadata, metrics=item.metrics, **extra)
+            committed.append(step)  # from here a failure removes it
             mgr.wait()
             existing.add(step)
             arrays = [x for x in jax.tree.leaves(item.tree) if hasattr(x, "dtype")]
@@ -91,7 +122,17 @@ def commit_imports(
             results.append(
                 ImportResult(root=mgr.root, step=step, arrays=len(arrays), nbytes=nbytes)
             )
+    except BaseException:
+        if first is None:  # through the caller's manager: remove the steps this import made
+            for step in committed:
+                _delete_quietly(mgr, step)
+        raise
     return results
+
+
+def _delete_quietly(mgr: Any, step: int) -> None:
+    with contextlib.suppress(CheckpointError):  # never committed: nothing to remove
+        mgr.delete(step)
 
 
 def import_safetensors(

@@ -1,25 +1,34 @@
-"""A committed jaxckpt step written as an Orbax checkpoint Orbax restores.
+"""A committed jaxckpt step written as an Orbax checkpoint that Orbax and Flax restore.
 
 The step is restored with jaxckpt (every chunk checked against its checksum),
-into ``target`` when one is given, and saved with Orbax's own
-``CheckpointManager`` and ``StandardSave``: ``DEST/<step>/default/``, the layout
-``CheckpointManager(DEST).restore(step, args=StandardRestore(target))`` reads.
-The step's user metadata goes into Orbax's ``custom_metadata``.
+into ``target`` when one is given, and saved with Orbax. Two layouts:
 
-A step saved with ``process_state`` (a data iterator's position) becomes a
-``Composite``: the tree is item ``state`` and the per-process states item
-``data_iter``, in grain's layout (``process_<i>-of-<n>.json``), so that
-``Composite(state=StandardRestore(t), data_iter=grain.checkpoint.CheckpointRestore(it))``
-restores both.
+* ``"manager"`` (the default): Orbax's ``CheckpointManager`` with ``StandardSave``,
+  ``DEST/<step>/default/``, which ``CheckpointManager(DEST).restore(step,
+  args=StandardRestore(target))`` reads, and Flax's legacy
+  ``flax.training.checkpoints.restore_checkpoint(DEST/<step>/default, target)``.
+  The step's user metadata goes into Orbax's ``custom_metadata``. A step saved with
+  ``process_state`` (a data iterator's position) adds the item ``data_iter`` beside
+  ``default``, in grain's layout (``process_<i>-of-<n>.json``): a plain
+  ``StandardRestore`` still reads the state, and
+  ``CheckpointManager(DEST, item_names=("default", "data_iter"))`` with
+  ``Composite(default=StandardRestore(t), data_iter=grain.checkpoint.CheckpointRestore(it))``
+  restores both.
+* ``"flax"``: Flax's legacy ``flax.training.checkpoints`` layout,
+  ``DEST/checkpoint_<step>/`` as one PyTree, which ``restore_checkpoint(DEST, target)``
+  finds by itself (the newest ``checkpoint_<N>``), and ``StandardCheckpointer().restore``
+  reads too. It has no place for a data iterator's state: a step's
+  ``process_state`` is left out, with a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orbax.checkpoint as ocp
 from etils import epath
@@ -27,6 +36,11 @@ from etils import epath
 from jaxckpt.errors import StepAlreadyExistsError, UnsupportedLeafError
 
 __all__ = ["OrbaxExportResult", "export_orbax"]
+
+log = logging.getLogger("jaxckpt")
+
+Layout = Literal["manager", "flax"]
+LAYOUTS = ("manager", "flax")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +123,7 @@ def export_orbax(
     step: int | None = None,
     target: Any = None,
     partial: bool = False,
+    layout: Layout = "manager",
     **storage_options: Any,
 ) -> OrbaxExportResult:
     """Writes a committed step as an Orbax ``CheckpointManager`` step under ``dest``.
@@ -121,10 +136,15 @@ def export_orbax(
       target: restore into this pytree first (a ``TrainState``, an NNX state, ...),
         so Orbax saves that structure; None: the saved nesting, arrays as numpy.
       partial: ``target`` names a subset of the saved leaves; only those are exported.
+      layout: ``"manager"``: Orbax's ``CheckpointManager`` layout (``dest/<step>/default``,
+        read by ``StandardRestore`` and by Flax's reader given that item directory);
+        ``"flax"``: Flax's legacy layout (``dest/checkpoint_<step>``, read by
+        ``flax.training.checkpoints.restore_checkpoint(dest, target)``).
 
     Returns:
-      The step written and its state's item directory ``dest/<step>/default``
-      (``dest/<step>/state`` beside ``data_iter`` when the step has process states).
+      The step written and its state's directory: ``dest/<step>/default`` (with
+      ``data_iter`` beside it when the step has process states), or
+      ``dest/checkpoint_<step>``.
 
     >>> import tempfile, numpy as np, orbax.checkpoint as ocp, jaxckpt
     >>> root, dest = tempfile.mkdtemp(), tempfile.mkdtemp()
@@ -148,6 +168,8 @@ def export_orbax(
 
     from jaxckpt._manager import CheckpointManager
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     with CheckpointManager(root, read_only=True, storage_options=storage_options) as mgr:
         tree = mgr.restore(step, target=target, partial=partial)
         saved = mgr.restored_step
@@ -158,22 +180,51 @@ def export_orbax(
     _check_leaves(tree, saved)
     texts = _iterator_texts(states, saved) if any(s is not None for s in states) else None
     dest = os.path.abspath(os.fspath(dest))
+    custom = {"exported_from": source, "metadata": user}
+    if layout == "flax":
+        path = _save_flax(dest, saved, tree, custom, dropped=texts is not None)
+    else:
+        path = _save_manager(dest, saved, tree, custom, texts)
+    arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
+    return OrbaxExportResult(
+        dest=dest,
+        step=saved,
+        path=path,
+        arrays=len(arrays),
+        nbytes=sum(int(getattr(x, "nbytes", 0)) for x in arrays),
+    )
+
+
+def _save_flax(dest: str, step: int, tree: Any, custom: dict[str, Any], dropped: bool) -> str:
+    """``dest/checkpoint_<step>``: one PyTree, Flax's legacy layout."""
+    path = os.path.join(dest, f"checkpoint_{step}")
+    if os.path.lexists(path):
+        raise StepAlreadyExistsError(f"{path} already exists; export into another directory")
+    if dropped:
+        log.warning(
+            "step %d: its process_state is not exported: Flax's checkpoint_<N> layout holds "
+            "one PyTree (layout='manager' writes it as a data_iter item)",
+            step,
+        )
+    os.makedirs(dest, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, tree, custom_metadata=custom)
+        checkpointer.wait_until_finished()
+    return path
+
+
+def _save_manager(
+    dest: str, saved: int, tree: Any, custom: dict[str, Any], texts: list[str | None] | None
+) -> str:
+    """``dest/<step>/default`` (and ``data_iter``) through Orbax's ``CheckpointManager``."""
     with ocp.CheckpointManager(dest) as orbax:
         if saved in orbax.all_steps():
             raise StepAlreadyExistsError(
                 f"Orbax directory {dest} already holds step {saved}; export into another one"
             )
-        custom = {"exported_from": source, "metadata": user}
         args: ocp.args.CheckpointArgs = ocp.args.StandardSave(tree)
-        if texts is not None:
-            args = ocp.args.Composite(state=args, data_iter=IteratorStates(texts=texts))
+        if texts is not None:  # "default": a plain StandardRestore still reads the state
+            args = ocp.args.Composite(default=args, data_iter=IteratorStates(texts=texts))
         orbax.save(saved, args=args, custom_metadata=custom)
         orbax.wait_until_finished()
-    arrays = [x for x in jax.tree.leaves(tree) if hasattr(x, "dtype")]
-    return OrbaxExportResult(
-        dest=dest,
-        step=saved,
-        path=os.path.join(dest, str(saved), "default" if texts is None else "state"),
-        arrays=len(arrays),
-        nbytes=sum(int(getattr(x, "nbytes", 0)) for x in arrays),
-    )
+    return os.path.join(dest, str(saved), "default")

@@ -17,13 +17,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxckpt.errors import TreeMismatchError
+from jaxckpt.restoring import concrete_targets
 from jaxckpt.workflows._import import Imported, ImportResult, ImportSourceError, commit_imports
+from jaxckpt.workflows._import_checks import (
+    check_claims,
+    check_links,
+    check_step_number,
+    host_memory,
+)
 from jaxckpt.workflows._orbax_layout import OrbaxItem, OrbaxStep, choose, read_json, read_source
+
+if TYPE_CHECKING:
+    from jaxckpt import CheckpointManager
 
 __all__ = ["import_orbax"]
 
@@ -58,8 +68,11 @@ def _item_target(trees: tuple[OrbaxItem, ...], item: OrbaxItem, target: Any) -> 
     return target if target is None or len(trees) == 1 else target[item.name]
 
 
-def _plan(step: OrbaxStep, skip_items: Collection[str], target: Any, allow_lossy: bool) -> _Plan:
-    """Sorts the step's items; refuses (naming the item) what cannot be imported."""
+def _plan(
+    step: OrbaxStep, skip_items: Collection[str], target: Any, allow_lossy: bool, bound: int
+) -> _Plan:
+    """Sorts the step's items; refuses (naming the item) what cannot be imported, and what
+    claims more than ``bound`` bytes, from the metadata alone (no array is read)."""
     kept = [i for i in step.items if i.name is None or i.name not in skip_items]
     skipped = tuple(sorted(i.name for i in step.items if i.name is not None and i not in kept))
     for item in kept:
@@ -88,9 +101,12 @@ def _plan(step: OrbaxStep, skip_items: Collection[str], target: Any, allow_lossy
                 f"{step.path}: step {step.step} has the PyTree items {items}; the target "
                 f"must be a dict with exactly these keys, one target per item"
             )
-    if target is not None:
-        for item in trees:
-            _check_item(item, _item_target(trees, item, target), allow_lossy)
+    claimed = 0
+    for item in trees:
+        tree_meta = _read_metadata(item)
+        claimed = check_claims(item.path, _arrays(tree_meta), claimed, bound)
+        if target is not None:
+            _check_target(item, tree_meta, _item_target(trees, item, target), allow_lossy)
     return _Plan(
         step=step,
         trees=trees,
@@ -116,6 +132,9 @@ def _check_target(item: OrbaxItem, tree_meta: Any, target: Any, allow_lossy: boo
     saved = {_key(p): m for p, m in jax.tree_util.tree_flatten_with_path(tree_meta)[0]}
     problems = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
+        if saved and _key(path) not in saved:
+            problems.append(f"{jax.tree_util.keystr(path)}: not in the checkpoint")
+            continue
         meta: Any = saved.get(_key(path))
         dtype = getattr(leaf, "dtype", None)
         if type(meta).__name__ != "ArrayMetadata" or dtype is None:
@@ -145,16 +164,35 @@ def _tree_metadata(checkpointer: Any, path: str) -> Any:
     return getattr(metadata, "tree", metadata) if tree_meta is None else tree_meta
 
 
-def _check_item(item: OrbaxItem, target: Any, allow_lossy: bool) -> None:
-    """Reads the item's metadata (not its arrays) and checks ``target`` against it."""
+def _read_metadata(item: OrbaxItem) -> Any:
+    """The item's tree metadata (its arrays' claimed shapes and dtypes; no array is read)."""
     import orbax.checkpoint as ocp
 
     with ocp.PyTreeCheckpointer() as reader:
         try:
-            tree_meta = _tree_metadata(reader, item.path)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ImportSourceError(f"cannot read Orbax checkpoint {item.path}: {e}") from e
-    _check_target(item, tree_meta, target, allow_lossy)
+            return _tree_metadata(reader, item.path)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise ImportSourceError(f"cannot read Orbax checkpoint {item.path}: {_brief(e)}") from e
+
+
+def _arrays(tree_meta: Any) -> list[tuple[str, Any, Any]]:
+    """``(tree path, claimed shape, dtype)`` of every array the metadata describes."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(tree_meta)[0]
+    return [
+        (jax.tree_util.keystr(path), meta.shape, meta.dtype)
+        for path, meta in leaves
+        if type(meta).__name__ == "ArrayMetadata"
+    ]
+
+
+def _brief(e: BaseException) -> str:
+    """An error's text on one line, cut to a readable length (Orbax's list every path)."""
+    if isinstance(e, RecursionError):
+        return "its metadata is nested too deeply to be Orbax's"
+    text = " ".join(str(e).split())
+    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + " ..."
 
 
 def _restore_tree(item: OrbaxItem, target: Any) -> Any:
@@ -166,13 +204,13 @@ def _restore_tree(item: OrbaxItem, target: Any) -> Any:
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
             try:
                 return checkpointer.restore(item.path, args=ocp.args.StandardRestore(target))
-            except OSError as e:
-                raise ImportSourceError(f"cannot read Orbax checkpoint {item.path}: {e}") from e
+            except (OSError, RecursionError) as e:
+                raise ImportSourceError(
+                    f"cannot read Orbax checkpoint {item.path}: {_brief(e)}"
+                ) from e
             except (ValueError, KeyError, TypeError) as e:
-                text = str(e)
-                text = text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE] + " ..."
                 raise TreeMismatchError(
-                    f"Orbax item {item.path} does not restore into the target: {text}"
+                    f"Orbax item {item.path} does not restore into the target: {_brief(e)}"
                 ) from e
     checkpointer = ocp.PyTreeCheckpointer()
     try:
@@ -180,8 +218,8 @@ def _restore_tree(item: OrbaxItem, target: Any) -> Any:
         scalars = jax.tree.map(lambda m: type(m).__name__ == "ScalarMetadata", tree_meta)
         args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree_meta)
         restored = checkpointer.restore(item.path, args=ocp.args.PyTreeRestore(restore_args=args))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ImportSourceError(f"cannot read Orbax checkpoint {item.path}: {e}") from e
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ImportSourceError(f"cannot read Orbax checkpoint {item.path}: {_brief(e)}") from e
     finally:
         checkpointer.close()
     return jax.tree.map(
@@ -247,13 +285,14 @@ def _load(plan: _Plan, target: Any) -> Imported:
 
 def import_orbax(
     src: str | os.PathLike[str],
-    root: str | os.PathLike[str],
+    root: str | os.PathLike[str] | CheckpointManager,
     *,
     target: Any = None,
     steps: int | Iterable[int] | None = None,
     step: int | None = None,
     skip_items: Collection[str] = (),
     allow_lossy_cast: bool = False,
+    max_bytes: int | None = None,
     log: Callable[[str], None] | None = None,
     **storage_options: Any,
 ) -> list[ImportResult]:
@@ -263,7 +302,10 @@ def import_orbax(
       src: an Orbax ``CheckpointManager`` directory (``<N>/`` or ``<prefix>_<N>/``
         steps), a Flax ``flax.training.checkpoints`` directory (``checkpoint_<N>/``),
         one step directory, or one item directory.
-      root: the jaxckpt root (created if needed; local, ``gs://``, ``s3://``).
+      root: the jaxckpt root (created if needed; local, ``gs://``, ``s3://``), or an
+        open :class:`~jaxckpt.CheckpointManager` to import through (the root of an
+        open manager of this process is refused: a second writer would fence it).
+        A failed import leaves the root as it was (a root it created is removed).
       target: restore through Orbax into this pytree (arrays or
         ``jax.ShapeDtypeStruct``, e.g. ``jax.eval_shape`` of a ``TrainState`` or an
         NNX ``nnx.state``), so the step restores into the same target with jaxckpt.
@@ -276,6 +318,8 @@ def import_orbax(
         metadata as ``orbax_skipped_items``).
       allow_lossy_cast: ``target`` may convert saved arrays to dtypes that lose
         values (float32 -> bfloat16); Orbax would, silently.
+      max_bytes: the most bytes the arrays of one step may claim (they are held in
+        memory); None: this host's memory. Checked on the metadata, before any read.
       log: called with one line per step imported.
 
     Returns:
@@ -293,18 +337,27 @@ def import_orbax(
 
     Raises:
       ImportSourceError: ``src`` is not an Orbax checkpoint, a chosen step is not
-        there, or an item cannot be imported (it is named, with the fix).
+        there, an item cannot be imported (it is named, with the fix), it links out
+        of ``src``, or its arrays claim more than ``max_bytes``.
+      CheckpointError: an open manager of this process writes ``root``.
       StepAlreadyExistsError: a step is already committed under ``root`` (checked
         for every step before anything is written).
       TreeMismatchError: Orbax cannot restore an item into ``target``, or would
         change an array's shape or convert it lossily (every such path is named).
     """
-    src = os.fspath(src)
+    src = os.path.abspath(os.fspath(src))  # Orbax reads absolute paths only
     chosen = choose(src, read_source(src), steps)
     if step is not None and len(chosen) != 1:
         raise ValueError(f"step={step} names the step of one import; {src} has {len(chosen)}")
+    for found in chosen:
+        check_links(src, found.path)
+        if step is None:
+            check_step_number(found.path, found.step)
     skip = frozenset(skip_items)
-    plans = [_plan(s, skip, target, allow_lossy_cast) for s in chosen]  # refusals before writes
+    target = None if target is None else concrete_targets(target)
+    bound = host_memory() if max_bytes is None else max_bytes
+    # Every refusal comes before anything is read or written.
+    plans = [_plan(s, skip, target, allow_lossy_cast, bound) for s in chosen]
     if not plans:
         return []
 

@@ -70,6 +70,10 @@ def read_json(path: str) -> Any:
         return json.loads(data)
     except (OSError, ValueError) as e:
         raise ImportSourceError(f"cannot read {path}: {e}") from e
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise ImportSourceError(
+            f"cannot read {path}: it is nested too deeply to be Orbax's record"
+        ) from None
 
 
 def _is_tree_dir(path: str) -> bool:

@@ -7,8 +7,9 @@ cannot leak into the next. Every result lands under ``--out`` with the name
 the part writes on its own: ``bench.md``/``bench.png``/``bench.json`` (core),
 ``bench_tiers.json``, ``bench_packed.json``, ``bench_cloud.json``, ``replread.json``,
 ``savemem.json``, ``bench_readclient.json``, ``bench_peers.json``, ``listing.json``,
-``ledger.json``; ``bench_all.json`` records each part's command, exit status and wall
-time. A failing part does not stop the others; the exit status is 1 if any failed.
+``ledger.json``, ``bench_declined.json``; ``bench_all.json`` records each part's command,
+exit status and wall time. A failing part does not stop the others; the exit status is 1
+if any failed.
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ PARTS = {
             out_flag="--json",
             result="ledger.json",
             tiny=("--calls", "200", "--steps", "10", "--step-ms", "1"),
+        ),
+        Part(
+            name="declined",
+            out_flag="--json",
+            result="bench_declined.json",
+            tiny=("--steps", "6", "--rounds", "1", "--size", "64"),
         ),
     )
 }

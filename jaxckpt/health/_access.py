@@ -1,7 +1,7 @@
 """The health methods of :class:`jaxckpt.CheckpointManager`: marks, the newest good
 step, rollback and preemption notices (a base class of the manager,
 beside :class:`~jaxckpt.records._procstate.ProcessStateAccess`; the logic is
-:class:`jaxckpt._health.Health`)."""
+:class:`jaxckpt.health.Health`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from jaxckpt._health import Health
 from jaxckpt.commit import Agreement
+from jaxckpt.health._verdicts import Health
 from jaxckpt.records import check_step
 from jaxckpt.restoring import Selection
 
