@@ -297,6 +297,7 @@ def test_a_crash_loop_quarantines_its_step_with_real_processes(tmp_path, capsys,
     ]
     mgr.close()
     assert _runs.list_runs(open_storage(str(root)))[0].exit == "clean"
+    assert jaxckpt.report(str(root)).restarts[-1].why == "quarantine"  # the ledger says why
 
 
 def test_a_step_marked_good_by_hand_starts_its_count_again(tmp_path, capsys):

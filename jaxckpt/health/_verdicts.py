@@ -116,6 +116,10 @@ class Health:
         self._run: str | None = None  # set at the first restore of a writable manager
         self._recording = False  # inside the first restore: its attempts are recorded
         self._listed_runs: list[_runs.Run] | None = None  # the quarantine's listing
+        self.skipped: frozenset[int] = frozenset()
+        """The bad steps the last restore's plan skips (the ledger says why it went back)."""
+        self.quarantined: int | None = None
+        """The step this manager's crash-loop check marked bad, if any."""
         self._marked: set[int] | None = None  # the steps with marks, at the last bad_steps()
         self._restored: int | None = None
         self._progress = False
@@ -224,6 +228,7 @@ class Health:
                 self._failed("the health marks", e)
         bad = self._agreement.agree("health", bad)
         hooks = {"skip": frozenset(bad) if step is None else (), "attempting": self.attempting}
+        self.skipped = frozenset(bad) if step is None else frozenset()
         return RestorePlan(frozenset(bad), marks, step, hooks)
 
     def _reasons(self, plan: RestorePlan, steps: list[int]) -> dict[int, str]:
@@ -250,6 +255,7 @@ class Health:
         key = _health.write_mark(self._storage, _health.mark_now(step, False, reason, "crash-loop"))
         parsed = _health.parse_mark_key(key)
         assert parsed is not None  # a key write_mark made
+        self.quarantined = step
         return {**marks, step: parsed}
 
     def attempting(self, step: int) -> None:

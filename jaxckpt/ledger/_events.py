@@ -72,7 +72,7 @@ FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
     # exception unwound the training loop (a failed run)
     "exit": {"closed": (bool,), "error": _OPT_STR},
 }
-WHY = (None, "fallback", "healing", "quarantine")
+WHY = (None, "fallback", "healing", "quarantine", "bad")
 """Why a restore took an older step than the newest committed one (None: it did not)."""
 
 

@@ -58,7 +58,8 @@ class Restart:
       lost_s: seconds the run before spent on them.
       tier: where the restored step came from (``local``, ``durable``).
       crash: the run before ended without a clean exit.
-      why: why an older step than the newest was restored (``fallback``, ``healing``).
+      why: why an older step than the newest was restored (``fallback``, ``healing``,
+        ``quarantine``: a crash loop marked it bad, ``bad``: marked bad).
       at_s: when the restart's process started, seconds into the job.
     """
 

@@ -248,6 +248,9 @@ class RunLedger:
             why = "fallback" if newest in parts._select.corrupt else "healing"
             if len(parts._tiers) == 1:
                 why = "fallback"
+            health = getattr(parts, "_health", None)  # bad steps skipped: marked or quarantined
+            if health is not None and any(step < s <= newest for s in health.skipped):
+                why = "quarantine" if health.quarantined in health.skipped else "bad"
         now = time.time()
         writer.append(
             "restore",
