@@ -7,8 +7,10 @@ blocking host snapshot; the returned future runs :meth:`SaveSession.write` on
 Orbax's background thread: this process's chunks, its manifest part and the
 agreed commit, marker included), waits for that future, and calls
 :meth:`StepPath.finalize` on the primary host (:meth:`SaveSession.commit`, which
-ends the session). Orbax's barriers are no-ops (``_already_met``: the session's
-agreements meet every host and carry failures), its metadata store is a no-op,
+ends the session). Orbax's collectives in the blocking phase are the manager's
+agreements (:mod:`jaxckpt.saving._meet`: deadline-bounded, they carry failures); its
+barriers after the write and the commit are no-ops (``_already_met``: the session's
+agreements met every host there already); its metadata store is a no-op,
 and its tmp-directory-and-rename commit is not used: the final path is never
 renamed. What Orbax still provides: the blocking/background split, the
 background thread and ``wait_until_finished``.
