@@ -90,15 +90,16 @@ def test_storage_requests_per_process_within_1_5x(
     )
 
 
-def test_the_commit_lists_the_attempts_prefixes_whatever_the_number_of_processes(
+def test_the_commit_lists_at_most_the_attempts_32_prefixes_whatever_the_process_count(
     measured: dict[int, Any],
 ) -> None:
     """The primary's save lists the protocol's prefixes (markers, writers), the attempt's
-    own and its 32 hashed ones: the same at 2 processes as at 4 (and at 8,192)."""
+    own and the hashed ones its parts and packs can have used: more with more processes,
+    never more than its 32 (at 8,192 processes too)."""
     from jaxckpt.records._keys import SPREAD_SLOTS
 
     lists = {n: measured[n]["summary"]["save"]["primary"]["requests"]["LIST"] for n in (2, 4)}
-    assert lists[2] == lists[4] <= 3 + 1 + SPREAD_SLOTS, lists
+    assert lists[2] <= lists[4] <= 3 + 1 + SPREAD_SLOTS, lists
 
 
 def calls(runs: dict[int, Any], n: int, phase: str, role: str) -> int:
