@@ -37,6 +37,10 @@ def commit_names(
     >>> summary = PartSummary(size=1, crc32c=0, nbytes=1, objects=2, objects_hash=0)
     >>> commit_names(["manifest/1.json"], {}, {"manifest/1.json": summary})
     ['tree.json', 'manifest/1.json', 'packs/1.0.bin', 'packs/1.1.bin']
+    >>> commit_names(["manifest/1.json"], {}, {}) is None  # a part read here: all 32
+    True
+    >>> commit_names(["manifest/1.held.json"], {}, {"manifest/1.held.json": summary}) is None
+    True
     """
     names = [TREE_FILE]
     for name in part_names:
