@@ -84,7 +84,15 @@ def test_every_process_saved_and_restored_through_its_own_proxy(measured: dict[i
 def test_storage_requests_per_process_within_1_5x(
     measured: dict[int, Any], phase: str, role: str
 ) -> None:
-    two, four = (figure(measured, n, phase, role, "total_requests") for n in (2, 4))
+    """Apart from the primary's save listings: its commit lists one hashed prefix per slot
+    the processes used, one more per process up to 32, a bound whatever N (the test below)."""
+
+    def requests(n: int) -> int:
+        counts = measured[n]["summary"][phase][role]
+        lists = counts["requests"]["LIST"] if (phase, role) == ("save", "primary") else 0
+        return int(counts["total_requests"]) - int(lists)
+
+    two, four = requests(2), requests(4)
     assert at_16(two, four) <= GROWTH * two, (
         f"{phase} {role}: {two} requests at 2 processes, {four} at 4, {at_16(two, four):g} at 16"
     )
