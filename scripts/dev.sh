@@ -2,6 +2,8 @@
 # One entry point for a fresh machine with only Python 3.11+:
 #   bash scripts/dev.sh demo   - set up .venv, run the end-to-end demo on a local root
 #   bash scripts/dev.sh test   - set up .venv, run ruff, mypy and the whole test suite
+#       [--under-load]           ... with two busy processes competing for the CPUs (scripts/underload.sh)
+#       [pytest args]            ... passed on to pytest (e.g. a test file)
 #   bash scripts/dev.sh lock   - re-resolve the test environment from pyproject.toml into constraints.txt
 # The test environment is pinned by constraints.txt (users of the package still get the ranges in
 # pyproject.toml), so CI results do not drift with the package index.
@@ -41,11 +43,20 @@ case "${1:-}" in
   test)
     setup
     shift
+    load=()
+    args=()
+    for arg in "$@"; do
+      if [ "$arg" = --under-load ]; then
+        load=(bash scripts/underload.sh)
+      else
+        args+=("$arg")
+      fi
+    done
     .venv/bin/ruff format --check jaxckpt tests scripts
     .venv/bin/ruff check jaxckpt tests scripts
     .venv/bin/mypy
     # Two workers, a test file per worker at a time (module fixtures start once per file).
-    .venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadfile "$@"
+    "${load[@]}" .venv/bin/python -m pytest -p no:cacheprovider -n 2 --dist loadfile "${args[@]}"
     ;;
   lock)
     lock

@@ -162,7 +162,7 @@ def test_a_primary_that_never_decides_times_a_process_out_naming_it(
     (error,) = j.run(lambda i: Agreement("root", timeout_s=0.3).agree("step", i), only={1}).values()
     assert isinstance(error, CheckpointError)
     assert "process 1: no decision 'step' from the primary (process 0) within 0.3s" in str(error)
-    assert 0.3 <= time.monotonic() - started < 10
+    assert time.monotonic() - started >= 0.3  # it waited its timeout (a hang fails the join)
     assert j.kv.timeouts_ms == [300]
 
 
@@ -330,22 +330,22 @@ def test_a_failure_reaches_a_process_that_arrives_after_the_failing_one_left(
     job: Callable[[int], Job],
 ) -> None:
     """The failing process waits briefly; the barrier then fails for everyone, and each
-    process reads the reports: a slow process raises the named failure at once."""
+    process reads the reports: a slow process, arriving once the others have left, raises
+    the named failure at once (a wait for its own 60 s timeout fails ``Job.run``'s join)."""
     j = job(3)
-    took: dict[int, float] = {}
+    others_left = threading.Barrier(3)  # processes 0 and 1 returned; process 2 starts
 
     def save(i: int) -> None:
         if i == 2:
-            time.sleep(1.5)  # still writing when process 1 gives up waiting
-        start = time.monotonic()
+            others_left.wait(timeout=60)  # still writing when process 1 gives up waiting
         error = StorageError("PUT x: 403 Forbidden") if i == 1 else None
         try:
             Agreement("root", timeout_s=60).settle("written", error, what="save of step 5")
         finally:
-            took[i] = time.monotonic() - start
+            if i != 2:
+                others_left.wait(timeout=60)
 
     results = j.run(save)
     for i in range(3):
         assert isinstance(results[i], StorageError), results
         assert "save of step 5 failed on process 1: PUT x: 403 Forbidden" in str(results[i])
-    assert took[2] < 0.5 and max(took.values()) < 5, took

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -287,7 +288,10 @@ def test_throttling_and_transient_failures_are_retried_until_the_deadline(
         with pytest.raises(StoreUnavailableError, match=match) as info:
             misbehaving.read_into(name, 0, memoryview(out))
         assert QUICK.deadline_s <= time.monotonic() - start < QUICK.deadline_s + 5.0
-        assert "attempts in 1." in str(info.value)
+        # the message tells how long it kept trying: the deadline at least (more on a busy
+        # machine, where the last attempt ends after it)
+        tried = re.search(r"\(\d+ attempts in (\d+\.\d) s\)", str(info.value))
+        assert tried and float(tried.group(1)) >= QUICK.deadline_s, str(info.value)
     assert misbehaving.enabled and misbehaving.failed == 0
     assert misbehaving.retries >= 4 * (_http.FAILURES_BEFORE_OFF + 1) or name == "stalled"
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from benchkit import servers
 from rootpaths import data_objects, packed_chunk, step_key, step_object
 from trees import assert_tree_bitexact, sample_state
+from triggers import HANG_S
 
 import jaxckpt
 from jaxckpt import cli
@@ -121,23 +121,29 @@ def test_no_pack_exceeds_max_object_bytes_and_packs_upload_at_once(
     cap = 192 << 10
     storage_type = type(open_storage(root))
     original_start = storage_type.start_write
-    in_flight = peak = 0
+    in_flight = peak = packs_in_flight = 0
     lock = threading.Lock()
+    overlapped = threading.Event()  # two pack uploads were in flight at once
 
     def start_write(self: object, key: str, pieces: list[bytes]) -> Callable[[], None]:
-        nonlocal in_flight, peak
+        nonlocal in_flight, peak, packs_in_flight
+        pack = "/packs/" in key
         with lock:
             in_flight += 1
             peak = max(peak, in_flight)
+            packs_in_flight += pack
+            if packs_in_flight >= 2:
+                overlapped.set()
         try:
-            if "/packs/" in key:
-                time.sleep(0.05)  # long enough for the next packs to start meanwhile
+            if pack:  # held until the next pack has started (a serial writer: until HANG_S)
+                overlapped.wait(HANG_S)
             wait = original_start(self, key, pieces)  # type: ignore[arg-type]
             wait()
             return wait
         finally:
             with lock:
                 in_flight -= 1
+                packs_in_flight -= pack
 
     monkeypatch.setattr(_pack, "MIN_PACK_BYTES", 1)
     monkeypatch.setattr(storage_type, "start_write", start_write)

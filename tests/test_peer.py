@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 
 import pytest
+from triggers import Hold
 
 from jaxckpt import PeerAuthError, PeerError
 from jaxckpt.storage import open_storage
@@ -89,25 +89,27 @@ def test_a_stalled_peer_times_out_within_the_bound():
     listener = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     try:
         address = f"127.0.0.1:{listener.getsockname()[1]}"
-        start = time.monotonic()
+        # the listener stays open and silent until after the client gave up by itself
         with (
             pytest.raises(PeerError, match=r"did not answer within 0\.5s"),
             connect(address, new_secret(), timeout_s=0.5),
         ):
             pass
-        assert time.monotonic() - start < 3.0
     finally:
         listener.close()
 
 
 def test_a_peer_that_stalls_mid_request_times_out(served, monkeypatch):
     storage, secret, server = served
-    monkeypatch.setattr(storage, "read", lambda key: time.sleep(3.0))  # a stuck disk
-    with connect(server.address, secret, timeout_s=0.5) as peer:
-        start = time.monotonic()
-        with pytest.raises(PeerError, match="no answer within the timeout"):
-            peer.get("replicas/000000000001/0/x")
-        assert time.monotonic() - start < 2.5
+    stuck = Hold(lambda key: None)  # a stuck disk: it answers once released
+    monkeypatch.setattr(storage, "read", stuck)
+    try:
+        with connect(server.address, secret, timeout_s=0.5) as peer:
+            with pytest.raises(PeerError, match="no answer within the timeout"):
+                peer.get("replicas/000000000001/0/x")
+            assert stuck.returned == 0  # it gave up while the disk was still stuck
+    finally:
+        stuck.release()
 
 
 def test_a_closed_server_is_unreachable(tmp_path):

@@ -29,7 +29,7 @@ from jaxckpt import PeerError
 from jaxckpt.storage import open_storage
 from jaxckpt.tiers._peerclient import PeerClient, connect
 from jaxckpt.tiers._transport import PeerServer, new_secret
-from jaxckpt.tiers._wire import HELLO, NONCE_BYTES, recv_exact
+from jaxckpt.tiers._wire import DIGEST_BYTES, HELLO, NONCE_BYTES, recv_exact
 
 pytestmark = pytest.mark.timeout(120)
 KEY = "replicas/000000000001/0/a/x.bin"
@@ -106,25 +106,28 @@ def test_the_listener_keeps_accepting_after_its_file_descriptors_ran_out(tmp_pat
 
 
 def test_a_handshake_trickled_byte_by_byte_is_cut_at_the_deadline(served):
-    """One byte every 0.3 s: each recv succeeds within the 30 s socket timeout, but the
-    1 s handshake deadline bounds them all together."""
+    """One byte every 0.3 s at most: each recv succeeds within the 30 s socket timeout, but
+    the 1 s handshake deadline bounds them all together: the server cuts the connection
+    before the reply it waits for is complete (a load that slows the trickle only sends
+    fewer bytes before the cut)."""
     _, _, server = served
     host, _, port = server.address.rpartition(":")
-    start = time.monotonic()
+    reply = NONCE_BYTES + DIGEST_BYTES  # the client's nonce and proof
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         assert recv_exact(sock, len(HELLO) + NONCE_BYTES).startswith(HELLO)
         sock.settimeout(0.3)
         closed = False
-        while not closed and time.monotonic() - start < 20:
+        sent = 0
+        while not closed and sent < reply:
             try:
                 sock.sendall(b"x")
+                sent += 1
                 closed = sock.recv(1) == b""
             except TimeoutError:
                 continue
             except OSError:
                 closed = True
-    assert closed
-    assert time.monotonic() - start < 5.0  # the 1 s deadline, with room for a loaded machine
+    assert closed and sent < reply, sent  # cut by the deadline, not by a refused proof
     harness.wait_until(lambda: conn_threads() == 0, what="the connection's thread", timeout_s=10)
 
 

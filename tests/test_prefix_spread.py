@@ -81,6 +81,11 @@ def test_a_step_spreads_over_hashed_prefixes_and_its_delete_is_one_batch(
             assert names == sorted([*part.packs, "manifest/0.json"])  # packs and part only
             assert all((m := HASHED.fullmatch(k)) and m.group(1) == str(step) for k in keys), keys
             assert len({k.split("/")[1] for k in keys}) >= 6  # 8+ slots of 16: spread
+            # its commit listed its own prefix and only the hashed ones its part and packs
+            # can have used (the slots of packs 0..n of process 0): those that hold them
+            attempt = str(locs[step].attempt)
+            listed = [p for p in counted.paths if p.startswith("LIST") and attempt in p]
+            assert len(listed) == 1 + len({k.split("/")[1] for k in keys}), listed
         # Nothing else of the root is per step under data/, and the top of the key space is
         # fixed: the steps only follow the hash.
         assert sorted(storage.list(DATA)) == sorted(spread[1] + spread[2])

@@ -84,21 +84,30 @@ def test_every_process_saved_and_restored_through_its_own_proxy(measured: dict[i
 def test_storage_requests_per_process_within_1_5x(
     measured: dict[int, Any], phase: str, role: str
 ) -> None:
-    two, four = (figure(measured, n, phase, role, "total_requests") for n in (2, 4))
+    """Apart from the primary's save listings: its commit lists one hashed prefix per slot
+    the processes used, one more per process up to 32, a bound whatever N (the test below)."""
+
+    def requests(n: int) -> int:
+        counts = measured[n]["summary"][phase][role]
+        lists = counts["requests"]["LIST"] if (phase, role) == ("save", "primary") else 0
+        return int(counts["total_requests"]) - int(lists)
+
+    two, four = requests(2), requests(4)
     assert at_16(two, four) <= GROWTH * two, (
         f"{phase} {role}: {two} requests at 2 processes, {four} at 4, {at_16(two, four):g} at 16"
     )
 
 
-def test_the_commit_lists_the_attempts_prefixes_whatever_the_number_of_processes(
+def test_the_commit_lists_at_most_the_attempts_32_prefixes_whatever_the_process_count(
     measured: dict[int, Any],
 ) -> None:
     """The primary's save lists the protocol's prefixes (markers, writers), the attempt's
-    own and its 32 hashed ones: the same at 2 processes as at 4 (and at 8,192)."""
+    own and the hashed ones its parts and packs can have used: more with more processes,
+    never more than its 32 (at 8,192 processes too)."""
     from jaxckpt.records import SPREAD_SLOTS
 
     lists = {n: measured[n]["summary"]["save"]["primary"]["requests"]["LIST"] for n in (2, 4)}
-    assert lists[2] == lists[4] <= 3 + 1 + SPREAD_SLOTS, lists
+    assert lists[2] <= lists[4] <= 3 + 1 + SPREAD_SLOTS, lists
 
 
 def calls(runs: dict[int, Any], n: int, phase: str, role: str) -> int:

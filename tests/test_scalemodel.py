@@ -4,12 +4,14 @@ its counts per process ``_profiles.py``, its stores and constants ``_assumptions
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import pytest
 
 from jaxckpt import cli
 from jaxckpt.planning import PROFILES, STORES, Linear, PhaseCost, fit_profile, scale_plan
+from jaxckpt.planning._measured import REPORT, measured_profile
 
 
 def _report(points: dict[int, tuple[int, int, int, int]]) -> dict[str, object]:
@@ -50,7 +52,7 @@ def _row(rows: list[PhaseCost], store: str, n: int, phase: str) -> PhaseCost:
     return found
 
 
-def test_todays_counts_exceed_s3_on_restore_at_a_thousand_processes() -> None:
+def test_the_counts_before_format_4_exceed_s3_on_restore_at_a_thousand_processes() -> None:
     rows = scale_plan(processes=[16, 1024], profile=PROFILES["before"], stores=["s3"])
     small = _row(rows, "s3", 16, "restore")
     assert not small.limit_exceeded and small.time_s == small.unthrottled_s
@@ -107,7 +109,8 @@ def test_bad_arguments_are_refused(kwargs: dict[str, object], message: str) -> N
 
 def test_cli_prints_the_table_and_every_assumption(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--processes", "1024,8192", "--stores", "s3", "--prefixes", "1"]
-    assert cli.main(argv) == 0  # the counts before issue 35, on one prefix: restores fail
+    argv += ["--counts", "before"]  # the counts before format 4, on one prefix: restores fail
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "s3     1,024  restore" in out and "fails, retries give up" in out
     for needle in ("assumptions:", "85 MB/s per connection", "3,500 PUT", "least-squares fit"):
@@ -133,3 +136,26 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         cli.main(["plan", "--step-seconds", "1"])  # neither the interval's options nor N
     assert exc.value.code == 2
     assert "required: --params, --write-gbps" in capsys.readouterr().err
+
+
+def test_the_default_counts_are_the_current_formats_measured_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The shipped ``bench.py scale --json`` report fits a profile whose per-process counts
+    do not grow with N, except the primary's (the commit lists every process's keys); the
+    CLI uses it unless ``--counts`` names another."""
+    profile = measured_profile()
+    report = json.loads(resources.files("jaxckpt.planning").joinpath(REPORT).read_text())
+    assert len({r["processes"] for r in report["runs"]}) >= 2  # a fit, not one point
+    for phase in ("save", "restore"):
+        for metric, line in profile.formulas[phase]["other"].items():
+            assert line.b == 0, (phase, metric, str(line))  # constant per process
+    restore = profile.formulas["restore"]["primary"]
+    assert restore["parts_read"].b == 0 and restore["meta_reads"].b == 0
+    assert cli.main(["plan", "--processes", "1024,8192", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert any(REPORT in line and "measured" in line for line in out["assumptions"])
+    assert not any(r["fails"] for r in out["rows"])  # no phase of today's code gives up
+    assert cli.main(["plan", "--processes", "8", "--counts", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in ("measured", "before", "target"))

@@ -2,9 +2,10 @@
 down; it does not fail them (issue 35).
 
 moto behind ``scripts/faultproxy.py``, which answers every request with ``503 SlowDown``
-for :data:`STORM_S` seconds: longer than the ~16-18 s after which six attempts of 0.5-8 s
-gave up. Retries are bounded by the deadline (the manager's ``save_timeout_s``), so both
-calls go on through the storm and finish once it ends, with the right step, bit-exact.
+until :data:`STORM_S` seconds after both calls began: longer than the ~16-18 s after which
+six attempts of 0.5-8 s gave up. Retries are bounded by the deadline (the manager's
+``save_timeout_s``), so both calls go on through the storm and finish once it ends, with
+the right step, bit-exact.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import faultproxy
 import numpy as np
 import pytest
 from benchkit import servers
+from triggers import HANG_S
 
 import jaxckpt
 
@@ -34,12 +36,21 @@ def proxy(s3_server: servers.Server) -> Iterator[faultproxy.FaultProxy]:
     proxy.close()
 
 
-def _storm(proxy: faultproxy.FaultProxy) -> threading.Timer:
-    """Every request answered ``503 SlowDown`` from now for STORM_S seconds."""
+def _storm(proxy: faultproxy.FaultProxy, began: list[threading.Event]) -> threading.Thread:
+    """Every request answered ``503 SlowDown`` from now until STORM_S seconds after each
+    of the calls has begun (each sets its event): however late a loaded machine starts
+    one, it meets a storm longer than the old budget."""
     proxy.plan = faultproxy.FaultPlan(throttle=1.0)
-    timer = threading.Timer(STORM_S, setattr, (proxy, "plan", faultproxy.NO_FAULTS))
-    timer.start()
-    return timer
+
+    def end() -> None:
+        for event in began:
+            event.wait(HANG_S)
+        time.sleep(STORM_S)
+        proxy.plan = faultproxy.NO_FAULTS
+
+    thread = threading.Thread(target=end, name="storm", daemon=True)
+    thread.start()
+    return thread
 
 
 def test_a_storm_longer_than_the_old_retry_budget_slows_a_save_and_a_restore(
@@ -54,8 +65,11 @@ def test_a_storm_longer_than_the_old_retry_budget_slows_a_save_and_a_restore(
     restored: dict[str, object] = {}
     seconds: dict[str, float] = {}
 
+    began = {"save": threading.Event(), "restore": threading.Event()}
+
     def restore(reader: jaxckpt.CheckpointManager) -> None:
         start = time.monotonic()
+        began["restore"].set()
         restored.update(reader.restore(1))
         seconds["restore"] = time.monotonic() - start
 
@@ -65,15 +79,16 @@ def test_a_storm_longer_than_the_old_retry_budget_slows_a_save_and_a_restore(
     ):
         mgr.save(1, first)
         mgr.wait()
-        timer = _storm(proxy)
+        storm = _storm(proxy, list(began.values()))
         restoring = threading.Thread(target=restore, args=(reader,))
         restoring.start()
         start = time.monotonic()
+        began["save"].set()
         mgr.save(2, second)
         mgr.wait()  # raises if the save failed
         seconds["save"] = time.monotonic() - start
         restoring.join(timeout=300)
-        timer.join()
+        storm.join(HANG_S)
         assert not restoring.is_alive() and mgr.steps() == [1, 2]
     assert proxy.snapshot()["throttle"] > 0
     assert min(seconds.values()) > OLD_BUDGET_S, seconds  # both went on through the storm

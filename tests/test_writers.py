@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import threading
 import time
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import writer_child as child
 from rootpaths import marker_path, step_dir
+from triggers import HANG_S, Hold, Interrupter, main_thread_in, wait_until
 
 import jaxckpt
 from jaxckpt import cli
@@ -325,63 +325,43 @@ def test_an_attempt_refilled_while_collected_keeps_its_pending_record(
 # -- Ctrl-C, restores racing deletes, listing at scale --------------------------------
 
 
-def _main_thread_in(function: str) -> bool:
-    """Whether the main thread is inside jaxckpt's ``function`` (in whichever module holds it)."""
-    frame = sys._current_frames().get(threading.main_thread().ident or 0)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == function and f"{os.sep}jaxckpt{os.sep}" in code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _await_main_thread_in(function: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not _main_thread_in(function):
-        assert time.monotonic() < deadline, f"the main thread never entered {function}()"
-        time.sleep(0.01)
-
-
 @pytest.mark.usefixtures("plain_by_default")
-def test_close_after_ctrl_c_in_wait_commits_or_raises(root: str) -> None:
+def test_close_after_ctrl_c_in_wait_commits_or_raises(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from jaxckpt.formats import _tsio
-
-    write = _tsio.ArrayWriter.write
-    interrupted = threading.Event()
-    release = threading.Event()
-
-    def interrupting_write(self: Any, *a: Any, **k: Any) -> Any:
-        # Ctrl-C (a process-directed SIGINT, as a terminal sends it) exactly while the caller
-        # blocks in wait(); the write then holds until the caller is inside close(), so close()
-        # is the one that must wait for the commit, whatever the machine's load.
-        _await_main_thread_in("wait")
-        os.kill(os.getpid(), signal.SIGINT)
-        interrupted.set()
-        assert release.wait(60), "close() was never called"
-        return write(self, *a, **k)
-
-    def release_once_closing() -> None:
-        if interrupted.wait(60):
-            _await_main_thread_in("close")
-        release.set()
 
     mgr = jaxckpt.CheckpointManager(root)
     mgr.save(1, {"w": jnp.arange(4.0)})
     mgr.wait()
-    _tsio.ArrayWriter.write = interrupting_write  # type: ignore[method-assign]
+    # Step 2's write holds until the caller is inside close(); Ctrl-C (a process-directed
+    # SIGINT, as a terminal sends it) comes while the caller blocks in wait() on it, so
+    # close() is the one that must wait for the commit, whatever the machine's load.
+    hold = Hold(_tsio.ArrayWriter.write)
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", hold.as_method())
+    in_wait, in_close = main_thread_in("wait"), main_thread_in("close")
+
+    def release_once_closing() -> None:
+        try:
+            wait_until(in_close, what="the caller calling close()")
+        finally:
+            hold.release()
+
     releaser = threading.Thread(target=release_once_closing, daemon=True)
-    releaser.start()
     try:
         mgr.save(2, {"w": jnp.arange(4.0) * 2})
-        with pytest.raises(KeyboardInterrupt):
+        with (
+            Interrupter(lambda: hold.entered.is_set() and in_wait(), what="the write held") as c,
+            pytest.raises(KeyboardInterrupt),
+        ):
             mgr.wait()
-        assert interrupted.is_set()
+        assert c.sent.is_set() and hold.returned == 0  # interrupted while the write was held
+        releaser.start()
         mgr.close()  # returns only once step 2 is committed
     finally:
-        release.set()
-        _tsio.ArrayWriter.write = write  # type: ignore[method-assign]
-        releaser.join(60)
+        hold.release()
+        if releaser.is_alive():
+            releaser.join(HANG_S)
     reader = jaxckpt.CheckpointManager(root, read_only=True)
     assert reader.steps() == [1, 2]
     np.testing.assert_array_equal(reader.restore(2)["w"], np.arange(4.0) * 2)

@@ -31,9 +31,11 @@ def register_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--counts",
-        default="before",
-        help="per-process counts: 'before' (fit to bench.py scale today), 'target' "
-        "(counts constant in N), or a `bench.py scale --json` file to fit (default before)",
+        default="measured",
+        help="per-process counts: 'measured' (the current format's, fit to the `bench.py "
+        "scale --json` report shipped with jaxckpt), 'before' (the code before format 4, "
+        "for comparison), 'target' (the protocol format 4 was built to), or a `bench.py "
+        "scale --json` file to fit (default measured)",
     )
     g.add_argument(
         "--prefixes",
@@ -60,13 +62,14 @@ def _counts(text: str) -> list[int]:
 
 def profile_of(text: str) -> Any:
     """A named profile, or one fit to a ``bench.py scale --json`` report."""
-    from jaxckpt.planning import PROFILES, fit_profile
+    from jaxckpt.planning import fit_profile, named_profiles
 
-    if text in PROFILES:
-        return PROFILES[text]
+    profiles = named_profiles()
+    if text in profiles:
+        return profiles[text]
     path = Path(text)
     if not path.is_file():
-        raise ValueError(f"--counts {text!r}: not {' or '.join(PROFILES)} nor a report file")
+        raise ValueError(f"--counts {text!r}: not {', '.join(profiles)} nor a report file")
     try:
         return fit_profile(json.loads(path.read_text()), name=path.name)
     except (json.JSONDecodeError, KeyError, TypeError) as e:

@@ -28,6 +28,7 @@ from jaxckpt.commit._fence import EpochRecord, Epochs, Listing
 from jaxckpt.commit._objects import list_attempt, remove_attempt
 from jaxckpt.commit._phases import reached
 from jaxckpt.commit._readmodel import CommitReader, brief
+from jaxckpt.commit._slots import commit_names
 from jaxckpt.commit._tidy import Tidying
 from jaxckpt.errors import (
     CorruptCheckpointError,
@@ -228,9 +229,11 @@ class CommitProtocol(CommitReader):
         # pack), the fence and this step's markers, and the hint (raised now if this writer
         # knows it is lower, else read).
         raise_hint = self.hints.known_lower(loc.epoch, step)
+        # the slots the parts can have used (all 32 when a part is read here)
+        listed = commit_names(part_names, written, summaries, lambda n: self.where(loc.key(n)))
         with pools.borrow("commit", self._list_workers) as pool:
             reads = [pool.submit(self.storage.read, loc.key(name)) for name in unread]
-            attempt_keys = pool.submit(list_attempt, self.storage, loc)  # 33 prefixes at any N
+            attempt_keys = pool.submit(list_attempt, self.storage, loc, listed)
             step_listing = pool.submit(self.step_listing, step)
             hint = (
                 pool.submit(self.hints.raise_to, loc.epoch, step)

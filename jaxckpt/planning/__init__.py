@@ -15,6 +15,8 @@ from jaxckpt.planning._costs import process_share as process_share
 from jaxckpt.planning._floors import Link as Link
 from jaxckpt.planning._floors import floor as floor
 from jaxckpt.planning._floors import floors as floors
+from jaxckpt.planning._measured import measured_profile as measured_profile
+from jaxckpt.planning._measured import named_profiles as named_profiles
 from jaxckpt.planning._profiles import PROFILES as PROFILES
 from jaxckpt.planning._profiles import Linear as Linear
 from jaxckpt.planning._profiles import fit_profile as fit_profile
@@ -33,6 +35,8 @@ __all__ = [
     "fit_profile",
     "floor",
     "floors",
+    "measured_profile",
+    "named_profiles",
     "object_plan",
     "plan",
     "process_share",

@@ -7,14 +7,15 @@ HEAD and LIST of records, manifest parts, markers, listings), metadata writes
 (PUT, DELETE), manifest parts read, bytes of per-process summaries read, and
 coordination-service calls. A :class:`Profile` holds one set:
 
-* ``before``: fit by least squares to ``python scripts/bench.py scale`` at 2, 4,
-  8 and 16 real processes (:data:`BEFORE`, the code of 2026-12-04), or to any
-  run's ``--json`` (:func:`fit_profile`);
-* ``target``: the scale target (counts constant in N), derived from the protocol it asks for: every
-  count constant per process; the primary gathers one small summary per
-  process (:data:`SUMMARY_BYTES`) through the coordination service; a restore
-  reads its own manifest part and one more (the part holding its replicated
-  chunks).
+* ``measured`` (the default of ``jaxckpt plan``): the current format's counts, fit
+  (:func:`fit_profile`) to the ``python scripts/bench.py scale --json`` report shipped
+  with the package (:mod:`jaxckpt.planning._measured`); any run's report fits the same;
+* ``before``, kept for comparison: fit by least squares to ``bench.py scale`` at 2, 4,
+  8 and 16 real processes of the code before format 4 (:data:`BEFORE`, 2026-12-04);
+* ``target``: the protocol format 4 was built to: every count constant per
+  process; the primary gathers one small summary per process
+  (:data:`SUMMARY_BYTES`) through the coordination service; a restore reads its
+  own manifest part and one more (the part holding its replicated chunks).
 
 Pure: no jax, no I/O. The model that uses them is :mod:`jaxckpt.planning._scale`.
 """
@@ -45,19 +46,24 @@ RETRY_DEADLINE_S = 600.0
 
 @dataclass(frozen=True, kw_only=True)
 class Linear:
-    """``a + b * N``."""
+    """``a + b * N``; with ``until``, ``a + b * min(N, until)`` (a count that stops growing,
+    such as the hashed prefixes a commit lists: at most 32)."""
 
     a: float
     b: float = 0.0
+    until: float | None = None
 
     def at(self, n: float) -> float:
         """The value at ``n`` processes (never below 0)."""
+        if self.until is not None:
+            n = min(n, self.until)
         return max(0.0, self.a + self.b * n)
 
     def __str__(self) -> str:
         if not self.b:
             return f"{self.a:.3g}"
-        return f"{self.a:.3g} {'+' if self.b >= 0 else '-'} {abs(self.b):.3g}·N"
+        line = f"{self.a:.3g} {'+' if self.b >= 0 else '-'} {abs(self.b):.3g}·N"
+        return line if self.until is None else f"{line} (N ≤ {self.until:g})"
 
 
 Formulas = Mapping[str, Mapping[str, Mapping[str, Linear]]]
@@ -85,7 +91,8 @@ def _table(rows: dict[str, dict[str, tuple[float, float]]]) -> dict[str, dict[st
 BEFORE = Profile(
     name="before",
     source="least-squares fit of a + b*N to `python scripts/bench.py scale` at 2, 4, 8 and 16 "
-    "processes (main a05940e, 2026-12-04; every count lay exactly on its line)",
+    "processes of the code before format 4, kept for comparison (main a05940e, 2026-12-04; "
+    "every count lay exactly on its line)",
     retry_budget_s=RETRY_BUDGET_BEFORE_S,
     formulas={
         "save": _table(
@@ -129,7 +136,7 @@ BEFORE = Profile(
 
 TARGET = Profile(
     name="target",
-    source="the scale target, derived from the protocol it asks for: today's constant terms; "
+    source="the target format 4 was built to, derived from its protocol: the constant terms; "
     f"the commit gathers a {SUMMARY_BYTES} B summary per process through one directory read "
     "instead of reading parts; a restore reads its own part and one more; a gather is a "
     "set, a barrier and one directory read",

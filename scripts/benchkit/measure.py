@@ -111,7 +111,7 @@ class RequestLog:
         """Requests by method since the previous mark (None without a server log)."""
         if not self._path:
             return None
-        time.sleep(0.2)  # the server logs a request after answering it
+        # complete: each server logs a request before it answers it (send_response)
         with open(self._path, "rb") as f:
             f.seek(self._offset)
             text = f.read().decode("utf-8", "replace")
