@@ -71,6 +71,7 @@ def register(sub: Any) -> None:
 def cmd_promote(args: argparse.Namespace) -> int:
     from jaxckpt import policy
     from jaxckpt.cli._metrics import PromoterMetrics
+    from jaxckpt.cli._sidecar import wait_for_local_tier
     from jaxckpt.records._keys import PROMOTE, TIER_RECORD
     from jaxckpt.records._owner import refusal
     from jaxckpt.storage import open_storage
@@ -81,6 +82,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
     if args.metrics_port is not None and not args.watch:
         err("--metrics-port needs --watch")
         return 2
+    if args.watch and not wait_for_local_tier(args.local_root, args.interval):
+        return 0  # stopped before the job created its local root
     local = open_root(args.local_root)
     if local.storage.read(TIER_RECORD) is None and not local.storage.list(PROMOTE):
         err(
