@@ -1,0 +1,98 @@
+"""``bench.py gameday``: its schedule, its bounds and its goodput as tables, and one smoke run.
+
+The smoke run is one JAX process, 30 steps, a kill and a corrupt newest local step
+(``--smoke --kinds sigkill,corrupt --no-baseline``): the supervisor restarts the job
+after each, the restores come from the local tier within their bound, and the final
+state matches the uninterrupted reference bit for bit with no wrong batch. No timing
+is asserted (the goodput of a tiny run on a shared machine means nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchkit import gameday
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_schedule_is_seeded_and_ends_before_the_last_step() -> None:
+    s = gameday.Settings(processes=4, steps=200, mtbf_steps=20, failures=50, seed=3)
+    first, again = gameday.schedule(s, 0.1), gameday.schedule(s, 0.1)
+    assert first == again and len(first) > 3
+    assert all(f.at_step < s.steps - 1 for f in first)
+    assert [f.at_step for f in first] == sorted({f.at_step for f in first})  # gaps of >= 2
+    assert {f.kind for f in first} <= set(gameday.KINDS)
+    assert {f.process for f in first} <= set(range(4))
+    other = gameday.schedule(gameday.Settings(steps=200, mtbf_steps=20, seed=4), 0.1)
+    assert other != first
+    by_time = gameday.Settings(steps=200, mtbf_s=2.0, failures=50, seed=3)  # 20 steps of 0.1 s
+    assert gameday.schedule(by_time, 0.1) == gameday.schedule(
+        gameday.Settings(steps=200, mtbf_steps=20, failures=50, seed=3), 0.1
+    )
+    with pytest.raises(ValueError, match="unknown failure kinds"):
+        gameday.Settings(kinds=("meteor",))
+
+
+@pytest.mark.parametrize(
+    ("kind", "processes", "bound"),
+    [
+        ("sigkill", 4, 5),
+        ("preempt", 4, 5),
+        ("disk_full", 1, 5),
+        ("node_loss", 4, 5),  # its replica on the next node heals it
+        ("node_loss", 1, 20),  # alone: the durable root's newest step
+        ("corrupt", 4, 10),  # the newest step's other copy is gone: the one before
+        ("storm", 4, 0),  # nothing restarts
+    ],
+)
+def test_bounds(kind: str, processes: int, bound: int) -> None:
+    s = gameday.Settings(processes=processes, every=5, promote_every=20)
+    assert gameday.bound_steps(kind, s) == bound
+
+
+def test_goodput_from_the_supervisors_records() -> None:
+    runs = [
+        {"restored": 0, "tier": "fresh", "reached": 17, "ended_by": "sigkill", "startup_s": 5.0},
+        {"restored": 15, "tier": "local", "reached": 33, "ended_by": "corrupt", "startup_s": 4.0},
+        {"restored": 25, "tier": "local", "reached": 40, "ended_by": "done", "startup_s": 4.0},
+    ]
+    day = {"runs": runs, "wall_s": 40.0, "finished": True}
+    g = gameday.goodput(day, step_s=0.5, steps=40)
+    assert g["goodput"] == pytest.approx(0.5)  # 40 steps of 0.5 s in 40 s
+    assert [(r["restored_step"], r["reached_step"], r["lost_steps"]) for r in g["restarts"]] == [
+        (15, 17, 2),
+        (25, 33, 8),
+    ]
+    assert [r["tier"] for r in g["restarts"]] == ["local", "local"]
+    assert g["lost_steps"] == 10 and g["startup_s"] == 13.0
+    assert gameday.goodput({**day, "finished": False}, 0.5, 40)["goodput"] == 0.0
+
+
+def test_smoke_run_restarts_within_bounds_and_ends_bit_exact(tmp_path: Path) -> None:
+    out = tmp_path / "gameday.json"
+    argv = ["--smoke", "--kinds", "sigkill,corrupt", "--no-baseline", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "gameday", *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"goodput", "baseline_goodput", "bit_exact", "wrong_data", "failures"} <= set(result)
+    assert result["bit_exact"] is True and result["wrong_data"] == 0
+    assert result["baseline_goodput"] is None
+    assert 0.0 < result["goodput"] <= 1.0
+    assert len(result["failures"]) == 2, result["failures"]
+    for f in result["failures"]:
+        assert f["kind"] in ("sigkill", "corrupt"), f
+        assert 0 <= f["lost_steps"] <= f["bound_steps"], f
+    assert [r["tier"] for r in result["restarts"]] == ["local", "local"], result["restarts"]
+    assert "| kind | process | at step | lost steps | bound | within |" in proc.stdout
