@@ -326,3 +326,36 @@ def test_after_healing_an_older_local_step_the_restore_reads_it_not_an_older_dur
         assert p.said("TIER") == ["TIER local"], p.report()
         assert "healing step 6 instead" in p.stderr(), p.report()
     assert CommitProtocol(open_storage(f"{local}0")).visible_refs().keys() == {6}
+
+
+def test_a_job_resumed_from_an_older_step_saves_again_over_its_abandoned_local_steps(
+    tmp_path: Path,
+) -> None:
+    """2 processes, no peers (local_replicas=1), steps 4-6, step 4 promoted, the local
+    tiers keep 5 and 6. Node 1 is replaced (its local tier empty): every process
+    restores the durable step 4, and the resumed job saves 5 and 6 again, replacing
+    node 0's abandoned copies (before: node 0's save of step 5 raised
+    StepAlreadyExistsError on every process, and every restart of the job failed the
+    same way; found by the game day)."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    extra = args(local, "--promote-every=4", "--local-keep=2", copies=1)
+    nodes = {i: NODES[i] for i in range(2)}
+    procs = mh.run_group(
+        tmp_path, root, mode="save", steps=(4, 5, 6), extra=extra, env_for=nodes, **PAIR
+    )
+    for p in procs:
+        assert p.said("COMMITTED") == [f"COMMITTED {s}" for s in (4, 5, 6)], p.report()
+    assert mh.committed_steps(root) == [4]
+    node0 = CommitProtocol(open_storage(f"{local}0"))
+    before = {s: node0.require_marker(s).location.attempt for s in (5, 6)}
+    shutil.rmtree(f"{local}1")
+    procs = mh.restore(tmp_path, root, extra=(*extra, "--save-after=5,6"), env_for=nodes, **PAIR)
+    assert mh.restored_steps(procs) == [4, 4]
+    for p in procs:
+        assert p.said("TIER") == ["TIER durable"], p.report()
+        assert p.said("COMMITTED") == ["COMMITTED 5", "COMMITTED 6"], p.report()
+    after = {s: node0.require_marker(s).location.attempt for s in (5, 6)}
+    assert all(after[s] != before[s] for s in (5, 6)), (before, after)
+    assert "newer than the step restored" in procs[0].stderr(), procs[0].report()
+    node1 = CommitProtocol(open_storage(f"{local}1"))
+    assert sorted(node1.visible_refs()) == [5, 6]

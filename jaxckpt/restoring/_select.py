@@ -77,7 +77,8 @@ class Selection:
         self._fallback = fallback
         self._guard = guard
         self.corrupt: set[int] = set()
-        """Steps a restore found corrupt (agreed by every host): a save may replace them."""
+        """Steps a restore found corrupt (agreed by every host), and own-tier steps newer
+        than the step restored: a save may replace them."""
 
     def restore(
         self,
@@ -142,6 +143,7 @@ class Selection:
                         )
             agreed = _agreed_failure(agreement, tiers, s, error)
             if agreed is None:
+                self._supersede(s)
                 return s, restored, states
             if not isinstance(agreed, (*_MISSING, CorruptCheckpointError)):
                 raise agreed
@@ -154,6 +156,15 @@ class Selection:
             if corrupt:  # a missing step (deleted since the listing) is skipped silently
                 log.warning("step %d is corrupt (%s); falling back to step %d", s, agreed, older)
             s = older
+
+    def _supersede(self, step: int) -> None:
+        """This host's own-tier steps newer than the restored ``step`` are an abandoned
+        future (the others lost them, or they were never everywhere): the resumed run
+        saves those steps again, replacing them (one listing of the own root; no
+        collective: each host retracts only what it holds)."""
+        for tier in self.tiers:
+            if tier.own:
+                self.corrupt.update(s for s in tier.visible() if s > step)
 
     def steps(self, tier: str | None = None) -> list[int]:
         """Committed steps of the named tier (None: all), ascending, the primary's view

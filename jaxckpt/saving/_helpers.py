@@ -127,8 +127,8 @@ def replace_corrupt(protocol: CommitProtocol, step: int, corrupt: set[int], root
     if marker is None:
         return False
     log.warning(
-        "step %d under %s is corrupt (a restore fell back from it): retracting its marker "
-        "and data to save it again",
+        "step %d under %s is corrupt or newer than the step restored (a restore fell back "
+        "from it): retracting its marker and data to save it again",
         step,
         root,
     )
