@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from benchkit import gameday
@@ -52,16 +53,16 @@ def test_the_schedule_is_seeded_and_ends_before_the_last_step() -> None:
         ("storm", 4, 0),  # nothing restarts
     ],
 )
-def test_bounds(kind: str, processes: int, bound: int) -> None:
+def test_intervals(kind: str, processes: int, bound: int) -> None:
     s = gameday.Settings(processes=processes, every=5, promote_every=20)
-    assert gameday.bound_steps(kind, s) == bound
+    assert gameday.interval_steps(kind, s) == bound
 
 
 def test_goodput_from_the_supervisors_records() -> None:
-    runs = [
-        {"restored": 0, "tier": "fresh", "reached": 17, "ended_by": "sigkill", "startup_s": 5.0},
-        {"restored": 15, "tier": "local", "reached": 33, "ended_by": "corrupt", "startup_s": 4.0},
-        {"restored": 25, "tier": "local", "reached": 40, "ended_by": "done", "startup_s": 4.0},
+    runs: list[dict[str, Any]] = [
+        {"restored": 0, "tier": "fresh", "reached": 17, "ended_by": "sigkill", "held": 15},
+        {"restored": 15, "tier": "local", "reached": 33, "ended_by": "corrupt", "held": 30},
+        {"restored": 25, "tier": "local", "reached": 40, "ended_by": "done"},
     ]
     day = {"runs": runs, "wall_s": 40.0, "finished": True}
     g = gameday.goodput(day, step_s=0.5, steps=40)
@@ -71,7 +72,11 @@ def test_goodput_from_the_supervisors_records() -> None:
         (25, 33, 8),
     ]
     assert [r["tier"] for r in g["restarts"]] == ["local", "local"]
-    assert g["lost_steps"] == 10 and g["startup_s"] == 13.0
+    assert [r["bound_steps"] for r in g["restarts"]] == [2, 3]  # the second lost too much
+    assert g["lost_steps"] == 10
+    for run, startup in zip(runs, (5.0, 4.0, 4.0), strict=True):
+        run["startup_s"] = startup
+    assert gameday.goodput(day, 0.5, 40)["startup_s"] == 13.0
     assert gameday.goodput({**day, "finished": False}, 0.5, 40)["goodput"] == 0.0
 
 
@@ -93,6 +98,7 @@ def test_smoke_run_restarts_within_bounds_and_ends_bit_exact(tmp_path: Path) -> 
     assert len(result["failures"]) == 2, result["failures"]
     for f in result["failures"]:
         assert f["kind"] in ("sigkill", "corrupt"), f
-        assert 0 <= f["lost_steps"] <= f["bound_steps"], f
+        assert f["bound_steps"] is not None and 0 <= f["lost_steps"] <= f["bound_steps"], f
+        assert f["bound_steps"] <= 2 * f["interval_steps"], f  # one save in flight at most
     assert [r["tier"] for r in result["restarts"]] == ["local", "local"], result["restarts"]
-    assert "| kind | process | at step | lost steps | bound | within |" in proc.stdout
+    assert "| kind | process | at step | lost steps | bound | interval | within |" in proc.stdout
