@@ -80,6 +80,38 @@ def test_goodput_from_the_supervisors_records() -> None:
     assert gameday.goodput({**day, "finished": False}, 0.5, 40)["goodput"] == 0.0
 
 
+def test_each_restart_is_matched_with_the_failure_that_ended_its_run() -> None:
+    """A crash nobody scheduled (a job that died at start) is reported as unplanned; the
+    scheduled kill is matched with the restart after it, the storm restarts nothing."""
+    runs: list[dict[str, Any]] = [
+        {"restored": None, "tier": None, "reached": 0, "ended_by": "crash (process 0 exited -6)"},
+        {"restored": 0, "tier": "fresh", "reached": 12, "ended_by": "sigkill", "held": 10},
+        {"restored": 10, "tier": "local", "reached": 20, "ended_by": "done"},
+    ]
+    fired = [
+        {"kind": "storm", "process": 0, "at_reached": 4},
+        {"kind": "sigkill", "process": 1, "at_reached": 12},
+    ]
+    crcs = {(0, s): "c" for s in range(1, 21)}
+    day = {"runs": runs, "wall_s": 10.0, "finished": True, "fired": fired, "digest": "d"}
+    day |= {"crcs": crcs, "wrong": []}
+    ref = {"crcs": crcs, "digest": "d"}
+    result = gameday.assess(day, ref, gameday.Settings(processes=2, steps=20), 0.1)
+    assert [(f["kind"], f["lost_steps"], f["bound_steps"]) for f in result["failures"]] == [
+        ("unplanned: crash (process 0 exited -6)", 0, None),
+        ("storm", 0, 0),
+        ("sigkill", 2, 2),
+    ]
+    assert result["bit_exact"] and result["wrong_data"] == 0
+    changed = gameday.assess(
+        day,
+        {"crcs": {**crcs, (0, 5): "x"}, "digest": "e"},
+        gameday.Settings(processes=2, steps=20),
+        0.1,
+    )
+    assert not changed["bit_exact"] and changed["wrong_data"] == 1
+
+
 def test_smoke_run_restarts_within_bounds_and_ends_bit_exact(tmp_path: Path) -> None:
     out = tmp_path / "gameday.json"
     argv = ["--smoke", "--kinds", "sigkill,corrupt", "--no-baseline", "--json", str(out)]

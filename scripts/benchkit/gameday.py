@@ -575,33 +575,18 @@ def assess(day: dict[str, Any], ref: dict[str, Any], s: Settings, step_s: float)
     wrong = set(map(tuple, day["wrong"]))
     wrong |= {k for k, crc in day["crcs"].items() if ref["crcs"].get(k, crc) != crc}
     failures = []
-    restarts = iter(g["restarts"])
-    for f in day["fired"]:
-        lost, bound = 0, 0
-        if f["kind"] not in ("storm", "disk_full"):
-            r = next(restarts, None)
-            lost, bound = (r["lost_steps"], r["bound_steps"]) if r else (0, 0)
-        failures.append(
-            {
-                "kind": f["kind"],
-                "process": f["process"],
-                "at_step": f["at_reached"],
-                "lost_steps": lost,
-                "bound_steps": bound,
-                "interval_steps": interval_steps(f["kind"], s),
-            }
-        )
-    for r in restarts:  # restarts no scheduled failure caused: a crash the day found
-        failures.append(
-            {
-                "kind": f"unplanned: {r['failure']}",
-                "process": None,
-                "at_step": r["reached_step"],
-                "lost_steps": r["lost_steps"],
-                "bound_steps": r["bound_steps"],
-                "interval_steps": s.every,
-            }
-        )
+    restarting = [f for f in day["fired"] if f["kind"] not in ("storm", "disk_full")]
+    for f in day["fired"]:  # a storm or a full disk restarts nothing by itself
+        if f["kind"] in ("storm", "disk_full"):
+            failures.append(_failure(f["kind"], f["process"], f["at_reached"], 0, 0, s))
+    for r in g["restarts"]:  # each restart, after the failure that ended its run
+        if restarting and r["failure"] == restarting[0]["kind"]:
+            f = restarting.pop(0)
+            kind, process, at = f["kind"], f["process"], f["at_reached"]
+        else:  # not scheduled: a crash the day found
+            kind, process, at = f"unplanned: {r['failure']}", None, r["reached_step"]
+        failures.append(_failure(kind, process, at, r["lost_steps"], r["bound_steps"], s))
+    failures.sort(key=lambda f: f["at_step"])
     return {
         "goodput": g["goodput"],
         "wall_s": g["wall_s"],
@@ -610,6 +595,20 @@ def assess(day: dict[str, Any], ref: dict[str, Any], s: Settings, step_s: float)
         "bit_exact": day["digest"] is not None and day["digest"] == ref["digest"],
         "wrong_data": len(wrong),
         "failures": failures,
+    }
+
+
+def _failure(
+    kind: str, process: int | None, at: int, lost: int, bound: int | None, s: Settings
+) -> dict[str, Any]:
+    interval = interval_steps(kind, s) if kind in KINDS else s.every
+    return {
+        "kind": kind,
+        "process": process,
+        "at_step": at,
+        "lost_steps": lost,
+        "bound_steps": bound,
+        "interval_steps": interval,
     }
 
 
