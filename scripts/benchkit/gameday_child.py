@@ -14,7 +14,8 @@ each), fed by a ``grain.DataLoader`` sharded by JAX process. Contenders:
   is each process's ``process_state``.
 * ``orbax``: Orbax's ``CheckpointManager`` on the durable root only, its default options
   but ``save_interval_steps=--promote-every``; the iterator through grain's own Orbax
-  handler; a SIGTERM saves the next step (what a careful Orbax user writes).
+  handler; a SIGTERM saves at JAX's preemption sync point (Orbax's own mechanism; one
+  process alone: a handler that saves the next step).
 * ``reference``: no checkpoints, never interrupted: the data order and the final
   parameters every other run is compared with.
 
@@ -186,13 +187,15 @@ class Jaxckpt:
 
 class Orbax:
     def __init__(self, args: argparse.Namespace) -> None:
+        import jax
         import orbax.checkpoint as ocp
 
         self.ocp = ocp
         options = ocp.CheckpointManagerOptions(save_interval_steps=args.promote_every)
         self.mgr = ocp.CheckpointManager(args.durable, options=options)
         self.term = False
-        signal.signal(signal.SIGTERM, self._on_term)
+        if jax.process_count() == 1:  # several: JAX's preemption sync point, as Orbax uses
+            signal.signal(signal.SIGTERM, self._on_term)
 
     def _on_term(self, *_: object) -> None:
         self.term = True
@@ -217,10 +220,11 @@ class Orbax:
         args = self.ocp.args.Composite(
             state=self.ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data)
         )
-        self.mgr.save(step, args=args, force=final or self.term)
-        if self.term:
+        self.mgr.save(step, args=args, force=final or self.term)  # saves at a sync point too
+        if self.term or self.mgr.reached_preemption(step):
             self.mgr.wait_until_finished()
-        return self.term
+            return True
+        return False
 
     def close(self) -> None:
         self.mgr.wait_until_finished()
