@@ -503,6 +503,7 @@ class Day:
             end = time.monotonic() + self.s.grace_s
             while time.monotonic() < end and any(p.poll() is None for p in job.procs):
                 time.sleep(0.1)
+            record["exit_codes"] = [p.poll() for p in job.procs]  # None: killed after grace
             job.kill()
             record["pending_action"] = None
             return "preempt"
