@@ -36,7 +36,11 @@ class PreemptionWatcher:
         from jaxckpt import policy
 
         parts = save_policy.policies if isinstance(save_policy, policy.AnySave) else (save_policy,)
-        return cls() if any(isinstance(p, policy.OnPreemption) for p in parts) else None
+        if not any(isinstance(p, policy.OnPreemption) for p in parts):
+            return None
+        if _jax_syncs():  # SIGTERM is JAX's: every host learns of it at one agreed step
+            return cls(signals=(signal.SIGINT,))
+        return cls()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._event.set()
@@ -71,6 +75,18 @@ class PreemptionWatcher:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def _jax_syncs() -> bool:
+    """Whether JAX's multi-host preemption service runs here. Its notifier handles
+    SIGTERM and makes every process reach the sync point at the same step; a handler
+    of this process's own would replace it, and each host would then see the notice at
+    its own step: one host stops while the others wait for it in a collective."""
+    try:
+        from jax._src import distributed
+    except ImportError:  # pragma: no cover - very old jax
+        return False
+    return getattr(distributed.global_state, "preemption_sync_manager", None) is not None
 
 
 def _jax_sync_point(step: int) -> bool:

@@ -56,6 +56,9 @@ The other benchmarks are subcommands of this one entry point, each a module
                                       # none (not part of ``all``)
     python scripts/bench.py denied    # one host denied (403): every host's seconds to raise
                                       # and whether it names that host (not part of ``all``)
+    python scripts/bench.py gameday   # a training job under a seeded failure schedule, every
+                                      # tier on, vs Orbax: goodput, lost steps, bit-exactness
+                                      # (--quick, --smoke; not part of ``all``)
     python scripts/bench.py all [--out results/] [--tiny] [--parts core,tiers,...]
 
 ``all`` runs every part (``core`` is the default benchmark above), one after
@@ -106,7 +109,7 @@ from benchkit.suite import SUBCOMMANDS
 from benchkit.suite import main as run_suite
 from benchkit.summary import check_targets, summarize_io, summarize_loop
 
-SLOW = ("scale", "storm", "denied")
+SLOW = ("scale", "storm", "denied", "gameday")
 """Subcommands that ``all`` does not run: groups of real JAX processes, minutes each."""
 
 

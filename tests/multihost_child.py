@@ -152,6 +152,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--promote-every", type=int, default=None, help="promote_policy EveryNSteps")
     p.add_argument("--probe-wrong-secret", action="store_true")
     p.add_argument("--local-keep", type=int, default=None, help="local_retention KeepLast(N)")
+    p.add_argument("--save-after", default="", help="restore mode: then save these steps")
     return p.parse_args(argv)
 
 
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"DURABLE {manager.wait_durable(timeout_s=args.save_timeout)}")
     elif args.mode == "restore":
         _restore(manager, mesh, _spec(args.spec))
+        for step in [int(s) for s in args.save_after.split(",") if s]:
+            _save(manager, mesh, step)
         if args.probe_wrong_secret and jax.process_index() == 0:
             _probe_wrong_secret(manager)
     elif args.mode == "restore_and_die":

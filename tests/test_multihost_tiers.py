@@ -223,3 +223,35 @@ def test_processes_on_one_machine_cannot_share_a_local_tier(tmp_path: Path) -> N
         assert "processes 0 and 1 of this job share it" in p.stderr(), p.report()
     assert not local.exists()  # refused before the local root was created
     assert not Path(root).exists()
+
+
+def test_external_promotion_of_a_packed_step_whose_second_host_holds_only_replicas(
+    tmp_path: Path,
+) -> None:
+    """Packed layout, only replicated leaves: process 1 owns no chunk (its copies are in
+    its held part). Its sidecar uploads its part and the primary's sidecar commits
+    both steps (found by the game day: the commit refused with "holds 1 data objects,
+    its manifest parts name 2", so nothing of a data-parallel job became durable)."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    extra = (f"--local-root={local}", "--promotion=external", "--leaves=z,rep,count")
+    procs = mh.run_group(tmp_path, root, mode="save", extra=extra, layout="packed", **GROUP)
+    for p in procs:
+        assert p.said("COMMITTED") == [f"COMMITTED {s}" for s in STEPS], p.report()
+    wait = ("--parts-timeout", str(mh.RUN_TIMEOUT_S))
+    sidecars = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxckpt", "promote", f"{local}{i}", root, *wait],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [proc.communicate(timeout=mh.RUN_TIMEOUT_S) for proc in sidecars]
+    assert [proc.returncode for proc in sidecars] == [0, 0], outs
+    assert "promoted 2 steps" in outs[0][0], outs
+    assert sorted(CommitProtocol(open_storage(root)).committed()) == list(STEPS)
+    with jaxckpt.CheckpointManager(root, read_only=True) as mgr:
+        restored = mgr.restore(STEPS[-1])
+    for name in ("z", "rep", "count"):
+        np.testing.assert_array_equal(restored[name], mh.child.expected(name, STEPS[-1]))

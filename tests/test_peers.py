@@ -299,3 +299,66 @@ def test_one_process_cannot_keep_two_copies_on_distinct_nodes(tmp_path: Path) ->
         jaxckpt.CheckpointOptions(local_replicas=0, local_root="x")
     with pytest.raises(ValueError, match="peer_timeout_s"):
         jaxckpt.CheckpointOptions(peer_timeout_s=0)
+
+
+def test_after_healing_an_older_local_step_the_restore_reads_it_not_an_older_durable_one(
+    tmp_path: Path,
+) -> None:
+    """2 processes on 2 nodes, steps 5-7 saved, step 5 promoted (background), the local
+    tiers keep 6 and 7. Node 0's local tier is wiped and its only replica of step 7 (on
+    node 1) damaged: step 6 is healed onto node 0 and every process restores step 6
+    from its local tier (before: the restore's newest-marker shortcut saw the local
+    tiers' newest markers disagree, 6 against 7, and read the durable step 5)."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    extra = args(local, "--promote-every=5", "--local-keep=2")
+    nodes = {i: NODES[i] for i in range(2)}
+    procs = mh.run_group(
+        tmp_path, root, mode="save", steps=(5, 6, 7), extra=extra, env_for=nodes, **PAIR
+    )
+    for p in procs:
+        assert p.said("COMMITTED") == [f"COMMITTED {s}" for s in (5, 6, 7)], p.report()
+    assert mh.committed_steps(root) == [5]
+    assert replicas(local, 1) == {(6, 0), (7, 0)}
+    shutil.rmtree(f"{local}0")
+    corrupt_replica(local, holder=1, step=7, source=0)
+    procs = mh.restore(tmp_path, root, extra=extra, env_for=nodes, **PAIR)
+    assert procs[0].said("HEALED") == ["HEALED"], procs[0].report()
+    assert mh.restored_steps(procs) == [6, 6]
+    for p in procs:
+        assert p.said("CHECKED") == ["CHECKED 5"], p.report()  # bit-exact, every leaf
+        assert p.said("TIER") == ["TIER local"], p.report()
+        assert "healing step 6 instead" in p.stderr(), p.report()
+    assert CommitProtocol(open_storage(f"{local}0")).visible_refs().keys() == {6}
+
+
+def test_a_job_resumed_from_an_older_step_saves_again_over_its_abandoned_local_steps(
+    tmp_path: Path,
+) -> None:
+    """2 processes, no peers (local_replicas=1), steps 4-6, step 4 promoted, the local
+    tiers keep 5 and 6. Node 1 is replaced (its local tier empty): every process
+    restores the durable step 4, and the resumed job saves 5 and 6 again, replacing
+    node 0's abandoned copies (before: node 0's save of step 5 raised
+    StepAlreadyExistsError on every process, and every restart of the job failed the
+    same way; found by the game day)."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    extra = args(local, "--promote-every=4", "--local-keep=2", copies=1)
+    nodes = {i: NODES[i] for i in range(2)}
+    procs = mh.run_group(
+        tmp_path, root, mode="save", steps=(4, 5, 6), extra=extra, env_for=nodes, **PAIR
+    )
+    for p in procs:
+        assert p.said("COMMITTED") == [f"COMMITTED {s}" for s in (4, 5, 6)], p.report()
+    assert mh.committed_steps(root) == [4]
+    node0 = CommitProtocol(open_storage(f"{local}0"))
+    before = {s: node0.require_marker(s).location.attempt for s in (5, 6)}
+    shutil.rmtree(f"{local}1")
+    procs = mh.restore(tmp_path, root, extra=(*extra, "--save-after=5,6"), env_for=nodes, **PAIR)
+    assert mh.restored_steps(procs) == [4, 4]
+    for p in procs:
+        assert p.said("TIER") == ["TIER durable"], p.report()
+        assert p.said("COMMITTED") == ["COMMITTED 5", "COMMITTED 6"], p.report()
+    after = {s: node0.require_marker(s).location.attempt for s in (5, 6)}
+    assert all(after[s] != before[s] for s in (5, 6)), (before, after)
+    assert "newer than the step restored" in procs[0].stderr(), procs[0].report()
+    node1 = CommitProtocol(open_storage(f"{local}1"))
+    assert sorted(node1.visible_refs()) == [5, 6]

@@ -267,6 +267,32 @@ def test_sidecar_watches_serves_metrics_and_stops_on_sigterm(tmp_path):
     assert "step 1: promoted" in out and "step 2: promoted" in out and "stopped" in out
 
 
+def test_a_sidecar_started_before_its_job_waits_for_the_local_root(tmp_path):
+    """A sidecar starts with its pod, before the trainer creates its local root (and on a
+    replaced node, whose disk is empty): it waits for the root instead of exiting with
+    "not a jaxckpt root" (which left a game day's job with nothing promoted), then
+    promotes the job's steps; a SIGTERM before the root appears stops it cleanly."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    early = promote_cli(tmp_path / "never", root, "--watch", "--interval", "0.2")
+    assert early.stdout is not None
+    assert "waiting for" in early.stdout.readline()  # it waits (and says so) ...
+    early.send_signal(signal.SIGTERM)
+    assert finish(early, timeout=60)[0] == 0  # ... until told to stop
+    proc = promote_cli(local, root, "--watch", "--interval", "0.2")
+    try:
+        assert proc.stdout is not None
+        assert "waiting for" in proc.stdout.readline()
+        with tiered(root, local, promotion="external") as mgr:
+            mgr.save(1, state(1))
+            assert mgr.wait_durable(1, timeout_s=TIMEOUT_S) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, timeout=60)
+    assert rc == 0, err
+    assert "step 1: promoted" in out
+    assert not (tmp_path / "never").exists()  # waiting wrote nothing
+
+
 def _scrape(port: int, ready: Any) -> dict[str, float]:
     deadline = time.monotonic() + TIMEOUT_S
     while True:

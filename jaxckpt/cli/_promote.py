@@ -79,6 +79,7 @@ def register(sub: Any) -> None:
 def cmd_promote(args: argparse.Namespace) -> int:
     from jaxckpt import policy
     from jaxckpt.cli._metrics import PromoterMetrics
+    from jaxckpt.cli._sidecar import wait_for_local_tier
     from jaxckpt.lifecycle import Promoter, archive_once
     from jaxckpt.records import PROMOTE, PROMOTED, TIER_RECORD, PromotionResult, refusal
     from jaxckpt.storage import open_storage
@@ -86,6 +87,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
     if args.metrics_port is not None and not args.watch:
         err("--metrics-port needs --watch")
         return 2
+    if args.watch and not wait_for_local_tier(args.local_root, args.interval):
+        return 0  # stopped before the job created its local root
     local = open_root(args.local_root)
     if local.storage.read(TIER_RECORD) is None and not local.storage.list(PROMOTE):
         err(

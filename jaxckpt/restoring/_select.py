@@ -74,7 +74,8 @@ class Selection:
         self._fallback = fallback
         self._guard = guard
         self.corrupt: set[int] = set()
-        """Steps a restore found corrupt (agreed by every host): a save may replace them."""
+        """Steps a restore found corrupt (agreed by every host), and own-tier steps newer
+        than the step restored: a save may replace them."""
 
     def restore(
         self,
@@ -145,6 +146,7 @@ class Selection:
                         )
             agreed = _agreed_failure(agreement, tiers, s, error)
             if agreed is None:
+                self._supersede(s)
                 return s, restored, states
             if not isinstance(agreed, (*_MISSING, CorruptCheckpointError)):
                 raise agreed
@@ -157,6 +159,15 @@ class Selection:
             if corrupt:  # a missing step (deleted since the listing) is skipped silently
                 log.warning("step %d is corrupt (%s); falling back to step %d", s, agreed, older)
             s = older
+
+    def _supersede(self, step: int) -> None:
+        """This host's own-tier steps newer than the restored ``step`` are an abandoned
+        future (the others lost them, or they were never everywhere): the resumed run
+        saves those steps again, replacing them (one listing of the own root; no
+        collective: each host retracts only what it holds)."""
+        for tier in self.tiers:
+            if tier.own:
+                self.corrupt.update(s for s in tier.visible() if s > step)
 
     def steps(self, tier: str | None = None) -> list[int]:
         """Committed steps of the named tier (None: all), ascending, the primary's view
@@ -251,25 +262,37 @@ def _newest(tier: Tier) -> dict[int, MarkerRef]:
     return {marker.step: MarkerRef(step=marker.step, epoch=marker.epoch, key=marker.key)}
 
 
+def _listing(tier: Tier) -> dict[int, MarkerRef]:
+    """The tier's visible steps with their marker keys (listings only)."""
+    return tier.refs()
+
+
 def _candidates(
     tiers: Sequence[Tier],
     agreement: Agreement,
     step: int | None,
     *,
     primary: bool,
-    listed: Callable[[Tier], dict[int, MarkerRef]] = lambda tier: tier.refs(),
+    listed: Callable[[Tier], dict[int, MarkerRef]] = _listing,
 ) -> tuple[list[dict[int, MarkerRef | None]], list[int]]:
     """Per tier, the steps this host may read there (with their marker keys where
     this host listed them); and the candidates, newest first.
 
     From ``listed`` (listings only, by default; :func:`_newest`: each tier's newest
     marker). An own tier holds, for this host, what its own root lists; a candidate
-    from it must be on every host's. A shared tier holds what the primary lists.
+    from it must be on every host's. A shared tier holds what the primary lists. An own
+    tier whose newest markers differ between hosts is listed even from ``_newest``
+    (every host sees the same empty intersection, so every host lists): a step all hosts
+    hold there, such as one just healed, must never lose to an older durable step.
     """
     held: list[dict[int, MarkerRef | None]] = []
     everywhere: set[int] = set()
     for tier in tiers:
         readable, common = tier.readable(agreement, listed, primary=primary)
+        if tier.own and not common and listed is _newest:
+            # The hosts' newest markers here differ (one host's newest step was healed
+            # from an older one, or lost): what they all hold is in their listings.
+            readable, common = tier.readable(agreement, _listing, primary=primary)
         held.append(readable)
         everywhere |= common
     where = " or ".join(t.uri for t in tiers)

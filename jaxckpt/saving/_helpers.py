@@ -131,8 +131,8 @@ def replace_corrupt(protocol: CommitProtocol, step: int, corrupt: set[int], root
     if marker is None:
         return False
     log.warning(
-        "step %d under %s is corrupt or bad (a restore fell back from it or skipped it): "
-        "retracting its marker and data to save it again",
+        "step %d under %s is corrupt, bad or newer than the step restored (a restore fell "
+        "back from it or skipped it): retracting its marker and data to save it again",
         step,
         root,
     )

@@ -8,6 +8,7 @@ the marker last. A failed copy removes its own attempt and nothing else.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from jaxckpt import _pools as pools
 from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
 from jaxckpt.records import (
+    FORMAT_VERSION,
     TRAILER_BYTES,
     TREE_FILE,
     ChunkRecord,
@@ -159,8 +161,26 @@ def _copy_step_raw(
     manifests = [here.key(n) for n in names]
     rename = (here, loc)
     _copy_objects(src.storage, dst.storage, keys, chunks, rename, packed)
-    _copy_objects(src.storage, dst.storage, manifests, {}, rename)
+    trimmed = _without_held_packs(parts[0]) if part_name is not None else None
+    if trimmed is not None and part_name is not None:
+        dst.storage.write(loc.key(part_name), trimmed.to_bytes())
+    else:
+        _copy_objects(src.storage, dst.storage, manifests, {}, rename)
     return sum(c.size for c in chunks.values()) + sum(c.size for cs in packed.values() for c in cs)
+
+
+def _without_held_packs(part: ManifestPart) -> ManifestPart | None:
+    """``part`` naming only the packs its own chunks lie in, or None if it does already.
+
+    On a local tier a process's pack holds its held copies of other processes' chunks
+    too, and its own part names that pack even when none of its own chunks is in it
+    (a data-parallel job's non-primary host owns no chunk). A part copied alone leaves
+    the held chunks behind, so such a pack is not copied, and the part must not name it.
+    """
+    used = {c.pack for cs in part.arrays.values() for c in cs if c.pack is not None}
+    if set(part.packs) <= used or part.version != FORMAT_VERSION:
+        return None
+    return dataclasses.replace(part, packs={k: v for k, v in part.packs.items() if k in used})
 
 
 def copy_part(

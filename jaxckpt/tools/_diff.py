@@ -285,7 +285,7 @@ def diff_steps(
 def _process_states(a: StepView, b: StepView) -> list[LeafDiff]:
     """One row per process that saved a ``process_state`` in either step (kind, size and
     CRC32C compared; a record failing its own check is damaged)."""
-    from jaxckpt.records._procsummary import summaries
+    from jaxckpt.records import process_state_summaries as summaries
 
     sa = {s.process: s for s in summaries(a.loaded.process_states, a.step)}
     sb = {s.process: s for s in summaries(b.loaded.process_states, b.step)}

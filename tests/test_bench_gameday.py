@@ -1,0 +1,136 @@
+"""``bench.py gameday``: its schedule, its bounds and its goodput as tables, and one smoke run.
+
+The smoke run is one JAX process, 30 steps, a kill and a corrupt newest local step
+(``--smoke --kinds sigkill,corrupt --no-baseline``): the supervisor restarts the job
+after each, the restores come from the local tier within their bound, and the final
+state matches the uninterrupted reference bit for bit with no wrong batch. No timing
+is asserted (the goodput of a tiny run on a shared machine means nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from benchkit import gameday
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_schedule_is_seeded_and_ends_before_the_last_step() -> None:
+    s = gameday.Settings(processes=4, steps=200, mtbf_steps=20, failures=50, seed=3)
+    first, again = gameday.schedule(s, 0.1), gameday.schedule(s, 0.1)
+    assert first == again and len(first) > 3
+    assert all(f.at_step < s.steps - 1 for f in first)
+    assert [f.at_step for f in first] == sorted({f.at_step for f in first})  # gaps of >= 2
+    assert {f.kind for f in first} <= set(gameday.KINDS)
+    assert {f.process for f in first} <= set(range(4))
+    other = gameday.schedule(gameday.Settings(steps=200, mtbf_steps=20, seed=4), 0.1)
+    assert other != first
+    by_time = gameday.Settings(steps=200, mtbf_s=2.0, failures=50, seed=3)  # 20 steps of 0.1 s
+    assert gameday.schedule(by_time, 0.1) == gameday.schedule(
+        gameday.Settings(steps=200, mtbf_steps=20, failures=50, seed=3), 0.1
+    )
+    with pytest.raises(ValueError, match="unknown failure kinds"):
+        gameday.Settings(kinds=("meteor",))
+
+
+@pytest.mark.parametrize(
+    ("kind", "processes", "bound"),
+    [
+        ("sigkill", 4, 5),
+        ("preempt", 4, 5),
+        ("disk_full", 1, 5),
+        ("node_loss", 4, 5),  # its replica on the next node heals it
+        ("node_loss", 1, 20),  # alone: the durable root's newest step
+        ("corrupt", 4, 10),  # the newest step's other copy is gone: the one before
+        ("storm", 4, 0),  # nothing restarts
+    ],
+)
+def test_intervals(kind: str, processes: int, bound: int) -> None:
+    s = gameday.Settings(processes=processes, every=5, promote_every=20)
+    assert gameday.interval_steps(kind, s) == bound
+
+
+def test_goodput_from_the_supervisors_records() -> None:
+    runs: list[dict[str, Any]] = [
+        {"restored": 0, "tier": "fresh", "reached": 17, "ended_by": "sigkill", "held": 15},
+        {"restored": 15, "tier": "local", "reached": 33, "ended_by": "corrupt", "held": 30},
+        {"restored": 25, "tier": "local", "reached": 40, "ended_by": "done"},
+    ]
+    day = {"runs": runs, "wall_s": 40.0, "finished": True}
+    g = gameday.goodput(day, step_s=0.5, steps=40)
+    assert g["goodput"] == pytest.approx(0.5)  # 40 steps of 0.5 s in 40 s
+    assert [(r["restored_step"], r["reached_step"], r["lost_steps"]) for r in g["restarts"]] == [
+        (15, 17, 2),
+        (25, 33, 8),
+    ]
+    assert [r["tier"] for r in g["restarts"]] == ["local", "local"]
+    assert [r["bound_steps"] for r in g["restarts"]] == [2, 3]  # the second lost too much
+    assert g["lost_steps"] == 10
+    for run, startup in zip(runs, (5.0, 4.0, 4.0), strict=True):
+        run["startup_s"] = startup
+    assert gameday.goodput(day, 0.5, 40)["startup_s"] == 13.0
+    assert gameday.goodput({**day, "finished": False}, 0.5, 40)["goodput"] == 0.0
+
+
+def test_each_restart_is_matched_with_the_failure_that_ended_its_run() -> None:
+    """A crash nobody scheduled (a job that died at start) is reported as unplanned; the
+    scheduled kill is matched with the restart after it, the storm restarts nothing."""
+    runs: list[dict[str, Any]] = [
+        {"restored": None, "tier": None, "reached": 0, "ended_by": "crash (process 0 exited -6)"},
+        {"restored": 0, "tier": "fresh", "reached": 12, "ended_by": "sigkill", "held": 10},
+        {"restored": 10, "tier": "local", "reached": 20, "ended_by": "done"},
+    ]
+    fired = [
+        {"kind": "storm", "process": 0, "at_reached": 4},
+        {"kind": "sigkill", "process": 1, "at_reached": 12},
+    ]
+    crcs = {(0, s): "c" for s in range(1, 21)}
+    day = {"runs": runs, "wall_s": 10.0, "finished": True, "fired": fired, "digest": "d"}
+    day |= {"crcs": crcs, "wrong": []}
+    ref = {"crcs": crcs, "digest": "d"}
+    result = gameday.assess(day, ref, gameday.Settings(processes=2, steps=20), 0.1)
+    assert [(f["kind"], f["lost_steps"], f["bound_steps"]) for f in result["failures"]] == [
+        ("unplanned: crash (process 0 exited -6)", 0, None),
+        ("storm", 0, 0),
+        ("sigkill", 2, 2),
+    ]
+    assert result["bit_exact"] and result["wrong_data"] == 0
+    changed = gameday.assess(
+        day,
+        {"crcs": {**crcs, (0, 5): "x"}, "digest": "e"},
+        gameday.Settings(processes=2, steps=20),
+        0.1,
+    )
+    assert not changed["bit_exact"] and changed["wrong_data"] == 1
+
+
+def test_smoke_run_restarts_within_bounds_and_ends_bit_exact(tmp_path: Path) -> None:
+    out = tmp_path / "gameday.json"
+    argv = ["--smoke", "--kinds", "sigkill,corrupt", "--no-baseline", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "gameday", *argv],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {"goodput", "baseline_goodput", "bit_exact", "wrong_data", "failures"} <= set(result)
+    assert result["bit_exact"] is True and result["wrong_data"] == 0
+    assert result["baseline_goodput"] is None
+    assert 0.0 < result["goodput"] <= 1.0
+    assert len(result["failures"]) == 2, result["failures"]
+    for f in result["failures"]:
+        assert f["kind"] in ("sigkill", "corrupt"), f
+        assert f["bound_steps"] is not None and 0 <= f["lost_steps"] <= f["bound_steps"], f
+        assert f["bound_steps"] <= 2 * f["interval_steps"], f  # one save in flight at most
+    assert [r["tier"] for r in result["restarts"]] == ["local", "local"], result["restarts"]
+    assert "| kind | process | at step | lost steps | bound | interval | within |" in proc.stdout
