@@ -68,6 +68,15 @@ class DisabledCheckpointManager(CheckpointManager):
     def latest_step(self) -> int | None:
         return None
 
+    def latest_good_step(self) -> int | None:
+        return None
+
+    def mark(self, step: int, *, good: bool, reason: str = "") -> None:
+        raise _missing(step)
+
+    def rollback(self, target: Any = None, **kwargs: Any) -> Any:
+        raise _missing(None)
+
     def restore(self, step: int | None = None, **kwargs: Any) -> Any:
         raise _missing(step)
 

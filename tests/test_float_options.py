@@ -10,10 +10,10 @@ import argparse
 import math
 
 import pytest
-from jaxckpt.formats._floors import Link
 
 from jaxckpt import CheckpointOptions, ObjectStoreOptions
 from jaxckpt.cli._common import seconds
+from jaxckpt.planning import Link
 from jaxckpt.policy import Adaptive, EveryNSeconds
 from jaxckpt.storage._retry import Backoff
 

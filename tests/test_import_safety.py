@@ -66,7 +66,7 @@ def test_a_failed_import_leaves_no_root_and_the_retry_works(tmp_path, monkeypatc
     assert not os.path.exists(dst)  # refused before anything was written
 
     # A failure while reading the second step (after the first committed) removes the root.
-    from jaxckpt.tools import _orbax_import
+    from jaxckpt.workflows import _orbax_import
 
     real = _orbax_import._restore_tree
     calls = []
@@ -91,7 +91,8 @@ def test_a_failed_import_leaves_no_root_and_the_retry_works(tmp_path, monkeypatc
     with pytest.raises(ImportSourceError, match="injected"):
         import_orbax(src, dst)
     monkeypatch.setattr(_orbax_import, "_restore_tree", real)
-    assert jaxckpt.CheckpointManager(dst).steps() == [0]
+    with jaxckpt.CheckpointManager(dst, read_only=True) as mgr:
+        assert mgr.steps() == [0]
     assert [r.step for r in import_orbax(src, dst)] == [1, 2]
 
 
@@ -100,7 +101,7 @@ def test_a_failed_import_into_a_plain_directory_removes_only_what_it_added(tmp_p
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "notes.txt").write_text("mine")
-    from jaxckpt.tools import _import
+    from jaxckpt.workflows import _import
 
     def fail(*args, **kwargs):
         raise jaxckpt.SaveFailedError("injected save failure")

@@ -57,6 +57,7 @@ def encode(value: Any, *, step: int, process: int) -> dict[str, Any] | None:
     elif isinstance(value, str):
         kind, raw, data = "str", value.encode("utf-8"), value
     else:
+        value = plain_numbers(value)  # numpy scalars: the Python numbers they equal
         problem = json_problem(value)
         if problem is not None:
             raise UnsupportedLeafError(
@@ -64,7 +65,7 @@ def encode(value: Any, *, step: int, process: int) -> dict[str, Any] | None:
                 f"str keys, lists, str, int, float, bool, None): {problem}"
             )
         try:
-            raw = dumps(plain_numbers(value))
+            raw = dumps(value)
         except (TypeError, ValueError) as e:
             raise UnsupportedLeafError(
                 f"{where} must be bytes, str or JSON-serialisable (a dict of str keys, lists, "
