@@ -115,7 +115,8 @@ def test_two_processes_saving_one_step_commit_exactly_one_writers_data(
 def test_older_writer_is_fenced_and_the_committed_step_is_the_newer_ones(root: str) -> None:
     from jaxckpt.formats import _tsio
 
-    old = jaxckpt.CheckpointManager(root, chunk_bytes=4096)
+    # plain: its chunks go through ArrayWriter.write, which the test holds (packs do not)
+    old = jaxckpt.CheckpointManager(root, chunk_bytes=4096, layout="plain")
     old.save(1, child.state(1))
     old.wait()
     slow = threading.Event()
@@ -128,7 +129,7 @@ def test_older_writer_is_fenced_and_the_committed_step_is_the_newer_ones(root: s
     _tsio.ArrayWriter.write = slow_write  # type: ignore[method-assign]
     try:
         old.save(5, child.state(500))  # in flight when the new writer takes over
-        new = jaxckpt.CheckpointManager(root, chunk_bytes=4096)
+        new = jaxckpt.CheckpointManager(root, chunk_bytes=4096, layout="plain")
         assert new.epoch == old.epoch + 1  # type: ignore[operator]
     finally:
         _tsio.ArrayWriter.write = write  # type: ignore[method-assign]
