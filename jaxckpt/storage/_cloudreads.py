@@ -4,8 +4,9 @@ buckets: each cloud's addressing, ``Last-Modified`` stamps and request signing.
 Requests are signed with the well-kept client libraries of each cloud: botocore's
 credential chain and SigV4 signer for S3 (``jaxckpt[s3]``), google-auth's
 application-default credentials for GCS (``jaxckpt[gcs]``). Without them, or with an
-HTTP proxy in the environment (which TensorStore's libcurl honours and the direct
-reader does not), there is no direct reader and restores read through TensorStore.
+HTTPS endpoint behind a proxy in the environment (which TensorStore's libcurl honours
+and the direct reader does not), there is no direct reader and restores read through
+TensorStore; a plain-HTTP endpoint behind a plain-HTTP proxy is read through the proxy.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import email.utils
 import http.client
 import json
 import logging
-import re
 import threading
 import urllib.parse
 import urllib.request
@@ -24,6 +24,7 @@ from typing import Any
 
 from jaxckpt.storage._http import DirectReader
 from jaxckpt.storage._retry import Backoff
+from jaxckpt.storage._s3address import AddressingStyle, S3Address
 
 __all__ = ["gcs_reader", "s3_reader"]
 
@@ -31,7 +32,6 @@ _log = logging.getLogger(__name__)
 
 _GCS_READ_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 _GCS_PUBLIC = "https://storage.googleapis.com"
-_DNS_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 
 
 def _once(resolve: Callable[[], Any]) -> Callable[[], Any]:
@@ -48,13 +48,21 @@ def _once(resolve: Callable[[], Any]) -> Callable[[], Any]:
     return get
 
 
-def _proxied(url: str) -> bool:
-    """Whether the environment sends requests to ``url`` through a proxy."""
+def _proxy(url: str) -> str | None:
+    """The proxy the environment sends requests to ``url`` through (``http://HOST:PORT``),
+    '' when it does so through one the direct reader cannot use, None when directly.
+
+    A plain-HTTP URL through a plain-HTTP proxy is read with absolute-form requests
+    (what libcurl, and so TensorStore, sends); HTTPS through a proxy is left to
+    TensorStore.
+    """
     parts = urllib.parse.urlsplit(url)
     proxies = urllib.request.getproxies()
-    if parts.scheme not in proxies:
-        return False
-    return not urllib.request.proxy_bypass(parts.netloc)
+    if parts.scheme not in proxies or urllib.request.proxy_bypass(parts.netloc):
+        return None
+    proxy = urllib.parse.urlsplit(proxies[parts.scheme])
+    usable = parts.scheme == proxy.scheme == "http" and proxy.hostname and not proxy.username
+    return f"http://{proxy.netloc}" if usable else ""
 
 
 def s3_reader(
@@ -63,15 +71,18 @@ def s3_reader(
     endpoint: str | None,
     timeout_s: float | None,
     backoff: Backoff | None = None,
+    *,
+    style: AddressingStyle = "auto",
 ) -> DirectReader | None:
     """A reader of an S3 bucket, or None (botocore missing, or a proxy in the way).
 
     Requests are signed with SigV4 by botocore, with credentials from its
     default chain (environment, shared files, SSO, web identity, instance
     metadata), resolved on the first read; without credentials they are
-    anonymous. A custom ``endpoint`` is addressed path-style
-    (``endpoint/bucket/key``), as TensorStore does; AWS virtual-hosted style
-    when the bucket name allows it.
+    anonymous. The bucket is addressed as :class:`S3Address` says for ``style``
+    (what TensorStore and botocore do too): by default path-style with a custom
+    ``endpoint`` (``endpoint/bucket/key``), and on AWS virtual-hosted when the
+    bucket name allows it.
     """
     try:
         import botocore.auth
@@ -80,13 +91,10 @@ def s3_reader(
     except ImportError:
         _log.debug("botocore is not installed: s3:// restores read through TensorStore")
         return None
-    if endpoint:
-        base, prefix = endpoint.rstrip("/"), f"/{bucket}/"
-    elif _DNS_BUCKET.match(bucket):
-        base, prefix = f"https://{bucket}.s3.{region}.amazonaws.com", "/"
-    else:
-        base, prefix = f"https://s3.{region}.amazonaws.com", f"/{bucket}/"
-    if _proxied(base):
+    address = S3Address(bucket=bucket, region=region, endpoint=endpoint, style=style)
+    base, prefix = address.base_url, address.object_prefix
+    proxy = _proxy(base)
+    if proxy == "":
         return None
     resolved = _once(lambda: botocore.session.get_session().get_credentials())
 
@@ -107,7 +115,7 @@ def s3_reader(
         return email.utils.parsedate_to_datetime(modified).timestamp() if modified else None
 
     stat = (object_path, stamps)
-    return DirectReader(base, object_path, authorize, timeout_s, stat, backoff)
+    return DirectReader(base, object_path, authorize, timeout_s, stat, backoff, proxy=proxy)
 
 
 def gcs_reader(
@@ -124,7 +132,8 @@ def gcs_reader(
     the way.
     """
     base = (endpoint or _GCS_PUBLIC).rstrip("/")
-    if _proxied(base):
+    proxy = _proxy(base)
+    if proxy == "":
         return None
     quoted_bucket = urllib.parse.quote(bucket, safe="")
 
@@ -140,7 +149,7 @@ def gcs_reader(
 
     stat = (metadata_path, stamps)
     if base.startswith("http://"):
-        return DirectReader(base, object_path, None, timeout_s, stat, backoff)
+        return DirectReader(base, object_path, None, timeout_s, stat, backoff, proxy=proxy)
     try:
         import google.auth
         import google.auth.exceptions
@@ -167,4 +176,4 @@ def gcs_reader(
                 credentials.refresh(google.auth.transport.requests.Request())
             credentials.apply(headers)
 
-    return DirectReader(base, object_path, authorize, timeout_s, stat, backoff)
+    return DirectReader(base, object_path, authorize, timeout_s, stat, backoff, proxy=proxy)

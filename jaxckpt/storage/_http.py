@@ -85,6 +85,8 @@ class DirectReader:
         how to find the modification time in that response (for :meth:`age`).
       backoff: when to retry a throttled or transiently failed request; default
         :class:`~jaxckpt.storage._retry.Backoff`'s.
+      proxy: ``http://HOST:PORT`` of an HTTP proxy to send each request through
+        (absolute-form request lines; plain-HTTP ``base_url`` only), or None.
     """
 
     def __init__(
@@ -95,6 +97,8 @@ class DirectReader:
         timeout_s: float | None,
         stat_path: tuple[Callable[[str], str], Stamps] | None = None,
         backoff: Backoff | None = None,
+        *,
+        proxy: str | None = None,
     ) -> None:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -104,6 +108,13 @@ class DirectReader:
         self._tls: ssl.SSLContext | None = None  # made on the first HTTPS connection
         self._host = parts.hostname
         self._port = parts.port
+        self._target = ""
+        """Prepended to each request path: the base URL when the request goes to a proxy."""
+        if proxy is not None:
+            via = urllib.parse.urlsplit(proxy)
+            if self._https or via.scheme != "http" or not via.hostname:
+                raise ValueError(f"only plain HTTP goes through a proxy, got {proxy!r}")
+            self._host, self._port, self._target = via.hostname, via.port, self.base_url
         self._object_path = object_path
         self._authorize = authorize
         self._timeout = timeout_s
@@ -230,7 +241,7 @@ class DirectReader:
                 self._authorize(self.base_url + path, headers)
             except Exception as e:  # the clouds' credential errors share no base class
                 raise DirectReadError(f"cannot authorize: {type(e).__name__}: {e}") from e
-        conn.request("GET", path, headers=headers)
+        conn.request("GET", self._target + path, headers=headers)
         return conn.getresponse()
 
     def _get(self, path: str, offset: int, out: memoryview) -> int | None:

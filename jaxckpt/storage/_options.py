@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from jaxckpt.storage._retry import Backoff
+from jaxckpt.storage._s3address import ADDRESSING_STYLES
 
 DEFAULT_RETRY_DEADLINE_S = 120.0
 """``retry_deadline_s`` of a root opened without a manager (a manager's follows its
@@ -75,6 +76,13 @@ class ObjectStoreOptions:
         the environment, with False here, or after three failed direct
         reads in a row, chunks are read through TensorStore under
         ``read_ahead_bytes``; a direct read that fails is read again there.
+      addressing_style: how S3 requests name the bucket, for every client
+        (TensorStore, botocore, direct reads): ``"path"``
+        (``ENDPOINT/BUCKET/KEY``), ``"virtual"`` (``BUCKET.HOST/KEY``, which
+        stores such as CoreWeave's require), or ``"auto"``: the environment's
+        ``JAXCKPT_S3_ADDRESSING_STYLE`` if set, else path-style with a custom
+        endpoint and, on AWS, virtual-hosted when the bucket name has no dots.
+        Not valid for GCS.
     """
 
     endpoint: str | None = None
@@ -88,8 +96,14 @@ class ObjectStoreOptions:
     read_part_bytes: int | None = None
     read_ahead_bytes: int | None = None
     direct_reads: bool = True
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
 
     def __post_init__(self) -> None:
+        if self.addressing_style not in ADDRESSING_STYLES:
+            raise ValueError(
+                f"addressing_style must be one of {', '.join(ADDRESSING_STYLES)}, "
+                f"got {self.addressing_style!r}"
+            )
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(f"endpoint must start with http:// or https://, got {self.endpoint!r}")
         if self.region is not None and not self.region:
@@ -135,6 +149,8 @@ class ObjectStoreOptions:
         """Raises ValueError if an option does not apply to ``scheme`` ("gs" or "s3")."""
         if scheme == "gs" and self.region is not None:
             raise ValueError("region applies to s3:// roots only")
+        if scheme == "gs" and self.addressing_style != "auto":
+            raise ValueError("addressing_style applies to s3:// roots only")
 
     def replace(self, **changes: Any) -> ObjectStoreOptions:
         """A copy with ``changes`` applied (and checked)."""

@@ -2,7 +2,9 @@
 
 The endpoint is ``endpoint``, else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
 (S3-compatible stores: moto, MinIO), and goes into the kvstore spec with the
-region. Create-only PUTs (``If-None-Match: *``) and batched deletes
+region; every client addresses the bucket path-style or virtual-hosted as
+:class:`~jaxckpt.storage._s3address.S3Address` decides (``addressing_style``).
+Create-only PUTs (``If-None-Match: *``) and batched deletes
 (``DeleteObjects``) go through botocore when it is installed and finds
 credentials (:mod:`jaxckpt.storage._s3create`); direct reads are signed by it.
 
@@ -28,6 +30,7 @@ from jaxckpt.storage._cloudreads import s3_reader
 from jaxckpt.storage._http import DirectReader
 from jaxckpt.storage._object import ObjectStorage
 from jaxckpt.storage._options import ObjectStoreOptions
+from jaxckpt.storage._s3address import S3Address, resolve_style
 from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
 from jaxckpt.storage._tsenv import aws_credentials, quiet_s3_auth
 from jaxckpt.storage._uri import RootURI
@@ -63,9 +66,11 @@ class S3Storage(ObjectStorage):
             or os.environ.get("AWS_DEFAULT_REGION")
             or "us-east-1"
         )
-        self._extra["aws_region"] = self._region
-        if self._endpoint:
-            self._extra["endpoint"] = self._endpoint.rstrip("/")
+        style = resolve_style(options.addressing_style, root.uri)
+        self._address = S3Address(
+            bucket=self._bucket, region=self._region, endpoint=self._endpoint, style=style
+        )
+        self._extra.update(self._address.tensorstore_members())
 
     def _opened(self, store: ts.KvStore) -> None:
         probe = self._name(_AUTH_PROBE)  # the SDK's credential lookup runs with it
@@ -73,19 +78,22 @@ class S3Storage(ObjectStorage):
 
     def _direct_reader(self) -> DirectReader | None:
         timeout = self._options.timeout_s
-        return s3_reader(self._bucket, self._region, self._endpoint, timeout, self._backoff)
+        address = self._address
+        return s3_reader(
+            self._bucket, self._region, self._endpoint, timeout, self._backoff, style=address.style
+        )
 
     @functools.cached_property
     def _s3_creates(self) -> S3Creates | None:
         timeout = self._options.timeout_s or _CREATE_TIMEOUT_S
-        return s3_creates(self._bucket, self._region, self._endpoint, timeout, self._backoff)
+        return s3_creates(self._address, timeout, self._backoff)
 
     def _credentials(self) -> dict[str, Any]:
         return aws_credentials()
 
     def _tried(self) -> str:
         keys = "the environment's keys" if aws_credentials() else "the AWS default chain"
-        where = "" if self._endpoint else f" at https://s3.{self._region}.amazonaws.com"
+        where = "" if self._endpoint else f" at {self._address.base_url}"
         return (
             f"; the store is unreachable: tried region {self._region}{where}, credentials: {keys}"
         )

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from jaxckpt.storage._retry import RETRY_HTTP_STATUSES, Backoff, elapsed_note, unreachable
+from jaxckpt.storage._s3address import S3Address
 
 _log = logging.getLogger(__name__)
 
@@ -68,12 +69,12 @@ def transient(error: BaseException) -> bool:
 
 
 _clients_lock = threading.Lock()
-_clients: dict[tuple[str, str | None, float], Any] = {}
+_clients: dict[tuple[str, str | None, str | None, float], Any] = {}
 """botocore clients (thread-safe), shared by every bucket with the same settings."""
 os.register_at_fork(after_in_child=_clients.clear)  # a child opens its own connections
 
 
-def _make_client(region: str, endpoint: str | None, timeout_s: float) -> Any:
+def _make_client(region: str, endpoint: str | None, style: str | None, timeout_s: float) -> Any:
     import botocore.config
     import botocore.handlers
     import botocore.session
@@ -82,7 +83,7 @@ def _make_client(region: str, endpoint: str | None, timeout_s: float) -> Any:
         connect_timeout=timeout_s,
         read_timeout=timeout_s,
         retries={"total_max_attempts": 1, "mode": "standard"},  # retried by S3Creates
-        s3={"addressing_style": "path"} if endpoint else None,
+        s3={"addressing_style": style} if style else None,
         request_checksum_calculation="when_required",
     )
     client = botocore.session.get_session().create_client(
@@ -99,20 +100,15 @@ class S3Creates:
     first use).
 
     Args:
-      bucket: the bucket.
-      region: its region (SigV4 signs with it).
-      endpoint: an S3-compatible endpoint (path-style addressing), or None for AWS.
+      address: the bucket, its region (SigV4 signs with it), an S3-compatible endpoint
+        (or None for AWS) and the addressing style.
       timeout_s: connect and read timeout of one request.
       backoff: when to retry a request that failed transiently, and when to give up.
     """
 
-    def __init__(
-        self, bucket: str, region: str, endpoint: str | None, timeout_s: float, backoff: Backoff
-    ) -> None:
-        self._bucket = bucket
-        self._region = region
-        self._endpoint = endpoint
-        self._timeout_s = timeout_s
+    def __init__(self, address: S3Address, timeout_s: float, backoff: Backoff) -> None:
+        self._bucket = address.bucket
+        self._client_key = (address.region, address.endpoint, address.botocore_style(), timeout_s)
         self._backoff = backoff
 
     def _retrying(self, call: Callable[[], _T]) -> _T:
@@ -133,7 +129,7 @@ class S3Creates:
                 time.sleep(delay)
 
     def _get_client(self) -> Any:
-        key = (self._region, self._endpoint, self._timeout_s)
+        key = self._client_key
         with _clients_lock:
             if key not in _clients:  # ~0.1 s of CPU each: one per configuration and process
                 _clients[key] = _make_client(*key)
@@ -200,9 +196,7 @@ class S3Creates:
                     time.sleep(delay)
 
 
-def s3_creates(
-    bucket: str, region: str, endpoint: str | None, timeout_s: float, backoff: Backoff
-) -> S3Creates | None:
+def s3_creates(address: S3Address, timeout_s: float, backoff: Backoff) -> S3Creates | None:
     """An :class:`S3Creates`, or None when botocore is missing or finds no credentials."""
     try:
         import botocore.session
@@ -212,7 +206,7 @@ def s3_creates(
     if botocore.session.get_session().get_credentials() is None:
         _log.debug("botocore finds no credentials: create-only writes go through TensorStore")
         return None
-    return S3Creates(bucket, region, endpoint, timeout_s, backoff)
+    return S3Creates(address, timeout_s, backoff)
 
 
 def refuses_condition(error: BaseException) -> bool:
