@@ -124,12 +124,14 @@ def fsspec_url(
     """The fsspec URL and ``storage_options`` that reach a jaxckpt URI.
 
     Endpoints come from the same places jaxckpt reads them: ``endpoint``, else
-    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (s3fs) or
-    ``STORAGE_EMULATOR_HOST`` (gcsfs, with anonymous credentials, as for an
-    emulator). Local paths come back unchanged with no options.
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (s3fs, addressing the bucket
+    as jaxckpt's own clients do: ``JAXCKPT_S3_ADDRESSING_STYLE``, else path-style
+    with a custom endpoint) or ``STORAGE_EMULATOR_HOST`` (gcsfs, with anonymous
+    credentials, as for an emulator). Local paths come back unchanged with no options.
 
-    >>> fsspec_url("s3://b/run/steps/3/arrays", endpoint="http://127.0.0.1:9000")
-    ('s3://b/run/steps/3/arrays', {'endpoint_url': 'http://127.0.0.1:9000'})
+    >>> url, options = fsspec_url("s3://b/run/steps/3/arrays", endpoint="http://127.0.0.1:9000")
+    >>> url, options["endpoint_url"], options["config_kwargs"]
+    ('s3://b/run/steps/3/arrays', 'http://127.0.0.1:9000', {'s3': {'addressing_style': 'path'}})
     >>> fsspec_url("/data/run")
     ('/data/run', {})
     """
@@ -137,20 +139,26 @@ def fsspec_url(
     options_for = _FSSPEC_OPTIONS.get(scheme) if sep else None
     if options_for is None:
         return uri.removeprefix("file://"), {}
-    return uri, options_for(endpoint, region)
+    return uri, options_for(uri, endpoint, region)
 
 
-def _s3fs_options(endpoint: str | None, region: str | None) -> dict[str, Any]:
+def _s3fs_options(uri: str, endpoint: str | None, region: str | None) -> dict[str, Any]:
+    from jaxckpt.storage import S3Address, resolve_style
+
     options: dict[str, Any] = {}
     url = endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if url:
         options["endpoint_url"] = url
     if region:
         options["client_kwargs"] = {"region_name": region}
+    bucket, style = uri.partition("://")[2].partition("/")[0], resolve_style("auto", uri)
+    address = S3Address(bucket=bucket, region=region or "", endpoint=url or None, style=style)
+    if address.botocore_style():
+        options["config_kwargs"] = {"s3": {"addressing_style": address.botocore_style()}}
     return options
 
 
-def _gcsfs_options(endpoint: str | None, region: str | None) -> dict[str, Any]:
+def _gcsfs_options(uri: str, endpoint: str | None, region: str | None) -> dict[str, Any]:
     host = endpoint or os.environ.get("STORAGE_EMULATOR_HOST")
     if not host:
         return {}

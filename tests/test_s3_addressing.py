@@ -145,3 +145,15 @@ def test_path_style_fails_clearly_against_the_same_store(strict: VirtualHostProx
     text = "".join(str(e) for e in [caught.value, caught.value.__cause__] if e is not None)
     assert strict.bucket in text and "AccessDenied" in text, text
     assert strict.counts["refused"] >= 1 and strict.counts["virtual"] == 0, strict.counts
+
+
+def test_zarr_python_reads_address_the_bucket_the_same_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from jaxckpt.zarr_compat import fsspec_url
+
+    _, options = fsspec_url("s3://b-1/run", endpoint="https://cwobject.com")
+    assert options["config_kwargs"] == {"s3": {"addressing_style": "path"}}
+    monkeypatch.setenv(ADDRESSING_ENV, "virtual")
+    _, options = fsspec_url("s3://b-1/run", endpoint="https://cwobject.com")
+    assert options["config_kwargs"] == {"s3": {"addressing_style": "virtual"}}

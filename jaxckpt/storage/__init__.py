@@ -41,6 +41,8 @@ from jaxckpt.storage._local import LocalStorage as LocalStorage
 from jaxckpt.storage._options import DIRECT_PART_BYTES as DIRECT_PART_BYTES
 from jaxckpt.storage._options import ObjectStoreOptions as ObjectStoreOptions
 from jaxckpt.storage._options import span_limit as span_limit
+from jaxckpt.storage._s3address import S3Address as S3Address
+from jaxckpt.storage._s3address import resolve_style as resolve_style
 from jaxckpt.storage._uri import OBJECT_SCHEMES
 from jaxckpt.storage._uri import RootURI as RootURI
 from jaxckpt.storage._uri import parse_root as parse_root
@@ -127,6 +129,7 @@ __all__ = [
     "ObjectStoreOptions",
     "PreconditionFailed",
     "RootURI",
+    "S3Address",
     "Storage",
     "TensorStoreStorage",
     "aligned_empty",
@@ -134,6 +137,7 @@ __all__ = [
     "makedirs_durable",
     "open_storage",
     "parse_root",
+    "resolve_style",
     "span_limit",
     "tensorstore_backed",
 ]
