@@ -157,3 +157,14 @@ def test_zarr_python_reads_address_the_bucket_the_same_way(
     monkeypatch.setenv(ADDRESSING_ENV, "virtual")
     _, options = fsspec_url("s3://b-1/run", endpoint="https://cwobject.com")
     assert options["config_kwargs"] == {"s3": {"addressing_style": "virtual"}}
+
+
+def test_an_old_tensorstore_refuses_virtual_hosted_roots_clearly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.81")
+    with pytest.raises(jaxckpt.StorageError, match=r"s3://bucket/run.*tensorstore>=0\.1\.82"):
+        open_storage("s3://bucket/run", endpoint="https://cwobject.com", addressing_style="virtual")
+    assert open_storage("s3://bucket/run", endpoint="https://cwobject.com")  # path-style works

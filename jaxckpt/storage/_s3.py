@@ -18,6 +18,7 @@ credentials (:mod:`jaxckpt.storage._s3create`); direct reads are signed by it.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -26,6 +27,7 @@ from typing import Any
 
 import tensorstore as ts
 
+from jaxckpt.errors import StorageError
 from jaxckpt.storage._cloudreads import s3_reader
 from jaxckpt.storage._http import DirectReader
 from jaxckpt.storage._object import ObjectStorage
@@ -44,6 +46,24 @@ _AUTH_PROBE_S = 10.0
 """The longest the first request waits with stderr filtered."""
 _CREATE_TIMEOUT_S = 300.0
 """botocore's connect and read timeout of a create-only PUT when ``timeout_s`` is None."""
+
+
+_TS_VIRTUAL = (0, 1, 82)
+"""The first TensorStore whose ``s3`` driver takes an empty bucket (virtual-hosted)."""
+
+
+def _check_tensorstore(uri: str) -> None:
+    """Raises StorageError (naming ``uri``) if TensorStore cannot address it virtual-hosted."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("tensorstore")
+    numbers = tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+    if numbers < _TS_VIRTUAL:
+        raise StorageError(
+            errno.EINVAL,
+            f"cannot open {uri} with addressing_style='virtual': tensorstore {version} "
+            "addresses a custom endpoint path-style only; install tensorstore>=0.1.82",
+        )
 
 
 class S3Storage(ObjectStorage):
@@ -71,6 +91,8 @@ class S3Storage(ObjectStorage):
             bucket=self._bucket, region=self._region, endpoint=self._endpoint, style=style
         )
         self._extra.update(self._address.tensorstore_members())
+        if self._extra["bucket"] == "":
+            _check_tensorstore(root.uri)
 
     def _opened(self, store: ts.KvStore) -> None:
         probe = self._name(_AUTH_PROBE)  # the SDK's credential lookup runs with it
