@@ -14,6 +14,13 @@ written as Hugging Face shards, ``model-00001-of-00003.safetensors`` ..., with
 
 Tensor names are the dotted tree paths (``params.dense.kernel``); non-array
 leaves (ints, strings, ...) go into ``__metadata__["jaxckpt.values"]`` as JSON.
+
+With ``max_memory_bytes`` the export holds at most that much tensor data at once: blocks
+of at most half of it (the other half is room for the chunk being read into a block), and
+a leaf whose chunk rows are larger is written chunk by chunk, each chunk's rows at their
+offsets in the file (``os.pwrite``). A chunk is the smallest unit read (its checksum
+covers it whole), so a budget below two chunks of a leaf is refused, naming the leaf.
+Published weights (:mod:`jaxckpt.lifecycle._publish`) are written by this same path.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import struct
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import product
 from typing import Any
 
 import numpy as np
@@ -101,12 +109,24 @@ class _Tensor:
     nbytes: int
 
 
-def _select(step: StepView, patterns: Sequence[str] | None) -> list[_Tensor]:
+LeafFilter = Sequence[str] | Callable[[str], bool] | None
+"""Which leaves to export: glob patterns on dotted paths, a predicate on them, or None (all)."""
+
+
+def _wanted(name: str, patterns: LeafFilter) -> bool:
+    if patterns is None:
+        return True
+    if callable(patterns):
+        return bool(patterns(name))
+    return not patterns or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _select(step: StepView, patterns: LeafFilter) -> list[_Tensor]:
     tensors = []
     seen: dict[str, str] = {}
     for view in step.arrays():
         name = view.path
-        if patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+        if not _wanted(name, patterns):
             continue
         dtype = _DTYPES.get(view.leaf.dtype or "")
         if dtype is None:
@@ -122,7 +142,8 @@ def _select(step: StepView, patterns: Sequence[str] | None) -> list[_Tensor]:
         seen[name] = view.leaf.path_text
         tensors.append(_Tensor(name=name, view=view, dtype=dtype, nbytes=view.nbytes))
     if not tensors:
-        wanted = " or ".join(repr(p) for p in patterns or ())  # a list would read as a path
+        shown = () if patterns is None or callable(patterns) else patterns
+        wanted = " or ".join(repr(p) for p in shown)  # a list would read as a path
         raise ExportError(f"step {step.step} of {step.root}: no array leaf matches {wanted or '*'}")
     return tensors
 
@@ -163,6 +184,65 @@ def _le_bytes(block: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(block).reshape(-1).view(np.uint8)
 
 
+def _pwrite(fd: int, data: memoryview | bytes, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _chunk_regions(t: _Tensor) -> Iterator[tuple[tuple[int, int], ...]]:
+    """The leaf's chunks, one region each, in row-major order of the chunk grid."""
+    shape, chunk = t.view.shape, t.view.leaf.chunk_shape
+    starts = [range(0, d, c) for d, c in zip(shape, chunk, strict=True)]
+    for lo in product(*starts):
+        yield tuple((a, min(a + c, d)) for a, c, d in zip(lo, chunk, shape, strict=True))
+
+
+def _row_bytes(t: _Tensor) -> int:
+    """The bytes of one row of chunks (what :meth:`LeafView.blocks` reads at least)."""
+    shape = t.view.shape
+    if not shape or t.view.size == 0:
+        return t.nbytes
+    unit = t.view.leaf.chunk_shape[0] if t.view.leaf.chunk_shape else 1
+    return t.nbytes // shape[0] * min(unit, shape[0])
+
+
+def _chunk_bytes(t: _Tensor) -> int:
+    chunk = t.view.leaf.chunk_shape or t.view.shape
+    return math.prod(min(c, d) for c, d in zip(chunk, t.view.shape, strict=True)) * (
+        t.view.dtype.itemsize
+    )
+
+
+def _write_tensor(
+    fd: int, base: int, t: _Tensor, block_bytes: int, progress: Callable[[int], None] | None
+) -> int:
+    """Writes one tensor's C-order bytes at ``base``; returns the bytes written."""
+    written = 0
+    if not t.view.shape or _row_bytes(t) <= block_bytes:  # contiguous blocks of whole rows
+        for block in t.view.blocks(block_bytes):
+            data = _le_bytes(block)
+            _pwrite(fd, data.data, base + written)
+            written += data.nbytes
+            if progress is not None:
+                progress(data.nbytes)
+        return written
+    shape, itemsize = t.view.shape, t.view.dtype.itemsize
+    for region in _chunk_regions(t):  # chunk by chunk: each row of a chunk at its offset
+        block = t.view.read_region(region)
+        for inner in product(*(range(hi - lo) for lo, hi in region[:-1])):
+            at = [lo + i for (lo, _), i in zip(region[:-1], inner, strict=True)]
+            flat = int(np.ravel_multi_index((*at, region[-1][0]), shape))
+            data = _le_bytes(block[inner])
+            _pwrite(fd, data.data, base + flat * itemsize)
+            written += data.nbytes
+        if progress is not None:
+            progress(block.nbytes)
+        del block
+    return written
+
+
 def _write_file(
     path: str,
     tensors: Sequence[_Tensor],
@@ -170,20 +250,39 @@ def _write_file(
     on_progress: Callable[[int], None] | None,
     block_bytes: int,
 ) -> None:
-    with open(path, "wb") as f:
-        f.write(_header(tensors, metadata))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        header = _header(tensors, metadata)
+        _pwrite(fd, header, 0)
+        base = len(header)
         for t in tensors:
-            written = 0
-            for block in t.view.blocks(block_bytes):
-                data = _le_bytes(block)
-                f.write(data.data)
-                written += data.nbytes
-                if on_progress is not None:
-                    on_progress(data.nbytes)
+            written = _write_tensor(fd, base, t, block_bytes, on_progress)
             if written != t.nbytes:  # a bug, never bad data: every chunk was checked
                 raise AssertionError(f"{t.name}: wrote {written} of {t.nbytes} bytes")
-        f.flush()
-        os.fsync(f.fileno())
+            base += t.nbytes
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_budget(tensors: Sequence[_Tensor], block_bytes: int, budget: int) -> None:
+    """Refuses a budget below two chunks of some leaf (a chunk is read whole)."""
+    for t in tensors:
+        if _chunk_bytes(t) > block_bytes:
+            raise ExportError(
+                f"max_memory_bytes={budget} is below two chunks of {t.name} "
+                f"({_chunk_bytes(t)} bytes each, shape {list(t.view.leaf.chunk_shape)}): "
+                "raise the budget, or save with a smaller chunk_bytes"
+            )
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):  # not every file system syncs directories
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _makedirs(path: str) -> None:
@@ -199,10 +298,12 @@ def export_safetensors(
     out: str | os.PathLike[str],
     *,
     step: int | None = None,
-    leaves: Sequence[str] | None = None,
+    leaves: LeafFilter = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     on_progress: Callable[[int], None] | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    max_memory_bytes: int | None = None,
+    index: bool = False,
     **storage_options: Any,
 ) -> ExportResult:
     """Writes a committed step's arrays as safetensors, sharded when large.
@@ -214,18 +315,24 @@ def export_safetensors(
         or a path ending in ``.safetensors`` (its directory created), which
         receives one file whatever its size.
       step: the step to export; None exports the newest.
-      leaves: glob patterns on dotted paths (``params.*``); None exports every array.
+      leaves: glob patterns on dotted paths (``params.*``) or a predicate on them;
+        None exports every array.
       max_shard_bytes: the most tensor bytes per shard (one larger tensor gets
         a shard of its own).
       on_progress: called with the number of bytes of each block written.
       block_bytes: the most bytes read into memory at once (at least a chunk row).
+      max_memory_bytes: the most tensor bytes held at once (overrides ``block_bytes``:
+        blocks of half of it, large leaves chunk by chunk; see the module docstring).
+      index: write shards and the index even when one shard holds everything (the
+        Hugging Face layout whatever the size; the index is written last).
 
     Returns:
       An :class:`ExportResult`.
 
     Raises:
       ExportError: a leaf has a dtype safetensors lacks, two leaves share a
-        name, nothing matches ``leaves``, or ``out`` is not a local path.
+        name, nothing matches ``leaves``, ``out`` is not a local path, or
+        ``max_memory_bytes`` is below two chunks of a leaf.
       StepNotFoundError, CorruptCheckpointError: as :func:`jaxckpt.open_step`.
     """
     out = os.fspath(out)
@@ -233,8 +340,14 @@ def export_safetensors(
         raise ExportError(f"export writes to a local path, got {out!r}")
     if max_shard_bytes < 1:
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if max_memory_bytes is not None and max_memory_bytes < 2:
+        raise ExportError(f"max_memory_bytes must be at least 2, got {max_memory_bytes}")
     view = open_step(root, step, **storage_options)
     tensors = _select(view, leaves)
+    if max_memory_bytes is not None:
+        block_bytes = max_memory_bytes // 2
+        _check_budget(tensors, block_bytes, max_memory_bytes)
+        view.window_bytes = block_bytes
     metadata = {
         "format": "flax",
         "jaxckpt.root": view.root,
@@ -243,21 +356,20 @@ def export_safetensors(
             {dotted_path(x): x.value for x in view.leaves if x.kind == "value"}
         ),
     }
+    index_path = None
     if out.endswith(".safetensors"):
         plan = [(out, tensors)]
-        index = None
         _makedirs(os.path.dirname(out) or ".")
     else:
         _makedirs(out)
         shards = _shards(tensors, max_shard_bytes)
-        if len(shards) == 1:
+        if len(shards) == 1 and not index:
             plan = [(os.path.join(out, SINGLE_FILE), tensors)]
-            index = None
         else:
             n = len(shards)
             names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
             plan = [(os.path.join(out, nm), s) for nm, s in zip(names, shards, strict=True)]
-            index = os.path.join(out, INDEX_FILE)
+            index_path = os.path.join(out, INDEX_FILE)
     temps: list[tuple[str, str]] = []
     path = plan[0][0]
     try:
@@ -265,20 +377,25 @@ def export_safetensors(
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             temps.append((tmp, path))
             _write_file(tmp, members, metadata, on_progress, block_bytes)
-        if index is not None:
+        if index_path is not None:
             body = {
                 "metadata": {"total_size": sum(t.nbytes for t in tensors)},
                 "weight_map": {
                     t.name: os.path.basename(path) for path, members in plan for t in members
                 },
             }
-            tmp = f"{index}.tmp-{uuid.uuid4().hex[:8]}"
-            temps.append((tmp, index))
+            tmp = f"{index_path}.tmp-{uuid.uuid4().hex[:8]}"
+            temps.append((tmp, index_path))
             with open(tmp, "w") as f:
                 json.dump(body, f, indent=2)
                 f.write("\n")
-        for tmp, path in temps:  # the output appears only once every file is complete
+                f.flush()
+                os.fsync(f.fileno())
+        for i, (tmp, path) in enumerate(temps):  # the output appears once every file is complete
+            if index_path is not None and i == len(temps) - 1:
+                _fsync_dir(os.path.dirname(path))  # the shards are in place before the index
             os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path) or ".")
     except BaseException as e:
         for tmp, _ in temps:
             with contextlib.suppress(OSError):
