@@ -15,12 +15,8 @@ written as Hugging Face shards, ``model-00001-of-00003.safetensors`` ..., with
 Tensor names are the dotted tree paths (``params.dense.kernel``); non-array
 leaves (ints, strings, ...) go into ``__metadata__["jaxckpt.values"]`` as JSON.
 
-With ``max_memory_bytes`` the export holds at most that much tensor data at once: blocks
-of at most half of it (the other half is room for the chunk being read into a block), and
-a leaf whose chunk rows are larger is written chunk by chunk, each chunk's rows at their
-offsets in the file (``os.pwrite``). A chunk is the smallest unit read (its checksum
-covers it whole), so a budget below two chunks of a leaf is refused, naming the leaf.
-Published weights (:mod:`jaxckpt.lifecycle._publish`) are written by this same path.
+With ``max_memory_bytes`` at most that much tensor data is held at once (blocks of half of
+it; see :mod:`jaxckpt.tools._leafwrite`); published weights take this same path.
 """
 
 from __future__ import annotations
@@ -34,13 +30,13 @@ import struct
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import product
 from typing import Any
 
 import numpy as np
 
 from jaxckpt.errors import CheckpointError
 from jaxckpt.restoring import DEFAULT_BLOCK_BYTES, LeafView, StepView, dotted_path, open_step
+from jaxckpt.tools._leafwrite import budget_problem, fsync_dir, pwrite_all, write_leaf
 
 __all__ = [
     "ExportResult",
@@ -177,72 +173,6 @@ def _header(tensors: Sequence[_Tensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _le_bytes(block: np.ndarray) -> np.ndarray:
-    """The block's little-endian C-order bytes as a uint8 array (no copy when possible)."""
-    if block.dtype.byteorder == ">":
-        block = block.astype(block.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(block).reshape(-1).view(np.uint8)
-
-
-def _pwrite(fd: int, data: memoryview | bytes, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _chunk_regions(t: _Tensor) -> Iterator[tuple[tuple[int, int], ...]]:
-    """The leaf's chunks, one region each, in row-major order of the chunk grid."""
-    shape, chunk = t.view.shape, t.view.leaf.chunk_shape
-    starts = [range(0, d, c) for d, c in zip(shape, chunk, strict=True)]
-    for lo in product(*starts):
-        yield tuple((a, min(a + c, d)) for a, c, d in zip(lo, chunk, shape, strict=True))
-
-
-def _row_bytes(t: _Tensor) -> int:
-    """The bytes of one row of chunks (what :meth:`LeafView.blocks` reads at least)."""
-    shape = t.view.shape
-    if not shape or t.view.size == 0:
-        return t.nbytes
-    unit = t.view.leaf.chunk_shape[0] if t.view.leaf.chunk_shape else 1
-    return t.nbytes // shape[0] * min(unit, shape[0])
-
-
-def _chunk_bytes(t: _Tensor) -> int:
-    chunk = t.view.leaf.chunk_shape or t.view.shape
-    return math.prod(min(c, d) for c, d in zip(chunk, t.view.shape, strict=True)) * (
-        t.view.dtype.itemsize
-    )
-
-
-def _write_tensor(
-    fd: int, base: int, t: _Tensor, block_bytes: int, progress: Callable[[int], None] | None
-) -> int:
-    """Writes one tensor's C-order bytes at ``base``; returns the bytes written."""
-    written = 0
-    if not t.view.shape or _row_bytes(t) <= block_bytes:  # contiguous blocks of whole rows
-        for block in t.view.blocks(block_bytes):
-            data = _le_bytes(block)
-            _pwrite(fd, data.data, base + written)
-            written += data.nbytes
-            if progress is not None:
-                progress(data.nbytes)
-        return written
-    shape, itemsize = t.view.shape, t.view.dtype.itemsize
-    for region in _chunk_regions(t):  # chunk by chunk: each row of a chunk at its offset
-        block = t.view.read_region(region)
-        for inner in product(*(range(hi - lo) for lo, hi in region[:-1])):
-            at = [lo + i for (lo, _), i in zip(region[:-1], inner, strict=True)]
-            flat = int(np.ravel_multi_index((*at, region[-1][0]), shape))
-            data = _le_bytes(block[inner])
-            _pwrite(fd, data.data, base + flat * itemsize)
-            written += data.nbytes
-        if progress is not None:
-            progress(block.nbytes)
-        del block
-    return written
-
-
 def _write_file(
     path: str,
     tensors: Sequence[_Tensor],
@@ -253,36 +183,16 @@ def _write_file(
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         header = _header(tensors, metadata)
-        _pwrite(fd, header, 0)
+        pwrite_all(fd, header, 0)
         base = len(header)
         for t in tensors:
-            written = _write_tensor(fd, base, t, block_bytes, on_progress)
+            written = write_leaf(fd, base, t.view, block_bytes, on_progress)
             if written != t.nbytes:  # a bug, never bad data: every chunk was checked
                 raise AssertionError(f"{t.name}: wrote {written} of {t.nbytes} bytes")
             base += t.nbytes
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _check_budget(tensors: Sequence[_Tensor], block_bytes: int, budget: int) -> None:
-    """Refuses a budget below two chunks of some leaf (a chunk is read whole)."""
-    for t in tensors:
-        if _chunk_bytes(t) > block_bytes:
-            raise ExportError(
-                f"max_memory_bytes={budget} is below two chunks of {t.name} "
-                f"({_chunk_bytes(t)} bytes each, shape {list(t.view.leaf.chunk_shape)}): "
-                "raise the budget, or save with a smaller chunk_bytes"
-            )
-
-
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):  # not every file system syncs directories
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _makedirs(path: str) -> None:
@@ -340,14 +250,12 @@ def export_safetensors(
         raise ExportError(f"export writes to a local path, got {out!r}")
     if max_shard_bytes < 1:
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    if max_memory_bytes is not None and max_memory_bytes < 2:
-        raise ExportError(f"max_memory_bytes must be at least 2, got {max_memory_bytes}")
     view = open_step(root, step, **storage_options)
     tensors = _select(view, leaves)
-    if max_memory_bytes is not None:
-        block_bytes = max_memory_bytes // 2
-        _check_budget(tensors, block_bytes, max_memory_bytes)
-        view.window_bytes = block_bytes
+    if max_memory_bytes is not None:  # a chunk is read whole: below two of them is refused
+        block_bytes = view.window_bytes = max_memory_bytes // 2
+        if (problem := budget_problem([t.view for t in tensors], max_memory_bytes)) is not None:
+            raise ExportError(problem)
     metadata = {
         "format": "flax",
         "jaxckpt.root": view.root,
@@ -393,9 +301,9 @@ def export_safetensors(
                 os.fsync(f.fileno())
         for i, (tmp, path) in enumerate(temps):  # the output appears once every file is complete
             if index_path is not None and i == len(temps) - 1:
-                _fsync_dir(os.path.dirname(path))  # the shards are in place before the index
+                fsync_dir(os.path.dirname(path))  # the shards are in place before the index
             os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path) or ".")
+        fsync_dir(os.path.dirname(path) or ".")
     except BaseException as e:
         for tmp, _ in temps:
             with contextlib.suppress(OSError):
