@@ -57,7 +57,7 @@ class PublishOptions:
         ``TrainState``), else every array.
       format: ``"safetensors"`` (the only one so far).
       max_memory_bytes: the most tensor bytes held at once while publishing (at least
-        two chunks of every published leaf; default 256 MiB).
+        three chunks of every published leaf; default 256 MiB).
       max_shard_bytes: the most tensor bytes per shard (Hugging Face's default, 5 GB).
       retries: attempts after the first failed one, ``backoff_s`` apart (doubling from
         the first to the longest, with jitter); then the step is left for the next

@@ -67,7 +67,7 @@ def register(sub: Any) -> None:
         type=_size,
         metavar="SIZE",
         help="safetensors: the most tensor bytes held at once (default: 64 MiB blocks, or a "
-        "chunk row if larger); at least two chunks of every leaf",
+        "chunk row if larger); at least three chunks of every leaf",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 

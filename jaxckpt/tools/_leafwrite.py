@@ -64,16 +64,17 @@ def write_leaf(
     fd: int, base: int, view: LeafView, block_bytes: int, progress: Callable[[int], None] | None
 ) -> int:
     """Writes the leaf's little-endian C-order bytes into ``fd`` from offset ``base``,
-    holding at most ``block_bytes`` of it (and a chunk being read) at once; returns
-    the bytes written. ``progress`` is told the bytes of each block or chunk."""
+    holding one block of at most ``block_bytes`` (and the chunks read into it) at once;
+    returns the bytes written. ``progress`` is told the bytes of each block or chunk."""
     written = 0
     if not view.shape or _row_bytes(view) <= block_bytes:  # contiguous blocks of whole rows
-        for block in view.blocks(block_bytes):
-            data = _le_bytes(block)
+        for region in view.block_regions(block_bytes):
+            data = _le_bytes(view.read_region(region))
             pwrite_all(fd, data.data, base + written)
             written += data.nbytes
             if progress is not None:
                 progress(data.nbytes)
+            del data  # before the next block is read
         return written
     shape, itemsize = view.shape, view.dtype.itemsize
     for region in _chunk_regions(view):  # chunk by chunk: each row of a chunk at its offset
@@ -84,18 +85,49 @@ def write_leaf(
             data = _le_bytes(block[inner])
             pwrite_all(fd, data.data, base + flat * itemsize)
             written += data.nbytes
+            del data  # a view of the block
         if progress is not None:
             progress(block.nbytes)
-        del block
+        del block  # before the next chunk is read
     return written
 
 
+def write_file(
+    path: str,
+    header: bytes,
+    leaves: Sequence[tuple[str, LeafView]],
+    block_bytes: int,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Writes ``header`` and then each named leaf's bytes, back to back, into a new file
+    ``path`` (made durable before it returns)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        pwrite_all(fd, header, 0)
+        base = len(header)
+        for name, view in leaves:
+            written = write_leaf(fd, base, view, block_bytes, progress)
+            if written != view.nbytes:  # a bug, never bad data: every chunk was checked
+                raise AssertionError(f"{name}: wrote {written} of {view.nbytes} bytes")
+            base += view.nbytes
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def leaf_block_bytes(max_memory_bytes: int) -> int:
+    """The block a budget allows: a third of it. A block being read holds its chunks'
+    bytes as read and the block they are copied into (two blocks), with room to spare."""
+    return max_memory_bytes // 3
+
+
 def budget_problem(views: Sequence[LeafView], max_memory_bytes: int) -> str | None:
-    """Why ``max_memory_bytes`` cannot stream a leaf (below two of its chunks), or None."""
+    """Why ``max_memory_bytes`` cannot stream a leaf (a block below one of its chunks:
+    the budget below three chunks), or None."""
     for view in views:
-        if chunk_bytes(view) > max_memory_bytes // 2:
+        if chunk_bytes(view) > leaf_block_bytes(max_memory_bytes):
             return (
-                f"max_memory_bytes={max_memory_bytes} is below two chunks of {view.path} "
+                f"max_memory_bytes={max_memory_bytes} is below three chunks of {view.path} "
                 f"({chunk_bytes(view)} bytes each, shape {list(view.leaf.chunk_shape)}): "
                 "raise the budget, or save with a smaller chunk_bytes"
             )

@@ -15,8 +15,7 @@ written as Hugging Face shards, ``model-00001-of-00003.safetensors`` ..., with
 Tensor names are the dotted tree paths (``params.dense.kernel``); non-array
 leaves (ints, strings, ...) go into ``__metadata__["jaxckpt.values"]`` as JSON.
 
-With ``max_memory_bytes`` at most that much tensor data is held at once (blocks of half of
-it; see :mod:`jaxckpt.tools._leafwrite`); published weights take this same path.
+Memory budgets (``max_memory_bytes``): :mod:`jaxckpt.tools._leafwrite`. Publishing uses this.
 """
 
 from __future__ import annotations
@@ -34,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt.commit import reached as reached_phase
 from jaxckpt.errors import CheckpointError
 from jaxckpt.restoring import DEFAULT_BLOCK_BYTES, LeafView, StepView, dotted_path, open_step
-from jaxckpt.tools._leafwrite import budget_problem, fsync_dir, pwrite_all, write_leaf
+from jaxckpt.tools._leafwrite import budget_problem, fsync_dir, leaf_block_bytes, write_file
 
 __all__ = [
     "ExportResult",
@@ -180,19 +180,8 @@ def _write_file(
     on_progress: Callable[[int], None] | None,
     block_bytes: int,
 ) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        header = _header(tensors, metadata)
-        pwrite_all(fd, header, 0)
-        base = len(header)
-        for t in tensors:
-            written = write_leaf(fd, base, t.view, block_bytes, on_progress)
-            if written != t.nbytes:  # a bug, never bad data: every chunk was checked
-                raise AssertionError(f"{t.name}: wrote {written} of {t.nbytes} bytes")
-            base += t.nbytes
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    views = [(t.name, t.view) for t in tensors]
+    write_file(path, _header(tensors, metadata), views, block_bytes, on_progress)
 
 
 def _makedirs(path: str) -> None:
@@ -232,7 +221,7 @@ def export_safetensors(
       on_progress: called with the number of bytes of each block written.
       block_bytes: the most bytes read into memory at once (at least a chunk row).
       max_memory_bytes: the most tensor bytes held at once (overrides ``block_bytes``:
-        blocks of half of it, large leaves chunk by chunk; see the module docstring).
+        blocks of a third of it, wide leaves chunk by chunk; see ``_leafwrite``).
       index: write shards and the index even when one shard holds everything (the
         Hugging Face layout whatever the size; the index is written last).
 
@@ -242,7 +231,7 @@ def export_safetensors(
     Raises:
       ExportError: a leaf has a dtype safetensors lacks, two leaves share a
         name, nothing matches ``leaves``, ``out`` is not a local path, or
-        ``max_memory_bytes`` is below two chunks of a leaf.
+        ``max_memory_bytes`` is below three chunks of a leaf.
       StepNotFoundError, CorruptCheckpointError: as :func:`jaxckpt.open_step`.
     """
     out = os.fspath(out)
@@ -252,8 +241,8 @@ def export_safetensors(
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     view = open_step(root, step, **storage_options)
     tensors = _select(view, leaves)
-    if max_memory_bytes is not None:  # a chunk is read whole: below two of them is refused
-        block_bytes = view.window_bytes = max_memory_bytes // 2
+    if max_memory_bytes is not None:  # a chunk is read whole: below three is refused
+        block_bytes = view.window_bytes = leaf_block_bytes(max_memory_bytes)
         if (problem := budget_problem([t.view for t in tensors], max_memory_bytes)) is not None:
             raise ExportError(problem)
     metadata = {
@@ -285,6 +274,7 @@ def export_safetensors(
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             temps.append((tmp, path))
             _write_file(tmp, members, metadata, on_progress, block_bytes)
+            reached_phase("shard_written", view.step)
         if index_path is not None:
             body = {
                 "metadata": {"total_size": sum(t.nbytes for t in tensors)},
