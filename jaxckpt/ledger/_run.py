@@ -145,7 +145,8 @@ class RunLedger:
         if hasattr(parts._promotion, "on_result"):
             parts._promotion.on_result = self._promoted
         parts._retention.on_deleted = self._deleted
-        if hasattr(publisher := getattr(parts, "_publisher", None), "on_result"):
+        publisher: Any = getattr(parts, "_publisher", None)
+        if hasattr(publisher, "on_result"):  # a manager that publishes weights
             publisher.on_result = self._published
         parts._session.listen(self)
         self._writer = writer

@@ -164,7 +164,8 @@ class Publisher:
 
     def recover(self) -> list[int]:
         """Queues the due steps without a done record (one listing); returns them."""
-        due, done = set(), set()
+        due: set[int] = set()
+        done: set[int] = set()
         for key in self._records.list(PUBLISH):
             parsed = parse_publish_key(key)
             if parsed is not None:
