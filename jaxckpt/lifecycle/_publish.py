@@ -198,19 +198,19 @@ class Publisher:
     # -- the thread --------------------------------------------------------------------
 
     def _enqueue(self, step: int) -> None:
+        skipped = []
         with self._lock:
             if step in self._queue or step == self._current:
                 return
             self._queue.append(step)
             while len(self._queue) > self.options.queue:
-                skipped = self._queue.popleft()
-                self.skipped += 1
-                log.warning(
-                    "publish: skipping step %d (step %d is due; still behind)", skipped, step
-                )
-                self._report(PublishResult(step=skipped, outcome=SKIPPED))
-                self._forget(skipped)
+                skipped.append(self._queue.popleft())
+            self.skipped += len(skipped)
             self._wake.notify_all()
+        for old in skipped:  # outside the lock: a record deletion may take a request
+            log.warning("publish: skipping step %d (step %d is due; still behind)", old, step)
+            self._report(PublishResult(step=old, outcome=SKIPPED))
+            self._forget(old)
 
     def _run(self) -> None:
         while True:
