@@ -80,6 +80,20 @@ def test_every_n_steps_publishes_the_params_in_the_hugging_face_layout(tmp_path)
     ]
 
 
+def test_publishes_from_an_object_store_root_under_a_budget(s3_server, tmp_path):
+    root, dest = f"s3://{s3_server.bucket}/{tmp_path.name}", tmp_path / "weights"
+    pub = jaxckpt.PublishOptions(
+        policy=AtSteps([2]), destination=str(dest), max_memory_bytes=200 << 10
+    )
+    with jaxckpt.CheckpointManager(root, publish=pub, chunk_bytes=16 << 10) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+    assert sorted(os.listdir(dest)) == ["2"]
+    tensors, params = _published(dest / "2"), _state(2)["params"]
+    np.testing.assert_array_equal(tensors["params.dense.kernel"], params["dense"]["kernel"])
+    np.testing.assert_array_equal(tensors["params.embed"], params["embed"])
+
+
 def test_ls_shows_what_is_published(tmp_path, capsys):
     root, dest = tmp_path / "ckpt", tmp_path / "weights"
     pub = jaxckpt.PublishOptions(policy=AtSteps([1]), destination=str(dest))
