@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,36 @@ def test_a_publisher_behind_skips_the_oldest_waiting_step(tmp_path, monkeypatch)
     assert sorted(os.listdir(dest)) == ["0", "2"]
     assert mgr._publisher.skipped == 1
     assert open_storage(str(root)).read(publish_key(1, due=True)) is None
+
+
+def test_several_processes_wait_until_the_step_is_durable(tmp_path):
+    """Several processes with a local tier publish from the durable root: a step committed
+    locally but not promoted yet is looked for again (not a failure) until it is there."""
+    root, dest = tmp_path / "durable", tmp_path / "weights"
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, _state(1))
+    tried = threading.Event()
+
+    class Watched(_publish.Publisher):
+        def publish(self, step):
+            try:
+                return super().publish(step)
+            except jaxckpt.CheckpointError:
+                tried.set()
+                raise
+
+    pub = jaxckpt.PublishOptions(
+        policy=EveryNSteps(1), destination=str(dest), backoff_s=(0.01, 0.05), retries=0
+    )
+    publisher = Watched(pub, [(str(root), {})], open_storage(str(root)), several=True)
+    publisher.start()
+    publisher.committed(types.SimpleNamespace(step=3))  # a local commit of step 3
+    assert tried.wait(60)  # looked for on the durable root: not there yet
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(3, _state(3))  # promoted
+    publisher.close(60)
+    assert publisher.published == 1 and publisher.failures == 0
+    assert sorted(_published(dest / "3")) == ["params.dense.kernel", "params.embed"]
 
 
 _KILLED_CHILD = """

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jaxckpt import policy
-from jaxckpt.errors import CheckpointError, StepNotFoundError
+from jaxckpt.errors import CheckpointError, StepNotFoundError, UncommittedStepError
 from jaxckpt.lifecycle._backoff import Backoff
 from jaxckpt.records import PUBLISH, parse_publish_key, publish_key
 
@@ -81,6 +81,10 @@ class _Stopped(Exception):
     """The publisher is closing: the step in progress is left for the next open."""
 
 
+class _NotDurableYet(CheckpointError):
+    """Several processes with a local tier: the step is not on the durable root yet."""
+
+
 def default_filter(paths: Sequence[str]) -> Callable[[str], bool] | None:
     """The ``params`` subtree when the step has one (a ``TrainState``), else everything."""
     if any(p == "params" or p.startswith("params.") for p in paths):
@@ -96,9 +100,11 @@ class Publisher:
       sources: where committed steps are read: ``(root uri, storage options)``, nearest first.
       records: the durable root's storage: the due and done records.
       on_result: told each result (the ledger).
-      timeout_s: how long :meth:`close` waits for the queued steps.
+      timeout_s: how long :meth:`close` waits for the queued steps (the manager's
+        ``save_timeout_s``).
       several: the job has several processes with a local tier, and ``sources`` is the
-        durable root: a step not found there may still be promoted (retried, not gone).
+        durable root: a step not found there may still be promoted (looked for every few
+        seconds, for up to ``timeout_s``; not a failure meanwhile).
     """
 
     def __init__(
@@ -237,11 +243,20 @@ class Publisher:
                 self.on_result(result)
 
     def _publish_with_retries(self, step: int) -> PublishResult:
+        durable_by = time.monotonic() + self.timeout_s
         while True:
             try:
                 result = self.publish(step)
             except _Stopped:
                 raise
+            except _NotDurableYet as e:  # polled (not a failure) until save_timeout_s
+                if time.monotonic() > durable_by:
+                    self.failures += 1
+                    log.error("publish: step %d not durable in time (left due): %s", step, e)
+                    return PublishResult(step=step, outcome=FAILED, error=str(e))
+                if self._stop.wait(min(self.options.backoff_s[1], 5.0)):
+                    raise _Stopped() from e
+                continue
             except Exception as e:
                 attempts = self._backoff.failures(step) + 1
                 if attempts > self.options.retries:
@@ -279,7 +294,7 @@ class Publisher:
         for uri, storage_options in self._sources:
             try:
                 view = open_step(uri, step, **storage_options)
-            except StepNotFoundError:
+            except (StepNotFoundError, UncommittedStepError):  # not (or not yet) committed there
                 continue
             leaves = self.options.tree_filter
             if leaves is None:
@@ -313,8 +328,8 @@ class Publisher:
             return PublishResult(
                 step=step, outcome=PUBLISHED, nbytes=result.total_size, seconds=seconds
             )
-        if len(self._sources) == 1 and self._several:  # a local commit, not durable yet
-            raise StepNotFoundError(f"step {step} is not committed under {self._sources[0][0]}")
+        if self._several:  # committed on the local tiers, not promoted yet
+            raise _NotDurableYet(f"step {step} is not durable under {self._sources[0][0]} yet")
         log.warning("publish: step %d is no longer committed; not published", step)
         self._forget(step)
         return PublishResult(step=step, outcome=GONE)
