@@ -267,6 +267,9 @@ def test_a_publish_killed_mid_way_is_redone_by_the_next_open(tmp_path):
     for name, value in expected.items():
         np.testing.assert_array_equal(tensors[name], value)
     assert storage.read(publish_key(5, due=True)) is None and storage.read(publish_key(5))
+    killed, reopened = read_ledger(storage)  # the redone publication is the second run's
+    assert killed.of("publish") == []
+    assert [(e["step"], e["outcome"]) for e in reopened.of("publish")] == [(5, "published")]
 
 
 _RSS_CHILD = """

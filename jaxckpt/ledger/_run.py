@@ -145,11 +145,11 @@ class RunLedger:
         if hasattr(parts._promotion, "on_result"):
             parts._promotion.on_result = self._promoted
         parts._retention.on_deleted = self._deleted
-        publisher: Any = getattr(parts, "_publisher", None)
-        if hasattr(publisher, "on_result"):  # a manager that publishes weights
-            publisher.on_result = self._published
         parts._session.listen(self)
         self._writer = writer
+        publisher: Any = getattr(parts, "_publisher", None)
+        if hasattr(publisher, "on_result"):  # publishes weights (results so far come now)
+            publisher.on_result = self._published
         _open_at_exit(self)
         writer.start()
 

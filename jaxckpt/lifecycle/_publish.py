@@ -122,8 +122,9 @@ class Publisher:
         self._several = several  # several processes: a missing step may not be durable yet
         self._sources = tuple(sources)
         self._records = records
-        self.on_result = on_result
         self._lock = threading.Lock()
+        self._on_result = on_result
+        self._unreported: deque[PublishResult] = deque(maxlen=64)  # before on_result was set
         self._queue: deque[int] = deque()
         self._current: int | None = None
         self._wake = threading.Condition(self._lock)
@@ -237,10 +238,27 @@ class Publisher:
                     self._wake.notify_all()
             self._report(result)
 
+    @property
+    def on_result(self) -> Callable[[PublishResult], None] | None:
+        """Told each result (the ledger); set late, it is told the results so far first."""
+        return self._on_result
+
+    @on_result.setter
+    def on_result(self, hook: Callable[[PublishResult], None] | None) -> None:
+        with self._lock:
+            self._on_result, earlier = hook, list(self._unreported)
+            self._unreported.clear()
+        for result in earlier:
+            self._report(result)
+
     def _report(self, result: PublishResult) -> None:
-        if self.on_result is not None:
-            with contextlib.suppress(Exception):  # telemetry never stops publishing
-                self.on_result(result)
+        with self._lock:
+            hook = self._on_result
+            if hook is None:
+                self._unreported.append(result)
+                return
+        with contextlib.suppress(Exception):  # telemetry never stops publishing
+            hook(result)
 
     def _publish_with_retries(self, step: int) -> PublishResult:
         durable_by = time.monotonic() + self.timeout_s
