@@ -95,6 +95,18 @@ def test_publishes_from_an_object_store_root_under_a_budget(s3_server, tmp_path)
     np.testing.assert_array_equal(tensors["params.embed"], params["embed"])
 
 
+def test_with_a_local_tier_the_local_copy_is_read(tmp_path):
+    root, local, dest = tmp_path / "durable", tmp_path / "local", tmp_path / "weights"
+    pub = jaxckpt.PublishOptions(policy=AtSteps([2]), destination=str(dest))
+    opts = {"local_root": str(local), "promote_policy": AtSteps([1]), "publish": pub}
+    with jaxckpt.CheckpointManager(root, **opts) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))  # committed locally only: never promoted
+        assert mgr.wait_durable(1) == 1 and mgr.steps("durable") == [1]
+    assert sorted(_published(dest / "2")) == ["params.dense.kernel", "params.embed"]
+    assert open_storage(str(root)).read(publish_key(2)) is not None  # ls of the durable root
+
+
 def test_ls_shows_what_is_published(tmp_path, capsys):
     root, dest = tmp_path / "ckpt", tmp_path / "weights"
     pub = jaxckpt.PublishOptions(policy=AtSteps([1]), destination=str(dest))
