@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from jaxckpt import policy as policy
     from jaxckpt._manager import CheckpointManager as CheckpointManager
     from jaxckpt._options import CheckpointOptions as CheckpointOptions
+    from jaxckpt._options import PublishOptions as PublishOptions
     from jaxckpt.ledger import Report, report
     from jaxckpt.restoring import (
         LeafInfo,
@@ -59,6 +60,7 @@ _LAZY = {
     "LeafInfo": "jaxckpt.restoring",
     "StepMetadata": "jaxckpt.restoring",
     "CheckpointOptions": "jaxckpt._options",
+    "PublishOptions": "jaxckpt._options",
     "LeafMismatch": "jaxckpt.restoring",
     "ResumeReport": "jaxckpt.restoring",
     "check_resume": "jaxckpt.workflows",
@@ -108,6 +110,7 @@ __all__ = [
     "Problem",
     "PromotionError",
     "PromotionTimeoutError",
+    "PublishOptions",
     "Report",
     "ResumeReport",
     "SaveFailedError",

@@ -29,7 +29,7 @@ from jaxckpt.commit import Agreement
 from jaxckpt.errors import CheckpointError
 from jaxckpt.health import Health, HealthAccess
 from jaxckpt.ledger import RunLedger
-from jaxckpt.lifecycle import Retention, open_promotion
+from jaxckpt.lifecycle import Retention, open_promotion, open_publisher
 from jaxckpt.records import ProcessStateAccess
 from jaxckpt.restoring import PathMap, Selection, StepMetadata, step_metadata
 from jaxckpt.saving import SaveSession, SaveStats, StepClock, check_step_value
@@ -104,11 +104,12 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         join_tiers(self._tiers, self._agreement, opts)  # epochs; the local tier's peers
         self._protocol, self._storage = self._tiers[0].protocol, self._tiers[0].storage
         self._promotion = open_promotion(self._tiers, self._agreement, opts, self.preempted)
+        self._publisher = publisher = open_publisher(self._tiers, opts)  # publish=
         self._session = session = SaveSession(self._tiers[0], opts, self._agreement, self.root)
         self._retention = retention = Retention(
             self._tiers,
             primary=jax.process_index() == opts.primary_host,
-            protected=(session.current_steps, self._promotion.pending_steps),
+            protected=(session.current_steps, self._promotion.pending_steps, publisher.pending),
             on_fenced=session.fence,
             bad=lambda: self._health.bad_steps(),
             deleted=lambda s: self._health.deleted(s),
@@ -117,7 +118,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         self._select = Selection(self._tiers, self._agreement, fallback, guard)
         session.corrupt = self._select.corrupt  # a save replaces a step found corrupt
         self._health = Health(self._tiers[-1].storage, self._select, self._agreement, opts)
-        session.listen(self._promotion, self._health, retention)  # judged before pruned
+        session.listen(self._promotion, self._health, publisher, retention)  # judged, then pruned
         self._promotion.start(on_promoted=retention.committed)
         self.ledger.opened(self)
         _openroots.register(self, () if self.epoch is None else tuple(t.uri for t in self._tiers))
@@ -349,9 +350,9 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
             _openroots.unregister(self)
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
-            self._retention.close()
-            if self._watcher is not None:
-                self._watcher.close()
+            for part in (self._publisher, self._retention, self._watcher):  # in this order
+                if part is not None:  # (the watcher is None without OnPreemption)
+                    part.close()
             self._agreement.close()
 
     def __enter__(self) -> CheckpointManager:

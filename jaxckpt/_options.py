@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,84 @@ a pack whole (up to 1,024 of them). With a cap of exactly 64 MiB a 64 MiB leaf w
 two 32 MiB chunks and no pack held two of them: packs half full, twice the objects."""
 MIN_RESTORE_MEMORY = 1 << 20
 """The smallest ``restore_memory_bytes`` (its parts are a fifth of it: 204 KiB)."""
+
+
+PUBLISH_FORMATS = ("safetensors",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishOptions:
+    """Weights published from committed steps on their own schedule (``publish=``).
+
+    After a step commits, a background thread of the primary process reads the chosen
+    leaves from the committed step on storage (never from device memory) and writes
+    them as Hugging Face safetensors shards to ``<destination>/<step>/``
+    (``model-00001-of-0000N.safetensors``, then ``model.safetensors.index.json`` last:
+    the index says the step is published). See :mod:`jaxckpt.lifecycle._publish`.
+
+    Attributes:
+      policy: which committed steps to publish (a save policy, e.g.
+        ``EveryNSteps(5000)`` or ``AtSteps([...])``).
+      destination: a local directory (or ``file://`` URI; a mounted bucket works).
+      tree_filter: which leaves: glob patterns on dotted paths (``["params.*"]``) or a
+        predicate on them; None: the ``params`` subtree when the step has one (a
+        ``TrainState``), else every array.
+      format: ``"safetensors"`` (the only one so far).
+      max_memory_bytes: the most tensor bytes held at once while publishing (at least
+        three chunks of every published leaf; default 256 MiB).
+      max_shard_bytes: the most tensor bytes per shard (Hugging Face's default, 5 GB).
+      retries: attempts after the first failed one, ``backoff_s`` apart (doubling from
+        the first to the longest, with jitter); then the step is left for the next
+        manager to open the root. A failure is logged and counted, never fails a save.
+      backoff_s: the first and the longest wait between attempts.
+      queue: steps waiting to be published; when one more is due, the oldest waiting
+        one is skipped (logged and counted): publishing never holds up training.
+    """
+
+    policy: SavePolicy
+    destination: str
+    tree_filter: Sequence[str] | Callable[[str], bool] | None = None
+    format: str = "safetensors"
+    max_memory_bytes: int = 256 << 20
+    max_shard_bytes: int = 5 * 10**9
+    retries: int = 3
+    backoff_s: tuple[float, float] = (1.0, 60.0)
+    queue: int = 2
+
+    def __post_init__(self) -> None:
+        if not callable(getattr(self.policy, "should_save", None)):
+            raise ValueError(f"publish policy must be a save policy, got {self.policy!r}")
+        dest = os.fspath(self.destination) if isinstance(self.destination, os.PathLike) else None
+        dest = dest if dest is not None else self.destination
+        if not isinstance(dest, str) or not dest:
+            raise ValueError(f"publish destination must be a path, got {self.destination!r}")
+        if dest.startswith("file://"):
+            dest = dest[len("file://") :]
+        if "://" in dest:
+            raise ValueError(
+                f"publish destination must be a local directory (or a mounted bucket), got {dest!r}"
+            )
+        object.__setattr__(self, "destination", dest)
+        if isinstance(self.tree_filter, str):
+            object.__setattr__(self, "tree_filter", (self.tree_filter,))
+        elif self.tree_filter is not None and not callable(self.tree_filter):
+            object.__setattr__(self, "tree_filter", tuple(self.tree_filter))
+        if self.format not in PUBLISH_FORMATS:
+            raise ValueError(
+                f"publish format must be one of {PUBLISH_FORMATS}, got {self.format!r}"
+            )
+        for name in ("max_memory_bytes", "max_shard_bytes", "queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"publish {name} must be a positive int, got {value!r}")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"publish retries must be an int >= 0, got {self.retries!r}")
+        first, longest = self.backoff_s
+        if not 0 < first <= longest or not math.isfinite(longest):
+            raise ValueError(
+                f"publish backoff_s must be 0 < first <= longest, got {self.backoff_s}"
+            )
+        object.__setattr__(self, "backoff_s", (float(first), float(longest)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,6 +221,8 @@ class CheckpointOptions:
         ``compilation-cache/`` of the local tier (or of a local root), so a restarted
         job loads its compiled programs instead of compiling them again (sets
         ``jax_compilation_cache_dir`` unless the job set one).
+      publish: weights published from committed steps on their own schedule (a
+        :class:`PublishOptions`); None publishes nothing.
     """
 
     save_policy: SavePolicy | None = None
@@ -177,6 +258,7 @@ class CheckpointOptions:
     ledger_flush_s: float = 10.0
     metrics_port: int | None = None
     compilation_cache: bool = False
+    publish: PublishOptions | None = None
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1:
@@ -255,6 +337,8 @@ class CheckpointOptions:
             raise ValueError(f"crash_loop_limit must be an int >= 1 or None, got {limit!r}")
         if not 0 < self.ledger_flush_s <= 600:
             raise ValueError(f"ledger_flush_s must be in (0, 600], got {self.ledger_flush_s}")
+        if self.publish is not None and not isinstance(self.publish, PublishOptions):
+            raise ValueError(f"publish must be a PublishOptions or None, got {self.publish!r}")
         port = self.metrics_port
         if port is not None and (isinstance(port, bool) or port not in range(65536)):
             raise ValueError(f"metrics_port must be a port number 0-65535, got {port!r}")

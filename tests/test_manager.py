@@ -533,7 +533,7 @@ def test_public_api_names():
         "LeafView", "StepView", "open_step", "diff_steps", "export_orbax", "export_safetensors",
         "import_orbax", "import_safetensors", "PromotionError", "PromotionTimeoutError",
         "ObjectStoreOptions", "LocalRootInUseError", "PeerError", "PeerAuthError",
-        "PlacementError", "Report", "report",
+        "PlacementError", "Report", "report", "PublishOptions",
     }  # fmt: skip
     for name in jaxckpt.__all__:
         assert getattr(jaxckpt, name) is not None

@@ -62,6 +62,13 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--max-shard-size", type=_size, help="safetensors: the largest shard (default 5GB)"
     )
+    p.add_argument(
+        "--max-memory",
+        type=_size,
+        metavar="SIZE",
+        help="safetensors: the most tensor bytes held at once (default: 64 MiB blocks, or a "
+        "chunk row if larger); at least three chunks of every leaf",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     p = command(sub, "import", cmd_import, "save safetensors or Orbax checkpoints as new steps")
@@ -123,6 +130,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         leaves=args.leaf,
         max_shard_bytes=args.max_shard_size or _size("5GB"),
         on_progress=bar.update,
+        max_memory_bytes=args.max_memory,
     )
     bar.total = result.total_size
     seconds = bar.finish()
@@ -136,8 +144,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_orbax(args: argparse.Namespace, root: str, step: int) -> int:
-    if args.leaf or args.max_shard_size:
-        args.parser.error("--leaf and --max-shard-size apply to --format safetensors only")
+    if args.leaf or args.max_shard_size or args.max_memory:
+        args.parser.error(
+            "--leaf, --max-shard-size and --max-memory apply to --format safetensors only"
+        )
     layout: Literal["manager", "flax"] = args.layout or "manager"
     from jaxckpt.workflows import export_orbax
 

@@ -1,4 +1,5 @@
-"""``jaxckpt ls``: committed and partial steps, sizes, commit times, keep reasons, health."""
+"""``jaxckpt ls``: committed and partial steps, sizes, commit times, keep reasons, health,
+published weights."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from jaxckpt.commit import CommitProtocol, scan
 from jaxckpt.errors import NotACheckpointRootError
 from jaxckpt.lifecycle import retention_decision
 from jaxckpt.records import (
+    PUBLISH,
     REPLICAS,
     CommitMarker,
     health_records,
     is_held_manifest_name,
+    parse_publish_key,
     replica_holdings,
 )
 
@@ -81,6 +84,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     limit = args.limit if args.limit is not None else (0 if args.json else DEFAULT_LIMIT)
     shown = sorted(committed)[-limit:] if limit > 0 else sorted(committed)
     marks = {s: health_records.read_mark(protocol.storage, listed[s]) for s in shown if s in listed}
+    published = _published(protocol.storage.list(PUBLISH))  # weights published (publish=)
     if args.json:
         json_out(
             {
@@ -94,6 +98,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                         "keep": committed[s].keep,
                         "metrics": dict(committed[s].metrics),
                         **health_records.as_json(marks.get(s)),
+                        "published": published.get(s),
                         "kept_by": _kept_by(decision.keep.get(s, ()), rule),
                         **({"tiers": tiers[s]} if tiers is not None else {}),
                         **({"copies": _copies_json(copies, s)} if replicated else {}),
@@ -162,6 +167,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if tiers is not None:  # partial, damaged and fenced attempts are the durable root's
         pad = ["durable", "-"] if replicated else ["durable"]
         rows[1:] = [r if len(r) == len(rows[0]) else [*r[:2], *pad, *r[2:]] for r in rows[1:]]
+    if published:  # a last column: published weights, or due (under way or interrupted)
+        rows[0].append("PUBLISHED")
+        for r in rows[1:]:
+            r.append(published.get(int(r[0]), "-") if r[1] == "committed" else "-")
     print_table(rows, right=(0, 3 + replicated) if tiers is not None else (0, 2))
     hidden = len(committed) - len(shown)
     if hidden:
@@ -179,6 +188,16 @@ def _kept_by(reasons: tuple[str, ...], rule: object) -> list[str]:
     """Why a step is kept. Without ``--keep-*`` flags ``ls`` applies no rule, and the
     job's own rule is not recorded on storage: only ``newest`` and ``pinned`` are facts."""
     return [r for r in reasons if rule is not None or r != "no retention policy"]
+
+
+def _published(keys: list[str]) -> dict[int, str]:
+    """Step -> ``"published"`` (its done record) or ``"due"`` (chosen, not published yet)."""
+    states: dict[int, str] = {}
+    for key in keys:
+        parsed = parse_publish_key(key)
+        if parsed is not None and states.get(parsed[0]) != "published":
+            states[parsed[0]] = "due" if parsed[1] else "published"
+    return states
 
 
 def _count_copies(

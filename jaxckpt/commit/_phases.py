@@ -39,6 +39,11 @@ TIER_PHASES = (
     # being sent to its replica holders (between manifest_written and the local marker)
     "replicating",
 )
+PUBLISH_PHASES = (
+    # published weights (and ``jaxckpt export``): one shard file complete under its
+    # temporary name, the index not yet written
+    "shard_written",
+)
 
 _POLL_S = 0.02
 

@@ -67,6 +67,8 @@ FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
     "save_failed": {"step": _OPT_INT, "error": _STR},
     "promoted": {"step": _INT, "nbytes": _INT, "seconds": _NUM, "durable_s": _OPT_NUM},
     "deleted": {"step": _INT, "tier": _STR, "nbytes": _INT},
+    # published weights (the primary): outcome published, failed, skipped or gone
+    "publish": {"step": _INT, "outcome": _STR, "nbytes": _INT, "seconds": _NUM, "error": _OPT_STR},
     "preemption": {"step": _OPT_INT},
     # the manager closed (closed) or was open at interpreter exit; error: while an
     # exception unwound the training loop (a failed run)

@@ -9,8 +9,8 @@ preemption notice, and after it returns, the saves committed since (taken from t
 session's :class:`~jaxckpt.saving._telemetry.SaveRecorder`, which holds their figures);
 ``restore`` times the restore and notes the step, the tier and why an older step was
 taken; ``close`` records the exit (with the error when it runs while an exception
-unwinds the loop, e.g. from ``__exit__``: a failed run). Promotions and retention deletions come
-through hooks of those components. Everything is buffered by a
+unwinds the loop, e.g. from ``__exit__``: a failed run). Promotions, retention deletions
+and published weights come through hooks of those components. Everything is buffered by a
 :class:`~jaxckpt.ledger._writer.LedgerWriter` and written by its thread, never by
 a save; metrics go out through :class:`~jaxckpt.ledger._monitor.Monitor`.
 """
@@ -147,6 +147,9 @@ class RunLedger:
         parts._retention.on_deleted = self._deleted
         parts._session.listen(self)
         self._writer = writer
+        publisher: Any = getattr(parts, "_publisher", None)
+        if hasattr(publisher, "on_result"):  # publishes weights (results so far come now)
+            publisher.on_result = self._published
         _open_at_exit(self)
         writer.start()
 
@@ -289,6 +292,17 @@ class RunLedger:
             seconds=result.seconds,
             durable_s=durable_s,
         )
+
+    def _published(self, result: Any) -> None:  # a lifecycle PublishResult
+        if self._writer is not None:
+            self._writer.append(
+                "publish",
+                step=result.step,
+                outcome=result.outcome,
+                nbytes=result.nbytes,
+                seconds=result.seconds,
+                error=result.error,
+            )
 
     def _deleted(self, tier: str, step: int, nbytes: int) -> None:
         if self._writer is not None:

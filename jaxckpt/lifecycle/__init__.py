@@ -1,6 +1,6 @@
-"""Promotion, retention and archiving of committed steps: the promoter that makes local
-steps durable, the retention pass that deletes what the policy no longer keeps, and the
-archive copy of chosen durable steps.
+"""Promotion, retention, archiving and publishing of committed steps: the promoter that
+makes local steps durable, the retention pass that deletes what the policy no longer keeps,
+the archive copy of chosen durable steps, and the publisher of weights as safetensors.
 
 Other packages import from this face only; the ``_modules`` are this package's own
 (and its unit tests').
@@ -17,6 +17,9 @@ from jaxckpt.lifecycle._promoter import Promoter as Promoter
 
 if TYPE_CHECKING:
     from jaxckpt.lifecycle._promotion import open_promotion as open_promotion
+    from jaxckpt.lifecycle._publish import Publisher as Publisher
+    from jaxckpt.lifecycle._publish import PublishResult as PublishResult
+    from jaxckpt.lifecycle._publish import open_publisher as open_publisher
     from jaxckpt.lifecycle._retention import Retention as Retention
 
 # Names whose modules import jax or TensorStore load on first use, so that
@@ -24,6 +27,9 @@ if TYPE_CHECKING:
 _LAZY = {
     "open_promotion": "jaxckpt.lifecycle._promotion",
     "Retention": "jaxckpt.lifecycle._retention",
+    "Publisher": "jaxckpt.lifecycle._publish",
+    "PublishResult": "jaxckpt.lifecycle._publish",
+    "open_publisher": "jaxckpt.lifecycle._publish",
 }
 
 
@@ -38,8 +44,11 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Promoter",
+    "PublishResult",
+    "Publisher",
     "Retention",
     "archive_once",
     "open_promotion",
+    "open_publisher",
     "retention_decision",
 ]

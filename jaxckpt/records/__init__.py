@@ -24,6 +24,7 @@ from jaxckpt.records._keys import PACK_ALIGNMENT as PACK_ALIGNMENT
 from jaxckpt.records._keys import PACK_UPLOADS as PACK_UPLOADS
 from jaxckpt.records._keys import PENDING as PENDING
 from jaxckpt.records._keys import PROMOTE as PROMOTE
+from jaxckpt.records._keys import PUBLISH as PUBLISH
 from jaxckpt.records._keys import REPLICAS as REPLICAS
 from jaxckpt.records._keys import ROOT_RECORD as ROOT_RECORD
 from jaxckpt.records._keys import SPREAD_SLOTS as SPREAD_SLOTS
@@ -53,9 +54,11 @@ from jaxckpt.records._keys import parse_data_key as parse_data_key
 from jaxckpt.records._keys import parse_epoch_key as parse_epoch_key
 from jaxckpt.records._keys import parse_marker_key as parse_marker_key
 from jaxckpt.records._keys import parse_pending_key as parse_pending_key
+from jaxckpt.records._keys import parse_publish_key as parse_publish_key
 from jaxckpt.records._keys import parse_replica_index_key as parse_replica_index_key
 from jaxckpt.records._keys import parse_replica_step as parse_replica_step
 from jaxckpt.records._keys import promote_key as promote_key
+from jaxckpt.records._keys import publish_key as publish_key
 from jaxckpt.records._keys import replica_holdings as replica_holdings
 from jaxckpt.records._keys import replica_index_key as replica_index_key
 from jaxckpt.records._keys import replica_prefix as replica_prefix
@@ -186,6 +189,7 @@ __all__ = [
     "PLAIN_CODECS",
     "PROMOTE",
     "PROMOTED",
+    "PUBLISH",
     "RECORDS_PER_STEP",
     "REPLICAS",
     "ROOT_RECORD",
@@ -257,6 +261,7 @@ __all__ = [
     "parse_epoch_key",
     "parse_marker_key",
     "parse_pending_key",
+    "parse_publish_key",
     "parse_replica_index_key",
     "parse_replica_step",
     "parse_tree",
@@ -264,6 +269,7 @@ __all__ = [
     "path_str",
     "process_state_summaries",
     "promote_key",
+    "publish_key",
     "read_checked",
     "read_requests",
     "rebuild",

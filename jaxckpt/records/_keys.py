@@ -27,6 +27,10 @@ of 256 hashed prefixes that every step reuses, the hash ahead of the step::
                                                names in the attempt; see _peers)
     replicas/<step>/<p>/<attempt>.json         its index (every file's size and CRC32C),
                                                written last: the replica is complete
+    publish/<step:012d>.due.json               durable root: the step is to be published
+                                               (written at its commit, before publishing)
+    publish/<step:012d>.json                   durable root: where the step was published
+                                               (after the destination's index; see _publish)
     ledger/<epoch>/<process>/<seq>.json        the run ledger (durable root only): each
                                                process's events, batched (the keys are
                                                built and checked by jaxckpt.ledger._events)
@@ -82,6 +86,7 @@ WRITERS = "writers/"
 ATTEMPTS = "attempts/"
 LEGACY_STEPS = "steps/"
 PROMOTE = "promote/"
+PUBLISH = "publish/"  # published weights: due and done records (see lifecycle._publish)
 DATA = "data/"  # format 4: per-process objects under hashed prefixes (see spread_bucket)
 REPLICAS = "replicas/"  # local tier only: other processes' parts (see _peertier)
 TIER_RECORD = "tier.json"  # local tier only: the durable root it serves (see _owner)
@@ -442,6 +447,29 @@ def parse_promote_key(key: str) -> int | None:
     name = key[len(PROMOTE) :] if key.startswith(PROMOTE) else ""
     m = _V1_JSON.fullmatch(name)
     return int(m.group(1)) if m else None
+
+
+_PUBLISH = re.compile(r"(\d{12,19})(\.due)?\.json")
+
+
+def publish_key(step: int, *, due: bool = False) -> str:
+    """The key of ``step``'s publish record: ``due`` (to publish) or done (published).
+
+    >>> publish_key(7, due=True), publish_key(7)
+    ('publish/000000000007.due.json', 'publish/000000000007.json')
+    """
+    return f"{PUBLISH}{step:0{STEP_DIGITS}d}{'.due' if due else ''}.json"
+
+
+def parse_publish_key(key: str) -> tuple[int, bool] | None:
+    """``(step, due)`` of a ``publish/`` key, or None for any other key.
+
+    >>> parse_publish_key("publish/000000000007.due.json"), parse_publish_key("publish/x")
+    ((7, True), None)
+    """
+    name = key[len(PUBLISH) :] if key.startswith(PUBLISH) else ""
+    m = _PUBLISH.fullmatch(name)
+    return None if m is None else (int(m.group(1)), m.group(2) is not None)
 
 
 def replica_prefix(step: int, process: int | None = None) -> str:

@@ -195,6 +195,8 @@ class StepView:
         self._plain: set[str] | None = None
         self._lock = threading.Lock()
         self._by_key: dict[str, SavedLeaf] = {}
+        self.window_bytes = DEFAULT_BLOCK_BYTES
+        """The most chunk bytes a read holds ahead (object stores); a budgeted export lowers it."""
         for leaf in loaded.leaves:
             for key in (dotted_path(leaf), leaf.path_text, leaf.name):
                 if key is not None:
@@ -275,7 +277,7 @@ class StepView:
             plain = self._plain
         requests = [RegionRequest(leaf=leaf, region=region) for leaf, region in items]
         return self._reader.read(
-            self._loaded, requests, plain=plain, window_bytes=DEFAULT_BLOCK_BYTES
+            self._loaded, requests, plain=plain, window_bytes=self.window_bytes
         )
 
     def codecs_plain(self, leaf: SavedLeaf) -> bool:

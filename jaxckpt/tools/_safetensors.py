@@ -14,6 +14,8 @@ written as Hugging Face shards, ``model-00001-of-00003.safetensors`` ..., with
 
 Tensor names are the dotted tree paths (``params.dense.kernel``); non-array
 leaves (ints, strings, ...) go into ``__metadata__["jaxckpt.values"]`` as JSON.
+
+Memory budgets (``max_memory_bytes``): :mod:`jaxckpt.tools._leafwrite`. Publishing uses this.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from jaxckpt.commit import reached as reached_phase
 from jaxckpt.errors import CheckpointError
 from jaxckpt.restoring import DEFAULT_BLOCK_BYTES, LeafView, StepView, dotted_path, open_step
+from jaxckpt.tools._leafwrite import budget_problem, fsync_dir, leaf_block_bytes, write_file
 
 __all__ = [
     "ExportResult",
@@ -101,12 +105,24 @@ class _Tensor:
     nbytes: int
 
 
-def _select(step: StepView, patterns: Sequence[str] | None) -> list[_Tensor]:
+LeafFilter = Sequence[str] | Callable[[str], bool] | None
+"""Which leaves to export: glob patterns on dotted paths, a predicate on them, or None (all)."""
+
+
+def _wanted(name: str, patterns: LeafFilter) -> bool:
+    if patterns is None:
+        return True
+    if callable(patterns):
+        return bool(patterns(name))
+    return not patterns or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _select(step: StepView, patterns: LeafFilter) -> list[_Tensor]:
     tensors = []
     seen: dict[str, str] = {}
     for view in step.arrays():
         name = view.path
-        if patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+        if not _wanted(name, patterns):
             continue
         dtype = _DTYPES.get(view.leaf.dtype or "")
         if dtype is None:
@@ -122,7 +138,8 @@ def _select(step: StepView, patterns: Sequence[str] | None) -> list[_Tensor]:
         seen[name] = view.leaf.path_text
         tensors.append(_Tensor(name=name, view=view, dtype=dtype, nbytes=view.nbytes))
     if not tensors:
-        wanted = " or ".join(repr(p) for p in patterns or ())  # a list would read as a path
+        shown = () if patterns is None or callable(patterns) else patterns
+        wanted = " or ".join(repr(p) for p in shown)  # a list would read as a path
         raise ExportError(f"step {step.step} of {step.root}: no array leaf matches {wanted or '*'}")
     return tensors
 
@@ -156,13 +173,6 @@ def _header(tensors: Sequence[_Tensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _le_bytes(block: np.ndarray) -> np.ndarray:
-    """The block's little-endian C-order bytes as a uint8 array (no copy when possible)."""
-    if block.dtype.byteorder == ">":
-        block = block.astype(block.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(block).reshape(-1).view(np.uint8)
-
-
 def _write_file(
     path: str,
     tensors: Sequence[_Tensor],
@@ -170,20 +180,8 @@ def _write_file(
     on_progress: Callable[[int], None] | None,
     block_bytes: int,
 ) -> None:
-    with open(path, "wb") as f:
-        f.write(_header(tensors, metadata))
-        for t in tensors:
-            written = 0
-            for block in t.view.blocks(block_bytes):
-                data = _le_bytes(block)
-                f.write(data.data)
-                written += data.nbytes
-                if on_progress is not None:
-                    on_progress(data.nbytes)
-            if written != t.nbytes:  # a bug, never bad data: every chunk was checked
-                raise AssertionError(f"{t.name}: wrote {written} of {t.nbytes} bytes")
-        f.flush()
-        os.fsync(f.fileno())
+    views = [(t.name, t.view) for t in tensors]
+    write_file(path, _header(tensors, metadata), views, block_bytes, on_progress)
 
 
 def _makedirs(path: str) -> None:
@@ -199,10 +197,12 @@ def export_safetensors(
     out: str | os.PathLike[str],
     *,
     step: int | None = None,
-    leaves: Sequence[str] | None = None,
+    leaves: LeafFilter = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     on_progress: Callable[[int], None] | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
+    max_memory_bytes: int | None = None,
+    index: bool = False,
     **storage_options: Any,
 ) -> ExportResult:
     """Writes a committed step's arrays as safetensors, sharded when large.
@@ -214,18 +214,24 @@ def export_safetensors(
         or a path ending in ``.safetensors`` (its directory created), which
         receives one file whatever its size.
       step: the step to export; None exports the newest.
-      leaves: glob patterns on dotted paths (``params.*``); None exports every array.
+      leaves: glob patterns on dotted paths (``params.*``) or a predicate on them;
+        None exports every array.
       max_shard_bytes: the most tensor bytes per shard (one larger tensor gets
         a shard of its own).
       on_progress: called with the number of bytes of each block written.
       block_bytes: the most bytes read into memory at once (at least a chunk row).
+      max_memory_bytes: the most tensor bytes held at once (overrides ``block_bytes``:
+        blocks of a third of it, wide leaves chunk by chunk; see ``_leafwrite``).
+      index: write shards and the index even when one shard holds everything (the
+        Hugging Face layout whatever the size; the index is written last).
 
     Returns:
       An :class:`ExportResult`.
 
     Raises:
       ExportError: a leaf has a dtype safetensors lacks, two leaves share a
-        name, nothing matches ``leaves``, or ``out`` is not a local path.
+        name, nothing matches ``leaves``, ``out`` is not a local path, or
+        ``max_memory_bytes`` is below three chunks of a leaf.
       StepNotFoundError, CorruptCheckpointError: as :func:`jaxckpt.open_step`.
     """
     out = os.fspath(out)
@@ -235,6 +241,10 @@ def export_safetensors(
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     view = open_step(root, step, **storage_options)
     tensors = _select(view, leaves)
+    if max_memory_bytes is not None:  # a chunk is read whole: below three is refused
+        block_bytes = view.window_bytes = leaf_block_bytes(max_memory_bytes)
+        if (problem := budget_problem([t.view for t in tensors], max_memory_bytes)) is not None:
+            raise ExportError(problem)
     metadata = {
         "format": "flax",
         "jaxckpt.root": view.root,
@@ -243,21 +253,20 @@ def export_safetensors(
             {dotted_path(x): x.value for x in view.leaves if x.kind == "value"}
         ),
     }
+    index_path = None
     if out.endswith(".safetensors"):
         plan = [(out, tensors)]
-        index = None
         _makedirs(os.path.dirname(out) or ".")
     else:
         _makedirs(out)
         shards = _shards(tensors, max_shard_bytes)
-        if len(shards) == 1:
+        if len(shards) == 1 and not index:
             plan = [(os.path.join(out, SINGLE_FILE), tensors)]
-            index = None
         else:
             n = len(shards)
             names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
             plan = [(os.path.join(out, nm), s) for nm, s in zip(names, shards, strict=True)]
-            index = os.path.join(out, INDEX_FILE)
+            index_path = os.path.join(out, INDEX_FILE)
     temps: list[tuple[str, str]] = []
     path = plan[0][0]
     try:
@@ -265,20 +274,26 @@ def export_safetensors(
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             temps.append((tmp, path))
             _write_file(tmp, members, metadata, on_progress, block_bytes)
-        if index is not None:
+            reached_phase("shard_written", view.step)
+        if index_path is not None:
             body = {
                 "metadata": {"total_size": sum(t.nbytes for t in tensors)},
                 "weight_map": {
                     t.name: os.path.basename(path) for path, members in plan for t in members
                 },
             }
-            tmp = f"{index}.tmp-{uuid.uuid4().hex[:8]}"
-            temps.append((tmp, index))
+            tmp = f"{index_path}.tmp-{uuid.uuid4().hex[:8]}"
+            temps.append((tmp, index_path))
             with open(tmp, "w") as f:
                 json.dump(body, f, indent=2)
                 f.write("\n")
-        for tmp, path in temps:  # the output appears only once every file is complete
+                f.flush()
+                os.fsync(f.fileno())
+        for i, (tmp, path) in enumerate(temps):  # the output appears once every file is complete
+            if index_path is not None and i == len(temps) - 1:
+                fsync_dir(os.path.dirname(path))  # the shards are in place before the index
             os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path) or ".")
     except BaseException as e:
         for tmp, _ in temps:
             with contextlib.suppress(OSError):

@@ -1,0 +1,385 @@
+"""Published weights (``publish=``): the HF layout, the tree filter, the memory budget,
+a SIGKILLed publish redone on the next open, failures that never fail a save."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+from harness import child_env, kill, reached_file, wait_until
+from safetensors.numpy import load_file
+
+import jaxckpt
+from jaxckpt.cli import main as cli_main
+from jaxckpt.ledger import read_ledger
+from jaxckpt.lifecycle import _publish
+from jaxckpt.policy import AtSteps, EveryNSteps
+from jaxckpt.records import publish_key
+from jaxckpt.storage import open_storage
+
+INDEX = "model.safetensors.index.json"
+
+
+def _state(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {
+        "params": {
+            "dense": {"kernel": rng.standard_normal((64, 256), dtype=np.float32)},
+            "embed": rng.standard_normal((128, 64)).astype(np.float16),
+        },
+        "opt_state": {"mu": np.full((64, 256), step, np.float32)},
+        "step": step,
+    }
+
+
+def _published(directory: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a published step, read through its index."""
+    index = json.loads((directory / INDEX).read_text())
+    tensors: dict[str, np.ndarray] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors |= load_file(directory / name)
+    assert set(tensors) == set(index["weight_map"])
+    return tensors
+
+
+def test_every_n_steps_publishes_the_params_in_the_hugging_face_layout(tmp_path):
+    root, dest = tmp_path / "ckpt", tmp_path / "weights"
+    pub = jaxckpt.PublishOptions(
+        policy=EveryNSteps(2), destination=str(dest), max_shard_bytes=40_000
+    )
+    with jaxckpt.CheckpointManager(root, publish=pub, chunk_bytes=16 << 10) as mgr:
+        for step in range(5):
+            assert mgr.save(step, _state(step))
+    assert sorted(os.listdir(dest)) == ["0", "2", "4"]
+    for step in (0, 2, 4):
+        names = sorted(os.listdir(dest / str(step)))
+        shards = [n for n in names if n != INDEX]
+        assert len(shards) == 2 and names == sorted([*shards, INDEX])
+        assert shards[0] == "model-00001-of-00002.safetensors"
+        tensors = _published(dest / str(step))
+        params = _state(step)["params"]
+        assert sorted(tensors) == ["params.dense.kernel", "params.embed"]  # no optimizer
+        np.testing.assert_array_equal(tensors["params.dense.kernel"], params["dense"]["kernel"])
+        np.testing.assert_array_equal(tensors["params.embed"], params["embed"])
+        index = json.loads((dest / str(step) / INDEX).read_text())
+        assert index["metadata"]["total_size"] == 64 * 256 * 4 + 128 * 64 * 2
+    storage = open_storage(str(root))
+    assert storage.read(publish_key(2)) is not None and storage.read(publish_key(1)) is None
+    assert not [k for k in storage.list("publish/") if k.endswith(".due.json")]
+    (run,) = read_ledger(storage)
+    assert [(e["step"], e["outcome"]) for e in run.of("publish")] == [
+        (0, "published"),
+        (2, "published"),
+        (4, "published"),
+    ]
+
+
+def test_publishes_from_an_object_store_root_under_a_budget(s3_server, tmp_path):
+    root, dest = f"s3://{s3_server.bucket}/{tmp_path.name}", tmp_path / "weights"
+    pub = jaxckpt.PublishOptions(
+        policy=AtSteps([2]), destination=str(dest), max_memory_bytes=200 << 10
+    )
+    with jaxckpt.CheckpointManager(root, publish=pub, chunk_bytes=16 << 10) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+    assert sorted(os.listdir(dest)) == ["2"]
+    tensors, params = _published(dest / "2"), _state(2)["params"]
+    np.testing.assert_array_equal(tensors["params.dense.kernel"], params["dense"]["kernel"])
+    np.testing.assert_array_equal(tensors["params.embed"], params["embed"])
+
+
+def test_with_a_local_tier_the_local_copy_is_read(tmp_path):
+    root, local, dest = tmp_path / "durable", tmp_path / "local", tmp_path / "weights"
+    pub = jaxckpt.PublishOptions(policy=AtSteps([2]), destination=str(dest))
+    opts = {"local_root": str(local), "promote_policy": AtSteps([1]), "publish": pub}
+    with jaxckpt.CheckpointManager(root, **opts) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))  # committed locally only: never promoted
+        assert mgr.wait_durable(1) == 1 and mgr.steps("durable") == [1]
+    assert sorted(_published(dest / "2")) == ["params.dense.kernel", "params.embed"]
+    assert open_storage(str(root)).read(publish_key(2)) is not None  # ls of the durable root
+
+
+def test_ls_shows_what_is_published(tmp_path, capsys):
+    root, dest = tmp_path / "ckpt", tmp_path / "weights"
+    pub = jaxckpt.PublishOptions(policy=AtSteps([1]), destination=str(dest))
+    with jaxckpt.CheckpointManager(root, publish=pub) as mgr:
+        mgr.save(0, _state(0))
+        mgr.save(1, _state(1))
+    assert cli_main(["ls", str(root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["committed"]
+    assert [(s["step"], s["published"]) for s in listed] == [(0, None), (1, "published")]
+    assert cli_main(["ls", str(root)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[-1] == "PUBLISHED"
+    assert table[2].split()[-1] == "-" and table[3].split()[-1] == "published"
+
+
+@pytest.mark.parametrize(
+    ("tree_filter", "expected"),
+    [
+        (["opt_state.*"], ["opt_state.mu"]),
+        (lambda name: name.endswith("embed"), ["params.embed"]),
+    ],
+)
+def test_a_tree_filter_chooses_the_leaves(tmp_path, tree_filter, expected):
+    root, dest = tmp_path / "ckpt", tmp_path / "weights"
+    pub = jaxckpt.PublishOptions(
+        policy=EveryNSteps(1), destination=str(dest), tree_filter=tree_filter
+    )
+    with jaxckpt.CheckpointManager(root, publish=pub) as mgr:
+        mgr.save(3, _state(3))
+    assert sorted(_published(dest / "3")) == expected
+
+
+def test_without_params_everything_is_published(tmp_path):
+    root, dest = tmp_path / "ckpt", tmp_path / "weights"
+    pub = jaxckpt.PublishOptions(policy=EveryNSteps(1), destination=str(dest))
+    with jaxckpt.CheckpointManager(root, publish=pub) as mgr:
+        mgr.save(1, {"w": np.arange(6.0), "b": np.ones(2, np.int32)})
+    assert sorted(_published(dest / "1")) == ["b", "w"]
+
+
+def test_a_failed_publish_never_fails_the_save_and_is_counted(tmp_path):
+    root, blocker = tmp_path / "ckpt", tmp_path / "not-a-directory"
+    blocker.write_text("a file where the destination's directory would be")
+    pub = jaxckpt.PublishOptions(
+        policy=EveryNSteps(1),
+        destination=str(blocker / "weights"),
+        retries=1,
+        backoff_s=(0.01, 0.02),
+    )
+    mgr = jaxckpt.CheckpointManager(root, publish=pub)
+    assert mgr.save(1, _state(1))
+    mgr.wait()
+    assert mgr.save(2, _state(2))
+    mgr.close()  # waits for the publications; neither failure reaches the saves
+    assert mgr.steps() == [1, 2]
+    assert mgr._publisher.failures == 2 and mgr._publisher.published == 0
+    storage = open_storage(str(root))
+    assert storage.read(publish_key(1, due=True)) is not None  # left for the next open
+    (run,) = read_ledger(storage)
+    failed = run.of("publish")
+    assert [(e["step"], e["outcome"]) for e in failed] == [(1, "failed"), (2, "failed")]
+    assert "weights" in failed[0]["error"]
+
+
+def test_a_publisher_behind_skips_the_oldest_waiting_step(tmp_path, monkeypatch):
+    root, dest = tmp_path / "ckpt", tmp_path / "weights"
+    started, release = threading.Event(), threading.Event()
+    real = _publish.Publisher.publish
+
+    def held(self, step):
+        if step == 0:
+            started.set()
+            assert release.wait(60)
+        return real(self, step)
+
+    monkeypatch.setattr(_publish.Publisher, "publish", held)
+    pub = jaxckpt.PublishOptions(policy=EveryNSteps(1), destination=str(dest), queue=1)
+    with jaxckpt.CheckpointManager(root, publish=pub) as mgr:
+        mgr.save(0, _state(0))
+        assert started.wait(60)  # step 0 is being published
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))  # step 1 waits; step 2 comes: step 1 is skipped
+        mgr.wait()
+        release.set()
+    assert sorted(os.listdir(dest)) == ["0", "2"]
+    assert mgr._publisher.skipped == 1
+    assert open_storage(str(root)).read(publish_key(1, due=True)) is None
+
+
+def test_several_processes_wait_until_the_step_is_durable(tmp_path):
+    """Several processes with a local tier publish from the durable root: a step committed
+    locally but not promoted yet is looked for again (not a failure) until it is there."""
+    root, dest = tmp_path / "durable", tmp_path / "weights"
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, _state(1))
+    tried = threading.Event()
+
+    class Watched(_publish.Publisher):
+        def publish(self, step):
+            try:
+                return super().publish(step)
+            except jaxckpt.CheckpointError:
+                tried.set()
+                raise
+
+    pub = jaxckpt.PublishOptions(
+        policy=EveryNSteps(1), destination=str(dest), backoff_s=(0.01, 0.05), retries=0
+    )
+    publisher = Watched(pub, [(str(root), {})], open_storage(str(root)), several=True)
+    publisher.start()
+    publisher.committed(types.SimpleNamespace(step=3))  # a local commit of step 3
+    assert tried.wait(60)  # looked for on the durable root: not there yet
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(3, _state(3))  # promoted
+    publisher.close(60)
+    assert publisher.published == 1 and publisher.failures == 0
+    assert sorted(_published(dest / "3")) == ["params.dense.kernel", "params.embed"]
+
+
+_KILLED_CHILD = """
+import sys, numpy as np, jaxckpt
+from jaxckpt.policy import EveryNSteps
+root, dest = sys.argv[1], sys.argv[2]
+pub = jaxckpt.PublishOptions(policy=EveryNSteps(5), destination=dest, max_shard_bytes=40_000)
+mgr = jaxckpt.CheckpointManager(root, publish=pub)
+rng = np.random.default_rng(5)
+mgr.save(5, {"params": {"a": rng.standard_normal((64, 256), dtype=np.float32),
+                        "b": rng.standard_normal((64, 256), dtype=np.float32)}})
+mgr.close()
+"""
+
+
+def test_a_publish_killed_mid_way_is_redone_by_the_next_open(tmp_path):
+    root, dest, pauses = tmp_path / "ckpt", tmp_path / "weights", tmp_path / "pauses"
+    pauses.mkdir()
+    env = child_env(pause_at="shard_written", resume_dir=pauses, pause_s=120)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_CHILD, str(root), str(dest)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_until(
+            reached_file(pauses, "shard_written", 5).exists,
+            what="the first published shard",
+            timeout_s=120,
+            gone=lambda: proc.poll() is not None,
+        )
+    finally:
+        kill(proc)
+    left = sorted(os.listdir(dest / "5"))
+    assert len(left) == 1 and ".tmp-" in left[0]  # one shard, no index: not published
+    storage = open_storage(str(root))
+    assert storage.read(publish_key(5, due=True)) is not None
+    pub = jaxckpt.PublishOptions(
+        policy=EveryNSteps(5), destination=str(dest), max_shard_bytes=40_000
+    )
+    with jaxckpt.CheckpointManager(root, publish=pub) as mgr:
+        assert mgr.steps() == [5]
+    assert sorted(os.listdir(dest / "5")) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        INDEX,
+    ]
+    rng = np.random.default_rng(5)
+    expected = {f"params.{k}": rng.standard_normal((64, 256), dtype=np.float32) for k in "ab"}
+    tensors = _published(dest / "5")
+    assert sorted(tensors) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(tensors[name], value)
+    assert storage.read(publish_key(5, due=True)) is None and storage.read(publish_key(5))
+    killed, reopened = read_ledger(storage)  # the redone publication is the second run's
+    assert killed.of("publish") == []
+    assert [(e["step"], e["outcome"]) for e in reopened.of("publish")] == [(5, "published")]
+
+
+_RSS_CHILD = """
+import json, sys
+from jaxckpt.lifecycle import Publisher
+from jaxckpt.policy import EveryNSteps
+from jaxckpt.storage import open_storage
+import jaxckpt
+
+def status(field):
+    line = next(x for x in open("/proc/self/status") if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+root, dest, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+pub = jaxckpt.PublishOptions(policy=EveryNSteps(1), destination=dest, max_memory_bytes=budget)
+publisher = Publisher(pub, [(root, {})], open_storage(root))
+publisher.publish(0)  # warm: every module and code path loaded
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak (VmHWM) to the current resident size
+baseline = status("VmRSS")
+result = publisher.publish(1)
+print(json.dumps({"baseline": baseline, "peak": status("VmHWM"), "nbytes": result.nbytes}))
+"""
+
+
+def test_publishing_a_state_4x_the_budget_stays_under_it(tmp_path):
+    """A 64 MiB state published with a 16 MiB budget: the peak RSS above the
+    publisher's own stays under the budget (a 32 MiB leaf in blocks, a 16 MiB leaf
+    of one wide chunk row chunk by chunk)."""
+    root, dest, budget = tmp_path / "ckpt", tmp_path / "weights", 16 << 20
+    small = {"params": {"a": np.ones((8, 8), np.float32), "wide": np.ones((1, 64), np.float32)}}
+    big = {
+        "params": {
+            "embed": np.ones((4096, 2048), np.float32),  # 32 MiB
+            "dense": np.ones((2048, 2048), np.float32),  # 16 MiB
+            "wide": np.ones((1, 4 << 20), np.float32),  # 16 MiB, chunks along the row
+        }
+    }
+    with jaxckpt.CheckpointManager(root, chunk_bytes=4 << 20) as mgr:
+        mgr.save(0, small)
+        mgr.save(1, big)
+    del big
+    done = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, str(root), str(dest), str(budget)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured["nbytes"] == 64 << 20
+    grown = measured["peak"] - measured["baseline"]
+    print(f"peak RSS above the publisher's own: {grown / 2**20:.1f} MiB (budget 16 MiB)")
+    assert grown < budget, measured
+    wide = load_file(dest / "1" / "model-00001-of-00001.safetensors")["params.wide"]
+    assert wide.shape == (1, 4 << 20) and bool((wide == 1).all())
+
+
+def test_the_budget_must_hold_two_chunks(tmp_path):
+    root = tmp_path / "ckpt"
+    with jaxckpt.CheckpointManager(root, chunk_bytes=64 << 10) as mgr:
+        mgr.save(1, {"w": np.ones((64, 1024), np.float32)})
+    with pytest.raises(jaxckpt.CheckpointError, match=r"below three chunks of w"):
+        jaxckpt.export_safetensors(root, tmp_path / "out", max_memory_bytes=100 << 10)
+
+
+def test_export_max_memory_on_the_command_line(tmp_path, capsys):
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    w = np.arange(3 * 5 * 20000, dtype=np.float32).reshape(3, 5, 20000)
+    with jaxckpt.CheckpointManager(root, chunk_bytes=64 << 10) as mgr:
+        mgr.save(1, {"w": w})
+    argv = ["export", str(root), str(out), "--max-memory", "200KiB", "--no-progress"]
+    assert cli_main(argv) == 0
+    np.testing.assert_array_equal(load_file(out / "model.safetensors")["w"], w)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": 5}, "save policy"),
+        ({"destination": "s3://bucket/weights"}, "local directory"),
+        ({"destination": ""}, "must be a path"),
+        ({"format": "orbax"}, "format"),
+        ({"max_memory_bytes": 0}, "max_memory_bytes"),
+        ({"queue": True}, "queue"),
+        ({"retries": -1}, "retries"),
+        ({"backoff_s": (2.0, 1.0)}, "backoff_s"),
+    ],
+)
+def test_publish_options_are_checked(tmp_path, kwargs, message):
+    given = {"policy": EveryNSteps(10), "destination": str(tmp_path)} | kwargs
+    with pytest.raises(ValueError, match=message):
+        jaxckpt.PublishOptions(**given)
+    with pytest.raises(ValueError, match="PublishOptions"):
+        jaxckpt.CheckpointOptions(publish="weights")  # type: ignore[arg-type]
+    assert jaxckpt.PublishOptions(
+        policy=EveryNSteps(1), destination=f"file://{tmp_path}", tree_filter="params.*"
+    ) == jaxckpt.PublishOptions(
+        policy=EveryNSteps(1), destination=str(tmp_path), tree_filter=("params.*",)
+    )
