@@ -58,6 +58,7 @@ from jaxckpt.records import (
     StepLocation,
     pack_count,
     pack_name,
+    uploads_within,
 )
 from jaxckpt.storage import Storage
 
@@ -87,6 +88,11 @@ class PackWriter:
       min_pack_bytes: packs are not split below this (``MIN_PACK_BYTES``).
       max_object_bytes: no pack is larger (unless a single chunk is).
       uploads: packs uploading at once (``PACK_UPLOADS``).
+      writes_per_s: the store's write budget for one step of the whole job
+        (``records.store_writes_per_s`` of the root; None: none, as on a local root):
+        fewer, larger packs where the job's packs would outlast the link
+        (``records.pack_count``), fewer of them in flight where they are larger than
+        ``max_object_bytes`` (``records.uploads_within``).
     """
 
     def __init__(
@@ -96,11 +102,13 @@ class PackWriter:
         min_pack_bytes: int | None = None,
         max_object_bytes: int | None = None,
         uploads: int = PACK_UPLOADS,
+        writes_per_s: float | None = None,
     ) -> None:
         self._storage = storage
         self._min_pack_bytes = MIN_PACK_BYTES if min_pack_bytes is None else min_pack_bytes
         self._max_object_bytes = max_object_bytes
         self._uploads = max(1, uploads)
+        self._writes_per_s = writes_per_s
 
     def _upload(self, key: str, pieces: list[bytes | memoryview]) -> None:
         self._storage.start_write(key, pieces)()
@@ -141,8 +149,11 @@ class PackWriter:
             min_pack_bytes=self._min_pack_bytes,
             max_object_bytes=cap,
             max_packs=self._uploads,
+            processes=jax.process_count(),
+            writes_per_s=self._writes_per_s,
         )
         target = math.ceil(total / count) if count else 0
+        uploads = uploads_within(target, self._uploads, cap)  # the same bytes in flight
         records: dict[str, list[ChunkRecord]] = {h.leaf.name or "": [] for h in arrays}
         packs: dict[str, int] = {}
         # The filling pack: views of the host arrays (no copy) and the bytes between them.
@@ -161,11 +172,11 @@ class PackWriter:
                     started = True
                     reached("data_started", loc.step)
 
-        with pools.borrow("pack", self._uploads) as pool:
+        with pools.borrow("pack", uploads) as pool:
 
             def flush() -> None:
                 nonlocal pieces, filled, index
-                wait(self._uploads)  # at most `uploads` being written while the next fills
+                wait(uploads)  # at most `uploads` being written while the next fills
                 name = pack_name(process, index)
                 packs[name] = filled
                 # Views of the snapshot: an object store joins them when it uploads.
