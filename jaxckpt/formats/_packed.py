@@ -56,6 +56,7 @@ from jaxckpt.records import (
     ChunkRecord,
     SavedLeaf,
     StepLocation,
+    merged_pack_limit,
     pack_count,
     pack_name,
     uploads_within,
@@ -137,12 +138,13 @@ class PackWriter:
           size of every pack object written, by name relative to the attempt.
         """
         process = jax.process_index()
-        total = sum(
+        sizes = [
             math.prod(host.leaf.chunk_shape) * data.itemsize + TRAILER_BYTES
             for host in arrays
             for region, data in host.pieces
             for chunk in chunks_of(region, host.leaf.chunk_shape)
-        )
+        ]
+        total = sum(sizes)
         cap = self._max_object_bytes
         count = pack_count(
             total,
@@ -153,7 +155,12 @@ class PackWriter:
             writes_per_s=self._writes_per_s,
         )
         target = math.ceil(total / count) if count else 0
-        uploads = uploads_within(target, self._uploads, cap)  # the same bytes in flight
+        uploads = self._uploads
+        if cap is not None and target > cap:  # the write budget merged packs over the cap
+            cap = merged_pack_limit(cap, self._uploads)
+            # a pack closes once past the target: at most a chunk (and its padding) over it
+            largest = min(cap, target + max(sizes) + PACK_ALIGNMENT)
+            uploads = uploads_within(largest, self._uploads, self._max_object_bytes)
         records: dict[str, list[ChunkRecord]] = {h.leaf.name or "": [] for h in arrays}
         packs: dict[str, int] = {}
         # The filling pack: views of the host arrays (no copy) and the bytes between them.

@@ -125,6 +125,7 @@ from jaxckpt.records._versions import versions_text as versions_text
 from jaxckpt.records._versions import writer_versions as writer_versions
 from jaxckpt.records._writebudget import GCS_WRITES_PER_S as GCS_WRITES_PER_S
 from jaxckpt.records._writebudget import S3_WRITES_PER_PREFIX_S as S3_WRITES_PER_PREFIX_S
+from jaxckpt.records._writebudget import merged_pack_limit as merged_pack_limit
 from jaxckpt.records._writebudget import store_writes_per_s as store_writes_per_s
 from jaxckpt.records._writebudget import uploads_within as uploads_within
 
@@ -252,6 +253,7 @@ __all__ = [
     "manifest_name",
     "marker_key",
     "marker_refs_of",
+    "merged_pack_limit",
     "new_attempt",
     "np_dtype",
     "object_keys",

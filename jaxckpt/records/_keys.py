@@ -74,6 +74,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from jaxckpt.records._writebudget import MAX_MERGED_PACK_BYTES, budget_packs, merged_pack_limit
+
 ROOT_RECORD = "jaxckpt.json"
 TREE_FILE = "tree.json"
 COMMITS = "commits/"
@@ -184,11 +186,9 @@ def pack_count(
         count = max(count, math.ceil(nbytes / max_object_bytes))
     if writes_per_s is None:
         return int(count)
-    from jaxckpt.records._writebudget import MAX_MERGED_PACK_BYTES, budget_packs
-
     largest = MAX_MERGED_PACK_BYTES
     if max_object_bytes is not None:
-        largest = min(largest, (max_packs + 1) * max_object_bytes)
+        largest = merged_pack_limit(max_object_bytes, max_packs)
     fewest = min(count, max(1, math.ceil(nbytes / largest)))
     return budget_packs(
         nbytes,
