@@ -9,8 +9,12 @@ concatenates the chunks it owns into pack objects
 them, see :mod:`jaxckpt.records._keys`): enough of them that
 ``objects_in_flight`` (16) upload at once, none under ``MIN_PACK_BYTES`` (4
 MiB), and as many more as keep each within ``max_object_bytes`` (64 MiB + 64
-KiB), whatever the number of leaves (:func:`jaxckpt.records._keys.pack_count`). A
-pack holds whole chunks and starts a new one when the next chunk would take it
+KiB), whatever the number of leaves (:func:`jaxckpt.records._keys.pack_count`); fewer
+where the job's packs would take the store longer than its bytes take the link (the
+store's write budget, :mod:`jaxckpt.records._writebudget`: a GCS bucket's ~1,000 writes a
+second; S3's 3,500 per prefix over 32 prefixes), each then up to ``(objects_in_flight + 1)
+× max_object_bytes``, fewer of them uploading at once so the bytes in flight stay within
+that bound. A pack holds whole chunks and starts a new one when the next chunk would take it
 over the cap, so two consecutive packs hold more than the cap: a process's
 packs per step are at most ``objects_in_flight + 2 × ceil(bytes /
 max_object_bytes)`` (half full at worst: chunks just over half the cap). The
