@@ -207,6 +207,7 @@ def test_a_save_under_a_tight_budget_writes_fewer_larger_packs_and_restores(
     ``verify`` and the restore take the packs from the manifest."""
     from jaxckpt import _pools
     from jaxckpt.formats import _packed, writers
+    from jaxckpt.tools import _copy
 
     rng = np.random.default_rng(7)
     state = {
@@ -220,7 +221,7 @@ def test_a_save_under_a_tight_budget_writes_fewer_larger_packs_and_restores(
     monkeypatch.setattr(
         _packed.pools,
         "borrow",
-        lambda name, n: (limits.append(n) if name == "pack" else 0, borrow(name, n))[1],
+        lambda name, n: (limits.append(n) if name in ("pack", "copy") else 0, borrow(name, n))[1],
     )
     root = str(tmp_path / "root")
     with (
@@ -240,3 +241,10 @@ def test_a_save_under_a_tight_budget_writes_fewer_larger_packs_and_restores(
     assert_tree_bitexact(reader.restore(target=state), state)
     report = reader.verify(1)
     assert report.ok, report.problems
+    # cp holds fewer large packs at once: here one, at a 1 MiB bound
+    monkeypatch.setattr(_copy, "COPY_BYTES_IN_FLIGHT", 1 << 20)
+    limits.clear()
+    other = str(tmp_path / "other")
+    assert cli.main(["cp", f"{root}:1", other]) == 0
+    assert limits == [1, 16]  # the packs, then the manifest part
+    assert_tree_bitexact(jaxckpt.CheckpointManager(other).restore(target=state), state)
