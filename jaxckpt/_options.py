@@ -172,7 +172,11 @@ class CheckpointOptions:
         default 64 MiB of chunks plus ``OBJECT_HEADROOM_BYTES`` for their checksums):
         chunks are at most this (less their 4-byte checksum) whatever
         ``chunk_bytes`` says, and a packed save writes at least
-        ``ceil(bytes / max_object_bytes)`` packs. An axis a shard holds whole
+        ``ceil(bytes / max_object_bytes)`` packs, unless its store's write rate
+        (GCS: ~1,000 writes a second per bucket) needs fewer for the whole job:
+        then it merges a process's share into packs of up to
+        ``(objects_in_flight + 1) × max_object_bytes`` (at most 4 GiB), fewer of
+        them uploading at once (``records.pack_count``). An axis a shard holds whole
         is split evenly, its last chunk partial (a long axis of prime length is
         a few chunks); a leaf whose shards split only into far more chunks than
         their bytes need (a prime axis split across devices, nothing else to

@@ -48,6 +48,14 @@ def register_options(p: argparse.ArgumentParser) -> None:
         "--state-bytes", type=number, default=1.1e12, help="default 1.1e12 (70B with Adam)"
     )
     g.add_argument("--stores", default="s3,gcs", help="comma-separated: s3, gcs (default both)")
+    g.add_argument(
+        "--packs",
+        choices=("budget", "fixed"),
+        default="budget",
+        help="packs per process: 'budget' (what a save writes: fewer, larger packs where "
+        "the job's packs would outlast the link at the store's write rate) or 'fixed' "
+        "(objects_in_flight each, as saves did before; for comparison) (default budget)",
+    )
 
 
 def _counts(text: str) -> list[int]:
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace, link: Any) -> int:
         prefixes=args.prefixes,
         stores=[s.strip() for s in args.stores.split(",") if s.strip()],
         link=link,
+        write_budget=args.packs == "budget",
     )
     notes = assumptions(
         profile,
@@ -99,6 +108,11 @@ def run(args: argparse.Namespace, link: Any) -> int:
         state_bytes=args.state_bytes,
         leaves=leaves,
         dpp=args.devices_per_process,
+    )
+    notes.append(
+        "packs per process: under each store's write rate (jaxckpt.records._writebudget)"
+        if args.packs == "budget"
+        else "packs per process: objects_in_flight each, without the store's write budget"
     )
     if args.json:
         json_out({"assumptions": notes, "rows": [to_dict(r) for r in rows]})

@@ -9,8 +9,12 @@ concatenates the chunks it owns into pack objects
 them, see :mod:`jaxckpt.records._keys`): enough of them that
 ``objects_in_flight`` (16) upload at once, none under ``MIN_PACK_BYTES`` (4
 MiB), and as many more as keep each within ``max_object_bytes`` (64 MiB + 64
-KiB), whatever the number of leaves (:func:`jaxckpt.records._keys.pack_count`). A
-pack holds whole chunks and starts a new one when the next chunk would take it
+KiB), whatever the number of leaves (:func:`jaxckpt.records._keys.pack_count`); fewer
+where the job's packs would take the store longer than its bytes take the link (the
+store's write budget, :mod:`jaxckpt.records._writebudget`: a GCS bucket's ~1,000 writes a
+second; S3's 3,500 per prefix over 32 prefixes), each then up to ``(objects_in_flight + 1)
+× max_object_bytes``, fewer of them uploading at once so the bytes in flight stay within
+that bound. A pack holds whole chunks and starts a new one when the next chunk would take it
 over the cap, so two consecutive packs hold more than the cap: a process's
 packs per step are at most ``objects_in_flight + 2 × ceil(bytes /
 max_object_bytes)`` (half full at worst: chunks just over half the cap). The
@@ -56,8 +60,10 @@ from jaxckpt.records import (
     ChunkRecord,
     SavedLeaf,
     StepLocation,
+    merged_pack_limit,
     pack_count,
     pack_name,
+    uploads_within,
 )
 from jaxckpt.storage import Storage
 
@@ -87,6 +93,11 @@ class PackWriter:
       min_pack_bytes: packs are not split below this (``MIN_PACK_BYTES``).
       max_object_bytes: no pack is larger (unless a single chunk is).
       uploads: packs uploading at once (``PACK_UPLOADS``).
+      writes_per_s: the store's write budget for one step of the whole job
+        (``records.store_writes_per_s`` of the root; None: none, as on a local root):
+        fewer, larger packs where the job's packs would outlast the link
+        (``records.pack_count``), fewer of them in flight where they are larger than
+        ``max_object_bytes`` (``records.uploads_within``).
     """
 
     def __init__(
@@ -96,11 +107,13 @@ class PackWriter:
         min_pack_bytes: int | None = None,
         max_object_bytes: int | None = None,
         uploads: int = PACK_UPLOADS,
+        writes_per_s: float | None = None,
     ) -> None:
         self._storage = storage
         self._min_pack_bytes = MIN_PACK_BYTES if min_pack_bytes is None else min_pack_bytes
         self._max_object_bytes = max_object_bytes
         self._uploads = max(1, uploads)
+        self._writes_per_s = writes_per_s
 
     def _upload(self, key: str, pieces: list[bytes | memoryview]) -> None:
         self._storage.start_write(key, pieces)()
@@ -129,20 +142,29 @@ class PackWriter:
           size of every pack object written, by name relative to the attempt.
         """
         process = jax.process_index()
-        total = sum(
+        sizes = [
             math.prod(host.leaf.chunk_shape) * data.itemsize + TRAILER_BYTES
             for host in arrays
             for region, data in host.pieces
             for chunk in chunks_of(region, host.leaf.chunk_shape)
-        )
+        ]
+        total = sum(sizes)
         cap = self._max_object_bytes
         count = pack_count(
             total,
             min_pack_bytes=self._min_pack_bytes,
             max_object_bytes=cap,
             max_packs=self._uploads,
+            processes=jax.process_count(),
+            writes_per_s=self._writes_per_s,
         )
         target = math.ceil(total / count) if count else 0
+        uploads = self._uploads
+        if cap is not None and target > cap:  # the write budget merged packs over the cap
+            cap = merged_pack_limit(cap, self._uploads)
+            # a pack closes once past the target: at most a chunk (and its padding) over it
+            largest = min(cap, target + max(sizes) + PACK_ALIGNMENT)
+            uploads = uploads_within(largest, self._uploads, self._max_object_bytes)
         records: dict[str, list[ChunkRecord]] = {h.leaf.name or "": [] for h in arrays}
         packs: dict[str, int] = {}
         # The filling pack: views of the host arrays (no copy) and the bytes between them.
@@ -161,11 +183,11 @@ class PackWriter:
                     started = True
                     reached("data_started", loc.step)
 
-        with pools.borrow("pack", self._uploads) as pool:
+        with pools.borrow("pack", uploads) as pool:
 
             def flush() -> None:
                 nonlocal pieces, filled, index
-                wait(self._uploads)  # at most `uploads` being written while the next fills
+                wait(uploads)  # at most `uploads` being written while the next fills
                 name = pack_name(process, index)
                 packs[name] = filled
                 # Views of the snapshot: an object store joins them when it uploads.

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from jaxckpt.formats import FORMATS, PACKED, PLAIN, DataFormat, StepWriter
 from jaxckpt.formats._packed import PackWriter
+from jaxckpt.records import SPREAD_SLOTS, store_writes_per_s
 
 if TYPE_CHECKING:
     from jaxckpt._options import CheckpointOptions
@@ -19,7 +20,10 @@ def _plain(tier: Tier, options: CheckpointOptions) -> StepWriter:
 
 def _packed(tier: Tier, options: CheckpointOptions) -> StepWriter:
     return PackWriter(
-        tier.storage, max_object_bytes=options.max_object_bytes, uploads=options.objects_in_flight
+        tier.storage,
+        max_object_bytes=options.max_object_bytes,
+        uploads=options.objects_in_flight,
+        writes_per_s=store_writes_per_s(tier.storage.uri, prefixes=SPREAD_SLOTS),
     )
 
 

@@ -160,13 +160,15 @@ def process_share(
     chunk_bytes: int | None = None,
     max_object_bytes: int | None = None,
     objects_in_flight: int | None = None,
+    writes_per_s: float | None = None,
 ) -> ProcessShare:
     """One process's bytes, chunks and packs when every leaf is sharded over all ``devices``.
 
     ``chunk_bytes``, ``max_object_bytes`` and ``objects_in_flight`` default to
     :class:`jaxckpt.CheckpointOptions`'s, whose ``stored_chunk_bytes`` bounds the
     chunks; packs are counted by the packed format's own
-    :func:`jaxckpt.records._keys.pack_count`.
+    :func:`jaxckpt.records._keys.pack_count`, under the store's write budget
+    ``writes_per_s`` (the whole job's, per second; None: no budget, as on a local root).
 
     >>> s = process_share(checkpoint_bytes=16 * (16 << 20), leaves=16, devices=8)
     >>> s.processes, s.chunks, s.chunk_bytes == 2 << 20, s.packs, s.objects_in_flight
@@ -183,7 +185,7 @@ def process_share(
         _count(name, count)
     _positive("checkpoint_bytes", checkpoint_bytes)
     from jaxckpt._options import CheckpointOptions
-    from jaxckpt.records import TRAILER_BYTES, pack_count
+    from jaxckpt.records import TRAILER_BYTES, pack_count, uploads_within
 
     default = CheckpointOptions()
     options = CheckpointOptions(
@@ -198,7 +200,11 @@ def process_share(
     chunks_per_shard = max(1, math.ceil(shard_bytes / options.stored_chunk_bytes))
     nbytes = checkpoint_bytes / processes
     packs = pack_count(
-        nbytes, max_object_bytes=options.max_object_bytes, max_packs=options.objects_in_flight
+        nbytes,
+        max_object_bytes=options.max_object_bytes,
+        max_packs=options.objects_in_flight,
+        processes=processes,
+        writes_per_s=writes_per_s,
     )
     chunk_size = shard_bytes / chunks_per_shard
     return ProcessShare(
@@ -209,6 +215,9 @@ def process_share(
         chunk_stored_bytes=chunk_size + TRAILER_BYTES,
         packs=packs,
         objects_in_flight=options.objects_in_flight,
+        uploads_in_flight=uploads_within(
+            nbytes / max(1, packs), options.objects_in_flight, options.max_object_bytes
+        ),
     )
 
 
@@ -262,8 +271,9 @@ def object_plan(
     * plain: one object per chunk, ``leaves × devices × chunks per shard``, plus
       one ``zarr.json`` per leaf;
     * packed: :func:`jaxckpt.records._keys.pack_count` pack objects per process
-      (``objects_in_flight`` of them, fewer for a small state, more as
-      ``max_object_bytes`` needs);
+      (``objects_in_flight`` of them, fewer for a small state or where the job's packs
+      would outlast the link at ``write_requests_per_s``, more as ``max_object_bytes``
+      needs);
     * every format: the step's records — pending record, tree record, two zarr group
       records, one manifest part per process, the latest hint and the marker.
 
@@ -296,6 +306,7 @@ def object_plan(
         chunk_bytes=chunk_bytes,
         max_object_bytes=max_object_bytes,
         objects_in_flight=objects_in_flight,
+        writes_per_s=write_requests_per_s,
     )
     processes = share.processes
     records = RECORDS_PER_STEP + processes  # + a manifest part per process

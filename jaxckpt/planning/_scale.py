@@ -10,7 +10,9 @@ formulas in N, per phase and role (:mod:`jaxckpt.planning._profiles`).
 (``DataFormat.cost``; by default the format new steps are written in,
 :func:`~jaxckpt.planning._assumptions.default_format`), from the format model
 (:func:`jaxckpt.planning._costs.process_share`,
-:func:`jaxckpt.planning._floors.floors`): every leaf sharded over all devices.
+:func:`jaxckpt.planning._floors.floors`): every leaf sharded over all devices, the
+packed layout's packs per process under each store's write rate, as a save counts them
+(:mod:`jaxckpt.records._writebudget`).
 
 **Time of a phase**, for the primary (the busiest process)::
 
@@ -91,11 +93,15 @@ def scale_plan(
     stores: Iterable[str] = ("s3", "gcs"),
     link: Any = None,
     data_format: DataFormat | None = None,
+    write_budget: bool = True,
 ) -> list[PhaseCost]:
     """Every ``(store, N, phase)``'s counts and times (see the module docstring).
 
     ``data_format`` (default :func:`~jaxckpt.planning._assumptions.default_format`) says the
-    data's objects, requests and floor.
+    data's objects, requests and floor. ``write_budget``: each process writes the packs
+    the store's write rate allows (:func:`jaxckpt.records._keys.pack_count` with the
+    store's ``writes_per_s`` over the job's prefixes, as a save does); False: as many as
+    without a budget (``objects_in_flight``), as saves did before.
 
     >>> from jaxckpt.planning._profiles import PROFILES
     >>> rows = scale_plan(processes=[1024], profile=PROFILES["before"], stores=["s3"])
@@ -106,7 +112,7 @@ def scale_plan(
     [('save', False, True), ('restore', False, True)]
     """
     from jaxckpt.planning._costs import _count, _positive, process_share
-    from jaxckpt.planning._floors import Link, floor
+    from jaxckpt.planning._floors import Link
 
     _positive("state_bytes", state_bytes)
     for name, count in (("leaves", leaves), ("devices_per_process", devices_per_process)):
@@ -114,39 +120,47 @@ def scale_plan(
     _count("prefixes", prefixes)
     link = Link() if link is None else link
     data_format = default_format() if data_format is None else data_format
-    cost = data_format.cost
     unknown = [s for s in stores if s not in STORES]
     if unknown:
         raise ValueError(f"unknown stores {unknown}; choose from {', '.join(STORES)}")
     out = []
     for n in processes:
         _count("processes", n)
-        share = process_share(
-            checkpoint_bytes=state_bytes,
-            leaves=leaves,
-            devices=n * devices_per_process,
-            devices_per_process=devices_per_process,
-        )
-        data_floor = floor(data_format, share, leaves=leaves, link=link)
-        part_bytes = share.chunks * RECORD_BYTES
-        objects = cost.data_objects(share)
-        data = {
-            "save": _Data(
-                primary_writes=objects + cost.step_objects(leaves),  # + the step's own
-                writes=objects,
-                floor_s=data_floor.save_floor_s,
-            ),
-            "restore": _Data(
-                reads=data_floor.restore_requests_per_process, floor_s=data_floor.restore_floor_s
-            ),
-        }
         for store_name in stores:
             store = STORES[store_name]
             rate = prefixes if store.per_prefix else 1
+            share = process_share(
+                checkpoint_bytes=state_bytes,
+                leaves=leaves,
+                devices=n * devices_per_process,
+                devices_per_process=devices_per_process,
+                writes_per_s=store.writes_per_s * rate if write_budget else None,
+            )
+            data = _phase_data(data_format, share, leaves=leaves, link=link)
+            part_bytes = share.chunks * RECORD_BYTES
             for phase in PHASES:
                 costs = (data[phase], part_bytes, link)
                 out.append(_phase_cost(store, rate, n, phase, profile, *costs))
     return out
+
+
+def _phase_data(data_format: DataFormat, share: Any, *, leaves: int, link: Any) -> dict[str, _Data]:
+    """Each phase's data requests per process and the data's floor."""
+    from jaxckpt.planning._floors import floor
+
+    cost = data_format.cost
+    data_floor = floor(data_format, share, leaves=leaves, link=link)
+    objects = cost.data_objects(share)
+    return {
+        "save": _Data(
+            primary_writes=objects + cost.step_objects(leaves),  # + the step's own
+            writes=objects,
+            floor_s=data_floor.save_floor_s,
+        ),
+        "restore": _Data(
+            reads=data_floor.restore_requests_per_process, floor_s=data_floor.restore_floor_s
+        ),
+    }
 
 
 class _Data(NamedTuple):

@@ -126,6 +126,11 @@ from jaxckpt.records._tree import read_checked as read_checked
 from jaxckpt.records._tree import rebuild as rebuild
 from jaxckpt.records._versions import versions_text as versions_text
 from jaxckpt.records._versions import writer_versions as writer_versions
+from jaxckpt.records._writebudget import GCS_WRITES_PER_S as GCS_WRITES_PER_S
+from jaxckpt.records._writebudget import S3_WRITES_PER_PREFIX_S as S3_WRITES_PER_PREFIX_S
+from jaxckpt.records._writebudget import merged_pack_limit as merged_pack_limit
+from jaxckpt.records._writebudget import store_writes_per_s as store_writes_per_s
+from jaxckpt.records._writebudget import uploads_within as uploads_within
 
 if TYPE_CHECKING:
     from jaxckpt.records._pytree import MAX_NAME_CHARS as MAX_NAME_CHARS
@@ -173,6 +178,7 @@ __all__ = [
     "FORMAT",
     "FORMATS",
     "FORMAT_VERSION",
+    "GCS_WRITES_PER_S",
     "GONE",
     "LAYOUTS",
     "LEGACY_STEPS",
@@ -193,6 +199,7 @@ __all__ = [
     "RECORDS_PER_STEP",
     "REPLICAS",
     "ROOT_RECORD",
+    "S3_WRITES_PER_PREFIX_S",
     "SELF_CHECKED_VERSION",
     "SPREAD_SLOTS",
     "TEMP_GRACE_S",
@@ -250,6 +257,7 @@ __all__ = [
     "manifest_name",
     "marker_key",
     "marker_refs_of",
+    "merged_pack_limit",
     "new_attempt",
     "np_dtype",
     "object_keys",
@@ -282,8 +290,10 @@ __all__ = [
     "spread_slot",
     "step_format",
     "storage_problem",
+    "store_writes_per_s",
     "structure_of",
     "unflatten_saved",
+    "uploads_within",
     "versions_text",
     "withdraw",
     "writer_versions",

@@ -45,6 +45,9 @@ class ProcessShare:
     """Pack objects of the packed format the process writes (``records._keys.pack_count``)."""
     objects_in_flight: int
     """Packs one packed save uploads, and reads one restore issues, at once."""
+    uploads_in_flight: int | None = None
+    """Packs one packed save uploads at once where fewer than ``objects_in_flight`` (packs
+    larger than ``max_object_bytes``: ``records._writebudget.uploads_within``)."""
 
 
 def in_flight(requests: int, *limits: int) -> int:
@@ -145,8 +148,9 @@ class PlainCost:
 class PackedCost:
     """The packed format: every chunk a byte range of a few pack objects per process.
 
-    A save writes its packs (``pack_count``, each at most ``max_object_bytes``),
-    ``objects_in_flight`` at once, and beside the last of them its manifest part. A
+    A save writes its packs (``pack_count``: each at most ``max_object_bytes``, fewer and
+    larger under a store's write budget), ``objects_in_flight`` at once (fewer when
+    larger: ``uploads_in_flight``), and beside the last of them its manifest part. A
     restore reads spans of adjacent chunks of one pack, each about the bytes over
     ``objects_in_flight`` (from ``MIN_SPAN_BYTES`` to ``MAX_SPAN_BYTES``).
     """
@@ -168,7 +172,10 @@ class PackedCost:
         connections: int,
         inflight_bytes: int,
     ) -> SaveRequests:
-        k = in_flight(share.packs, connections, share.objects_in_flight)
+        uploads = share.objects_in_flight
+        if share.uploads_in_flight is not None:
+            uploads = share.uploads_in_flight
+        k = in_flight(share.packs, connections, uploads)
         return SaveRequests(
             written=share.packs + records, waited=share.packs, in_flight=k, carrying=k
         )

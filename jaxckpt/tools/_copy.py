@@ -36,6 +36,10 @@ from jaxckpt.records import (
 )
 from jaxckpt.storage import Storage, tensorstore_backed
 
+COPY_BYTES_IN_FLIGHT = 17 << 26
+"""The known bytes of the objects a raw copy holds at once: 1,088 MiB, a packed save's bound
+with the default options (16 objects of 64 MiB); fewer copies at once when objects are larger."""
+
 
 def copy_step(
     src: CommitProtocol,
@@ -122,7 +126,14 @@ def _copy_objects(
     for key in keys:  # every name checked before anything is written
         target(key)
 
-    with pools.borrow("copy", 16) as pool:
+    # Objects a copy holds at once (each read, then written): 16, fewer for large packs (a
+    # large job's write budget merges them), so they hold about what a save's uploads do.
+    largest = max(
+        [c.size for c in chunks.values()]
+        + [max(c.offset + c.size for c in cs) for cs in (packed or {}).values() if cs]
+        + [1]
+    )
+    with pools.borrow("copy", max(1, min(16, COPY_BYTES_IN_FLIGHT // largest))) as pool:
         list(pool.map(one, keys))
 
 
