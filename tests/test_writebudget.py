@@ -248,3 +248,35 @@ def test_a_save_under_a_tight_budget_writes_fewer_larger_packs_and_restores(
     assert cli.main(["cp", f"{root}:1", other]) == 0
     assert limits == [1, 16]  # the packs, then the manifest part
     assert_tree_bitexact(jaxckpt.CheckpointManager(other).restore(target=state), state)
+
+
+def test_a_local_tiers_packs_are_sized_for_the_durable_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Promotion copies a local tier's packs unchanged, so the local tier's writer takes
+    the durable root's write rate: a durable store absorbing one write a second gets the
+    merged packs, not the local disk's count."""
+    from jaxckpt.formats import _packed, writers
+
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    asked: list[str] = []
+
+    def rate(uri: str, prefixes: int) -> float | None:
+        asked.append(uri)
+        return 1.0 if uri == durable else None
+
+    monkeypatch.setattr(_packed, "MIN_PACK_BYTES", 1)
+    monkeypatch.setattr(writers, "store_writes_per_s", rate)
+    rng = np.random.default_rng(8)
+    state = {f"l{i:02d}": rng.standard_normal(8192).astype(np.float32) for i in range(48)}
+    cap = 64 << 10  # 24 packs at this cap without a budget
+    with jaxckpt.CheckpointManager(
+        durable, layout="packed", max_object_bytes=cap, local_root=local
+    ) as mgr:
+        assert mgr.save(1, state)
+    assert set(asked) == {durable}
+    protocol = CommitProtocol(open_storage(durable))
+    (part,) = protocol.read_manifest(protocol.require_marker(1))  # promoted as written
+    assert len(part.packs) == 2, dict(part.packs)
+    restored = jaxckpt.CheckpointManager(durable, read_only=True).restore(target=state)
+    assert_tree_bitexact(restored, state)

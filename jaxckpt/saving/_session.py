@@ -71,7 +71,7 @@ class SaveSession:
       tier: the tier saves commit to (the nearest).
       options: the manager's options.
       agreement: the manager's (the attempt, the tree record).
-      where: the manager's root, for messages.
+      where: the manager's root (the durable one), for messages and the packs' write budget.
       listeners: told after each commit of this process.
     """
 
@@ -94,7 +94,9 @@ class SaveSession:
         self._root = where
         self._primary = jax.process_index() == options.primary_host
         self._listeners = tuple(listeners)
-        self._writer: StepWriter = step_writer(format_named(options.layout), tier, options)
+        self._writer: StepWriter = step_writer(
+            format_named(options.layout), tier, options, budget_uri=where
+        )  # packs sized for the durable root: a local tier's reach it unchanged
         self._commits = tier.commit_point
         self._lock = threading.Lock()
         self._inflight: Inflight | None = None
