@@ -191,11 +191,14 @@ def _saves(runs: Sequence[RunFigures]) -> dict[str, Any]:
     }
 
 
-def _requests(processes: int, step_bytes: float) -> tuple[int, int]:
-    """Estimated (writes and lists, reads) of committing one step of ``step_bytes``."""
-    from jaxckpt.records import RECORDS_PER_STEP, pack_count
+def _requests(processes: int, step_bytes: float, scheme: str) -> tuple[int, int]:
+    """Estimated (writes and lists, reads) of committing one step of ``step_bytes`` to a
+    ``scheme`` root (its packs under the store's write budget)."""
+    from jaxckpt.records import RECORDS_PER_STEP, SPREAD_SLOTS, pack_count, store_writes_per_s
 
-    packs = processes * pack_count(step_bytes / max(1, processes))
+    rate = store_writes_per_s(f"{scheme}://", prefixes=SPREAD_SLOTS)
+    share = step_bytes / max(1, processes)
+    packs = processes * pack_count(share, processes=processes, writes_per_s=rate)
     return RECORDS_PER_STEP + processes + packs + 3, 2 + processes
 
 
@@ -208,18 +211,18 @@ def _storage(
         for s in r.saves.values():
             if s["tier"] == "durable":
                 written += s["nbytes"]
-                w, rd = _requests(r.processes, s["nbytes"])
+                w, rd = _requests(r.processes, s["nbytes"], scheme)
                 writes, reads = writes + w, reads + rd
             else:
                 local_written += s["nbytes"]
         for e in r.promoted:
             written += e["nbytes"]
-            w, rd = _requests(r.processes, e["nbytes"])
+            w, rd = _requests(r.processes, e["nbytes"], scheme)
             writes, reads = writes + w + 1, reads + rd + 1  # the promoter's request and marker
         for e in r.deleted:
             if e["tier"] == "durable":
                 freed += e["nbytes"]
-                writes += 34 + math.ceil(_requests(r.processes, e["nbytes"])[0] / 1000)
+                writes += 34 + math.ceil(_requests(r.processes, e["nbytes"], scheme)[0] / 1000)
             else:
                 local_freed += e["nbytes"]
     now = written - freed if now_bytes is None else now_bytes
