@@ -29,16 +29,35 @@ class FakeKV:
         self.n = n
         self.values: dict[str, str] = {}
         self.arrived: dict[str, int] = {}
+        self.deadlines: dict[str, float] = {}
         self.failed: set[str] = set()
         self.dir_gets = 0
         self.timeouts_ms: list[int] = []
         self._cv = threading.Condition()
 
-    def key_value_set(self, key: str, value: str) -> None:
+    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
         with self._cv:
-            assert key not in self.values, f"{key} written twice"
+            if key in self.values and not allow_overwrite:
+                raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
             self.values[key] = value
             self._cv.notify_all()
+
+    def key_value_increment(self, key: str, increment: int) -> int:
+        with self._cv:
+            self.values[key] = str(int(self.values.get(key, "0")) + increment)
+            self._cv.notify_all()
+            return int(self.values[key])
+
+    def key_value_try_get(self, key: str) -> str:
+        with self._cv:
+            if key not in self.values:
+                raise RuntimeError(f"NOT_FOUND: Config key {key} not found.")
+            return self.values[key]
+
+    def wait_for(self, what: Callable[[dict[str, str]], bool]) -> None:
+        """Waits until ``what`` holds of the stored values (a test's trigger)."""
+        with self._cv:
+            assert self._cv.wait_for(lambda: what(self.values), timeout=30), "never happened"
 
     def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
         self.timeouts_ms.append(timeout_ms)
@@ -58,15 +77,18 @@ class FakeKV:
             return sorted((k, v) for k, v in self.values.items() if k.startswith(prefix))
 
     def wait_at_barrier(self, barrier_id: str, timeout_ms: int) -> None:
-        """Returns once ``n`` callers arrived. Like the service's: a barrier that timed out
-        for one caller fails for every caller, those waiting and those arriving later."""
+        """Returns once ``n`` callers arrived. Like the service's: the first caller's
+        timeout sets the deadline for every caller (a later caller's is ignored), and a
+        barrier that timed out fails for every caller, those waiting and those arriving
+        later."""
         self.timeouts_ms.append(timeout_ms)
         with self._cv:
             self.arrived[barrier_id] = self.arrived.get(barrier_id, 0) + 1
+            deadline = self.deadlines.setdefault(barrier_id, time.monotonic() + timeout_ms / 1000)
             self._cv.notify_all()
             done = self._cv.wait_for(
                 lambda: barrier_id in self.failed or self.arrived[barrier_id] >= self.n,
-                timeout=timeout_ms / 1000,
+                timeout=max(deadline - time.monotonic(), 0),
             )
             if not done:
                 self.failed.add(barrier_id)
@@ -246,14 +268,14 @@ def test_settle_raises_the_failing_processs_error_on_every_process_naming_it(
 def test_settle_hands_the_primary_what_each_process_shared_with_one_read_more(
     job: Callable[[int], Job],
 ) -> None:
-    """A save's "written" settle carries each process's part summary to the primary: the
-    others read nothing more, the primary one directory read, whatever N."""
+    """A save's "written" settle carries each process's part summary to the primary: when
+    nobody reported, the others read nothing, the primary one directory read, whatever N."""
     j = job(4)
     results = j.run(
         lambda i: Agreement("root", primary=1).settle("written", None, what="x", share=[i, 2 * i])
     )
     assert results == {0: {}, 1: {p: [p, 2 * p] for p in range(4)}, 2: {}, 3: {}}
-    assert j.kv.dir_gets == 4 + 1
+    assert j.kv.dir_gets == 1
     failing = j.run(  # a failure is still raised everywhere; nothing is handed over
         lambda i: Agreement("f").settle(
             "written", StorageError("no") if i == 3 else None, what="x", share=[i]
@@ -263,9 +285,14 @@ def test_settle_hands_the_primary_what_each_process_shared_with_one_read_more(
 
 
 def test_settle_names_every_failing_process(job: Callable[[int], Job]) -> None:
+    """Every report made before a process reads them is named (a report ends the meeting at
+    once, so one made after that is named only by its own process): here process 2
+    reports, then process 1, then process 0 arrives."""
     j = job(3)
 
     def save(i: int) -> None:
+        if i < 2:  # after process 2's report (and process 0 after process 1's)
+            j.kv.wait_for(lambda kv: sum("/v/" in k for k in kv) == 2 - i)
         error = StepAlreadyExistsError(f"step 5 exists ({i})") if i else None
         Agreement("root").settle("checks", error, what="save of step 5")
 
@@ -312,6 +339,8 @@ def test_finished_operations_keys_are_deleted_at_the_next_barrier(
         "jaxckpt/root/save-2.0/attempt.1",
         "jaxckpt/root/save-2.0/checks.0/a/0",
         "jaxckpt/root/save-2.0/checks.0/a/1",
+        "jaxckpt/root/save-2.0/checks.0/count",
+        "jaxckpt/root/save-2.0/checks.0/outcome",
     ]
 
 
@@ -349,3 +378,43 @@ def test_a_failure_reaches_a_process_that_arrives_after_the_failing_one_left(
     for i in range(3):
         assert isinstance(results[i], StorageError), results
         assert "save of step 5 failed on process 1: PUT x: 403 Forbidden" in str(results[i])
+
+
+def test_a_failure_reaches_processes_that_arrived_first_at_once(
+    job: Callable[[int], Job],
+) -> None:
+    """The failing process arrives last, when the others already wait with their 60 s
+    timeout (the coordination service's barrier keeps the first arrival's deadline, so a
+    short wait of the failing process alone would not end theirs): every process raises
+    the failure at once (a wait for the timeout fails ``Job.run``'s join)."""
+    j = job(3)
+
+    def save(i: int) -> None:
+        if i == 1:  # processes 0 and 2 are counted: they wait for the outcome
+            j.kv.wait_for(lambda kv: kv.get("jaxckpt/root/open/written.0/count") == "2")
+        error = StorageError("PUT x: 403 Forbidden") if i == 1 else None
+        Agreement("root", timeout_s=60).settle("written", error, what="save of step 5")
+
+    results = j.run(save)
+    for i in range(3):
+        assert isinstance(results[i], StorageError), results
+        assert str(results[i]) == "save of step 5 failed on process 1: PUT x: 403 Forbidden"
+    assert j.kv.values["jaxckpt/root/open/written.0/outcome"] == "told"
+
+
+def test_a_late_process_meets_the_outcome_the_others_timed_out_with(
+    job: Callable[[int], Job],
+) -> None:
+    """A meeting that timed out for the processes waiting stays failed for a process that
+    arrives afterwards, though it completes the count: the first outcome written holds."""
+    j = job(2)
+    first = j.run(
+        lambda i: Agreement("root", timeout_s=0.2).settle("checks", None, what="save"), only={0}
+    )
+    assert isinstance(first[0], AgreementTimeoutError), first
+    assert "save: process 0: no 'checks' from processes [1] within 0.2s" in str(first[0])
+    late = j.run(
+        lambda i: Agreement("root", timeout_s=0.2).settle("checks", None, what="save"), only={1}
+    )
+    assert isinstance(late[1], AgreementTimeoutError), late
+    assert j.kv.values["jaxckpt/root/open/checks.0/outcome"] == "late"

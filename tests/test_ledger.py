@@ -4,6 +4,7 @@ ledger never fails a save, a SIGKILLed run shows as a restart with lost steps.""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -232,6 +233,26 @@ def test_the_compilation_cache_is_kept_in_a_local_root(tmp_path: Path) -> None:
         compilation_cache.reset_cache()
     with pytest.raises(ValueError, match="compilation_cache needs a local_root"):
         jaxckpt.CheckpointManager("s3://bucket/run", compilation_cache=True)
+
+
+def test_a_restarted_process_loads_its_compiled_step_from_the_cache(tmp_path: Path) -> None:
+    """The first run compiles the step (a program far under JAX's default 1 s threshold)
+    into the cache beside the checkpoints; the next process loads it instead."""
+    root = tmp_path / "root"
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("cache_child.py")), str(root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0 and "DONE" in proc.stdout, proc.stderr[-3000:]
+        runs.append(next(line for line in proc.stdout.splitlines() if line.startswith("CACHE")))
+    first, second = runs
+    assert first != "CACHE hits=0 misses=0" and "hits=0" in first, runs
+    assert any((root / "compilation-cache").iterdir())
+    assert second.startswith("CACHE hits=") and "misses=0" in second and "hits=0" not in second
 
 
 def test_a_loop_that_raises_ends_a_failed_run(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ import pytest
 from jaxckpt import PeerError
 from jaxckpt.records import TEMP_GRACE_S, is_stale_temp_key, is_temp_key, replica_holdings
 from jaxckpt.storage import open_storage
+from jaxckpt.tiers import _wire
 from jaxckpt.tiers._peerclient import connect
 from jaxckpt.tiers._peers import Peers
 from jaxckpt.tiers._transport import PeerServer, new_secret
@@ -89,7 +91,8 @@ def served(tmp_path):
 
 
 def frame(session: Session, header: dict[str, object], payload: bytes) -> list[bytes]:
-    """The frame ``session`` sends next, as its parts: header with tag, payload, payload tag."""
+    """The frame ``session`` sends next, as its writes: header with tag, payload, payload
+    tag (a payload over ``ONE_WRITE_BYTES``; a smaller frame is one write)."""
     parts: list[bytes] = []
     session.send(types.SimpleNamespace(sendall=parts.append), header, payload)  # type: ignore[arg-type]
     return parts
@@ -171,3 +174,25 @@ def test_a_put_over_the_bound_is_refused_before_its_payload(tmp_path):
         assert files_under(tmp_path / "root") == []
     finally:
         server.close()
+
+
+def test_a_small_frame_is_one_write_and_both_ends_send_without_delay(served, monkeypatch):
+    """A frame's tag written on its own waited, under Nagle's algorithm, for the peer's
+    delayed acknowledgement (~40 ms a frame, most of a small step's replication): a small
+    frame goes out in one write, the same bytes as written in pieces, and both ends of a
+    connection turn Nagle off (a large frame's pieces go out at once too)."""
+    nonces = (b"s" * 32, b"c" * 32)
+    one = frame(Session(b"k", *nonces, server=False), {"op": "put", "key": KEY}, b"x" * 100)
+    monkeypatch.setattr(_wire, "ONE_WRITE_BYTES", 0)
+    pieces = frame(Session(b"k", *nonces, server=False), {"op": "put", "key": KEY}, b"x" * 100)
+    assert len(one) == 1 and len(pieces) == 3 and one[0] == b"".join(pieces)
+    monkeypatch.undo()
+    _, secret, server = served
+    with connect(server.address, secret, timeout_s=10.0) as peer:
+        peer.put(KEY, b"small")
+        assert peer.get(KEY) == b"small"
+        assert peer._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        with server._lock:
+            accepted = list(server._conns)
+        assert accepted
+        assert all(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in accepted)

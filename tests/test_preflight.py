@@ -172,16 +172,20 @@ def test_a_restore_target_that_loses_a_leaf_is_a_checkpoint_problem():
     assert kinds == {("['rng']", "lost"), ("['extra']", "extra")}
 
 
-def test_a_weak_typed_leaf_changes_the_resumed_run_and_is_blamed_on_the_checkpoint():
+def test_a_weak_typed_leaf_resumes_weakly_typed_and_a_strong_target_is_blamed():
     # jnp.asarray(2.0) is weakly typed: bfloat16 * weak float32 stays bfloat16. The
-    # checkpoint restores a strong float32, so the resumed step promotes to float32.
+    # restore keeps the target's weak type, so the resumed run matches; a target that
+    # asks for a strong float32 makes the resumed step promote to float32.
     state = {"x": jnp.ones(4, jnp.bfloat16), "scale": jnp.asarray(2.0)}
     assert state["scale"].weak_type
 
     def step(state, batch):
         return {"x": state["x"] * state["scale"], "scale": state["scale"]}
 
-    report = jaxckpt.check_resume(step, state, [None] * 2, steps=2)
+    assert jaxckpt.check_resume(step, state, [None] * 2, steps=2).ok
+    strong = jaxckpt.workflows._preflight.abstract_target(state)
+    strong["scale"] = jax.ShapeDtypeStruct((), jnp.float32, sharding=state["scale"].sharding)
+    report = jaxckpt.check_resume(step, state, [None] * 2, steps=2, target=strong)
     assert report.verdict == "checkpoint" and report.first_divergent_step == 1
     assert report.repeat_mismatches == ()
     assert report.mismatches[0].kind == "dtype" and report.mismatches[0].path == "['x']"

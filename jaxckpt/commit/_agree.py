@@ -5,11 +5,18 @@ whose waits take a timeout, so a dead process makes the others fail instead of
 hang. With one process this is the identity.
 
 Costs per process are constant in the number of processes N: an :meth:`agree`
-is one set (the primary) or one blocking get; a :meth:`gather`,
-:meth:`reports` or :meth:`settle` is a set, a barrier and one directory read
-(``key_value_dir_get``). Only :meth:`gather` returns O(N) values, and only
-the callers that need every value use it (peers, local tiers); :meth:`reports`
-and :meth:`settle` read only what processes reported (failures, usually none).
+is one set (the primary) or one blocking get; a :meth:`gather` is a set, a
+barrier and one directory read (``key_value_dir_get``); a :meth:`reports` or
+:meth:`settle` is three calls (an arrival, a count and its outcome: see
+``Agreement._meet``), and a directory read only when a process reported. Only
+:meth:`gather` returns O(N) values, and only the callers that need every value
+use it (peers, local tiers); :meth:`reports` and :meth:`settle` read only what
+processes reported (failures, usually none).
+
+A report reaches every process at once, whatever the order in which they arrive:
+a reporting meeting is not a barrier (the coordination service keeps a barrier's
+first arrival's deadline, so a reporting process could not cut the others' wait
+short) but one create-only outcome key that the first process to decide writes.
 
 Keys are scoped by *operation* (:meth:`operation`): one public collective call
 of the manager, such as the save of step 5 or the third restore. Inside it a
@@ -46,10 +53,10 @@ class AgreementTimeoutError(CheckpointError, TimeoutError):
     """
 
 
-_TOLD_MS = 1000
-"""How long a process that reported a failure waits for the others at the barrier: if
-they are not all there by then, the barrier fails for every process, and each reads the
-reports (a process arriving later fails at once)."""
+_MET, _TOLD, _LATE = "met", "told", "late"
+"""A reporting meeting's outcomes (see :meth:`Agreement._meet`): every process arrived
+without a report; a process reported (it ends the meeting at once for everyone, whatever
+the order of arrival); a process's wait timed out first."""
 
 _opened: dict[str, int] = {}
 _opened_lock = threading.Lock()
@@ -240,15 +247,16 @@ class Agreement:
         share: Any = None,
         shared: dict[int, Any] | None = None,
     ) -> dict[int, Any]:
-        """Sets ``value`` (None: only that this process arrived), meets every process at a
-        barrier and reads the values set; returns them by process index.
+        """Sets ``value`` (None: only that this process arrived), meets every process and
+        reads the values set; returns them by process index.
 
-        ``reporting``: values are reports (failures). A process with one has told it
-        before the barrier, so it waits there briefly; a barrier that fails (it left,
-        or a process never came) still returns the reports set, if any. Else a barrier
-        that times out names the processes that never arrived.
+        ``reporting``: values are reports (failures), and the meeting is :meth:`_meet`'s,
+        which a process with a report ends for every process at once; a meeting that
+        failed (a report, or a process never came) still returns the reports set, if
+        any. Else the meeting is a barrier. A meeting that timed out names the processes
+        that never arrived.
         ``share``: carried by the arrival key; the primary reads every process's into
-        ``shared`` after the barrier (see :meth:`settle`).
+        ``shared`` after the meeting (see :meth:`settle`).
         """
         client = self._client()
         base = self._key(name)
@@ -257,27 +265,80 @@ class Agreement:
             client.key_value_set(f"{base}/v/{me}", json.dumps(value))
         else:
             client.key_value_set(f"{base}/a/{me}", "" if share is None else json.dumps(share))
-        told = reporting and value is not None
         try:
-            client.wait_at_barrier(
-                base, min(self._timeout_ms, _TOLD_MS) if told else self._timeout_ms
-            )
+            if reporting:
+                met = self._meet(client, base, told=value is not None)
+            else:
+                client.wait_at_barrier(base, self._timeout_ms)
+                met = True
         except Exception as e:
-            keys = client.key_value_dir_get(base + "/")
+            keys = [(k, raw) for k, raw in client.key_value_dir_get(base + "/") if _arrival(k)]
             found = {_index(k): json.loads(raw) for k, raw in keys if f"{base}/v/" in k}
-            if reporting and found:  # the barrier failed because a process failed
+            if reporting and found:  # the meeting failed because a process failed
                 return found
             missing = sorted(set(range(jax.process_count())) - {_index(k) for k, _ in keys})
             raise AgreementTimeoutError(
                 f"process {me}: no {name!r} from processes {missing} within "
                 f"{self._timeout_s:g}s (failed, stalled or died: see their logs): {e}"
             ) from e
+        if not met:  # a process reported: every process reads the reports
+            return {_index(k): json.loads(raw) for k, raw in client.key_value_dir_get(f"{base}/v/")}
         self._forget_stale(client)
-        found = {_index(k): json.loads(raw) for k, raw in client.key_value_dir_get(f"{base}/v/")}
-        if shared is not None and share is not None and me == self._primary and not found:
+        if reporting:  # every process arrived without a report
+            found = {}
+        else:
+            found = {
+                _index(k): json.loads(raw) for k, raw in client.key_value_dir_get(f"{base}/v/")
+            }
+        if shared is not None and share is not None and me == self._primary:
             arrived = client.key_value_dir_get(f"{base}/a/")
             shared.update({_index(k): json.loads(raw) for k, raw in arrived if raw})
         return found
+
+    def _meet(self, client: Any, base: str, *, told: bool) -> bool:
+        """Meets every process at ``base``; True when all arrived without a report.
+
+        One key, written once (create-only), holds the meeting's outcome, and the first
+        writer decides it for every process whatever the order of arrival: the process
+        that completes the count of arrivals writes ``met``; a process with a report
+        (it does not count itself) writes ``told`` and leaves at once; a process whose
+        wait timed out writes ``late``. The others wait on that key, so a report reaches
+        each of them as soon as it is made, and a process arriving after the outcome
+        reads it at once. Three calls per process whatever N: the arrival key, then the
+        count and the outcome (its write, or a wait on it); a report: the arrival key,
+        the outcome and the read of the reports.
+
+        Raises:
+          Exception: the outcome is ``late`` (the caller names who never came).
+        """
+        outcome = f"{base}/outcome"
+        if told:
+            self._decide(client, outcome, _TOLD)
+            return False
+        if client.key_value_increment(f"{base}/count", 1) == jax.process_count():
+            if self._decide(client, outcome, _MET):
+                return True
+            decided = client.key_value_try_get(outcome)  # a wait timed out just before
+        else:
+            try:
+                decided = client.blocking_key_value_get(outcome, self._timeout_ms)
+            except Exception as e:
+                self._decide(client, outcome, _LATE)
+                decided = client.key_value_try_get(outcome)  # ours, or one just before
+                if decided == _LATE:
+                    raise AgreementTimeoutError(str(e)) from e
+        if decided == _LATE:
+            raise AgreementTimeoutError(f"the meeting {base} timed out on another process")
+        return decided == _MET
+
+    @staticmethod
+    def _decide(client: Any, outcome: str, value: str) -> bool:
+        """Writes a meeting's outcome unless another process has: True if this one did."""
+        try:
+            client.key_value_set(outcome, value)
+        except Exception:  # ALREADY_EXISTS: decided by another process first
+            return False
+        return True
 
     def _forget_stale(self, client: Any) -> None:
         """The primary deletes the keys of finished operations: every process has
@@ -307,6 +368,11 @@ class Agreement:
         if client is None:
             raise CheckpointError("multi-process jaxckpt needs jax.distributed.initialize()")
         return client
+
+
+def _arrival(key: str) -> bool:
+    """Whether a key under a meeting is a process's arrival (not its count or outcome)."""
+    return "/a/" in key or "/v/" in key
 
 
 def _index(key: str) -> int:

@@ -18,6 +18,13 @@ log = logging.getLogger("jaxckpt")
 
 CACHE_DIR = "compilation-cache"
 """The cache's directory inside the local tier (or a local root)."""
+JAX_MIN_COMPILE_S = 1.0
+"""JAX's default ``jax_persistent_cache_min_compile_time_secs``: programs that compile
+faster are not cached."""
+MIN_COMPILE_S = 0.0
+"""What the cache takes instead (unless the job chose a threshold of its own): a restart
+compiles every program again, and on a CPU most take well under a second each, while a
+cache entry is one small local file read."""
 
 
 def process_start_time() -> float | None:
@@ -59,8 +66,9 @@ def cache_dir(root: str, local_root: str | None) -> str:
 
 
 def enable_compilation_cache(directory: str) -> None:
-    """Points JAX's persistent compilation cache at ``directory`` (created if missing),
-    unless the job already chose a cache directory of its own."""
+    """Points JAX's persistent compilation cache at ``directory`` (created if missing) and
+    caches every program (``MIN_COMPILE_S``), unless the job already chose a cache
+    directory (or a threshold) of its own."""
     import jax
 
     current = getattr(jax.config, "jax_compilation_cache_dir", None)
@@ -71,6 +79,9 @@ def enable_compilation_cache(directory: str) -> None:
         return
     os.makedirs(directory, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", directory)
+    threshold = getattr(jax.config, "jax_persistent_cache_min_compile_time_secs", None)
+    if threshold == JAX_MIN_COMPILE_S:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_S)
     try:  # a program compiled before this point made JAX decide on no cache: decide again
         from jax.experimental.compilation_cache import compilation_cache
 

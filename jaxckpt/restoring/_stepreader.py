@@ -45,7 +45,13 @@ from jaxckpt.records import (
 from jaxckpt.restoring._match import PathMap, check_casts, match_target
 from jaxckpt.restoring._parts import missing_chunk, needed_processes
 from jaxckpt.restoring._readonce import Exchange, plan
-from jaxckpt.restoring._targets import place_keys, resolve_targets, target_sharding, uncommitted
+from jaxckpt.restoring._targets import (
+    keep_weak_type,
+    place_keys,
+    resolve_targets,
+    target_sharding,
+    uncommitted,
+)
 from jaxckpt.storage import tensorstore_backed
 
 if TYPE_CHECKING:
@@ -220,6 +226,7 @@ class StepReader:
         loaded = _needed(records, matched, targets, collective=_collective(agreement))
         with np.errstate(over="ignore", invalid="ignore"):  # consented to: inf, wrapped ints
             values = self._read_all(loaded, matched, targets, agreement)
+        values = [keep_weak_type(t, v) for t, v in zip(targets, values, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, values)
 
     def _read_all(

@@ -25,6 +25,7 @@ from jaxckpt.records import SavedLeaf
 
 __all__ = [
     "concrete_targets",
+    "keep_weak_type",
     "place_keys",
     "resolve_targets",
     "target_sharding",
@@ -81,7 +82,9 @@ def concrete_targets(targets: Any) -> Any:
         concrete = _concrete(jax.tree_util.keystr(path), sharding)
         if concrete is sharding:
             return target
-        return jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=concrete)
+        return jax.ShapeDtypeStruct(
+            target.shape, target.dtype, sharding=concrete, weak_type=target.weak_type
+        )
 
     return jax.tree_util.tree_map_with_path(one, targets)
 
@@ -123,7 +126,9 @@ def resolve_targets(
         if isinstance(target, jax.ShapeDtypeStruct) and sharding is not None:
             concrete = _concrete(path, sharding)
             if concrete is not sharding:
-                target = jax.ShapeDtypeStruct(target.shape, target.dtype, sharding=concrete)
+                target = jax.ShapeDtypeStruct(
+                    target.shape, target.dtype, sharding=concrete, weak_type=target.weak_type
+                )
         if leaf.kind != "value" and leaf.name is not None and sharding is not None:
             _check(path, leaf, target_sharding(target))
         out.append(target)
@@ -139,3 +144,27 @@ def place_keys(leaf: SavedLeaf, target: Any, data: np.ndarray) -> jax.Array:
         return jax.random.wrap_key_data(jax.device_put(data, sharding), impl=leaf.key_impl)
     keys = jax.random.wrap_key_data(jax.numpy.asarray(data), impl=leaf.key_impl)
     return jax.device_put(keys, sharding)
+
+
+def keep_weak_type(target: Any, value: Any) -> Any:
+    """``value`` weakly typed when ``target`` is (a ``jax.Array`` or ``ShapeDtypeStruct``
+    from a Python scalar, e.g. ``jax.eval_shape`` of a state with a float in it).
+
+    A strongly typed array in its place changes type promotion (a bfloat16 times a weak
+    float32 stays bfloat16; times a strong one it becomes float32), so the resumed run
+    would compute something else, and a jitted step compiled for the weak type compiles
+    again. The same buffers, no copy and no computation.
+    """
+    if not getattr(target, "weak_type", False) or not isinstance(value, jax.Array):
+        return value
+    if (
+        value.weak_type
+        or value.dtype != target.dtype
+        or jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+    ):
+        return value
+    from jax._src import array, core  # no public constructor takes a weak type
+
+    aval = core.ShapedArray(value.shape, value.dtype, weak_type=True)
+    pieces = [shard.data for shard in value.addressable_shards]  # the buffers, in order
+    return array.ArrayImpl(aval, value.sharding, pieces, committed=value.committed)

@@ -27,6 +27,7 @@ from jaxckpt.tiers._wire import (
     Closed,
     Session,
     joined,
+    no_delay,
     proof,
     recv_exact,
 )
@@ -97,6 +98,7 @@ def connect(
             sock = socket.create_connection((host, int(port)), timeout=max(left, 0.001))
         except OSError as e:
             raise PeerError(f"cannot reach the peer at {address} within {timeout_s:g}s: {e}") from e
+        no_delay(sock)
         try:
             session = _handshake(sock, address, secret, timeout_s, deadline)
             break

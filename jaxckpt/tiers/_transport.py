@@ -55,6 +55,7 @@ from jaxckpt.tiers._wire import (
     NONCE_BYTES,
     Closed,
     Session,
+    no_delay,
     proof,
     recv_exact,
 )
@@ -201,6 +202,7 @@ class PeerServer:
                     time.monotonic() - failing_since,
                 )
                 backoff, failing_since = 0.0, None
+            no_delay(conn)
             self._start(conn, addr)
 
     def _start(self, conn: socket.socket, addr: Any) -> None:

@@ -59,7 +59,9 @@ def abstract_target(state: Any) -> Any:
 
     def leaf(x: Any) -> Any:
         if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            return jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=x.sharding, weak_type=getattr(x, "weak_type", False)
+            )
         return x
 
     return jax.tree.map(leaf, state, is_leaf=lambda x: x is None)

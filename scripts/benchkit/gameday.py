@@ -28,7 +28,9 @@ directory since Orbax 0.12.8 cannot write ``s3://``; its defaults but
 ``save_interval_steps=--promote-every``): a failure's process part (the kill, the
 notice) hits it alike; what has no counterpart there (a local tier to wipe, corrupt or
 fill, a storm on S3) does nothing. An uninterrupted ``reference`` run gives the data
-order, the final parameters and the step time.
+order, the final parameters and the step time. jaxckpt runs with
+``compilation_cache=True`` (its opt-in cache in the local tier); Orbax with JAX's
+defaults (no persistent cache).
 
 Reported (``--json``): ``goodput`` (:func:`goodput`: kept steps at the reference step
 time over wall time), ``baseline_goodput``, ``bit_exact`` (final state digest equals the

@@ -157,6 +157,7 @@ class Jaxckpt:
             local_retention=policy.KeepLast(2),
             save_policy=policy.EveryNSteps(args.every) | policy.OnPreemption(),
             save_timeout_s=120,
+            compilation_cache=True,  # in the local tier: a node's loss takes it too
             **tiered,
         )
 
