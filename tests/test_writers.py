@@ -123,7 +123,7 @@ def test_older_writer_is_fenced_and_the_committed_step_is_the_newer_ones(root: s
     write = _tsio.ArrayWriter.write
 
     def slow_write(self: Any, *a: Any, **k: Any) -> Any:
-        slow.wait(30)
+        slow.wait(HANG_S)  # released once the new writer took over
         return write(self, *a, **k)
 
     _tsio.ArrayWriter.write = slow_write  # type: ignore[method-assign]
