@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 
 PAUSE_ENV = "JAXCKPT_PAUSE_AT"
+UNBOUNDED_S = 120.0  # a save timeout only a hang reaches (see save_and_die)
 
 # The sharded leaves, their shapes and how the save lays them out on the mesh:
 # x is sharded on 'data' and replicated on 'model'; y is sharded on both; z is
@@ -231,14 +232,21 @@ def main(argv: list[str] | None = None) -> int:
             tiered["promote_policy"] = jaxckpt.policy.EveryNSteps(args.promote_every)
         logging.getLogger("jaxckpt").addHandler(_TierHandler())
         logging.getLogger("jaxckpt").setLevel(logging.INFO)
-    manager = jaxckpt.CheckpointManager(
-        args.root,
-        save_timeout_s=args.save_timeout,
-        primary_host=args.primary_host,
-        save_policy=save_policy,
-        layout=args.layout,
-        **tiered,
-    )
+
+    def open_manager(save_timeout_s: float) -> Any:
+        return jaxckpt.CheckpointManager(
+            args.root,
+            save_timeout_s=save_timeout_s,
+            primary_host=args.primary_host,
+            save_policy=save_policy,
+            layout=args.layout,
+            **tiered,
+        )
+
+    # save_and_die: the short --save-timeout is meant to be reached by the save whose peer
+    # is killed, never by the step that commits first (a loaded machine may run it late).
+    dies = args.mode == "save_and_die"
+    manager = open_manager(max(args.save_timeout, UNBOUNDED_S) if dies else args.save_timeout)
     _say("READY")
     steps = [int(s) for s in args.steps.split(",")]
     if args.mode == "save":
@@ -271,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         manager.wait()
     else:
         _save(manager, mesh, steps[0])
+        manager.close()
+        manager = open_manager(args.save_timeout)
         if pause_at is not None:
             os.environ[PAUSE_ENV] = pause_at
         start = time.monotonic()

@@ -310,7 +310,7 @@ def test_operations_meet_again_after_processes_failed_at_different_points(
     j = job(2)
 
     def run(i: int) -> list[Any]:
-        a = Agreement("root", timeout_s=0.5)
+        a = Agreement("root", timeout_s=60.0)  # only a hang reaches it
         with contextlib.suppress(CheckpointError), a.operation("save", 1):
             a.agree("attempt", "a1")
             if i == 0:  # process 1 failed before this agreement

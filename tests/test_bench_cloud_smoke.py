@@ -12,6 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from triggers import SCRIPT_HANG_S
+
+pytestmark = pytest.mark.timeout(SCRIPT_HANG_S + 300)
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 
 
@@ -31,7 +36,7 @@ def test_tiny_cloud_bench_writes_a_row_per_profile_state_and_layout(tmp_path: Pa
         [sys.executable, str(SCRIPT), "cloud", *argv, "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=SCRIPT_HANG_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())

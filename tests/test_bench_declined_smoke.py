@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from triggers import SCRIPT_HANG_S
+
+pytestmark = pytest.mark.timeout(SCRIPT_HANG_S + 300)
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 
 
@@ -14,7 +19,7 @@ def test_tiny_bench_declined_writes_one_row_per_kind_of_step(tmp_path: Path) -> 
     out = tmp_path / "bench_declined.json"
     argv = ["declined", "--steps", "6", "--rounds", "1", "--size", "32", "--json", str(out)]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=180
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=SCRIPT_HANG_S
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())

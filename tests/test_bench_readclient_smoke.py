@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from triggers import SCRIPT_HANG_S
+
+pytestmark = pytest.mark.timeout(SCRIPT_HANG_S + 300)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 
@@ -28,7 +31,7 @@ def test_tiny_readclient_probe_writes_a_row_per_profile_workload_and_client(
         [sys.executable, str(SCRIPT), "readclient", *argv, "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=SCRIPT_HANG_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())

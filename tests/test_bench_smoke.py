@@ -19,16 +19,20 @@ import urllib.request
 from pathlib import Path
 
 import faultproxy
+import pytest
 from benchkit import servers, storm
+from triggers import SCRIPT_HANG_S
+
+pytestmark = pytest.mark.timeout(SCRIPT_HANG_S + 300)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def bench(*argv: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+def bench(*argv: str) -> subprocess.CompletedProcess[str]:
     """``python scripts/bench.py *argv``, which must succeed."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=SCRIPT_HANG_S
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -36,7 +40,7 @@ def bench(*argv: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
 
 def test_tiny_bench_writes_markdown_chart_and_json(tmp_path: Path) -> None:
     out, scratch = tmp_path / "results", tmp_path / "scratch"
-    bench("--tiny", "--repeats", "1", "--out", str(out), "--root", str(scratch), timeout_s=120)
+    bench("--tiny", "--repeats", "1", "--out", str(out), "--root", str(scratch))
 
     report = json.loads((out / "bench.json").read_text())
     assert {"machine", "settings", "cases"} <= report.keys()
@@ -72,7 +76,7 @@ def test_tiny_bench_writes_markdown_chart_and_json(tmp_path: Path) -> None:
 def test_tiny_bench_packed_writes_one_row_per_state_and_contender(tmp_path: Path) -> None:
     out = tmp_path / "packed.json"
     argv = ["--tiny", "--rounds", "1", "--no-object-stores", "--json", str(out)]
-    proc = bench("packed", *argv, timeout_s=180)
+    proc = bench("packed", *argv)
     rows = json.loads(out.read_text())
     contenders = ["plain", "packed", "ocdbt", "orbax-ocdbt"]
     assert [(r["state"], r["backend"], r["layout"]) for r in rows] == [
@@ -97,9 +101,7 @@ def test_tiny_bench_tiers_on_the_session_s3_server(
 ) -> None:
     out = tmp_path / "bench_tiers.json"
     argv = ["--mb", "1", "--leaves", "2", "--saves", "1", "--every", "2", "--stores", "s3"]
-    proc = bench(
-        "tiers", *argv, "--s3-endpoint", s3_server.endpoint, "--out", str(out), timeout_s=120
-    )
+    proc = bench("tiers", *argv, "--s3-endpoint", s3_server.endpoint, "--out", str(out))
     report = json.loads(out.read_text())
     assert report["config"]["mb"] == 1 and report["config"]["stores"] == "s3"
     rows = report["rows"]
@@ -119,7 +121,7 @@ def test_tiny_bench_listing_on_the_session_s3_server(
 ) -> None:
     out = tmp_path / "listing.json"
     argv = ["--steps", "2,5", "--repeats", "1", "--json", str(out)]
-    proc = bench("listing", *argv, "--s3-endpoint", s3_server.endpoint, timeout_s=120)
+    proc = bench("listing", *argv, "--s3-endpoint", s3_server.endpoint)
     results = json.loads(out.read_text())
     ops = {
         "latest_step()",
@@ -145,14 +147,14 @@ def test_bench_all_refuses_an_unknown_part() -> None:
         [sys.executable, str(SCRIPT), "all", "--parts", "core,nope"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=SCRIPT_HANG_S,
     )
     assert proc.returncode == 2 and "unknown parts ['nope']" in proc.stderr
 
 
 def test_bench_all_writes_each_part_result_under_out(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    bench("all", "--tiny", "--parts", "listing", "--out", str(out), timeout_s=180)
+    bench("all", "--tiny", "--parts", "listing", "--out", str(out))
     assert sorted(p.name for p in out.iterdir()) == ["bench_all.json", "listing.json"]
     (run,) = json.loads((out / "bench_all.json").read_text())["runs"]
     assert run["part"] == "listing" and run["rc"] == 0
@@ -163,7 +165,7 @@ def test_bench_all_writes_each_part_result_under_out(tmp_path: Path) -> None:
 def test_tiny_bench_savemem_writes_a_row_per_store_and_layout(tmp_path: Path) -> None:
     out = tmp_path / "savemem.json"
     argv = ["--gib", "0.02", "--leaf-mib", "1", "--stores", "local,s3", "--layouts", "packed"]
-    proc = bench("savemem", *argv, "--json", str(out), timeout_s=240)
+    proc = bench("savemem", *argv, "--json", str(out))
     rows = json.loads(out.read_text())
     assert [(r["store"], r["layout"]) for r in rows] == [("local", "packed"), ("s3", "packed")]
     for r in rows:

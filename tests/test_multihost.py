@@ -62,7 +62,8 @@ ARRAYS = [*child.SHARDED, *child.REPLICATED, *child.HOST, *child.BIG]
 STEPS = (1, 2)
 RUN_TIMEOUT_S = 90.0  # one group: start-up (importing jax, joining the group) plus its work
 PHASE_TIMEOUT_S = 60.0
-DIE_SAVE_TIMEOUT_S = 5.0  # save_timeout_s of the processes whose peer is killed (far above a save)
+DIE_SAVE_TIMEOUT_S = 5.0  # save_timeout_s of the save whose peer is killed (only that one: see
+# multihost_child.py --mode save_and_die), or of the restore a peer dies in
 # When process 0 (the coordination service) dies, JAX aborts the others once it
 # notices, which can take more than 10 s on a loaded 2-core machine: a longer
 # save timeout keeps jaxckpt's own timeout out of that race.

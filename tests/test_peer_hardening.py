@@ -19,11 +19,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import harness
 import pytest
+from triggers import HANG_S
 
 from jaxckpt import PeerError
 from jaxckpt.storage import open_storage
@@ -31,15 +31,17 @@ from jaxckpt.tiers._peerclient import PeerClient, connect
 from jaxckpt.tiers._transport import PeerServer, new_secret
 from jaxckpt.tiers._wire import DIGEST_BYTES, HELLO, NONCE_BYTES, recv_exact
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 KEY = "replicas/000000000001/0/a/x.bin"
+IO_S = 60.0
+"""A member's socket timeout and a listener's idle bound: upper bounds only a hang reaches."""
 
 
 @pytest.fixture
 def served(tmp_path):
     storage = open_storage(str(tmp_path / "root"))
     secret = new_secret()
-    server = PeerServer(storage, secret, timeout_s=30.0, handshake_timeout_s=1.0)
+    server = PeerServer(storage, secret, timeout_s=IO_S, handshake_timeout_s=IO_S)
     yield storage, secret, server
     server.close()
 
@@ -53,8 +55,8 @@ import logging, os, resource, sys
 from jaxckpt.tiers._transport import PeerServer
 from jaxckpt.storage import open_storage
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-server = PeerServer(open_storage(sys.argv[1]), bytes.fromhex(sys.argv[2]), timeout_s=10.0,
-                    handshake_timeout_s=2.0)
+server = PeerServer(open_storage(sys.argv[1]), bytes.fromhex(sys.argv[2]), timeout_s=60.0,
+                    handshake_timeout_s=60.0)
 spare = len(os.listdir("/proc/self/fd")) + 6
 resource.setrlimit(resource.RLIMIT_NOFILE, (spare, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 print(server.address, flush=True)
@@ -82,20 +84,20 @@ def test_the_listener_keeps_accepting_after_its_file_descriptors_ran_out(tmp_pat
         try:
             address = child.stdout.readline().strip()
             host, _, port = address.rpartition(":")
-            idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(40)]
+            idle = [socket.create_connection((host, int(port)), timeout=IO_S) for _ in range(40)]
             harness.wait_until(
                 lambda: "cannot accept connections" in stderr.read_text(),
                 what="the listener's accept() failing",
-                timeout_s=30,
+                timeout_s=HANG_S,
             )
             for sock in idle:
                 sock.close()
-            with connect(address, secret, timeout_s=15.0) as peer:
+            with connect(address, secret, timeout_s=IO_S) as peer:
                 peer.put(KEY, b"after the pressure")
                 assert peer.get(KEY) == b"after the pressure"
             child.stdin.close()
             out = child.stdout.read()
-            assert child.wait(timeout=30) == 0
+            assert child.wait(timeout=HANG_S) == 0
         finally:
             if child.poll() is None:
                 child.kill()
@@ -110,10 +112,14 @@ def test_a_handshake_trickled_byte_by_byte_is_cut_at_the_deadline(served):
     the 1 s handshake deadline bounds them all together: the server cuts the connection
     before the reply it waits for is complete (a load that slows the trickle only sends
     fewer bytes before the cut)."""
-    _, _, server = served
+    storage, secret, _ = served
+    server = PeerServer(storage, secret, timeout_s=30.0, handshake_timeout_s=1.0)
     host, _, port = server.address.rpartition(":")
     reply = NONCE_BYTES + DIGEST_BYTES  # the client's nonce and proof
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
+    with (
+        contextlib.closing(server),
+        socket.create_connection((host, int(port)), timeout=IO_S) as sock,
+    ):
         assert recv_exact(sock, len(HELLO) + NONCE_BYTES).startswith(HELLO)
         sock.settimeout(0.3)
         closed = False
@@ -128,7 +134,9 @@ def test_a_handshake_trickled_byte_by_byte_is_cut_at_the_deadline(served):
             except OSError:
                 closed = True
     assert closed and sent < reply, sent  # cut by the deadline, not by a refused proof
-    harness.wait_until(lambda: conn_threads() == 0, what="the connection's thread", timeout_s=10)
+    harness.wait_until(
+        lambda: conn_threads() == 0, what="the connection's thread", timeout_s=HANG_S
+    )
 
 
 def rss_bytes() -> int:
@@ -136,6 +144,21 @@ def rss_bytes() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+def unread_bytes(local_port: int, remote_port: int) -> int | None:
+    """Bytes a loopback TCP socket of this machine (``local_port`` to ``remote_port``) has
+    received that its owner has not read yet (``/proc/net/tcp``'s rx_queue); None: no such
+    socket."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, queues = fields[1], fields[2], fields[4]
+        if (int(local.split(":")[1], 16), int(remote.split(":")[1], 16)) == (
+            local_port,
+            remote_port,
+        ):
+            return int(queues.split(":")[1], 16)
+    return None
 
 
 def forged_frame(key: bytes, seq: int, header: dict[str, object], payload: bytes) -> bytes:
@@ -151,14 +174,19 @@ def test_a_huge_declared_payload_allocates_nothing_for_it(served):
     """An authenticated frame claiming 512 MiB and sending 1 KiB: the listener holds
     what arrived, not the claim (it preallocated the claim before: +512 MiB RSS)."""
     _, secret, server = served
-    with connect(server.address, secret, timeout_s=5.0) as peer:
+    with connect(server.address, secret, timeout_s=IO_S) as peer:
         session = peer._session
         before = rss_bytes()
         header = {"op": "put", "key": KEY, "size": 512 << 20}
         peer._sock.sendall(forged_frame(session._send_key, 0, header, b"y" * 1024))
-        time.sleep(1.0)  # the listener reads the header and the first bytes, then waits
+        ends = (int(server.address.rpartition(":")[2]), peer._sock.getsockname()[1])
+        harness.wait_until(  # the listener read what was sent (and waits for the rest)
+            lambda: unread_bytes(*ends) == 0, what="the listener reading", timeout_s=HANG_S
+        )
         assert rss_bytes() - before < 64 << 20
-    harness.wait_until(lambda: conn_threads() == 0, what="the connection's thread", timeout_s=10)
+    harness.wait_until(
+        lambda: conn_threads() == 0, what="the connection's thread", timeout_s=HANG_S
+    )
 
 
 def relay(target: str, inject: bytes) -> tuple[str, threading.Thread]:
@@ -181,7 +209,7 @@ def relay(target: str, inject: bytes) -> tuple[str, threading.Thread]:
     def run() -> None:
         client, _ = listener.accept()
         listener.close()
-        upstream = socket.create_connection((host, int(port)), timeout=10)
+        upstream = socket.create_connection((host, int(port)), timeout=IO_S)
         threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
         upstream.sendall(recv_exact(client, NONCE_BYTES + 32))  # the member's proof
         upstream.sendall(inject)
@@ -198,11 +226,11 @@ def test_a_frame_injected_after_a_members_handshake_is_refused(served, caplog):
     address, thread = relay(server.address, forged_frame(os.urandom(32), 0, evil, b"evil"))
     with (
         caplog.at_level(logging.WARNING, logger="jaxckpt"),
-        connect(address, secret, timeout_s=5.0) as peer,
+        connect(address, secret, timeout_s=IO_S) as peer,
         pytest.raises(PeerError),
     ):
         peer.put(KEY, b"the member's bytes")
-    thread.join(timeout=10)
+    thread.join(timeout=HANG_S)
     assert server.refused == 1
     assert "fails its MAC" in caplog.text
     assert storage.list("replicas/") == []
@@ -210,7 +238,7 @@ def test_a_frame_injected_after_a_members_handshake_is_refused(served, caplog):
 
 def test_a_bad_key_is_a_refused_request_and_the_connection_goes_on(served, capfd, monkeypatch):
     storage, secret, server = served
-    with connect(server.address, secret, timeout_s=5.0) as peer:
+    with connect(server.address, secret, timeout_s=IO_S) as peer:
         for key in ("replicas/a\x00b", "replicas/../tier.json", "replicas/a\\b", "/etc/x"):
             with pytest.raises(PeerError, match="is refused"):
                 peer.put(key, b"bad")
@@ -231,16 +259,16 @@ def test_a_bad_key_is_a_refused_request_and_the_connection_goes_on(served, capfd
 def test_connections_beyond_the_handshake_cap_evict_the_oldest_pending_one(tmp_path):
     storage = open_storage(str(tmp_path / "root"))
     secret = new_secret()
-    server = PeerServer(storage, secret, timeout_s=30.0, handshake_timeout_s=5.0, max_handshakes=2)
+    server = PeerServer(storage, secret, timeout_s=IO_S, handshake_timeout_s=IO_S, max_handshakes=2)
     try:
         host, _, port = server.address.rpartition(":")
-        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(5)]
-        harness.wait_until(lambda: server.evicted == 3, what="3 evicted", timeout_s=10)
-        harness.wait_until(lambda: conn_threads() <= 2, what="2 handshakes left", timeout_s=10)
+        idle = [socket.create_connection((host, int(port)), timeout=IO_S) for _ in range(5)]
+        harness.wait_until(lambda: server.evicted == 3, what="3 evicted", timeout_s=HANG_S)
+        harness.wait_until(lambda: conn_threads() <= 2, what="2 handshakes left", timeout_s=HANG_S)
         for sock in idle:
             sock.close()
-        harness.wait_until(lambda: conn_threads() == 0, what="idle threads gone", timeout_s=10)
-        with connect(server.address, secret, timeout_s=5.0) as peer:  # room again
+        harness.wait_until(lambda: conn_threads() == 0, what="idle threads gone", timeout_s=HANG_S)
+        with connect(server.address, secret, timeout_s=IO_S) as peer:  # room again
             peer.put(KEY, b"ok")
     finally:
         server.close()
@@ -252,17 +280,19 @@ def test_idle_outsiders_never_lock_a_member_out(tmp_path):
     them and authenticates, instead of being closed after 0 bytes."""
     storage = open_storage(str(tmp_path / "root"))
     secret = new_secret()
-    server = PeerServer(storage, secret, timeout_s=30.0, handshake_timeout_s=30.0, max_handshakes=4)
+    server = PeerServer(
+        storage, secret, timeout_s=HANG_S, handshake_timeout_s=HANG_S, max_handshakes=4
+    )
     host, _, port = server.address.rpartition(":")
     idle = []
     try:
         for _ in range(10):
-            idle.append(socket.create_connection((host, int(port)), timeout=5))
+            idle.append(socket.create_connection((host, int(port)), timeout=IO_S))
             harness.wait_until(
-                lambda: conn_threads() >= min(len(idle), 4), what="pending", timeout_s=10
+                lambda: conn_threads() >= min(len(idle), 4), what="pending", timeout_s=HANG_S
             )
         for n in range(3):  # every member connection gets in while they stay
-            with connect(server.address, secret, timeout_s=5.0) as peer:
+            with connect(server.address, secret, timeout_s=IO_S) as peer:
                 peer.put(KEY, b"member %d" % n)
         assert storage.read(KEY) == b"member 2"
         assert server.evicted >= 6 and server.refused == 0
@@ -313,7 +343,7 @@ def test_a_client_whose_connection_is_closed_before_the_hello_retries(served):
     storage, secret, server = served
     proxy = _DropFirst(server.address, drops=2)
     try:
-        with connect(proxy.address, secret, timeout_s=10.0) as peer:
+        with connect(proxy.address, secret, timeout_s=IO_S) as peer:
             peer.put(KEY, b"after two drops")
         assert storage.read(KEY) == b"after two drops" and proxy.accepted == 3
         proxy.drops = 10**6  # closed every time: a PeerError within the timeout, no hang

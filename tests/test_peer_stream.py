@@ -16,11 +16,13 @@ import subprocess
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import harness
 import numpy as np
 import pytest
+from triggers import HANG_S
 
 from jaxckpt import PeerError
 from jaxckpt.records import TEMP_GRACE_S, is_stale_temp_key, is_temp_key, replica_holdings
@@ -31,7 +33,8 @@ from jaxckpt.tiers._peers import Peers
 from jaxckpt.tiers._transport import PeerServer, new_secret
 from jaxckpt.tiers._wire import Session
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
+IO_S = 60.0  # a member's socket timeout and the listener's idle bound: only a hang reaches them
 KEY = "replicas/000000000001/0/a/x.bin"
 FRAME_BYTES = 128 << 20
 
@@ -85,7 +88,7 @@ def test_a_128_mib_put_streams_to_disk_with_flat_memory(tmp_path):
 def served(tmp_path):
     storage = open_storage(str(tmp_path / "root"))
     secret = new_secret()
-    server = PeerServer(storage, secret, timeout_s=30.0)
+    server = PeerServer(storage, secret, timeout_s=IO_S)
     yield storage, secret, server
     server.close()
 
@@ -98,13 +101,22 @@ def frame(session: Session, header: dict[str, object], payload: bytes) -> list[b
     return parts
 
 
-def cut_put(address: str, secret: bytes, size: int, head: bytes, tail: bytes = b"") -> None:
+def cut_put(
+    address: str,
+    secret: bytes,
+    size: int,
+    head: bytes,
+    tail: bytes = b"",
+    *,
+    until: Callable[[], bool],
+    what: str,
+) -> None:
     """A ``put`` whose header claims ``size`` bytes; ``head`` (then ``tail``) is all that
-    is sent before the connection closes."""
-    with connect(address, secret, timeout_s=10.0) as peer:
+    is sent before the connection closes, once ``until`` holds (the listener took it)."""
+    with connect(address, secret, timeout_s=IO_S) as peer:
         header = frame(peer._session, {"op": "put", "key": KEY}, b"\0" * size)[0]
         peer._sock.sendall(header + head + tail)
-        time.sleep(0.5)
+        harness.wait_until(until, what=what, timeout_s=HANG_S)
 
 
 def files_under(root: Path) -> list[str]:
@@ -112,12 +124,19 @@ def files_under(root: Path) -> list[str]:
 
 
 def test_a_frame_cut_half_way_leaves_no_file(served, tmp_path):
-    _, secret, server = served
-    cut_put(server.address, secret, 8 << 20, b"a" * (3 << 20))
-    harness.wait_until(
-        lambda: files_under(tmp_path / "root") == [], what="the temp file removed", timeout_s=10
+    storage, secret, server = served
+    cut_put(
+        server.address,
+        secret,
+        8 << 20,
+        b"a" * (3 << 20),
+        until=lambda: any(is_temp_key(k) for k in storage.list("replicas/")),
+        what="the frame's temp file",
     )
-    with connect(server.address, secret, timeout_s=10.0) as peer:  # the listener goes on
+    harness.wait_until(
+        lambda: files_under(tmp_path / "root") == [], what="the temp file removed", timeout_s=HANG_S
+    )
+    with connect(server.address, secret, timeout_s=IO_S) as peer:  # the listener goes on
         peer.put(KEY, b"whole")
         assert peer.get(KEY) == b"whole"
 
@@ -125,24 +144,31 @@ def test_a_frame_cut_half_way_leaves_no_file(served, tmp_path):
 def test_a_payload_that_fails_its_mac_is_never_placed(served, tmp_path):
     _, secret, server = served
     size = 2 << 20
-    cut_put(server.address, secret, size, b"b" * size, tail=b"\0" * 32)  # a wrong payload tag
-    harness.wait_until(lambda: server.refused == 1, what="the frame refused", timeout_s=10)
+    cut_put(  # a wrong payload tag
+        server.address,
+        secret,
+        size,
+        b"b" * size,
+        tail=b"\0" * 32,
+        until=lambda: server.refused == 1,
+        what="the frame refused",
+    )
     harness.wait_until(
-        lambda: files_under(tmp_path / "root") == [], what="the temp file removed", timeout_s=10
+        lambda: files_under(tmp_path / "root") == [], what="the temp file removed", timeout_s=HANG_S
     )
 
 
 def test_a_streaming_temp_file_is_no_replica_and_collect_removes_a_stale_one(served, tmp_path):
     storage, secret, server = served
     index = "replicas/000000000001/0/a.json"
-    with connect(server.address, secret, timeout_s=10.0) as peer:
+    with connect(server.address, secret, timeout_s=IO_S) as peer:
         session, sock = peer._session, peer._sock
         header, payload, tag = frame(session, {"op": "put", "key": index}, b"c" * (4 << 20))
         sock.sendall(header + payload[: 2 << 20])  # half the payload: the temp file exists
         harness.wait_until(
             lambda: any(is_temp_key(k) for k in storage.list("replicas/")),
             what="the temp file",
-            timeout_s=10,
+            timeout_s=HANG_S,
         )
         keys = storage.list("replicas/")
         assert replica_holdings(keys) == []  # not taken for a replica's index
@@ -164,10 +190,10 @@ def test_a_streaming_temp_file_is_no_replica_and_collect_removes_a_stale_one(ser
 def test_a_put_over_the_bound_is_refused_before_its_payload(tmp_path):
     storage = open_storage(str(tmp_path / "root"))
     secret = new_secret()
-    server = PeerServer(storage, secret, timeout_s=10.0, max_bytes=1 << 20)
+    server = PeerServer(storage, secret, timeout_s=IO_S, max_bytes=1 << 20)
     try:
         with (
-            connect(server.address, secret, timeout_s=10.0) as peer,
+            connect(server.address, secret, timeout_s=IO_S) as peer,
             pytest.raises(PeerError),
         ):
             peer.put(KEY, b"d" * ((1 << 20) + 1))

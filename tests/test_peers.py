@@ -46,18 +46,21 @@ PROCS = 4
 GROUP = {"processes": PROCS, "devices": 1, "mesh": "4x1"}
 LEAVES = ("x", "y", "z", "rep", "count")
 NODES = {i: {"JAXCKPT_NODE_ID": f"node{i}"} for i in range(PROCS)}
-PEER_TIMEOUT_S = 5.0
-# Above PEER_TIMEOUT_S with room to spare: the process that meets a dead peer fails on
-# the peer timeout (SaveFailedError), never on its own save timeout.
+PEER_TIMEOUT_S = 60.0  # a transfer between live processes: only a hang reaches it
+DEAD_PEER_TIMEOUT_S = 5.0  # the peer timeout of the test whose holder is killed
+# Above DEAD_PEER_TIMEOUT_S with room to spare: the process that meets a dead peer fails
+# on the peer timeout (SaveFailedError), never on its own save timeout.
 HOLDER_SAVE_TIMEOUT_S = 10.0
 
 
-def args(local: Path, *more: str, copies: int = 2) -> tuple[str, ...]:
+def args(
+    local: Path, *more: str, copies: int = 2, peer_timeout_s: float = PEER_TIMEOUT_S
+) -> tuple[str, ...]:
     return (
         f"--local-root={local}",
         f"--leaves={','.join(LEAVES)}",
         f"--local-replicas={copies}",
-        f"--peer-timeout={PEER_TIMEOUT_S:g}",
+        f"--peer-timeout={peer_timeout_s:g}",
         *more,
     )
 
@@ -260,7 +263,7 @@ def test_a_holder_killed_mid_replication_fails_that_save_within_the_bound(
         mode="save_and_die",
         save_timeout_s=HOLDER_SAVE_TIMEOUT_S,
         env_for=env_for,
-        extra=args(local, "--strict-replication"),
+        extra=args(local, "--strict-replication", peer_timeout_s=DEAD_PEER_TIMEOUT_S),
         **GROUP,
     ) as procs:
         mh.wait_for_phase(procs[2], "JAXCKPT_PHASE replicating 2", procs)

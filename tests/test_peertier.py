@@ -148,7 +148,7 @@ def _peers(tmp_path, address: str, **options):
     from jaxckpt.tiers._transport import new_secret
 
     opts = CheckpointOptions(
-        local_root=str(tmp_path / "local"), local_replicas=2, peer_timeout_s=2.0, **options
+        local_root=str(tmp_path / "local"), local_replicas=2, peer_timeout_s=60.0, **options
     )
     peers = Peers(_Local(tmp_path / "local"), opts)  # type: ignore[arg-type]
     peers.placement = place(["node0", "node1"], 2)
@@ -188,7 +188,7 @@ def test_a_replication_failure_leaves_the_step_not_replicated_not_failed(tmp_pat
     for step in (7, 8):
         local.write(StepLocation(step, A).key("manifest/0.json"), b"part %d" % step)
     holder = open_storage(str(tmp_path / "holder"))
-    server = PeerServer(holder, peers._secret, timeout_s=5.0)
+    server = PeerServer(holder, peers._secret, timeout_s=60.0)
     try:
         peers.addresses[1] = server.address
         peers.replicate(StepLocation(8, A), metrics=None, keep=False)

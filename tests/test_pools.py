@@ -7,25 +7,29 @@ import threading
 import time
 
 import pytest
+from triggers import HANG_S
 
 from jaxckpt import _pools as pools
 
 
 def test_a_lease_runs_at_most_its_limit_at_once() -> None:
+    """Tasks meet in threes: each group runs at once (a limit under 3 breaks the barrier),
+    and a fourth task running beside them would count while it waits for its group."""
     running = peak = 0
     lock = threading.Lock()
+    meet = threading.Barrier(3, timeout=HANG_S)
 
     def task(_: int) -> None:
         nonlocal running, peak
         with lock:
             running += 1
             peak = max(peak, running)
-        time.sleep(0.02)
+        meet.wait()
         with lock:
             running -= 1
 
     with pools.borrow("test-limit", 3) as pool:
-        list(pool.map(task, range(20)))
+        list(pool.map(task, range(21)))
     assert peak == 3
 
 
@@ -67,7 +71,7 @@ def test_a_larger_request_grows_the_pool() -> None:
     large = pools.pool("test-grow", 4)
     assert large is not small and pools.pool("test-grow", 2) is large
     with pools.borrow("test-grow", 4) as pool:
-        barrier = threading.Barrier(4, timeout=10)
+        barrier = threading.Barrier(4, timeout=HANG_S)
         list(pool.map(lambda _: barrier.wait(), range(4)))  # needs four threads at once
 
 

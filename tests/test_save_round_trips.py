@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from benchkit import servers
 from benchkit.shaper import Profile, Shaper
+from triggers import HANG_S
 
 import jaxckpt
 from jaxckpt.records import SPREAD_SLOTS
@@ -88,8 +89,8 @@ def test_the_packed_manifest_part_is_written_while_the_last_packs_upload(
         wait = original(self, key, pieces)
 
         def held() -> None:
-            # Each pack waits until the manifest part exists (or 10 s pass).
-            seen.append(release.wait(10))
+            # Each pack waits until the manifest part exists (or a hang's bound passes).
+            seen.append(release.wait(HANG_S))
             wait()
 
         return held

@@ -35,6 +35,9 @@ import pytest
 from benchkit import scale
 from benchkit.scale_child import PHASES as CHILD_PHASES
 from benchkit.shaper import Exchange, ResponseCounter
+from triggers import SCRIPT_HANG_S
+
+pytestmark = pytest.mark.timeout(SCRIPT_HANG_S + 300)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
 PHASES = ("save", "restore")
@@ -49,7 +52,10 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     out = tmp_path_factory.mktemp("scale") / "bench_scale.json"
     argv = ["--processes", "2,4", "--leaves", "4", "--leaf-kib", "16", "--json", str(out)]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "scale", *argv], capture_output=True, text=True, timeout=600
+        [sys.executable, str(SCRIPT), "scale", *argv],
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_HANG_S,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     print(proc.stdout)  # the table, shown with -s or on a failure

@@ -7,6 +7,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+from triggers import SCRIPT_HANG_S
+
+pytestmark = pytest.mark.timeout(SCRIPT_HANG_S + 300)
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
@@ -28,7 +33,7 @@ def test_script_output_matches_the_committed_table() -> None:
         check=True,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=SCRIPT_HANG_S,
     ).stdout
     assert out.strip() == (SCRIPTS / "simulate_retention.md").read_text().strip()
     rows = _table_rows(out)

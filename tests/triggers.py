@@ -17,6 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 HANG_S = 120.0  # only a hang waits this long, even on a loaded 2-core machine
+SCRIPT_HANG_S = 600.0
+"""The bound of a script run whole in a subprocess (a benchmark's tiny run took over 120 s
+on a loaded 2-core machine); a test module running one sets a pytest timeout above it."""
 POLL_S = 0.005
 
 

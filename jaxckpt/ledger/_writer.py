@@ -1,14 +1,16 @@
 """Writes one process's ledger: batched, bounded objects, off every save's critical path.
 
 :meth:`LedgerWriter.append` only takes a lock and appends to a bounded buffer. A daemon
-thread flushes the buffer at most every ``interval_s`` (and at once when the writer
-starts, so a run that dies early is still seen), plus the newest *reached* step when it
-changed; :meth:`close` flushes what is left. A flush writes one object per
-:data:`~jaxckpt.ledger._events.MAX_OBJECT_BYTES` of events (one, in practice), so the
-requests per process are one per flush, whatever the number of saves in it. A write
-that fails is logged, counted (:attr:`failures`) and retried at the next flush with the
-same sequence number; when the store stays down the buffer keeps its newest
-:data:`MAX_BUFFERED` events and counts the ones it dropped.
+thread flushes the buffer every ``interval_s``, plus the newest *reached* step when it
+changed; :meth:`close` flushes what is left. The first flush runs in the thread that
+starts the writer (the manager's open), so a run that dies early is still seen and a
+process's first requests (its store's one-off credential lookup among them) belong to its
+open, whatever the scheduling: the requests of the saves after it are the same every run.
+A flush writes one object per :data:`~jaxckpt.ledger._events.MAX_OBJECT_BYTES` of events
+(one, in practice), so the requests per process are one per flush, whatever the number of
+saves in it. A write that fails is logged, counted (:attr:`failures`) and retried at the
+next flush with the same sequence number; when the store stays down the buffer keeps its
+newest :data:`MAX_BUFFERED` events and counts the ones it dropped.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class LedgerWriter:
         return f"{self._storage.uri}/{ledger_key(self._epoch, self._process, self._seq)}"
 
     def start(self) -> None:
-        """Starts the background flusher (its first flush is immediate)."""
+        """Flushes what is buffered (never raises), then starts the background flusher."""
+        self.flush()
         self._thread = threading.Thread(target=self._run, name="jaxckpt-ledger", daemon=True)
         self._thread.start()
 
@@ -180,10 +183,8 @@ class LedgerWriter:
         return True
 
     def _run(self) -> None:
-        while True:
+        while not self._stop.wait(self._interval_s):
             self.flush()
-            if self._stop.wait(self._interval_s):
-                return
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stops the flusher and writes what is left, waiting at most ``timeout_s`` in all

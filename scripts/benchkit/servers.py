@@ -233,7 +233,7 @@ def _gcs_json(endpoint: str, method: str, path: str, body: dict[str, Any]) -> No
         headers={"Content-Type": "application/json"},
         method=method,
     )
-    with urllib.request.urlopen(request, timeout=10):
+    with urllib.request.urlopen(request, timeout=START_TIMEOUT_S):  # one request at a time
         pass
 
 

@@ -466,6 +466,11 @@ class _Connection:
                 s.close()
 
 
+_ANSWER_S = 120.0
+"""The longest the proxies' process may take to start or answer (a spawned interpreter on a
+busy machine can take tens of seconds): only a hang reaches it."""
+
+
 class ShaperProcess:
     """:class:`Shaper` proxies in a process of their own, so their threads never hold the GIL
     of the process being measured (they would slow a Python client but not TensorStore's
@@ -491,9 +496,9 @@ class ShaperProcess:
             target=_serve_shaper, args=(child, upstream, profile, copies, record), daemon=True
         )
         self._process.start()
-        if not self._pipe.poll(30):
+        if not self._pipe.poll(_ANSWER_S):
             self._process.kill()
-            raise RuntimeError("the shaping proxy's process did not start within 30 s")
+            raise RuntimeError(f"the shaping proxy's process did not start within {_ANSWER_S:g} s")
         reply = self._pipe.recv()
         if isinstance(reply, BaseException):
             raise reply
@@ -516,8 +521,8 @@ class ShaperProcess:
 
     def _ask(self, command: str, reset: bool, copy: int) -> Any:
         self._pipe.send((command, reset, copy))
-        if not self._pipe.poll(30):
-            raise RuntimeError("the shaping proxy's process did not answer within 30 s")
+        if not self._pipe.poll(_ANSWER_S):
+            raise RuntimeError(f"the shaping proxy's process did not answer within {_ANSWER_S:g} s")
         reply = self._pipe.recv()
         if isinstance(reply, BaseException):
             raise reply
