@@ -1,0 +1,263 @@
+"""A local file as one GCS object, through a resumable upload (JSON API) streamed from it.
+
+One ``POST .../upload/storage/v1/b/BUCKET/o?uploadType=resumable`` opens a session
+whose metadata carries the file's MD5 (the store refuses to finalise an object whose
+bytes differ); then one ``PUT`` per chunk (:func:`gcs_chunk_bytes`, multiples of
+256 KiB) with ``Content-Range: bytes A-B/SIZE``, each body a
+:class:`~jaxckpt.storage._upload.FileSlice` that :mod:`http.client` streams from the
+file. The store answers ``308`` with the bytes it holds until the last chunk, then
+``200`` with the object: the object appears whole or not at all. A chunk that fails
+transiently (a dropped connection, ``408``/``429``/``5xx``) is retried with the root's
+full-jitter backoff after asking the session how much it holds (``Content-Range:
+bytes */SIZE``), from there.
+
+Over HTTPS requests carry google-auth's application-default credentials (read-write
+scope); over plain HTTP (an emulator) none, as the direct reader does. The session
+URL must stay on the endpoint's host: the store is never asked to send the file (or
+a token) elsewhere.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import hashlib
+import http.client
+import json
+import logging
+import os
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from jaxckpt.errors import StorageError
+from jaxckpt.storage._retry import RETRY_HTTP_STATUSES, Backoff, elapsed_note, unreachable
+from jaxckpt.storage._upload import FileSlice, Progress, gcs_chunk_bytes
+
+__all__ = ["GCS_PUBLIC", "resumable_upload"]
+
+_log = logging.getLogger(__name__)
+
+GCS_PUBLIC = "https://storage.googleapis.com"
+_WRITE_SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
+_READ = 1 << 20
+_TRANSIENT = (ConnectionError, TimeoutError, http.client.HTTPException)
+
+Authorize = Callable[[dict[str, str]], None]
+
+
+class _Retry(Exception):
+    """A request failed transiently (``status`` None: no answer)."""
+
+    def __init__(self, why: str, status: int | None = None) -> None:
+        super().__init__(why)
+        self.status = status
+
+
+def write_authorizer(base_url: str) -> Authorize | None:
+    """Adds google-auth's bearer token (read-write scope) over HTTPS; None over HTTP.
+
+    Raises:
+      StorageError: (``EOPNOTSUPP``) google-auth is missing for an HTTPS endpoint.
+    """
+    if base_url.startswith("http://"):
+        return None
+    try:
+        import google.auth
+        import google.auth.transport.requests
+    except ImportError as e:
+        raise StorageError(
+            errno.EOPNOTSUPP,
+            f"uploading to {base_url} in parts needs google-auth: pip install 'jaxckpt[gcs]'",
+        ) from e
+    credentials = google.auth.default(scopes=[_WRITE_SCOPE])[0]
+    lock = threading.Lock()
+
+    def authorize(headers: dict[str, str]) -> None:
+        with lock:
+            if not credentials.valid:
+                credentials.refresh(google.auth.transport.requests.Request())
+            credentials.apply(headers)
+
+    return authorize
+
+
+class _Connection:
+    """One kept-alive connection to the endpoint (reopened after a failure)."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) endpoint: {base_url!r}")
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self._https, self._host, self._port = parts.scheme == "https", parts.hostname, parts.port
+        self._timeout = timeout_s
+        self._conn: http.client.HTTPConnection | None = None
+
+    def request(
+        self, method: str, target: str, headers: dict[str, str], body: Any = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        if self._conn is None:
+            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            self._conn = cls(self._host, self._port, timeout=self._timeout)
+        try:
+            self._conn.request(method, target, body=body, headers=headers)
+            response = self._conn.getresponse()
+            data = response.read()
+        except BaseException:
+            self.close()
+            raise
+        if response.getheader("Connection", "").lower() == "close":
+            self.close()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, data
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _file_md5(path: str, size: int) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        for _ in range(0, size, _READ):
+            h.update(f.read(_READ))
+    return base64.b64encode(h.digest()).decode()
+
+
+def resumable_upload(
+    base_url: str,
+    bucket: str,
+    name: str,
+    path: str,
+    budget: int,
+    *,
+    timeout_s: float,
+    backoff: Backoff,
+    progress: Progress | None = None,
+) -> int:
+    """Uploads the file ``path`` as ``gs://bucket/name`` in chunks of about ``budget``
+    bytes; returns the number of chunks sent.
+
+    Raises:
+      StorageError: the store refused a request, failed past the backoff's deadline,
+        or kept bytes other than the file's (naming the object).
+      OSError: the file cannot be read.
+    """
+    where = f"gs://{bucket}/{name}"
+    size = os.path.getsize(path)
+    chunk = gcs_chunk_bytes(budget)
+    authorize = write_authorizer(base_url)
+    conn = _Connection(base_url, timeout_s)
+    md5 = _file_md5(path, size)
+    started, retry = time.monotonic(), 0
+
+    def headers(**extra: str) -> dict[str, str]:
+        h = dict(extra)
+        if authorize is not None:
+            authorize(h)
+        return h
+
+    def call(method: str, target: str, h: dict[str, str], body: Any = None) -> tuple[int, Any, Any]:
+        try:
+            status, got, data = conn.request(method, target, h, body)
+        except _TRANSIENT as e:
+            raise _Retry(f"{type(e).__name__}: {e}") from e
+        if status in RETRY_HTTP_STATUSES:
+            raise _Retry(f"HTTP {status}: {data[:200]!r}", status)
+        return status, got, data
+
+    def failed(action: str, status: int, data: bytes) -> StorageError:
+        code = (
+            errno.ENOENT if status == 404 else errno.EACCES if status in (401, 403) else errno.EIO
+        )
+        return StorageError(code, f"cannot {action} {where}: HTTP {status}: {data[:300]!r}")
+
+    def retried(e: _Retry) -> None:
+        nonlocal retry
+        delay = backoff.delay(retry, started, unreachable=unreachable(e.__cause__ or e))
+        if delay is None:
+            raise StorageError(
+                errno.ETIMEDOUT, f"cannot write {where}: {e}{elapsed_note(retry + 1, started)}"
+            ) from e
+        retry += 1
+        _log.debug("resumable upload of %s: %s; retry %d in %.2f s", where, e, retry, delay)
+        time.sleep(delay)
+
+    quoted = urllib.parse.quote(bucket, safe="")
+    query = urllib.parse.urlencode({"uploadType": "resumable", "name": name})
+    start_target = f"/upload/storage/v1/b/{quoted}/o?{query}"
+    meta = json.dumps({"name": name, "md5Hash": md5}).encode()
+    while True:  # open the session
+        try:
+            status, got, data = call(
+                "POST",
+                start_target,
+                headers(
+                    **{
+                        "Content-Type": "application/json; charset=UTF-8",
+                        "Content-Length": str(len(meta)),
+                        "X-Upload-Content-Type": "application/octet-stream",
+                        "X-Upload-Content-Length": str(size),
+                    }
+                ),
+                meta,
+            )
+            break
+        except _Retry as e:
+            retried(e)
+    location = got.get("location", "")
+    session = urllib.parse.urlsplit(location)
+    if status != 200 or f"{session.scheme}://{session.netloc}" != conn.origin:
+        conn.close()
+        if status != 200:
+            raise failed("start an upload of", status, data)
+        raise StorageError(
+            errno.EPROTO,
+            f"cannot write {where}: the upload session {location!r} is not on {conn.origin}",
+        )
+    target = session.path + (f"?{session.query}" if session.query else "")
+
+    def held(got: dict[str, str]) -> int:
+        """The bytes the session holds, from a 308's ``Range: bytes=0-N``."""
+        text = got.get("range", "")
+        return int(text.rpartition("-")[2]) + 1 if text.startswith("bytes=0-") else 0
+
+    offset, sent, ask = 0, 0, False
+    try:
+        while True:
+            length = min(chunk, size - offset)
+            span = f"bytes {offset}-{offset + length - 1}/{size}" if length else f"bytes */{size}"
+            try:
+                if ask:  # after a failure: how much the session holds
+                    h = headers(**{"Content-Length": "0", "Content-Range": f"bytes */{size}"})
+                    status, got, data = call("PUT", target, h)
+                    ask = False
+                else:
+                    with FileSlice.open(path, offset, length) as body:
+                        h = headers(**{"Content-Length": str(length), "Content-Range": span})
+                        status, got, data = call("PUT", target, h, body if length else None)
+                    sent += 1
+            except _Retry as e:
+                retried(e)
+                ask = True
+                continue
+            if status in (200, 201):
+                stored = json.loads(data or b"{}").get("md5Hash")
+                if stored is not None and stored != md5:
+                    raise StorageError(
+                        errno.EIO, f"{where}: the store holds MD5 {stored}, the file has {md5}"
+                    )
+                if progress is not None and size > offset:
+                    progress(size - offset)
+                return sent
+            if status != 308:
+                raise failed("write", status, data)
+            now = held(got)
+            if progress is not None and now > offset:
+                progress(now - offset)
+            offset = now
+    finally:
+        conn.close()
