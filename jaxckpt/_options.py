@@ -94,14 +94,12 @@ class PublishOptions:
             raise ValueError(f"publish destination must be a path, got {self.destination!r}")
         if dest.startswith("file://"):
             dest = dest[len("file://") :]
-        if "://" in dest:
-            try:  # the root checks: bucket names, prefixes that stay inside, the scheme
-                root = parse_root(dest)
-            except OSError as e:
-                raise ValueError(
-                    f"publish destination {dest!r} is not a local directory, "
-                    f"s3://BUCKET/PREFIX or gs://BUCKET/PREFIX ({e.strerror})"
-                ) from e
+        try:  # the root checks: the scheme, bucket names, prefixes that stay inside
+            root = parse_root(dest)
+        except OSError as e:
+            why = str(e.strerror).split(": ", 1)[-1]
+            raise ValueError(f"publish destination {dest!r} is not valid: {why}") from e
+        if root.scheme != "file":
             dest = root.uri
         if self.storage_options is not None:
             given = ObjectStoreOptions.from_mapping(self.storage_options)

@@ -7,14 +7,16 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from benchkit import servers
 from harness import child_env, kill, reached_file, wait_until
-from safetensors.numpy import load_file
+from safetensors.numpy import load, load_file
 
 import jaxckpt
 from jaxckpt.cli import main as cli_main
@@ -93,6 +95,62 @@ def test_publishes_from_an_object_store_root_under_a_budget(s3_server, tmp_path)
     tensors, params = _published(dest / "2"), _state(2)["params"]
     np.testing.assert_array_equal(tensors["params.dense.kernel"], params["dense"]["kernel"])
     np.testing.assert_array_equal(tensors["params.embed"], params["embed"])
+
+
+def _published_in(uri: str) -> dict[str, np.ndarray]:
+    """Every tensor of a step published to a bucket, read through its index."""
+    storage = open_storage(uri)
+    index = json.loads(storage.read(INDEX) or b"null")
+    tensors: dict[str, np.ndarray] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        tensors |= load(storage.read(name) or b"")
+    assert set(tensors) == set(index["weight_map"])
+    return tensors
+
+
+def _big(step: int) -> dict:
+    """A 6 MiB kernel (more than one S3 part) and a small embedding."""
+    rng = np.random.default_rng(step)
+    kernel = rng.standard_normal((1536, 1024), dtype=np.float32)
+    return {"params": {"kernel": kernel, "embed": np.arange(512, dtype=np.float16)}, "step": step}
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_publishes_to_a_bucket_in_parts_under_the_budget(
+    scheme, s3_server, gcs_server, tmp_path, monkeypatch
+):
+    """Shards larger than the 1 MiB budget go up from a local spool file in parts (an S3
+    multipart upload of two parts, a GCS resumable upload); the smaller
+    shard in one write; the spool is gone afterwards."""
+    spool = tmp_path / "tmp"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    dest = f"{scheme}://{servers.BUCKET}/{tmp_path.name}/weights/"
+    pub = jaxckpt.PublishOptions(
+        policy=AtSteps([2]), destination=dest, max_memory_bytes=1 << 20, max_shard_bytes=4 << 20
+    )
+    assert pub.destination == dest.rstrip("/")
+    with jaxckpt.CheckpointManager(tmp_path / "ckpt", publish=pub, chunk_bytes=64 << 10) as mgr:
+        mgr.save(1, _big(1))
+        mgr.save(2, _big(2))
+    assert mgr._publisher.published == 1 and mgr._publisher.failures == 0
+    step_uri = f"{dest}2"
+    tensors, params = _published_in(step_uri), _big(2)["params"]
+    assert sorted(tensors) == ["params.embed", "params.kernel"]
+    np.testing.assert_array_equal(tensors["params.kernel"], params["kernel"])
+    np.testing.assert_array_equal(tensors["params.embed"], params["embed"])
+    assert open_storage(step_uri).list("") == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        INDEX,
+    ]
+    if scheme == "s3":  # the kernel's shard is a multipart object (its ETag counts the parts)
+        key = f"{tmp_path.name}/weights/2/model-00002-of-00002.safetensors"
+        head = servers.s3_client().head_object(Bucket=servers.BUCKET, Key=key)
+        assert head["ContentLength"] > 6 << 20 and head["ETag"].strip('"').endswith("-2")
+    done = json.loads(open_storage(str(tmp_path / "ckpt")).read(publish_key(2)) or b"null")
+    assert done["destination"] == step_uri and len(done["files"]) == 3
+    assert list(spool.iterdir()) == []  # the spool directory went
 
 
 def test_with_a_local_tier_the_local_copy_is_read(tmp_path):
@@ -359,11 +417,31 @@ def test_export_max_memory_on_the_command_line(tmp_path, capsys):
     np.testing.assert_array_equal(load_file(out / "model.safetensors")["w"], w)
 
 
+def test_export_to_a_bucket_on_the_command_line(s3_server, tmp_path, capsys):
+    root, out = tmp_path / "ckpt", f"s3://{servers.BUCKET}/{tmp_path.name}/w/model.safetensors"
+    state = _big(1)
+    with jaxckpt.CheckpointManager(root, chunk_bytes=64 << 10) as mgr:
+        mgr.save(1, state)
+    argv = ["export", str(root), out, "--max-memory", "1MiB", "--no-progress"]
+    assert cli_main(argv) == 0
+    assert f"to {out}" in capsys.readouterr().out
+    stored = open_storage(out.rpartition("/")[0])
+    assert stored.list("") == ["model.safetensors"]
+    tensors = load(stored.read("model.safetensors") or b"")
+    np.testing.assert_array_equal(tensors["params.kernel"], state["params"]["kernel"])
+    with pytest.raises(jaxckpt.CheckpointError, match="'ftp://host/w'"):
+        jaxckpt.export_safetensors(root, "ftp://host/w")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"policy": 5}, "save policy"),
-        ({"destination": "s3://bucket/weights"}, "local directory"),
+        ({"destination": "ftp://example.com/weights"}, "'ftp://example.com/weights' is not valid"),
+        ({"destination": "gs:/bucket/w"}, "use 'gs://bucket/w'"),
+        ({"destination": "s3://Bad_Bucket/w"}, "bucket 'Bad_Bucket' is not a valid s3"),
+        ({"destination": "s3://bucket/../w"}, "may not contain '..'"),
+        ({"destination": "gs://bucket/w", "storage_options": {"region": "x"}}, "s3:// roots"),
         ({"destination": ""}, "must be a path"),
         ({"format": "orbax"}, "format"),
         ({"max_memory_bytes": 0}, "max_memory_bytes"),
