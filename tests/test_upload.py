@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tracemalloc
 
+import faultproxy
 import numpy as np
 import pytest
 from benchkit import servers
@@ -38,6 +39,33 @@ def test_a_file_larger_than_the_budget_goes_up_in_parts_streamed_from_disk(objec
     # S3 parts are 5 MiB at least (3 parts), GCS chunks the 1 MiB budget (12 chunks).
     assert parts == (3 if object_root.startswith("s3://") else 12)
     assert peak < 3 * MIB, peak  # never a part (5 MiB on S3), let alone the file, in memory
+
+
+@pytest.mark.parametrize(
+    ("kind", "part", "status"),
+    [("s3", "partNumber=2", "partNumber=3"), ("gcs", "upload_id", "upload_id")],
+)
+def test_a_part_lost_in_flight_and_a_503_are_retried(request, tmp_path, kind, part, status):
+    """A part the store got but whose answer was lost (a reset connection), then a 503:
+    S3 sends the part again; GCS asks the session what it holds and goes on from there."""
+    server = request.getfixturevalue(f"{kind}_server")
+    proxy = faultproxy.FaultProxy(server.endpoint)
+    try:
+        proxy.inject("lost", method="PUT", path_contains=part)
+        proxy.inject("error", method="PUT", path_contains=status)
+        scheme = "s3" if kind == "s3" else "gs"
+        storage = open_storage(
+            f"{scheme}://{server.bucket}/{tmp_path.name}",
+            endpoint=proxy.endpoint,
+            initial_delay_s=0.01,
+            max_delay_s=0.05,
+        )
+        path, data = _file(tmp_path, 12 * MIB)
+        upload_file(storage, "blob", path, part_bytes=MIB)
+        assert proxy.snapshot()["lost"] == 1 and proxy.snapshot()["error"] == 1
+    finally:
+        proxy.close()
+    assert open_storage(f"{scheme}://{server.bucket}/{tmp_path.name}").read("blob") == data
 
 
 def test_s3_object_is_a_multipart_one(s3_server, tmp_path):
