@@ -153,6 +153,24 @@ def test_publishes_to_a_bucket_in_parts_under_the_budget(
     assert list(spool.iterdir()) == []  # the spool directory went
 
 
+def test_the_spool_of_a_killed_export_is_removed_by_the_next(s3_server, tmp_path, monkeypatch):
+    spool = tmp_path / "tmp"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process that exited: its pid names no process now
+    killed = spool / f"jaxckpt-export-{gone.pid}-abc"
+    live = spool / f"jaxckpt-export-{os.getppid()}-def"  # a live process's: kept
+    for d in (killed, live):
+        d.mkdir()
+        (d / "model-00001-of-00002.safetensors").write_bytes(b"half a shard")
+    root, out = tmp_path / "ckpt", f"s3://{servers.BUCKET}/{tmp_path.name}/w"
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, _state(1))
+    jaxckpt.export_safetensors(root, out)
+    assert sorted(spool.iterdir()) == [live]
+
+
 def test_with_a_local_tier_the_local_copy_is_read(tmp_path):
     root, local, dest = tmp_path / "durable", tmp_path / "local", tmp_path / "weights"
     pub = jaxckpt.PublishOptions(policy=AtSteps([2]), destination=str(dest))

@@ -89,3 +89,19 @@ def test_a_root_without_parts_refuses_a_file_above_the_budget(tmp_path):
     with pytest.raises(StorageError, match=r"a/b: it is larger than the memory budget \(1000"):
         upload_file(storage, "a/b", path, part_bytes=1000)
     assert storage.read("a/b") is None
+
+
+def test_the_next_upload_of_a_key_aborts_a_killed_attempts_parts(s3_server, tmp_path):
+    client, key = servers.s3_client(), f"{tmp_path.name}/blob"
+    killed = client.create_multipart_upload(Bucket=s3_server.bucket, Key=key)["UploadId"]
+    client.upload_part(
+        Bucket=s3_server.bucket, Key=key, UploadId=killed, PartNumber=1, Body=b"x" * MIB
+    )
+    path, data = _file(tmp_path, 6 * MIB)
+    upload_file(
+        open_storage(f"s3://{s3_server.bucket}/{tmp_path.name}"), "blob", path, part_bytes=MIB
+    )
+    left = client.list_multipart_uploads(Bucket=s3_server.bucket, Prefix=key).get("Uploads", [])
+    assert left == []
+    got = client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read()
+    assert got == data

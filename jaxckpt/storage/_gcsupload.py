@@ -60,19 +60,26 @@ def write_authorizer(base_url: str) -> Authorize | None:
     """Adds google-auth's bearer token (read-write scope) over HTTPS; None over HTTP.
 
     Raises:
-      StorageError: (``EOPNOTSUPP``) google-auth is missing for an HTTPS endpoint.
+      StorageError: google-auth is missing for an HTTPS endpoint (``EOPNOTSUPP``), or
+        finds no credentials (``EACCES``).
     """
     if base_url.startswith("http://"):
         return None
     try:
         import google.auth
+        import google.auth.exceptions
         import google.auth.transport.requests
     except ImportError as e:
         raise StorageError(
             errno.EOPNOTSUPP,
             f"uploading to {base_url} in parts needs google-auth: pip install 'jaxckpt[gcs]'",
         ) from e
-    credentials = google.auth.default(scopes=[_WRITE_SCOPE])[0]
+    try:
+        credentials = google.auth.default(scopes=[_WRITE_SCOPE])[0]
+    except google.auth.exceptions.DefaultCredentialsError as e:
+        raise StorageError(
+            errno.EACCES, f"cannot upload to {base_url}: no Google credentials found ({e})"
+        ) from e
     lock = threading.Lock()
 
     def authorize(headers: dict[str, str]) -> None:

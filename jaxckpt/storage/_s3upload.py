@@ -6,7 +6,9 @@ it, with its ``Content-MD5`` so the store checks every part), then
 ``CompleteMultipartUpload``: the object appears whole or not at all. Each request
 is retried as :class:`~jaxckpt.storage._s3create.S3Creates` retries its own
 (throttling and transient failures, full jitter, until the deadline); a failure
-aborts the upload (its parts are dropped).
+aborts the upload (its parts are dropped). A process killed mid-upload cannot abort:
+the next upload of the same key first aborts the unfinished uploads of that key
+(one listing), so the stored parts of killed attempts do not pile up.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def multipart_upload(
     size = os.path.getsize(path)
     part = s3_part_bytes(size, budget)
     client, bucket = creates._get_client(), creates._bucket
+    _abort_unfinished(creates, name)
     upload: dict[str, Any] = {"Bucket": bucket, "Key": name}
     started = creates._retrying(lambda: client.create_multipart_upload(**upload))
     upload["UploadId"] = started["UploadId"]
@@ -77,3 +80,15 @@ def multipart_upload(
         "uploaded %s (%d bytes) to s3://%s/%s in %d parts", path, size, bucket, name, len(parts)
     )
     return len(parts)
+
+
+def _abort_unfinished(creates: S3Creates, name: str) -> None:
+    """Aborts the unfinished multipart uploads of the key ``name`` (a killed attempt's)."""
+    client, bucket = creates._get_client(), creates._bucket
+    listed = creates._retrying(lambda: client.list_multipart_uploads(Bucket=bucket, Prefix=name))
+    for upload in listed.get("Uploads", []):
+        if upload.get("Key") != name:
+            continue
+        _log.info("aborting an unfinished upload of s3://%s/%s", bucket, name)
+        with contextlib.suppress(Exception):  # gone already, or the next upload tries again
+            client.abort_multipart_upload(Bucket=bucket, Key=name, UploadId=upload["UploadId"])

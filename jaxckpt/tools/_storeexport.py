@@ -6,13 +6,16 @@ under the budget) into a spool directory under the local temporary directory
 S3 multipart, GCS resumable; one write when the file fits the budget) and deleted,
 so local disk holds one shard at a time and memory never holds a shard whole. The
 index goes last, in one write: it is what says the files are all there. The spool
-directory goes when the export ends, however it ends (a killed process leaves it in
-the temporary directory).
+directory (``jaxckpt-export-<pid>-<random>``) goes when the export ends, however it
+ends; a killed process cannot remove its own, so each export first removes the spool
+directories of processes of this host that are gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +27,7 @@ from jaxckpt.storage import open_storage, parse_root, upload_file
 __all__ = ["export_to_store", "is_store_uri", "split_store_uri"]
 
 _Members = TypeVar("_Members")
+_log = logging.getLogger(__name__)
 
 SPOOL_PREFIX = "jaxckpt-export-"
 """The name prefix of the spool directories under the local temporary directory."""
@@ -73,7 +77,8 @@ def export_to_store(
       StorageError: the destination is invalid or failed (naming the object).
     """
     storage = open_storage(out, storage_options)
-    spool = tempfile.mkdtemp(prefix=SPOOL_PREFIX)
+    remove_dead_spools()
+    spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-")
     told = None if progress is None else (lambda nbytes: progress(0))
     written: list[str] = []
     try:
@@ -92,3 +97,28 @@ def export_to_store(
     finally:
         shutil.rmtree(spool, ignore_errors=True)
     return tuple(written)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_spools(directory: str | None = None) -> list[str]:
+    """Removes the spool directories under ``directory`` (default: the temporary
+    directory) whose process is gone (killed mid-export); returns them."""
+    base = directory or tempfile.gettempdir()
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(base), f"{SPOOL_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(SPOOL_PREFIX) :].partition("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        _log.info("removed the spool directories of exports killed mid-way: %s", removed)
+    return removed
