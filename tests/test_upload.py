@@ -105,3 +105,20 @@ def test_the_next_upload_of_a_key_aborts_a_killed_attempts_parts(s3_server, tmp_
     assert left == []
     got = client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read()
     assert got == data
+
+
+def test_gcs_refuses_an_upload_whose_bytes_do_not_match_its_md5(gcs_server, tmp_path, monkeypatch):
+    """A resumable upload carries the file's MD5: bytes that changed on the way (here: an
+    MD5 that does not match) are refused when the object would be finalised, not stored.
+    (Each S3 part carries its Content-MD5 the same way; moto does not check it.)"""
+    monkeypatch.setattr(
+        "jaxckpt.storage._gcsupload._file_md5", lambda path, size: "AAAAAAAAAAAAAAAAAAAAAA=="
+    )
+    storage = open_storage(f"gs://{gcs_server.bucket}/{tmp_path.name}")
+    path, _ = _file(tmp_path, 3 * MIB)
+    with pytest.raises(
+        StorageError,
+        match=r"cannot write gs://.*/blob: HTTP 400: Provided MD5 hash .* doesn't match",
+    ):
+        upload_file(storage, "blob", path, part_bytes=MIB)
+    assert storage.read("blob") is None

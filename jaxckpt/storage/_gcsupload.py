@@ -126,6 +126,14 @@ class _Connection:
             self._conn = None
 
 
+def _detail(body: bytes) -> str:
+    """The message of a JSON API error body, else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])[:300]
+    except (ValueError, KeyError, TypeError):
+        return body[:300].decode("utf-8", "replace")
+
+
 def _file_md5(path: str, size: int) -> str:
     h = hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as f:
@@ -180,7 +188,7 @@ def resumable_upload(
         code = (
             errno.ENOENT if status == 404 else errno.EACCES if status in (401, 403) else errno.EIO
         )
-        return StorageError(code, f"cannot {action} {where}: HTTP {status}: {data[:300]!r}")
+        return StorageError(code, f"cannot {action} {where}: HTTP {status}: {_detail(data)}")
 
     def retried(e: _Retry) -> None:
         nonlocal retry
