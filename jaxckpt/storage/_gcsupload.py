@@ -142,6 +142,138 @@ def _file_md5(path: str, size: int) -> str:
     return base64.b64encode(h.digest()).decode()
 
 
+class _Resumable:
+    """One resumable upload of a local file (see the module)."""
+
+    def __init__(
+        self, base_url: str, bucket: str, name: str, path: str, timeout_s: float, backoff: Backoff
+    ) -> None:
+        self.where = f"gs://{bucket}/{name}"
+        self.path, self.size = path, os.path.getsize(path)
+        self.md5 = _file_md5(path, self.size)
+        self._bucket, self._name, self._backoff = bucket, name, backoff
+        self._authorize = write_authorizer(base_url)
+        self._conn = _Connection(base_url, timeout_s)
+        self._started, self._retry = time.monotonic(), 0
+
+    def _call(
+        self, method: str, target: str, headers: dict[str, str], body: Any = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        """One request; raises :class:`_Retry` when it failed transiently."""
+        if self._authorize is not None:
+            self._authorize(headers)
+        try:
+            status, got, data = self._conn.request(method, target, headers, body)
+        except _TRANSIENT as e:
+            raise _Retry(f"{type(e).__name__}: {e}") from e
+        if status in RETRY_HTTP_STATUSES:
+            raise _Retry(f"HTTP {status}: {_detail(data)}", status)
+        self._started, self._retry = time.monotonic(), 0  # the deadline runs from the last answer
+        return status, got, data
+
+    def _wait(self, e: _Retry) -> None:
+        """Sleeps before the next attempt, or raises once the backoff gives up."""
+        delay = self._backoff.delay(
+            self._retry, self._started, unreachable=unreachable(e.__cause__ or e)
+        )
+        if delay is None:
+            note = elapsed_note(self._retry + 1, self._started)
+            raise StorageError(errno.ETIMEDOUT, f"cannot write {self.where}: {e}{note}") from e
+        self._retry += 1
+        _log.debug("upload of %s: %s; retry %d in %.2f s", self.where, e, self._retry, delay)
+        time.sleep(delay)
+
+    def _failed(self, action: str, status: int, data: bytes) -> StorageError:
+        code = {404: errno.ENOENT, 401: errno.EACCES, 403: errno.EACCES}.get(status, errno.EIO)
+        return StorageError(code, f"cannot {action} {self.where}: HTTP {status}: {_detail(data)}")
+
+    def start(self) -> str:
+        """Opens the session (its metadata carries the MD5); returns its request target."""
+        quoted = urllib.parse.quote(self._bucket, safe="")
+        query = urllib.parse.urlencode({"uploadType": "resumable", "name": self._name})
+        meta = json.dumps({"name": self._name, "md5Hash": self.md5}).encode()
+        headers = {
+            "Content-Type": "application/json; charset=UTF-8",
+            "Content-Length": str(len(meta)),
+            "X-Upload-Content-Type": "application/octet-stream",
+            "X-Upload-Content-Length": str(self.size),
+        }
+        while True:
+            try:
+                target = f"/upload/storage/v1/b/{quoted}/o?{query}"
+                status, got, data = self._call("POST", target, dict(headers), meta)
+                break
+            except _Retry as e:
+                self._wait(e)
+        if status != 200:
+            raise self._failed("start an upload of", status, data)
+        location = got.get("location", "")
+        session = urllib.parse.urlsplit(location)
+        if f"{session.scheme}://{session.netloc}" != self._conn.origin:
+            raise StorageError(
+                errno.EPROTO,
+                f"cannot write {self.where}: the upload session {location!r} is not on "
+                f"{self._conn.origin}",
+            )
+        return session.path + (f"?{session.query}" if session.query else "")
+
+    def send(self, target: str, chunk: int, progress: Progress | None) -> int:
+        """Sends the file from the start of the session in chunks; returns the chunks sent."""
+        offset, sent, ask = 0, 0, False
+        while True:
+            length = min(chunk, self.size - offset)
+            asked = ask
+            try:
+                if ask:  # after a failure: how much the session holds
+                    headers = {"Content-Length": "0", "Content-Range": f"bytes */{self.size}"}
+                    status, got, data = self._call("PUT", target, headers)
+                    ask = False
+                else:
+                    last = offset + length - 1
+                    span = (
+                        f"bytes {offset}-{last}/{self.size}" if length else f"bytes */{self.size}"
+                    )
+                    headers = {"Content-Length": str(length), "Content-Range": span}
+                    with FileSlice.open(self.path, offset, length) as body:
+                        status, got, data = self._call(
+                            "PUT", target, headers, body if length else None
+                        )
+                    sent += 1
+            except _Retry as e:
+                self._wait(e)
+                ask = True
+                continue
+            if status in (200, 201):
+                self._check(data)
+                if progress is not None and self.size > offset:
+                    progress(self.size - offset)
+                return sent
+            if status != 308:
+                raise self._failed("write", status, data)
+            held = _held(got)
+            if progress is not None and held > offset:
+                progress(held - offset)
+            if held <= offset and length and not asked:  # none of it kept: as a failure
+                self._wait(_Retry(f"the store kept none of bytes {offset}-{offset + length - 1}"))
+            offset = held
+
+    def _check(self, data: bytes) -> None:
+        stored = json.loads(data or b"{}").get("md5Hash")
+        if stored is not None and stored != self.md5:
+            raise StorageError(
+                errno.EIO, f"{self.where}: the store holds MD5 {stored}, the file has {self.md5}"
+            )
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _held(got: dict[str, str]) -> int:
+    """The bytes a session holds, from a 308's ``Range: bytes=0-N`` (none: 0)."""
+    text = got.get("range", "")
+    return int(text.rpartition("-")[2]) + 1 if text.startswith("bytes=0-") else 0
+
+
 def resumable_upload(
     base_url: str,
     bucket: str,
@@ -154,125 +286,15 @@ def resumable_upload(
     progress: Progress | None = None,
 ) -> int:
     """Uploads the file ``path`` as ``gs://bucket/name`` in chunks of about ``budget``
-    bytes; returns the number of chunks sent.
+    bytes (:func:`gcs_chunk_bytes`); returns the number of chunks sent.
 
     Raises:
       StorageError: the store refused a request, failed past the backoff's deadline,
         or kept bytes other than the file's (naming the object).
       OSError: the file cannot be read.
     """
-    where = f"gs://{bucket}/{name}"
-    size = os.path.getsize(path)
-    chunk = gcs_chunk_bytes(budget)
-    authorize = write_authorizer(base_url)
-    conn = _Connection(base_url, timeout_s)
-    md5 = _file_md5(path, size)
-    started, retry = time.monotonic(), 0
-
-    def headers(**extra: str) -> dict[str, str]:
-        h = dict(extra)
-        if authorize is not None:
-            authorize(h)
-        return h
-
-    def call(method: str, target: str, h: dict[str, str], body: Any = None) -> tuple[int, Any, Any]:
-        try:
-            status, got, data = conn.request(method, target, h, body)
-        except _TRANSIENT as e:
-            raise _Retry(f"{type(e).__name__}: {e}") from e
-        if status in RETRY_HTTP_STATUSES:
-            raise _Retry(f"HTTP {status}: {data[:200]!r}", status)
-        return status, got, data
-
-    def failed(action: str, status: int, data: bytes) -> StorageError:
-        code = (
-            errno.ENOENT if status == 404 else errno.EACCES if status in (401, 403) else errno.EIO
-        )
-        return StorageError(code, f"cannot {action} {where}: HTTP {status}: {_detail(data)}")
-
-    def retried(e: _Retry) -> None:
-        nonlocal retry
-        delay = backoff.delay(retry, started, unreachable=unreachable(e.__cause__ or e))
-        if delay is None:
-            raise StorageError(
-                errno.ETIMEDOUT, f"cannot write {where}: {e}{elapsed_note(retry + 1, started)}"
-            ) from e
-        retry += 1
-        _log.debug("resumable upload of %s: %s; retry %d in %.2f s", where, e, retry, delay)
-        time.sleep(delay)
-
-    quoted = urllib.parse.quote(bucket, safe="")
-    query = urllib.parse.urlencode({"uploadType": "resumable", "name": name})
-    start_target = f"/upload/storage/v1/b/{quoted}/o?{query}"
-    meta = json.dumps({"name": name, "md5Hash": md5}).encode()
-    while True:  # open the session
-        try:
-            status, got, data = call(
-                "POST",
-                start_target,
-                headers(
-                    **{
-                        "Content-Type": "application/json; charset=UTF-8",
-                        "Content-Length": str(len(meta)),
-                        "X-Upload-Content-Type": "application/octet-stream",
-                        "X-Upload-Content-Length": str(size),
-                    }
-                ),
-                meta,
-            )
-            break
-        except _Retry as e:
-            retried(e)
-    location = got.get("location", "")
-    session = urllib.parse.urlsplit(location)
-    if status != 200 or f"{session.scheme}://{session.netloc}" != conn.origin:
-        conn.close()
-        if status != 200:
-            raise failed("start an upload of", status, data)
-        raise StorageError(
-            errno.EPROTO,
-            f"cannot write {where}: the upload session {location!r} is not on {conn.origin}",
-        )
-    target = session.path + (f"?{session.query}" if session.query else "")
-
-    def held(got: dict[str, str]) -> int:
-        """The bytes the session holds, from a 308's ``Range: bytes=0-N``."""
-        text = got.get("range", "")
-        return int(text.rpartition("-")[2]) + 1 if text.startswith("bytes=0-") else 0
-
-    offset, sent, ask = 0, 0, False
+    upload = _Resumable(base_url, bucket, name, path, timeout_s, backoff)
     try:
-        while True:
-            length = min(chunk, size - offset)
-            span = f"bytes {offset}-{offset + length - 1}/{size}" if length else f"bytes */{size}"
-            try:
-                if ask:  # after a failure: how much the session holds
-                    h = headers(**{"Content-Length": "0", "Content-Range": f"bytes */{size}"})
-                    status, got, data = call("PUT", target, h)
-                    ask = False
-                else:
-                    with FileSlice.open(path, offset, length) as body:
-                        h = headers(**{"Content-Length": str(length), "Content-Range": span})
-                        status, got, data = call("PUT", target, h, body if length else None)
-                    sent += 1
-            except _Retry as e:
-                retried(e)
-                ask = True
-                continue
-            if status in (200, 201):
-                stored = json.loads(data or b"{}").get("md5Hash")
-                if stored is not None and stored != md5:
-                    raise StorageError(
-                        errno.EIO, f"{where}: the store holds MD5 {stored}, the file has {md5}"
-                    )
-                if progress is not None and size > offset:
-                    progress(size - offset)
-                return sent
-            if status != 308:
-                raise failed("write", status, data)
-            now = held(got)
-            if progress is not None and now > offset:
-                progress(now - offset)
-            offset = now
+        return upload.send(upload.start(), gcs_chunk_bytes(budget), progress)
     finally:
-        conn.close()
+        upload.close()
