@@ -46,12 +46,19 @@ class PublishOptions:
     leaves from the committed step on storage (never from device memory) and writes
     them as Hugging Face safetensors shards to ``<destination>/<step>/``
     (``model-00001-of-0000N.safetensors``, then ``model.safetensors.index.json`` last:
-    the index says the step is published). See :mod:`jaxckpt.lifecycle._publish`.
+    the index says the step is published). In a bucket (``s3://``, ``gs://``) each shard
+    is spooled to a local temporary file under the budget, uploaded in bounded parts
+    and deleted. See :mod:`jaxckpt.lifecycle._publish`.
 
     Attributes:
       policy: which committed steps to publish (a save policy, e.g.
         ``EveryNSteps(5000)`` or ``AtSteps([...])``).
-      destination: a local directory (or ``file://`` URI; a mounted bucket works).
+      destination: a local directory (or ``file://`` URI), or ``s3://BUCKET/PREFIX`` /
+        ``gs://BUCKET/PREFIX`` (checked as a root is; another bucket than the
+        checkpoints' is fine).
+      storage_options: an object-store destination's options (endpoint, region,
+        credentials, addressing style: :class:`~jaxckpt.storage.ObjectStoreOptions` or
+        a mapping); None: the manager's ``storage_options``.
       tree_filter: which leaves: glob patterns on dotted paths (``["params.*"]``) or a
         predicate on them; None: the ``params`` subtree when the step has one (a
         ``TrainState``), else every array.
@@ -69,6 +76,7 @@ class PublishOptions:
 
     policy: SavePolicy
     destination: str
+    storage_options: ObjectStoreOptions | Mapping[str, Any] | None = None
     tree_filter: Sequence[str] | Callable[[str], bool] | None = None
     format: str = "safetensors"
     max_memory_bytes: int = 256 << 20
@@ -86,10 +94,18 @@ class PublishOptions:
             raise ValueError(f"publish destination must be a path, got {self.destination!r}")
         if dest.startswith("file://"):
             dest = dest[len("file://") :]
-        if "://" in dest:
-            raise ValueError(
-                f"publish destination must be a local directory (or a mounted bucket), got {dest!r}"
-            )
+        try:  # the root checks: the scheme, bucket names, prefixes that stay inside
+            root = parse_root(dest)
+        except OSError as e:
+            why = str(e.strerror).split(": ", 1)[-1]
+            raise ValueError(f"publish destination {dest!r} is not valid: {why}") from e
+        if root.scheme != "file":
+            dest = root.uri
+        if self.storage_options is not None:
+            given = ObjectStoreOptions.from_mapping(self.storage_options)
+            if "://" in dest:
+                given.check_scheme(dest.partition("://")[0])
+            object.__setattr__(self, "storage_options", given)
         object.__setattr__(self, "destination", dest)
         if isinstance(self.tree_filter, str):
             object.__setattr__(self, "tree_filter", (self.tree_filter,))

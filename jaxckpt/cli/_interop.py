@@ -43,7 +43,8 @@ def register(sub: Any) -> None:
         "out",
         metavar="OUT",
         help="safetensors: a directory (model.safetensors or shards + index) or "
-        "FILE.safetensors; orbax: a CheckpointManager directory (OUT/<step>/default)",
+        "FILE.safetensors, local or s3://BUCKET/PREFIX, gs://BUCKET/PREFIX (uploaded in "
+        "parts of --max-memory); orbax: a CheckpointManager directory (OUT/<step>/default)",
     )
     p.add_argument("--format", choices=["safetensors", "orbax"], default="safetensors")
     p.add_argument(

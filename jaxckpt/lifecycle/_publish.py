@@ -7,7 +7,10 @@ publishes the queue oldest first: it reads the chosen leaves from the committed 
 storage (the nearest tier holding it; never device memory), one block or chunk at a
 time under ``max_memory_bytes``, with :func:`~jaxckpt.tools.export_safetensors` (the
 path ``jaxckpt export --max-memory`` takes), into ``<destination>/<step>/``: shards
-first, ``model.safetensors.index.json`` last. The index says the step is published; the
+first, ``model.safetensors.index.json`` last. A bucket destination (``s3://``,
+``gs://``) gets each shard spooled to a local temporary file and uploaded from it in
+parts of at most the budget (S3 multipart, GCS resumable), one shard at a time.
+The index says the step is published; the
 done record ``publish/<step>.json`` then tells ``jaxckpt ls`` (one listing of
 ``publish/``) and the due record goes.
 
@@ -105,6 +108,7 @@ class Publisher:
       several: the job has several processes with a local tier, and ``sources`` is the
         durable root: a step not found there may still be promoted (looked for every few
         seconds, for up to ``timeout_s``; not a failure meanwhile).
+      destination_options: an object-store destination's storage options.
     """
 
     def __init__(
@@ -116,8 +120,10 @@ class Publisher:
         on_result: Callable[[PublishResult], None] | None = None,
         several: bool = False,
         timeout_s: float = 600.0,
+        destination_options: Any = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self._destination_options = destination_options
         self.options = options
         self._several = several  # several processes: a missing step may not be durable yet
         self._sources = tuple(sources)
@@ -306,8 +312,9 @@ class Publisher:
         from jaxckpt.tools import export_safetensors
 
         start, out = time.monotonic(), self.directory(step)
-        for tmp in glob.glob(os.path.join(glob.escape(out), "*.tmp-*")):  # a killed attempt's
-            with contextlib.suppress(OSError):
+        local = "://" not in out
+        for tmp in glob.glob(os.path.join(glob.escape(out), "*.tmp-*")) if local else ():
+            with contextlib.suppress(OSError):  # a killed attempt's
                 os.unlink(tmp)
         for uri, storage_options in self._sources:
             try:
@@ -326,6 +333,7 @@ class Publisher:
                 max_memory_bytes=self.options.max_memory_bytes,
                 index=True,
                 on_progress=self._check_stop,
+                out_options=self._destination_options,
                 **storage_options,
             )
             seconds = time.monotonic() - start
@@ -354,6 +362,8 @@ class Publisher:
 
     def directory(self, step: int) -> str:
         """Where ``step`` is published: ``<destination>/<step>``."""
+        if "://" in self.options.destination:  # a bucket (checked and normalised)
+            return f"{self.options.destination}/{step}"
         return os.path.join(self.options.destination, str(step))
 
     def _check_stop(self, nbytes: int) -> None:
@@ -378,6 +388,15 @@ def open_publisher(tiers: Sequence[Tier], options: CheckpointOptions) -> Publish
     readable = tiers[-1:] if several else tiers
     sources = [(t.uri, options.storage_kwargs(t.uri)) for t in readable]
     timeout = options.save_timeout_s
+    dest = publish.destination
+    dest_options = publish.storage_options if "://" in dest else None
+    if dest_options is None and "://" in dest:  # the manager's, retried as long as a save
+        dest_options = options.storage_kwargs(dest)
     return Publisher(
-        publish, sources, tiers[-1].storage, several=several, timeout_s=timeout
+        publish,
+        sources,
+        tiers[-1].storage,
+        several=several,
+        timeout_s=timeout,
+        destination_options=dest_options,
     ).start()

@@ -10,7 +10,9 @@ anything is sent or written.
 Modules, bottom up: ``_base`` (the interface, :class:`PreconditionFailed`),
 ``_buffers`` (aligned buffers, ``pread``), ``_uri`` (root names), ``_options``
 (:class:`ObjectStoreOptions`), ``_retry`` (deadline-bounded full-jitter
-retries), ``_local`` (POSIX roots), ``_http`` (direct ranged GETs) and
+retries), ``_upload`` (local files stored in bounded parts: ``_s3upload``'s
+multipart and ``_gcsupload``'s resumable uploads), ``_local`` (POSIX roots),
+``_http`` (direct ranged GETs) and
 ``_cloudreads`` (their addressing and signing per cloud), ``_ranged`` (reads under
 a memory budget), the object-store base in three layers (``_objrequests``: kvstore,
 names, errors, retries; ``_objcreate``: create-only writes; ``_object``: the
@@ -43,6 +45,8 @@ from jaxckpt.storage._options import ObjectStoreOptions as ObjectStoreOptions
 from jaxckpt.storage._options import span_limit as span_limit
 from jaxckpt.storage._s3address import S3Address as S3Address
 from jaxckpt.storage._s3address import resolve_style as resolve_style
+from jaxckpt.storage._upload import FileUploads as FileUploads
+from jaxckpt.storage._upload import upload_file as upload_file
 from jaxckpt.storage._uri import OBJECT_SCHEMES
 from jaxckpt.storage._uri import RootURI as RootURI
 from jaxckpt.storage._uri import parse_root as parse_root
@@ -124,6 +128,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DIRECT_PART_BYTES",
+    "FileUploads",
     "LocalStorage",
     "ObjectStorage",
     "ObjectStoreOptions",
@@ -140,4 +145,5 @@ __all__ = [
     "resolve_style",
     "span_limit",
     "tensorstore_backed",
+    "upload_file",
 ]

@@ -20,10 +20,12 @@ from __future__ import annotations
 import tensorstore as ts
 
 from jaxckpt.storage._cloudreads import gcs_reader
+from jaxckpt.storage._gcsupload import GCS_PUBLIC, resumable_upload
 from jaxckpt.storage._http import DirectReader
 from jaxckpt.storage._object import ObjectStorage
 from jaxckpt.storage._options import ObjectStoreOptions
 from jaxckpt.storage._tsenv import quiet_gcs_auth, resolve_gcs_endpoint
+from jaxckpt.storage._upload import Progress
 from jaxckpt.storage._uri import RootURI
 
 __all__ = ["GcsStorage"]
@@ -31,6 +33,8 @@ __all__ = ["GcsStorage"]
 _AUTH_PROBE = ".jaxckpt-probe/auth"
 _AUTH_PROBE_S = 10.0
 """The longest the first request waits with stderr captured."""
+_UPLOAD_TIMEOUT_S = 300.0
+"""The socket timeout of an upload's requests when ``timeout_s`` is None."""
 
 
 class GcsStorage(ObjectStorage):
@@ -56,3 +60,22 @@ class GcsStorage(ObjectStorage):
     def _direct_reader(self) -> DirectReader | None:
         timeout = self._options.timeout_s
         return gcs_reader(self._bucket, self._endpoint, timeout, self._backoff)
+
+    def upload_file(
+        self, key: str, path: str, *, part_bytes: int, progress: Progress | None = None
+    ) -> int:
+        """A resumable upload of the file ``path`` as ``key``, in chunks of about
+        ``part_bytes`` (:mod:`jaxckpt.storage._gcsupload`); returns the chunks sent."""
+        base = (self._endpoint or GCS_PUBLIC).rstrip("/")
+        timeout = self._options.timeout_s or _UPLOAD_TIMEOUT_S
+        name = self._name(key)
+        return resumable_upload(
+            base,
+            self._bucket,
+            name,
+            path,
+            part_bytes,
+            timeout_s=timeout,
+            backoff=self._backoff,
+            progress=progress,
+        )

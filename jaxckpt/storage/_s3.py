@@ -34,7 +34,9 @@ from jaxckpt.storage._object import ObjectStorage
 from jaxckpt.storage._options import ObjectStoreOptions
 from jaxckpt.storage._s3address import S3Address, resolve_style
 from jaxckpt.storage._s3create import CREATED, S3Creates, refuses_condition, s3_creates
+from jaxckpt.storage._s3upload import multipart_upload
 from jaxckpt.storage._tsenv import aws_credentials, quiet_s3_auth
+from jaxckpt.storage._upload import Progress
 from jaxckpt.storage._uri import RootURI
 
 __all__ = ["S3Storage"]
@@ -161,3 +163,28 @@ class S3Storage(ObjectStorage):
                     "%s refuses DeleteObjects (%s); deleting one by one", self._endpoint, e
                 )
         super()._delete_names(names)
+
+    def upload_file(
+        self, key: str, path: str, *, part_bytes: int, progress: Progress | None = None
+    ) -> int:
+        """A multipart upload of the file ``path`` as ``key``, in parts of about
+        ``part_bytes`` (:mod:`jaxckpt.storage._s3upload`); returns the number of parts.
+
+        Raises:
+          StorageError: the store failed (naming the object), or botocore is missing or
+            finds no credentials (``EOPNOTSUPP``).
+        """
+        name = self._name(key)
+        creates = self._s3_creates
+        if creates is None:
+            raise StorageError(
+                errno.EOPNOTSUPP,
+                f"cannot upload {path} to s3://{self._bucket}/{name} in parts: that needs "
+                "botocore (pip install 'jaxckpt[s3]') and credentials it finds",
+            )
+        try:
+            return multipart_upload(creates, name, path, part_bytes, progress)
+        except Exception as e:  # botocore's errors, named after the key; others as they are
+            if type(e).__module__.startswith("botocore"):
+                raise self._error("write", name, e) from e
+            raise

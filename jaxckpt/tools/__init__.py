@@ -15,10 +15,10 @@ from jaxckpt.tools._copy import copy_step as copy_step
 if TYPE_CHECKING:
     from jaxckpt.tools._diff import IDENTICAL as IDENTICAL
     from jaxckpt.tools._diff import diff_steps as diff_steps
-    from jaxckpt.tools._safetensors import SafetensorsFormatError as SafetensorsFormatError
     from jaxckpt.tools._safetensors import export_safetensors as export_safetensors
-    from jaxckpt.tools._safetensors import read_safetensors as read_safetensors
-    from jaxckpt.tools._safetensors import tree_from_names as tree_from_names
+    from jaxckpt.tools._safetensorsread import SafetensorsFormatError as SafetensorsFormatError
+    from jaxckpt.tools._safetensorsread import read_safetensors as read_safetensors
+    from jaxckpt.tools._safetensorsread import tree_from_names as tree_from_names
     from jaxckpt.tools._stats import plot as plot
     from jaxckpt.tools._stats import trajectory as trajectory
     from jaxckpt.tools._verify import Problem as Problem
@@ -28,12 +28,12 @@ if TYPE_CHECKING:
 # Names whose modules import jax or TensorStore load on first use, so that
 # the light modules of this package (and ``jaxckpt ls``) stay free of them.
 _LAZY = {
-    "SafetensorsFormatError": "jaxckpt.tools._safetensors",
+    "SafetensorsFormatError": "jaxckpt.tools._safetensorsread",
     "IDENTICAL": "jaxckpt.tools._diff",
     "diff_steps": "jaxckpt.tools._diff",
     "export_safetensors": "jaxckpt.tools._safetensors",
-    "read_safetensors": "jaxckpt.tools._safetensors",
-    "tree_from_names": "jaxckpt.tools._safetensors",
+    "read_safetensors": "jaxckpt.tools._safetensorsread",
+    "tree_from_names": "jaxckpt.tools._safetensorsread",
     "plot": "jaxckpt.tools._stats",
     "trajectory": "jaxckpt.tools._stats",
     "Problem": "jaxckpt.tools._verify",

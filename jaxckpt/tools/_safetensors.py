@@ -16,6 +16,8 @@ Tensor names are the dotted tree paths (``params.dense.kernel``); non-array
 leaves (ints, strings, ...) go into ``__metadata__["jaxckpt.values"]`` as JSON.
 
 Memory budgets (``max_memory_bytes``): :mod:`jaxckpt.tools._leafwrite`. Publishing uses this.
+Object-store outputs: :mod:`jaxckpt.tools._storeexport`. Reading back:
+:mod:`jaxckpt.tools._safetensorsread`.
 """
 
 from __future__ import annotations
@@ -23,27 +25,20 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
-import math
 import os
 import struct
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from jaxckpt.commit import reached as reached_phase
-from jaxckpt.errors import CheckpointError
+from jaxckpt.errors import CheckpointError, StorageError
 from jaxckpt.restoring import DEFAULT_BLOCK_BYTES, LeafView, StepView, dotted_path, open_step
 from jaxckpt.tools._leafwrite import budget_problem, fsync_dir, leaf_block_bytes, write_file
+from jaxckpt.tools._storeexport import export_to_store, is_store_uri, split_store_uri
 
-__all__ = [
-    "ExportResult",
-    "export_safetensors",
-    "read_safetensors",
-    "tree_from_names",
-]
+__all__ = ["ExportResult", "export_safetensors"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -184,6 +179,27 @@ def _write_file(
     write_file(path, _header(tensors, metadata), views, block_bytes, on_progress)
 
 
+def _planned(
+    tensors: list[_Tensor], max_shard_bytes: int, index: bool
+) -> tuple[list[tuple[str, list[_Tensor]]], bool]:
+    """The files of a directory output: ``(name, tensors)`` each, and whether an index goes
+    with them (shards, or ``index``)."""
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1 and not index:
+        return [(SINGLE_FILE, tensors)], False
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return list(zip(names, shards, strict=True)), True
+
+
+def _index_body(tensors: list[_Tensor], plan: Sequence[tuple[str, Sequence[_Tensor]]]) -> bytes:
+    body = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+        "weight_map": {t.name: os.path.basename(path) for path, members in plan for t in members},
+    }
+    return (json.dumps(body, indent=2) + "\n").encode()
+
+
 def _makedirs(path: str) -> None:
     """Creates the output directory (and its parents), or says why it cannot."""
     try:
@@ -203,6 +219,7 @@ def export_safetensors(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     max_memory_bytes: int | None = None,
     index: bool = False,
+    out_options: Any = None,
     **storage_options: Any,
 ) -> ExportResult:
     """Writes a committed step's arrays as safetensors, sharded when large.
@@ -212,7 +229,11 @@ def export_safetensors(
       out: a local directory (created with its parents), which receives
         ``model.safetensors`` or shards plus ``model.safetensors.index.json``;
         or a path ending in ``.safetensors`` (its directory created), which
-        receives one file whatever its size.
+        receives one file whatever its size. ``s3://BUCKET/PREFIX`` and
+        ``gs://BUCKET/PREFIX`` (or such a URI ending in ``.safetensors``) the same
+        in an object store: each file written to a local spool file under the
+        budget, uploaded in bounded parts and deleted; the index last
+        (:mod:`jaxckpt.tools._storeexport`).
       step: the step to export; None exports the newest.
       leaves: glob patterns on dotted paths (``params.*``) or a predicate on them;
         None exports every array.
@@ -224,19 +245,30 @@ def export_safetensors(
         blocks of a third of it, wide leaves chunk by chunk; see ``_leafwrite``).
       index: write shards and the index even when one shard holds everything (the
         Hugging Face layout whatever the size; the index is written last).
+      out_options: an object-store ``out``'s options (an :class:`~jaxckpt.storage.
+        ObjectStoreOptions` or a mapping; ``storage_options`` are the checkpoint root's).
 
     Returns:
       An :class:`ExportResult`.
 
     Raises:
       ExportError: a leaf has a dtype safetensors lacks, two leaves share a
-        name, nothing matches ``leaves``, ``out`` is not a local path, or
-        ``max_memory_bytes`` is below three chunks of a leaf.
+        name, nothing matches ``leaves``, ``out`` is neither a local path nor a valid
+        ``s3://`` or ``gs://`` URI, or ``max_memory_bytes`` is below three chunks of a leaf.
+      StorageError: the object store failed (naming the object).
       StepNotFoundError, CorruptCheckpointError: as :func:`jaxckpt.open_step`.
     """
     out = os.fspath(out)
-    if "://" in out:
-        raise ExportError(f"export writes to a local path, got {out!r}")
+    store = None
+    if is_store_uri(out):
+        try:
+            store = split_store_uri(out)
+        except StorageError as e:
+            raise ExportError(f"invalid output {out!r}: {e.strerror}") from e
+    elif "://" in out:
+        raise ExportError(
+            f"export writes to a local path, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, got {out!r}"
+        )
     if max_shard_bytes < 1:
         raise ExportError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     view = open_step(root, step, **storage_options)
@@ -253,20 +285,34 @@ def export_safetensors(
             {dotted_path(x): x.value for x in view.leaves if x.kind == "value"}
         ),
     }
+    if store is not None:
+        files = _to_store(
+            store,
+            tensors,
+            metadata,
+            max_shard_bytes,
+            index,
+            on_progress,
+            block_bytes,
+            max_memory_bytes or 3 * block_bytes,
+            out_options,
+            view.step,
+        )
+        return ExportResult(
+            files=files,
+            tensors=len(tensors),
+            total_size=sum(t.nbytes for t in tensors),
+            step=view.step,
+        )
     index_path = None
     if out.endswith(".safetensors"):
         plan = [(out, tensors)]
         _makedirs(os.path.dirname(out) or ".")
     else:
         _makedirs(out)
-        shards = _shards(tensors, max_shard_bytes)
-        if len(shards) == 1 and not index:
-            plan = [(os.path.join(out, SINGLE_FILE), tensors)]
-        else:
-            n = len(shards)
-            names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-            plan = [(os.path.join(out, nm), s) for nm, s in zip(names, shards, strict=True)]
-            index_path = os.path.join(out, INDEX_FILE)
+        named, with_index = _planned(tensors, max_shard_bytes, index)
+        plan = [(os.path.join(out, nm), s) for nm, s in named]
+        index_path = os.path.join(out, INDEX_FILE) if with_index else None
     temps: list[tuple[str, str]] = []
     path = plan[0][0]
     try:
@@ -276,17 +322,10 @@ def export_safetensors(
             _write_file(tmp, members, metadata, on_progress, block_bytes)
             reached_phase("shard_written", view.step)
         if index_path is not None:
-            body = {
-                "metadata": {"total_size": sum(t.nbytes for t in tensors)},
-                "weight_map": {
-                    t.name: os.path.basename(path) for path, members in plan for t in members
-                },
-            }
             tmp = f"{index_path}.tmp-{uuid.uuid4().hex[:8]}"
             temps.append((tmp, index_path))
-            with open(tmp, "w") as f:
-                json.dump(body, f, indent=2)
-                f.write("\n")
+            with open(tmp, "wb") as f:
+                f.write(_index_body(tensors, plan))
                 f.flush()
                 os.fsync(f.fileno())
         for i, (tmp, path) in enumerate(temps):  # the output appears once every file is complete
@@ -309,131 +348,40 @@ def export_safetensors(
     )
 
 
-# -------------------------------------------------------------------------------- reading
+def _to_store(
+    store: tuple[str, str | None],
+    tensors: list[_Tensor],
+    metadata: dict[str, str],
+    max_shard_bytes: int,
+    index: bool,
+    on_progress: Callable[[int], None] | None,
+    block_bytes: int,
+    part_bytes: int,
+    out_options: Any,
+    step: int,
+) -> tuple[str, ...]:
+    """The files of :func:`export_safetensors` in an object store (``store``: the directory
+    URI and the one file's name, if ``out`` named one); returns their URIs."""
+    directory, single = store
+    if single is not None:
+        plan, with_index = [(single, tensors)], False
+    else:
+        plan, with_index = _planned(tensors, max_shard_bytes, index)
 
-
-class SafetensorsFormatError(CheckpointError, ValueError):
-    """A file is not a valid safetensors file (or index) and cannot be imported.
-
-    The message names the file and what is wrong with it. Check that the file
-    was fully downloaded; re-export it from its source.
-    """
-
-
-def _safetensors_files(src: str) -> list[str]:
-    if os.path.isdir(src):
-        index = os.path.join(src, INDEX_FILE)
-        if os.path.exists(index):
-            src = index
-        else:
-            found = sorted(
-                os.path.join(src, f) for f in os.listdir(src) if f.endswith(".safetensors")
-            )
-            if not found:
-                raise SafetensorsFormatError(f"{src} has no .safetensors file and no {INDEX_FILE}")
-            return found
-    if src.endswith(".json"):
+    def write(path: str, members: list[_Tensor]) -> None:
         try:
-            with open(src) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SafetensorsFormatError(f"{src} is not a safetensors index ({e})") from e
-        base = os.path.dirname(src)
-        return [os.path.join(base, name) for name in dict.fromkeys(weight_map.values())]
-    return [src]
+            _write_file(path, members, metadata, on_progress, block_bytes)
+        except OSError as e:
+            raise ExportError(f"cannot write the spool file {path}: {e.strerror or e}") from e
+        reached_phase("shard_written", step)
 
-
-def _open_file(path: str) -> tuple[dict[str, Any], np.memmap | None, int]:
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise SafetensorsFormatError(f"{path}: too short for a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(_MAX_HEADER, size - 8):
-                raise SafetensorsFormatError(f"{path}: header length {n} is invalid")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise SafetensorsFormatError(f"cannot read {path}: {e.strerror or e}") from e
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SafetensorsFormatError(f"{path}: the header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise SafetensorsFormatError(f"{path}: the header is not a JSON object")
-    start = 8 + n
-    data = np.memmap(path, np.uint8, mode="r") if size > start else None
-    return header, data, start
-
-
-def read_safetensors(src: str | os.PathLike[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields ``(name, array)`` for every tensor of a file, shard set or directory.
-
-    Arrays are read-only views of memory-mapped files (bfloat16 and float8 via
-    ml_dtypes), so nothing is read before it is used.
-
-    Raises:
-      SafetensorsFormatError: a file or index is malformed (names the file and tensor).
-    """
-    for path in _safetensors_files(os.fspath(src)):
-        header, data, start = _open_file(path)
-        available = 0 if data is None else data.size - start
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            where = f"{path}: tensor {name!r}"
-            try:
-                dtype = np.dtype(_numpy_dtype(info["dtype"], where))
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise SafetensorsFormatError(f"{where}: malformed entry ({e})") from e
-            if (
-                not 0 <= begin <= end <= available
-                or end - begin != math.prod(shape) * dtype.itemsize
-            ):
-                raise SafetensorsFormatError(
-                    f"{where}: data_offsets [{begin}, {end}] do not fit shape {list(shape)} "
-                    f"{info['dtype']} in {available} data bytes"
-                )
-            if data is None or begin == end:
-                array = np.zeros(shape, dtype)
-            else:
-                array = data[start + begin : start + end].view(dtype).reshape(shape)
-            yield name, array
-
-
-def _numpy_dtype(name: str, where: str) -> Any:
-    numpy_name = _NUMPY.get(name)
-    if numpy_name is None:
-        raise SafetensorsFormatError(f"{where}: dtype {name} is not supported")
-    if numpy_name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
-        import ml_dtypes
-
-        return getattr(ml_dtypes, numpy_name)
-    return numpy_name
-
-
-def tree_from_names(items: Iterator[tuple[str, Any]] | Sequence[tuple[str, Any]]) -> dict:
-    """Nests dotted names into dicts: ``a.b.c`` -> ``{"a": {"b": {"c": ...}}}``.
-
-    >>> tree_from_names([("a.b", 1), ("a.c", 2), ("d", 3)])
-    {'a': {'b': 1, 'c': 2}, 'd': 3}
-
-    Raises:
-      SafetensorsFormatError: a name is both a tensor and a prefix of another.
-    """
-    tree: dict[str, Any] = {}
-    for name, value in items:
-        node = tree
-        parts = name.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise SafetensorsFormatError(
-                    f"tensor {'.'.join(parts[: i + 1])!r} is also a prefix of {name!r}"
-                )
-            node = child
-        if parts[-1] in node:
-            raise SafetensorsFormatError(f"tensor name {name!r} clashes with another tensor")
-        node[parts[-1]] = value
-    return tree
+    body = (INDEX_FILE, _index_body(tensors, plan)) if with_index else None
+    return export_to_store(
+        directory,
+        plan,
+        write,
+        body,
+        part_bytes=part_bytes,
+        progress=on_progress,
+        storage_options=out_options,
+    )
