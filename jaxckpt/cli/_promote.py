@@ -150,7 +150,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
         parts_timeout_s=args.parts_timeout,
     )
     if not args.watch:
-        results = promoter.promote_once()
+        results = promoter.promote_all()
         done = sum(r.outcome == PROMOTED for r in results)
         print(f"{durable.storage.uri}: promoted {done} step{'s' if done != 1 else ''}")
         results += archive_pass()

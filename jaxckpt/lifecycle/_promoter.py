@@ -47,8 +47,10 @@ from jaxckpt.records import (
     FAILED,
     FENCED,
     GONE,
+    PARTS_WAITING,
     PENDING,
     PROMOTED,
+    SUPERSEDED,
     UPLOADED,
     WAITING,
     CommitMarker,
@@ -64,6 +66,8 @@ from jaxckpt.records import (
 
 log = logging.getLogger("jaxckpt")
 
+PARTS_POLL_S = 0.2
+"""How soon the next pass looks again while the primary's step waits for other parts."""
 RETRY_BACKOFF_S = (1.0, 60.0)
 """The wait before retrying a step whose promotion failed: the first, and the longest (it
 doubles with each failure in a row, with jitter; see ``_backoff``)."""
@@ -81,9 +85,12 @@ class Promoter:
       retention: applied to the durable root after each promoted step, in the
         request's epoch (fence-checked before each deletion).
       on_result: called with every result (telemetry, metrics).
-      parts_timeout_s: multi-host, the primary's promoter: how long it waits
-        for the other hosts' parts before giving up on this pass (the request
-        stays; the next pass waits again).
+      parts_timeout_s: multi-host, the primary's promoter: how long a step may
+        wait for the other hosts' parts, counted from the pass that began it.
+        A pass never waits: a step whose parts are missing is looked at again
+        by the next pass, so newer steps are not held up behind it. Past the
+        bound it fails (retried after a back-off), or, once a newer step is
+        durable, its request is dropped (a host lost its copy: it never comes).
       backoff_s: a step whose promotion failed (the store failed; its request
         stays) is left alone for ``backoff_s[0]`` seconds, doubling with each
         failure in a row up to ``backoff_s[1]``, with jitter: passes in between
@@ -109,6 +116,8 @@ class Promoter:
         self._on_result = on_result
         self._warned_fenced: set[int] = set()
         self._stop: threading.Event | None = None
+        self._begun: dict[StepLocation, float] = {}  # the primary's, waiting for parts
+        self._newest_durable: int | None = None  # as of this pass's listing
         self.backoff = Backoff(first_s=backoff_s[0], longest_s=backoff_s[1])
         """The steps left alone after a failure (and, as ``None``, failed passes)."""
 
@@ -125,12 +134,15 @@ class Promoter:
         another host's promoter committed, a promoter killed after the marker).
         """
         durable = self.durable.visible_refs()
+        self._newest_durable = max(durable, default=None)
         todo = []
         for step, request in read_requests(self.local).items():
             if step in durable:
                 withdraw(self.local, step)
             else:
                 todo.append(request)
+        waiting = {r.step for r in todo}
+        self._begun = {loc: t for loc, t in self._begun.items() if loc.step in waiting}
         return sorted(todo, key=lambda r: r.step, reverse=True)
 
     def promote_once(self, *, stop: threading.Event | None = None) -> list[PromotionResult]:
@@ -156,9 +168,22 @@ class Promoter:
                 )
             self._note(result)
             results.append(result)
-            if self._on_result is not None:
-                self._on_result(result)
+            if self._on_result is not None and result.outcome != PARTS_WAITING:
+                self._on_result(result)  # told once the step is decided
         return results
+
+    def promote_all(self, *, stop: threading.Event | None = None) -> list[PromotionResult]:
+        """Passes of :meth:`promote_once` until no step waits for other hosts' parts
+        (each bounded by ``parts_timeout_s``): a one-shot run; the last result of each
+        step, newest first."""
+        final: dict[int, PromotionResult] = {}
+        while True:
+            results = self.promote_once(stop=stop)
+            final.update({r.step: r for r in results})
+            waiting = any(r.outcome == PARTS_WAITING for r in results)
+            if not waiting or (stop is not None and stop.is_set()):
+                return sorted(final.values(), key=lambda r: r.step, reverse=True)
+            time.sleep(PARTS_POLL_S)
 
     def _note(self, result: PromotionResult) -> None:
         """Backs off from a step that failed or was fenced (its request stays), logged once
@@ -196,13 +221,7 @@ class Promoter:
                     request.restamped(epoch, 0.0), marker, writer
                 )
                 if not committed:
-                    return PromotionResult(
-                        step=step,
-                        outcome=UPLOADED,
-                        nbytes=nbytes,
-                        seconds=time.monotonic() - start,
-                        request=request,
-                    )
+                    return self._part_result(request, nbytes, time.monotonic() - start)
             else:
                 from jaxckpt.tools import copy_step
 
@@ -210,6 +229,12 @@ class Promoter:
         except StepAlreadyExistsError:
             withdraw(self.local, step)
             return PromotionResult(step=step, outcome=ALREADY_DURABLE, request=request)
+        except _PartsMissing as e:
+            if self._superseded(request):
+                log.warning("promotion of step %d dropped: %s; %s", step, e, SUPERSEDED)
+                withdraw(self.local, step)
+                return PromotionResult(step=step, outcome=SUPERSEDED, request=request)
+            return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
         except WriterFencedError as e:
             if step not in self._warned_fenced:
                 self._warned_fenced.add(step)
@@ -227,6 +252,7 @@ class Promoter:
             return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
         durable_marker = writer.read_marker(step)
         withdraw(self.local, step)
+        self._newest_durable = max(step, self._newest_durable or step)
         seconds = time.monotonic() - start
         log.info(
             "promoted step %d to %s: %d bytes in %.2fs", step, self.durable.where(), nbytes, seconds
@@ -240,6 +266,31 @@ class Promoter:
             seconds=seconds,
             durable_time=durable_marker.time if durable_marker is not None else time.time(),
             request=request,
+        )
+
+    def _superseded(self, request: PromotionRequest) -> bool:
+        """Whether a newer step than ``request``'s is durable (as of this pass)."""
+        return self._newest_durable is not None and self._newest_durable > request.step
+
+    def _part_result(
+        self, request: PromotionRequest, nbytes: int, seconds: float
+    ) -> PromotionResult:
+        """A multi-host step not committed by this call: the primary's waits for parts;
+        another host's part is uploaded, and its request stays until the step is
+        durable, or goes once a newer step is (the primary's promoter has all it needs
+        from this host, or dropped the step: a request kept forever would pin the step
+        in the local tier)."""
+        step = request.step
+        if request.process == request.primary:
+            outcome = PARTS_WAITING
+        elif self._superseded(request):
+            log.info("step %d: part uploaded; %s (request withdrawn)", step, SUPERSEDED)
+            withdraw(self.local, step)
+            outcome = SUPERSEDED
+        else:
+            outcome = UPLOADED
+        return PromotionResult(
+            step=step, outcome=outcome, nbytes=nbytes, seconds=seconds, request=request
         )
 
     def _still_local(self, marker: CommitMarker) -> bool:
@@ -281,8 +332,11 @@ class Promoter:
         step = request.step
         loc = StepLocation(step, request.attempt)
         primary = request.process == request.primary
-        if primary:
+        if primary and loc not in self._begun:
             writer.begin_save(loc)  # raises if durable already or fenced
+            self._begun[loc] = time.monotonic()
+        elif primary:
+            writer.check_fence(f"promote step {step}")
         else:
             if step in writer.visible_refs():
                 raise StepAlreadyExistsError(f"step {step} is durable under {writer.where()}")
@@ -294,29 +348,30 @@ class Promoter:
             )
         if not primary:
             return nbytes, False
-        self._await_parts(writer, loc, request.processes)
+        if not self._parts_present(writer, loc, request.processes):
+            return nbytes, False  # the next pass looks again
         writer.commit(
             loc, num_processes=request.processes, metrics=dict(marker.metrics), keep=marker.keep
         )
+        self._begun.pop(loc, None)
         return nbytes, True
 
-    def _await_parts(self, writer: CommitProtocol, loc: StepLocation, processes: int) -> None:
-        """Waits until every process's manifest part is in the durable attempt."""
+    def _parts_present(self, writer: CommitProtocol, loc: StepLocation, processes: int) -> bool:
+        """Whether every process's manifest part is in the durable attempt (one listing
+        of the prefixes of the parts); raises :class:`_PartsMissing` once the step has
+        waited ``parts_timeout_s`` since its pass began it."""
         missing = {loc.key(manifest_name(p)): manifest_name(p) for p in range(processes)}
-        deadline = time.monotonic() + self.parts_timeout_s
-        while True:  # lists only the prefixes of the parts still missing
-            for key in list_attempt(writer.storage, loc, names=missing.values()):
-                missing.pop(key, None)
-            if not missing:
-                return
-            stopping = self._stop is not None and self._stop.is_set()
-            if stopping or time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"cannot commit {loc} under {writer.where()}: the parts "
-                    f"{sorted(missing)} of other hosts are not uploaded "
-                    f"{'(stopping)' if stopping else f'within {self.parts_timeout_s:.0f}s'}"
-                )
-            time.sleep(0.1)
+        for key in list_attempt(writer.storage, loc, names=missing.values()):
+            missing.pop(key, None)
+        if not missing:
+            return True
+        if time.monotonic() - self._begun.get(loc, time.monotonic()) <= self.parts_timeout_s:
+            return False
+        self._begun.pop(loc, None)  # begun again (a new pending record) if retried
+        raise _PartsMissing(
+            f"cannot commit {loc} under {writer.where()}: the parts {sorted(missing)} of "
+            f"other hosts are not uploaded within {self.parts_timeout_s:.0f}s"
+        )
 
     def apply_retention(self, writer: CommitProtocol) -> list[int]:
         """Deletes the durable steps ``retention`` does not keep (never the newest good
@@ -342,35 +397,54 @@ class Promoter:
         wake: threading.Event | None = None,
         on_pass: Callable[[list[PromotionResult]], None] | None = None,
     ) -> None:
-        """Runs :meth:`promote_once` until ``stop`` is set, every ``interval_s``
-        seconds, when a step left alone after a failure is due again, or at once
-        when ``wake`` is set (a new local commit). A failed pass is logged and
-        retried after a back-off, whatever wakes it meanwhile."""
-        while not stop.is_set():
-            if wake is not None:
-                wake.clear()
-            try:
-                results = self.promote_once(stop=stop)
-                self.backoff.succeeded(None)
-            except CheckpointError as e:
-                delay = self.backoff.failed(None)
-                log.error(
-                    "promotion pass from %s failed (retried in %.1fs): %s",
-                    self.local.where(),
-                    delay,
-                    e,
-                )
-                if on_pass is not None:
-                    on_pass([])
-                stop.wait(delay)
-                continue
+        """Runs :meth:`promote_once` until ``stop`` is set (see :func:`watch`)."""
+        watch(self, stop, interval_s=interval_s, wake=wake, on_pass=on_pass)
+
+
+def watch(
+    promoter: Promoter,
+    stop: threading.Event,
+    *,
+    interval_s: float = 5.0,
+    wake: threading.Event | None = None,
+    on_pass: Callable[[list[PromotionResult]], None] | None = None,
+) -> None:
+    """Runs ``promoter``'s :meth:`~Promoter.promote_once` until ``stop`` is set: every
+    ``interval_s`` seconds (``PARTS_POLL_S`` while a step waits for other hosts' parts),
+    when a step left alone after a failure is due again, or at once when ``wake`` is set
+    (a new local commit). A failed pass is logged and retried after a back-off,
+    whatever wakes it meanwhile."""
+    while not stop.is_set():
+        if wake is not None:
+            wake.clear()
+        try:
+            results = promoter.promote_once(stop=stop)
+            promoter.backoff.succeeded(None)
+        except CheckpointError as e:
+            delay = promoter.backoff.failed(None)
+            log.error(
+                "promotion pass from %s failed (retried in %.1fs): %s",
+                promoter.local.where(),
+                delay,
+                e,
+            )
             if on_pass is not None:
-                on_pass(results)
-            if results and any(r.outcome == PROMOTED for r in results):
-                continue  # more may have arrived meanwhile
-            due = self.backoff.next_due_s()
-            timeout = interval_s if due is None else min(interval_s, due)
-            if wake is not None:
-                wake.wait(timeout)
-            else:
-                stop.wait(timeout)
+                on_pass([])
+            stop.wait(delay)
+            continue
+        if on_pass is not None:
+            on_pass(results)
+        if results and any(r.outcome == PROMOTED for r in results):
+            continue  # more may have arrived meanwhile
+        due = promoter.backoff.next_due_s()
+        timeout = interval_s if due is None else min(interval_s, due)
+        if any(r.outcome == PARTS_WAITING for r in results):
+            timeout = min(timeout, PARTS_POLL_S)  # the parts may be there any moment
+        if wake is not None:
+            wake.wait(timeout)
+        else:
+            stop.wait(timeout)
+
+
+class _PartsMissing(CheckpointError):
+    """The primary's promoter waited ``parts_timeout_s`` for other hosts' parts."""

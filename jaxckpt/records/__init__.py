@@ -87,7 +87,9 @@ from jaxckpt.records._requests import ARCHIVED as ARCHIVED
 from jaxckpt.records._requests import FAILED as FAILED
 from jaxckpt.records._requests import FENCED as FENCED
 from jaxckpt.records._requests import GONE as GONE
+from jaxckpt.records._requests import PARTS_WAITING as PARTS_WAITING
 from jaxckpt.records._requests import PROMOTED as PROMOTED
+from jaxckpt.records._requests import SUPERSEDED as SUPERSEDED
 from jaxckpt.records._requests import UPLOADED as UPLOADED
 from jaxckpt.records._requests import WAITING as WAITING
 from jaxckpt.records._requests import PromotionRequest as PromotionRequest
@@ -190,6 +192,7 @@ __all__ = [
     "PACKED",
     "PACK_ALIGNMENT",
     "PACK_UPLOADS",
+    "PARTS_WAITING",
     "PENDING",
     "PLAIN",
     "PLAIN_CODECS",
@@ -202,6 +205,7 @@ __all__ = [
     "S3_WRITES_PER_PREFIX_S",
     "SELF_CHECKED_VERSION",
     "SPREAD_SLOTS",
+    "SUPERSEDED",
     "TEMP_GRACE_S",
     "TIER_RECORD",
     "TRAILER_BYTES",

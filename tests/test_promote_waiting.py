@@ -1,0 +1,84 @@
+"""A multi-host step waiting for another host's part never holds up the promoter's pass.
+
+The primary's promoter used to wait for the other hosts' parts inside its pass (up to
+``parts_timeout_s``), so a host that lost its local tier (its part never comes) held
+every newer step back: on a game day the local tiers filled up meanwhile. Now a pass
+looks once and goes on; the step fails after ``parts_timeout_s`` counted across passes,
+and its request goes once a newer step is durable. Single process: the other host of a
+two-host request is simply never there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from test_promote_races import requested
+
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.lifecycle import Promoter
+from jaxckpt.records import (
+    FAILED,
+    PARTS_WAITING,
+    PROMOTED,
+    SUPERSEDED,
+    PromotionRequest,
+    new_attempt,
+    read_requests,
+    request_promotion,
+)
+
+
+def as_two_hosts(local: CommitProtocol, step: int) -> PromotionRequest:
+    """Rewrites ``step``'s request as the primary's of a two-host save (process 1's
+    part never comes)."""
+    request = read_requests(local)[step]
+    two = dataclasses.replace(
+        request, attempt=new_attempt(request.epoch), process=0, processes=2, primary=0
+    )
+    request_promotion(local, two)
+    return two
+
+
+def outcomes(results: list) -> dict[int, str]:
+    return {r.step: r.outcome for r in results}
+
+
+def test_a_step_waiting_for_parts_does_not_hold_up_an_older_one(tmp_path: Path) -> None:
+    local, durable = requested(tmp_path / "local", str(tmp_path / "durable"), [10, 20])
+    as_two_hosts(local, 20)
+    promoter = Promoter(local, durable, parts_timeout_s=600.0)
+    assert outcomes(promoter.promote_once()) == {20: PARTS_WAITING, 10: PROMOTED}
+    assert sorted(durable.committed()) == [10]
+    assert sorted(read_requests(local)) == [20]  # it waits on
+    promoter.parts_timeout_s = 0.0  # the bound is counted from the pass that began it
+    assert outcomes(promoter.promote_once()) == {20: FAILED}  # nothing newer is durable
+    assert sorted(read_requests(local)) == [20]  # retried after a back-off
+
+
+def test_a_step_whose_parts_never_come_goes_once_a_newer_one_is_durable(
+    tmp_path: Path,
+) -> None:
+    local, durable = requested(tmp_path / "local", str(tmp_path / "durable"), [10, 20])
+    as_two_hosts(local, 10)
+    promoter = Promoter(local, durable, parts_timeout_s=0.0)
+    assert outcomes(promoter.promote_once()) == {20: PROMOTED, 10: SUPERSEDED}
+    assert read_requests(local) == {}  # step 10 is no longer pinned in the local tier
+    assert sorted(durable.committed()) == [20]
+
+
+def test_another_hosts_uploaded_part_is_withdrawn_once_a_newer_step_is_durable(
+    tmp_path: Path,
+) -> None:
+    local, durable = requested(tmp_path / "local", str(tmp_path / "durable"), [10, 20])
+    request = read_requests(local)[10]
+    other = dataclasses.replace(
+        request, attempt=new_attempt(request.epoch), process=0, processes=2, primary=1
+    )
+    request_promotion(local, other)  # this host is process 0; process 1 commits
+    promoter = Promoter(local, durable)
+    assert outcomes(promoter.promote_once()) == {20: PROMOTED, 10: SUPERSEDED}
+    assert read_requests(local) == {}
+    assert sorted(durable.committed()) == [20]
+    parts = durable.storage.list("data/")
+    assert any(k.endswith(f"10.{other.attempt}/manifest/0.json") for k in parts), parts
