@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -124,6 +125,18 @@ def storage_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def object_root(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh, empty ``s3://`` or ``gs://`` root."""
     return _root(request, request.param, tmp_path)
+
+
+@pytest.fixture
+def sigint_default() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in this test, as in a terminal: a suite started in
+    the background by a shell without job control (``cmd &``, ``nohup``) inherits SIGINT
+    ignored, and a test that sends SIGINT to itself would then see nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

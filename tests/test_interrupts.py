@@ -23,6 +23,8 @@ from jaxckpt import storage as _storage
 from jaxckpt.formats import _packed as _pack
 from jaxckpt.formats import _tsio
 
+pytestmark = pytest.mark.usefixtures("sigint_default")
+
 
 @pytest.mark.parametrize("layout", ["plain", "packed"])
 def test_ctrl_c_interrupts_wait_with_on_preemption_in_the_save_policy(

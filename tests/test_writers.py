@@ -328,7 +328,7 @@ def test_an_attempt_refilled_while_collected_keeps_its_pending_record(
 # -- Ctrl-C, restores racing deletes, listing at scale --------------------------------
 
 
-@pytest.mark.usefixtures("plain_by_default")
+@pytest.mark.usefixtures("plain_by_default", "sigint_default")
 def test_close_after_ctrl_c_in_wait_commits_or_raises(
     root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
