@@ -16,7 +16,7 @@ from jaxckpt.cli._common import (
     split_source,
 )
 from jaxckpt.cli._output import ago, err, human_bytes, human_duration, print_table
-from jaxckpt.commit import CommitProtocol
+from jaxckpt.commit import TIDY_S, CommitProtocol
 from jaxckpt.errors import CheckpointError
 from jaxckpt.lifecycle import retention_decision
 from jaxckpt.records import CommitMarker, health_records
@@ -157,6 +157,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             f"step {step}: copied {human_bytes(nbytes)} in {human_duration(seconds)} "
             f"({human_bytes(nbytes / max(seconds, 1e-9))}/s{ratio})"
         )
+    dst.tidying.settle(TIDY_S)  # the copies' pending records go before this process does
     gone = f" ({len(vanished)} deleted from the source meanwhile)" if vanished else ""
     print(f"{dst.storage.uri}: {len(dst.committed())} committed steps{gone}")
     return 0

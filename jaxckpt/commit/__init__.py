@@ -24,6 +24,7 @@ from jaxckpt.commit._phases import watched as watched
 from jaxckpt.commit._protocol import CommitProtocol as CommitProtocol
 from jaxckpt.commit._readmodel import CommitReader as CommitReader
 from jaxckpt.commit._readmodel import brief as brief
+from jaxckpt.commit._tidy import TIDY_S as TIDY_S
 
 if TYPE_CHECKING:
     from jaxckpt.commit._agree import Agreement as Agreement
@@ -48,6 +49,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "PHASES",
+    "TIDY_S",
     "Agreement",
     "CommitProtocol",
     "CommitReader",

@@ -23,6 +23,9 @@ log = logging.getLogger("jaxckpt")
 
 BEFORE_DELETE_WAIT_S = 60.0
 """How long a delete of a step waits for the removal of the step's save record."""
+TIDY_S = 60.0
+"""How long a writer that ends soon after committing (``cp``, promotion) waits for the
+pending records of its committed steps to go (a daemon removal dies with the process)."""
 
 
 class Tidying:

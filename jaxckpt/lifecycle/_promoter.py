@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from jaxckpt import policy
-from jaxckpt.commit import CommitProtocol, list_attempt
+from jaxckpt.commit import TIDY_S, CommitProtocol, list_attempt
 from jaxckpt.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -42,6 +42,7 @@ from jaxckpt.errors import (
 )
 from jaxckpt.lifecycle._backoff import Backoff
 from jaxckpt.lifecycle._keep import retention_decision
+from jaxckpt.lifecycle._watch import PARTS_POLL_S, watch
 from jaxckpt.records import (
     ALREADY_DURABLE,
     FAILED,
@@ -66,8 +67,6 @@ from jaxckpt.records import (
 
 log = logging.getLogger("jaxckpt")
 
-PARTS_POLL_S = 0.2
-"""How soon the next pass looks again while the primary's step waits for other parts."""
 RETRY_BACKOFF_S = (1.0, 60.0)
 """The wait before retrying a step whose promotion failed: the first, and the longest (it
 doubles with each failure in a row, with jitter; see ``_backoff``)."""
@@ -251,6 +250,7 @@ class Promoter:
             withdraw(self.local, step)
             return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
         durable_marker = writer.read_marker(step)
+        writer.tidying.settle(TIDY_S)  # its pending record goes before a one-shot run ends
         withdraw(self.local, step)
         self._newest_durable = max(step, self._newest_durable or step)
         seconds = time.monotonic() - start
@@ -399,51 +399,6 @@ class Promoter:
     ) -> None:
         """Runs :meth:`promote_once` until ``stop`` is set (see :func:`watch`)."""
         watch(self, stop, interval_s=interval_s, wake=wake, on_pass=on_pass)
-
-
-def watch(
-    promoter: Promoter,
-    stop: threading.Event,
-    *,
-    interval_s: float = 5.0,
-    wake: threading.Event | None = None,
-    on_pass: Callable[[list[PromotionResult]], None] | None = None,
-) -> None:
-    """Runs ``promoter``'s :meth:`~Promoter.promote_once` until ``stop`` is set: every
-    ``interval_s`` seconds (``PARTS_POLL_S`` while a step waits for other hosts' parts),
-    when a step left alone after a failure is due again, or at once when ``wake`` is set
-    (a new local commit). A failed pass is logged and retried after a back-off,
-    whatever wakes it meanwhile."""
-    while not stop.is_set():
-        if wake is not None:
-            wake.clear()
-        try:
-            results = promoter.promote_once(stop=stop)
-            promoter.backoff.succeeded(None)
-        except CheckpointError as e:
-            delay = promoter.backoff.failed(None)
-            log.error(
-                "promotion pass from %s failed (retried in %.1fs): %s",
-                promoter.local.where(),
-                delay,
-                e,
-            )
-            if on_pass is not None:
-                on_pass([])
-            stop.wait(delay)
-            continue
-        if on_pass is not None:
-            on_pass(results)
-        if results and any(r.outcome == PROMOTED for r in results):
-            continue  # more may have arrived meanwhile
-        due = promoter.backoff.next_due_s()
-        timeout = interval_s if due is None else min(interval_s, due)
-        if any(r.outcome == PARTS_WAITING for r in results):
-            timeout = min(timeout, PARTS_POLL_S)  # the parts may be there any moment
-        if wake is not None:
-            wake.wait(timeout)
-        else:
-            stop.wait(timeout)
 
 
 class _PartsMissing(CheckpointError):
