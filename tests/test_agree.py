@@ -18,7 +18,7 @@ import jax
 import pytest
 from jax._src import distributed
 
-from jaxckpt.commit._agree import Agreement, AgreementTimeoutError
+from jaxckpt.commit._agree import Agreement, AgreementTimeoutError, processes
 from jaxckpt.errors import CheckpointError, StepAlreadyExistsError, StorageError
 
 
@@ -211,7 +211,7 @@ def test_a_process_that_never_arrives_times_the_gather_out_naming_it(
     results = j.run(lambda i: Agreement("root", timeout_s=0.3).gather("crc", i), only={0, 1})
     for i in (0, 1):
         assert isinstance(results[i], AgreementTimeoutError)
-        assert f"process {i}: no 'crc' from processes [2] within 0.3s" in str(results[i])
+        assert f"process {i}: no 'crc' from process 2 within 0.3s" in str(results[i])
     assert set(j.kv.timeouts_ms) == {300}
 
 
@@ -299,7 +299,7 @@ def test_settle_names_every_failing_process(job: Callable[[int], Job]) -> None:
     error = j.run(save)[0]
     assert isinstance(error, StepAlreadyExistsError)
     assert (
-        str(error) == "save of step 5 failed on process 1 (and on processes [2]): step 5 exists (1)"
+        str(error) == "save of step 5 failed on process 1 (and on process 2): step 5 exists (1)"
     )
 
 
@@ -412,9 +412,33 @@ def test_a_late_process_meets_the_outcome_the_others_timed_out_with(
         lambda i: Agreement("root", timeout_s=0.2).settle("checks", None, what="save"), only={0}
     )
     assert isinstance(first[0], AgreementTimeoutError), first
-    assert "save: process 0: no 'checks' from processes [1] within 0.2s" in str(first[0])
+    assert "save: process 0: no 'checks' from process 1 within 0.2s" in str(first[0])
     late = j.run(
         lambda i: Agreement("root", timeout_s=0.2).settle("checks", None, what="save"), only={1}
     )
     assert isinstance(late[1], AgreementTimeoutError), late
     assert j.kv.values["jaxckpt/root/open/checks.0/outcome"] == "late"
+
+
+def test_a_detached_agreement_waits_no_longer_than_its_deadline(
+    job: Callable[[int], Job],
+) -> None:
+    """A save's background agreements end by the save's deadline (``within_s``), not
+    their own timeout, so their error, naming who never came, is the one raised."""
+    j = job(3)
+    results = j.run(
+        lambda i: Agreement("root", timeout_s=60.0).detached(within_s=0.3).settle(
+            "written", None, what="save of step 2"
+        ),
+        only={0, 1},
+    )
+    for i in (0, 1):
+        assert isinstance(results[i], AgreementTimeoutError), results
+        assert "no 'written' from process 2 within" in str(results[i])
+    assert all(0 < ms <= 300 for ms in j.kv.timeouts_ms), j.kv.timeouts_ms
+
+
+def test_processes_are_named_briefly() -> None:
+    assert processes([3]) == "process 3"
+    assert processes([1, 3]) == "processes 1, 3"
+    assert processes(list(range(10)), most=3) == "10 processes (0, 1, 2, ...)"

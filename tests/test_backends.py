@@ -188,3 +188,21 @@ def test_explicit_s3_endpoint_option_without_environment(s3_server, monkeypatch)
         mgr.save(1, {"w": jnp.arange(4.0)})
     reader = jaxckpt.CheckpointManager(root, storage_options=options, read_only=True)
     np.testing.assert_array_equal(reader.restore(1)["w"], np.arange(4.0))
+
+
+def test_the_saves_own_error_is_found_under_orbaxs_wrapper() -> None:
+    """Orbax's ChainedFuture turns any TimeoutError of the background save (an agreement
+    that names the process that never came) into its own, naming nobody: the session
+    reports the error behind it."""
+    from jaxckpt.commit._agree import AgreementTimeoutError
+    from jaxckpt.saving._helpers import behind
+
+    ours = AgreementTimeoutError("no 'written' from process 1 within 6s")
+    try:
+        try:
+            raise ours
+        except TimeoutError as e:
+            raise TimeoutError("ChainedFuture completed 0/1 futures but timed out") from e
+    except TimeoutError as wrapper:
+        assert behind(wrapper, jaxckpt.CheckpointError) is ours
+        assert behind(ValueError("x"), jaxckpt.CheckpointError) is None

@@ -495,7 +495,7 @@ def test_chunk_read_in_parts_is_checked_as_a_whole(saved_local: str, tmp_path: P
     ("phase", "says"),
     [
         pytest.param(
-            "exchange_read", "no 'restore-exchange' from processes [1]", id="before-the-gather"
+            "exchange_read", "no 'restore-exchange' from process 1", id="before-the-gather"
         ),
         pytest.param("exchange_settled", "the collective did not finish", id="in-the-collective"),
     ],

@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -73,10 +74,18 @@ class Agreement:
             n = _opened[root] = _opened.get(root, -1) + 1
         return cls(f"{zlib.crc32(root.encode()):08x}.{n}", primary=primary, timeout_s=timeout_s)
 
-    def __init__(self, namespace: str, *, primary: int = 0, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        namespace: str,
+        *,
+        primary: int = 0,
+        timeout_s: float = 300.0,
+        deadline: float | None = None,
+    ) -> None:
         self._namespace = namespace
         self._primary = primary
         self._timeout_s = timeout_s
+        self._deadline = deadline  # time.monotonic(): no wait lasts past it
         self._op = "open"  # the manager's open, until its first operation
         self._depth = 0
         self._counter = itertools.count()
@@ -104,12 +113,20 @@ class Agreement:
         finally:
             self._depth = 0
 
-    def detached(self) -> Agreement:
+    def detached(self, within_s: float | None = None) -> Agreement:
         """An agreement for another thread's part of the current operation (a save's
         background write): its keys stay the same whatever this one does meanwhile.
-        Hand it to :meth:`forget` once every process is past it."""
+        Hand it to :meth:`forget` once every process is past it.
+
+        ``within_s``: no wait of it lasts past this many seconds from now (a save's
+        deadline, so that its own timeout, which names the processes that never
+        came, fires before the bound of whoever waits for the whole save).
+        """
         return Agreement(
-            f"{self._namespace}/{self._op}-bg", primary=self._primary, timeout_s=self._timeout_s
+            f"{self._namespace}/{self._op}-bg",
+            primary=self._primary,
+            timeout_s=self._timeout_s,
+            deadline=None if within_s is None else time.monotonic() + within_s,
         )
 
     def forget(self, detached: Agreement) -> None:
@@ -154,7 +171,7 @@ class Agreement:
         found = self._exchange(name, value)
         missing = [p for p in range(jax.process_count()) if p not in found]
         if missing:  # every process sets its key before the barrier
-            raise CheckpointError(f"no {name!r} from processes {missing} after the barrier")
+            raise CheckpointError(f"no {name!r} from {processes(missing)} after the barrier")
         return [found[p] for p in range(jax.process_count())]
 
     def reports(self, name: str, report: Any) -> dict[int, Any]:
@@ -278,7 +295,7 @@ class Agreement:
                 return found
             missing = sorted(set(range(jax.process_count())) - {_index(k) for k, _ in keys})
             raise AgreementTimeoutError(
-                f"process {me}: no {name!r} from processes {missing} within "
+                f"process {me}: no {name!r} from {processes(missing)} within "
                 f"{self._timeout_s:g}s (failed, stalled or died: see their logs): {e}"
             ) from e
         if not met:  # a process reported: every process reads the reports
@@ -359,7 +376,10 @@ class Agreement:
 
     @property
     def _timeout_ms(self) -> int:
-        return int(self._timeout_s * 1000)
+        wait_s = self._timeout_s
+        if self._deadline is not None:
+            wait_s = min(wait_s, self._deadline - time.monotonic())
+        return max(1, int(wait_s * 1000))
 
     def _client(self) -> Any:
         from jax._src import distributed
@@ -389,5 +409,15 @@ def failure(failed: dict[int, Any], what: str, *, first: int | None = None) -> C
     if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
         cls, message = CheckpointError, f"{kind}: {message}"
     others = sorted(set(failed) - {first})
-    also = f" (and on processes {others})" if others else ""
+    also = f" (and on {processes(others)})" if others else ""
     return cls(f"{what} failed on process {first}{also}: {message}")
+
+
+def processes(indices: list[int], *, most: int = 8) -> str:
+    """``process 3``, ``processes 1, 3`` or, past ``most``, ``12 processes (1, 3, ...)``."""
+    if len(indices) == 1:
+        return f"process {indices[0]}"
+    shown = ", ".join(map(str, indices[:most]))
+    if len(indices) <= most:
+        return f"processes {shown}"
+    return f"{len(indices)} processes ({shown}, ...)"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import tempfile
 import threading
@@ -272,11 +273,14 @@ def make_checkpointer(
     """
     install_log_filter()
     checkpointer = ocp.AsyncCheckpointer if meetings is None else meeting_checkpointer(meetings)
+    # Orbax's bound on the background save is a backstop: the save's own waits end by
+    # its deadline (see Agreement.detached) with an error naming who never came.
+    backstop_s = math.ceil(timeout_s + min(5.0, max(1.0, 0.1 * timeout_s)))
     return checkpointer(
         ZarrHandler(session, primary_host=primary_host, per_host=per_host, writer_nice=writer_nice),
-        timeout_secs=max(1, int(timeout_s)),
+        timeout_secs=backstop_s,
         async_options=ocp.options.AsyncOptions(
-            timeout_secs=max(1, int(timeout_s)),
+            timeout_secs=backstop_s,
             create_directories_asynchronously=False,
             barrier_sync_fn=_already_met,
         ),

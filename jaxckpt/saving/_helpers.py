@@ -7,7 +7,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from jaxckpt import _pools
 from jaxckpt.commit import CommitProtocol, Listing
@@ -24,6 +24,7 @@ from jaxckpt.records import (
 )
 
 log = logging.getLogger("jaxckpt")
+_E = TypeVar("_E", bound=BaseException)
 
 
 def tree_record(step: int, leaves: Sequence[SavedLeaf], metadata: Any, state: Any) -> bytes:
@@ -43,10 +44,16 @@ def tree_record(step: int, leaves: Sequence[SavedLeaf], metadata: Any, state: An
 
 def fence_error(e: BaseException) -> WriterFencedError | None:
     """The WriterFencedError behind ``e`` (Orbax wraps background errors), if any."""
+    return behind(e, WriterFencedError)
+
+
+def behind(e: BaseException, cls: type[_E]) -> _E | None:
+    """The first ``cls`` in ``e``'s chain of causes, ``e`` included, if any (Orbax wraps
+    a background error: a ChainedFuture turns any TimeoutError into its own)."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
-        if isinstance(cur, WriterFencedError):
+        if isinstance(cur, cls):
             return cur
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__

@@ -47,9 +47,7 @@ from jaxckpt.records import (
     withdraw,
 )
 from jaxckpt.saving import _atexit, _handler
-from jaxckpt.saving._helpers import (
-    fence_error,
-)
+from jaxckpt.saving._helpers import behind, fence_error
 from jaxckpt.saving._meet import Meetings
 from jaxckpt.saving._stepwrite import Inflight, StepWrite, prepare_step
 from jaxckpt.saving._telemetry import SaveRecorder
@@ -191,7 +189,7 @@ class SaveSession:
                 request=promotion,
                 listing=listing,
                 announced=announced,
-                agreement=self._agreement.detached(),
+                agreement=self._agreement.detached(within_s=self._options.save_timeout_s),
                 process_state=own_state,
             )
         )
@@ -265,21 +263,22 @@ class SaveSession:
         except Exception as e:
             self._raise_failed(e)
 
-    def _raise_failed(self, e: Exception) -> NoReturn:
+    def _raise_failed(self, error: Exception) -> NoReturn:
         inflight = self.end(failed=True)
         step = inflight.step if inflight else None
-        fenced = fence_error(e) or self._fenced_now(step)
+        fenced = fence_error(error) or self._fenced_now(step)
         if fenced is not None:
             self.fenced = fenced
-            raise fenced from e
+            raise fenced from error
+        e = behind(error, CheckpointError) or error  # ours, under Orbax's wrapper
         if isinstance(e, TimeoutError):
             raise SaveTimeoutError(
                 f"save of step {step} under {self._root} did not commit within "
                 f"{self._options.save_timeout_s:.0f}s: {e}"
-            ) from e
+            ) from error
         raise SaveFailedError(
             f"background save of step {step} under {self._root} failed: {e}"
-        ) from e
+        ) from error
 
     def _fenced_now(self, step: int | None) -> WriterFencedError | None:
         """A newer writer took over (its garbage collection may be why a save failed)."""
