@@ -213,14 +213,20 @@ class Job:
             log.close()
             self.procs.append(proc)
             assert proc.stdout is not None
-            threading.Thread(target=self._read, args=(i, proc.stdout), daemon=True).start()
+            events = logs / f"{tag}-{i}.events"  # the timeline, kept with --keep
+            threading.Thread(target=self._read, args=(i, proc.stdout, events), daemon=True).start()
         self.open = n
 
-    def _read(self, i: int, stream: TextIO) -> None:
-        for line in stream:
-            words = line.split()
-            if words[:1] == ["EV"]:
-                self.events.put((i, words[1:]))
+    def _read(self, i: int, stream: TextIO, events: Path) -> None:
+        with events.open("w") as kept:
+            stepped = False
+            for line in stream:
+                words = line.split()
+                if words[:1] == ["EV"] and line.endswith("\n"):  # not a line torn by a kill
+                    if words[2:3] != ["STEP"] or not stepped:  # the run's first step only
+                        kept.write(line)
+                        stepped = stepped or words[2:3] == ["STEP"]
+                    self.events.put((i, words[1:]))
         self.events.put((i, None))
 
     def signal(self, sig: int, process: int | None = None) -> None:
@@ -452,7 +458,7 @@ class Day:
                     run["restored"], run["tier"] = int(words[2]), words[3]
                 elif what == "FRESH" and i == 0:
                     run["restored"], run["tier"] = 0, "fresh"
-                elif what == "STEP":
+                elif what == "STEP" and len(words) == 4:  # whole (a kill may tear one)
                     step, crc = int(words[2]), words[3]
                     self.check_data(i, step, crc)
                     if i == 0:

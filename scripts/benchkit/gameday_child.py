@@ -20,9 +20,11 @@ each), fed by a ``grain.DataLoader`` sharded by JAX process. Contenders:
   parameters every other run is compared with.
 
 It prints one event per line on stdout, ``EV <unix time> <what> ...``: ``START``,
-``RESTORED <step> <tier>`` or ``FRESH``, ``STEP <step> <crc32 of this process's
-batch>``, ``PREEMPTED <step>`` (saved and exiting) and ``DONE <step> <sha256 of the
-state>``. The supervisor derives goodput, lost steps and wrong data from these alone.
+``JOINED`` (imports, the distributed group), ``BUILT`` (the model), ``OPENED`` (the
+checkpoint manager), ``RESTORED <step> <tier>`` or ``FRESH``, ``STEP <step> <crc32 of
+this process's batch>``, ``PREEMPTED <step>`` (saved and exiting) and ``DONE <step>
+<sha256 of the state>``. The supervisor derives goodput, lost steps and wrong data from
+these alone, and keeps each process's startup timeline (``logs/<run>-<i>.events``).
 """
 
 from __future__ import annotations
@@ -284,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    say("JOINED")  # imports and the distributed group
+
     mesh = Mesh(np.array(jax.devices()), ("data",))
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     init, step_fn = build(args.seed)
@@ -292,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract
     )
     data = iter(make_loader(args.seed, args.batch))
+    say("BUILT")
     contender = CONTENDERS[args.contender](args)
+    say("OPENED")
     state = contender.restore(target, data)
     if state is None:
         state = jax.jit(init, out_shardings=replicated)()
