@@ -298,9 +298,7 @@ def test_settle_names_every_failing_process(job: Callable[[int], Job]) -> None:
 
     error = j.run(save)[0]
     assert isinstance(error, StepAlreadyExistsError)
-    assert (
-        str(error) == "save of step 5 failed on process 1 (and on process 2): step 5 exists (1)"
-    )
+    assert str(error) == "save of step 5 failed on process 1 (and on process 2): step 5 exists (1)"
 
 
 def test_operations_meet_again_after_processes_failed_at_different_points(
@@ -427,8 +425,10 @@ def test_a_detached_agreement_waits_no_longer_than_its_deadline(
     their own timeout, so their error, naming who never came, is the one raised."""
     j = job(3)
     results = j.run(
-        lambda i: Agreement("root", timeout_s=60.0).detached(within_s=0.3).settle(
-            "written", None, what="save of step 2"
+        lambda i: (
+            Agreement("root", timeout_s=60.0)
+            .detached(within_s=0.3)
+            .settle("written", None, what="save of step 2")
         ),
         only={0, 1},
     )
