@@ -11,6 +11,7 @@ two-host request is simply never there.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 from test_promote_races import requested
@@ -82,3 +83,42 @@ def test_another_hosts_uploaded_part_is_withdrawn_once_a_newer_step_is_durable(
     assert sorted(durable.committed()) == [20]
     parts = durable.storage.list("data/")
     assert any(k.endswith(f"10.{other.attempt}/manifest/0.json") for k in parts), parts
+
+
+def restarted(local: CommitProtocol, request: PromotionRequest) -> PromotionRequest:
+    """``request`` as a restarted job's open leaves it: restamped into the next epoch
+    (a new attempt id, the same on every host)."""
+    again = request.restamped(request.epoch + 1, time.time())
+    request_promotion(local, again)
+    return again
+
+
+def test_the_parts_bound_counts_from_the_first_attempt_across_restarts(tmp_path: Path) -> None:
+    """A job restarted more often than ``parts_timeout_s`` restamps its requests each
+    time: a step whose parts never come still fails (it used to wait for ever, pinned
+    in the local tier and its part uploaded again under each new attempt)."""
+    local, durable = requested(tmp_path / "local", str(tmp_path / "durable"), [10])
+    first = as_two_hosts(local, 10)
+    promoter = Promoter(local, durable, parts_timeout_s=600.0)
+    assert outcomes(promoter.promote_once()) == {10: PARTS_WAITING}
+    time.sleep(0.2)
+    restarted(local, first)
+    promoter.parts_timeout_s = 0.1  # passed since the first attempt, not since the second
+    assert outcomes(promoter.promote_once()) == {10: FAILED}
+
+
+def test_a_superseded_step_restamped_since_it_was_begun_goes_without_another_upload(
+    tmp_path: Path,
+) -> None:
+    """The other hosts uploaded their parts into the old attempt and withdrew their
+    requests (superseded): the primary's part goes nowhere new, and the step is unpinned."""
+    local, durable = requested(tmp_path / "local", str(tmp_path / "durable"), [10, 20])
+    first = as_two_hosts(local, 10)
+    promoter = Promoter(local, durable, parts_timeout_s=600.0)
+    assert outcomes(promoter.promote_once()) == {20: PROMOTED, 10: PARTS_WAITING}
+    again = restarted(local, first)
+    assert outcomes(promoter.promote_once()) == {10: SUPERSEDED}
+    assert read_requests(local) == {}
+    parts = durable.storage.list("data/")
+    assert any(first.attempt in k for k in parts), parts  # begun once
+    assert not any(again.attempt in k for k in parts), parts  # and never again

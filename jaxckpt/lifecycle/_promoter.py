@@ -85,11 +85,15 @@ class Promoter:
         request's epoch (fence-checked before each deletion).
       on_result: called with every result (telemetry, metrics).
       parts_timeout_s: multi-host, the primary's promoter: how long a step may
-        wait for the other hosts' parts, counted from the pass that began it.
+        wait for the other hosts' parts, counted from the pass that first began
+        it, in any attempt (a restart restamps a request into its new epoch).
         A pass never waits: a step whose parts are missing is looked at again
         by the next pass, so newer steps are not held up behind it. Past the
         bound it fails (retried after a back-off), or, once a newer step is
         durable, its request is dropped (a host lost its copy: it never comes).
+        A step that a newer durable one supersedes is dropped at once when its
+        request was restamped since it was begun: the other hosts uploaded their
+        parts into the old attempt and withdrew their requests.
       backoff_s: a step whose promotion failed (the store failed; its request
         stays) is left alone for ``backoff_s[0]`` seconds, doubling with each
         failure in a row up to ``backoff_s[1]``, with jitter: passes in between
@@ -115,7 +119,8 @@ class Promoter:
         self._on_result = on_result
         self._warned_fenced: set[int] = set()
         self._stop: threading.Event | None = None
-        self._begun: dict[StepLocation, float] = {}  # the primary's, waiting for parts
+        self._begun: set[StepLocation] = set()  # the primary's attempts begun, waiting for parts
+        self._waiting: dict[int, float] = {}  # since when each of those steps waits (any attempt)
         self._newest_durable: int | None = None  # as of this pass's listing
         self.backoff = Backoff(first_s=backoff_s[0], longest_s=backoff_s[1])
         """The steps left alone after a failure (and, as ``None``, failed passes)."""
@@ -141,7 +146,8 @@ class Promoter:
             else:
                 todo.append(request)
         waiting = {r.step for r in todo}
-        self._begun = {loc: t for loc, t in self._begun.items() if loc.step in waiting}
+        self._begun = {loc for loc in self._begun if loc.step in waiting}
+        self._waiting = {step: t for step, t in self._waiting.items() if step in waiting}
         return sorted(todo, key=lambda r: r.step, reverse=True)
 
     def promote_once(self, *, stop: threading.Event | None = None) -> list[PromotionResult]:
@@ -333,8 +339,15 @@ class Promoter:
         loc = StepLocation(step, request.attempt)
         primary = request.process == request.primary
         if primary and loc not in self._begun:
+            if self._superseded(request) and step in self._waiting:
+                self._forget(step)
+                raise _PartsMissing(
+                    f"step {step} was restamped into {loc.attempt} since it was begun: the "
+                    "other hosts' parts went to the old attempt"
+                )
             writer.begin_save(loc)  # raises if durable already or fenced
-            self._begun[loc] = time.monotonic()
+            self._begun.add(loc)
+            self._waiting.setdefault(step, time.monotonic())
         elif primary:
             writer.check_fence(f"promote step {step}")
         else:
@@ -353,8 +366,13 @@ class Promoter:
         writer.commit(
             loc, num_processes=request.processes, metrics=dict(marker.metrics), keep=marker.keep
         )
-        self._begun.pop(loc, None)
+        self._forget(step)
         return nbytes, True
+
+    def _forget(self, step: int) -> None:
+        """``step`` no longer waits for parts (committed, dropped or timed out)."""
+        self._begun = {loc for loc in self._begun if loc.step != step}
+        self._waiting.pop(step, None)
 
     def _parts_present(self, writer: CommitProtocol, loc: StepLocation, processes: int) -> bool:
         """Whether every process's manifest part is in the durable attempt (one listing
@@ -365,9 +383,9 @@ class Promoter:
             missing.pop(key, None)
         if not missing:
             return True
-        if time.monotonic() - self._begun.get(loc, time.monotonic()) <= self.parts_timeout_s:
+        if time.monotonic() - self._waiting.get(loc.step, time.monotonic()) <= self.parts_timeout_s:
             return False
-        self._begun.pop(loc, None)  # begun again (a new pending record) if retried
+        self._forget(loc.step)  # begun again (a new pending record) if retried
         raise _PartsMissing(
             f"cannot commit {loc} under {writer.where()}: the parts {sorted(missing)} of "
             f"other hosts are not uploaded within {self.parts_timeout_s:.0f}s"
