@@ -119,8 +119,9 @@ class Promoter:
         self._on_result = on_result
         self._warned_fenced: set[int] = set()
         self._stop: threading.Event | None = None
-        self._begun: set[StepLocation] = set()  # the primary's attempts begun, waiting for parts
-        self._waiting: dict[int, float] = {}  # since when each of those steps waits (any attempt)
+        self._waiting: dict[int, tuple[StepLocation, float]] = {}
+        """The primary's steps waiting for parts: the attempt begun last, and since when
+        the step waits (its first attempt)."""
         self._newest_durable: int | None = None  # as of this pass's listing
         self.backoff = Backoff(first_s=backoff_s[0], longest_s=backoff_s[1])
         """The steps left alone after a failure (and, as ``None``, failed passes)."""
@@ -146,8 +147,7 @@ class Promoter:
             else:
                 todo.append(request)
         waiting = {r.step for r in todo}
-        self._begun = {loc for loc in self._begun if loc.step in waiting}
-        self._waiting = {step: t for step, t in self._waiting.items() if step in waiting}
+        self._waiting = {step: w for step, w in self._waiting.items() if step in waiting}
         return sorted(todo, key=lambda r: r.step, reverse=True)
 
     def promote_once(self, *, stop: threading.Event | None = None) -> list[PromotionResult]:
@@ -338,16 +338,16 @@ class Promoter:
         step = request.step
         loc = StepLocation(step, request.attempt)
         primary = request.process == request.primary
-        if primary and loc not in self._begun:
-            if self._superseded(request) and step in self._waiting:
-                self._forget(step)
+        begun = self._waiting.get(step)
+        if primary and (begun is None or begun[0] != loc):
+            if begun is not None and self._superseded(request):
+                del self._waiting[step]
                 raise _PartsMissing(
                     f"step {step} was restamped into {loc.attempt} since it was begun: the "
                     "other hosts' parts went to the old attempt"
                 )
             writer.begin_save(loc)  # raises if durable already or fenced
-            self._begun.add(loc)
-            self._waiting.setdefault(step, time.monotonic())
+            self._waiting[step] = (loc, time.monotonic() if begun is None else begun[1])
         elif primary:
             writer.check_fence(f"promote step {step}")
         else:
@@ -366,13 +366,8 @@ class Promoter:
         writer.commit(
             loc, num_processes=request.processes, metrics=dict(marker.metrics), keep=marker.keep
         )
-        self._forget(step)
-        return nbytes, True
-
-    def _forget(self, step: int) -> None:
-        """``step`` no longer waits for parts (committed, dropped or timed out)."""
-        self._begun = {loc for loc in self._begun if loc.step != step}
         self._waiting.pop(step, None)
+        return nbytes, True
 
     def _parts_present(self, writer: CommitProtocol, loc: StepLocation, processes: int) -> bool:
         """Whether every process's manifest part is in the durable attempt (one listing
@@ -383,9 +378,10 @@ class Promoter:
             missing.pop(key, None)
         if not missing:
             return True
-        if time.monotonic() - self._waiting.get(loc.step, time.monotonic()) <= self.parts_timeout_s:
+        _, since = self._waiting.get(loc.step, (loc, time.monotonic()))
+        if time.monotonic() - since <= self.parts_timeout_s:
             return False
-        self._forget(loc.step)  # begun again (a new pending record) if retried
+        self._waiting.pop(loc.step, None)  # begun again (a new pending record) if retried
         raise _PartsMissing(
             f"cannot commit {loc} under {writer.where()}: the parts {sorted(missing)} of "
             f"other hosts are not uploaded within {self.parts_timeout_s:.0f}s"
