@@ -164,6 +164,11 @@ class CheckpointOptions:
       local_root: a fast local tier (e.g. a path on local NVMe): saves commit
         there, and the steps ``promote_policy`` chooses are promoted to the
         manager's root, the durable tier. None: saves go to the root.
+      durable_wait_s: with a local tier, how long opening waits for the durable
+        root (its writer epoch). If it has not answered by then (an outage, a storm
+        of 503s), the job trains from the local tier meanwhile: a restore takes the
+        newest step every host holds locally, and promotion resumes once the epoch
+        is taken in the background (README "Tiers").
       promote_policy: which locally committed steps become durable (a save
         policy, e.g. ``EveryNSteps(1000) | OnPreemption()``); None: every one.
       local_retention: retention of the local tier (``retention`` is the
@@ -259,6 +264,7 @@ class CheckpointOptions:
     primary_host: int = 0
     layout: str = "packed"
     local_root: str | None = None
+    durable_wait_s: float = 10.0
     promote_policy: SavePolicy | None = None
     local_retention: RetentionPolicy | None = None
     promotion: str = "background"
@@ -285,6 +291,8 @@ class CheckpointOptions:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
+        if not self.durable_wait_s >= 0:
+            raise ValueError(f"durable_wait_s must be non-negative, got {self.durable_wait_s}")
         if not self.gc_grace_s >= 0:  # NaN too; infinity keeps every attempt of the epoch
             raise ValueError(f"gc_grace_s must be non-negative, got {self.gc_grace_s}")
         if self.max_object_bytes < MIN_OBJECT_BYTES:

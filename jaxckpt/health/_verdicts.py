@@ -94,6 +94,10 @@ class Health:
       selection: the manager's restore selection (its steps, its replaceable set).
       agreement: the manager's.
       options: ``health`` and ``crash_loop_limit``; ``read_only`` writes nothing.
+
+    While the durable root has not answered since the open (the primary's view; see
+    :mod:`jaxckpt.tiers._durablejoin`) the records are skipped (unknown health is good
+    health), said once.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class Health:
         options: CheckpointOptions,
     ) -> None:
         self._storage = storage
+        self._answers = selection.tiers[-1].answers  # see tiers._durablejoin
         self._select = selection
         self._agreement = agreement
         self._policy = None if options.health is None else policy.health_from(options.health)
@@ -128,13 +133,14 @@ class Health:
         """The step last committed here or restored (where ``rollback`` goes back from)."""
         self.failures = 0
         """Records that could not be read or written (each logged)."""
+        self._said_skipped = False
 
     # -- saves -------------------------------------------------------------------
 
     def committed(self, marker: CommitMarker) -> None:
         """A commit of this process (a session listener): judge it, note progress."""
         self.position = marker.step  # the primary's is agreed by rollback
-        if not self._writes:
+        if not self._writes or self._skipped(f"the health of step {marker.step}"):
             return
         try:
             self._judge(marker)
@@ -217,7 +223,9 @@ class Health:
         marks: dict[int, _health.MarkKey] = {}
         if restoring:
             self._recording = self._writes and self._limit is not None and self._run is None
-        if self._primary:
+        if restoring and not self._answers():
+            self._recording = False  # no run record: this run counts toward no crash loop
+        if self._primary and not self._skipped("the health marks"):
             try:
                 keys = self._storage.list(_health.HEALTH)  # marks and runs: one listing
                 marks = _health.newest_marks(keys)
@@ -355,6 +363,20 @@ class Health:
                 _health.write_mark(self._storage, _health.mark_now(s, False, reason, "rollback"))
             except Exception as e:
                 self._failed(f"the rollback mark of step {s}", e)
+
+    def _skipped(self, what: str) -> bool:
+        """True (said once per manager) while the durable root does not answer."""
+        if self._answers():
+            return False
+        if not self._said_skipped:
+            self._said_skipped = True
+            log.warning(
+                "durable root %s does not answer yet: %s and the other health records are "
+                "skipped until it does",
+                self._storage.uri,
+                what,
+            )
+        return True
 
     def _failed(self, what: str, e: Exception) -> None:
         self.failures += 1

@@ -116,7 +116,7 @@ class RunLedger:
         """Joins the opened manager's parts and starts writing (a writable manager)."""
         durable = parts._tiers[-1]
         epoch = durable.protocol.epoch
-        if not self._on or epoch is None:
+        if not self._on or (epoch is None and not durable.deferred):
             return
         import jax
 
@@ -146,6 +146,7 @@ class RunLedger:
             parts._promotion.on_result = self._promoted
         parts._retention.on_deleted = self._deleted
         parts._session.listen(self)
+        durable.on_adopt(writer.adopt)  # deferred: the events wait for the epoch
         self._writer = writer
         publisher: Any = getattr(parts, "_publisher", None)
         if hasattr(publisher, "on_result"):  # publishes weights (results so far come now)
@@ -354,9 +355,11 @@ def _at_exit() -> None:
 
 def _where_restored(tiers: Sequence[Tier], step: int) -> tuple[str | None, int | None, int]:
     """The tier ``step`` was restored from (the nearest holding it), the newest step of
-    any tier, and the step's bytes: each tier's newest marker (one GET each, usually)."""
+    any tier, and the step's bytes: each tier's newest marker (one GET each, usually).
+    A durable root that has not answered at the open is not asked."""
     newest: int | None = None
     found: tuple[str, int] | None = None
+    tiers = [t for t in tiers if not t.deferred]
     for tier in tiers:
         marker = tier.latest()
         if marker is None:
@@ -376,6 +379,8 @@ def _lost_steps(durable: Tier, writer: LedgerWriter, step: int) -> int | None:
     """The previous run's reached step minus ``step``, from its primary's last ledger
     objects (a listing and a GET or two), or None when unknown."""
     epoch, primary = writer.epoch, writer.process
+    if epoch is None:  # the durable root has not answered yet
+        return None
     try:
         keys = durable.storage.list(f"ledger/{epoch - 1:012d}/{primary:06d}/")
         for key in reversed(keys[-3:]):

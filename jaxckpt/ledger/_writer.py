@@ -48,7 +48,9 @@ class LedgerWriter:
 
     Args:
       storage: the durable root's storage.
-      epoch: the run's writer epoch (every process of the run has the same).
+      epoch: the run's writer epoch (every process of the run has the same); None:
+        not known yet (the durable root joins in the background): events are kept
+        until :meth:`adopt`.
       process, processes: this process's index and the job's process count.
       interval_s: the longest a flushed event waits (and the shortest time between
         two flushes of the background thread).
@@ -59,7 +61,7 @@ class LedgerWriter:
         self,
         storage: Storage,
         *,
-        epoch: int,
+        epoch: int | None,
         process: int,
         processes: int,
         interval_s: float,
@@ -85,8 +87,12 @@ class LedgerWriter:
         """Ledger objects written."""
 
     @property
-    def epoch(self) -> int:
+    def epoch(self) -> int | None:
         return self._epoch
+
+    def adopt(self, epoch: int) -> None:
+        """The run's epoch, learned after the open: what was kept is written from now on."""
+        self._epoch = epoch
 
     @property
     def process(self) -> int:
@@ -94,6 +100,8 @@ class LedgerWriter:
 
     @property
     def where(self) -> str:
+        if self._epoch is None:
+            return f"{self._storage.uri}/ledger/ (no epoch yet)"
         return f"{self._storage.uri}/{ledger_key(self._epoch, self._process, self._seq)}"
 
     def start(self) -> None:
@@ -128,6 +136,8 @@ class LedgerWriter:
                 self._before_flush()
             except Exception:  # pragma: no cover - a bug, said; the flush goes on
                 log.exception("ledger: collecting events failed")
+        if self._epoch is None:  # no epoch to write under yet: kept (bounded) until then
+            return
         if not self._flushing.acquire(timeout=timeout_s):
             log.warning("ledger %s: a flush is still under way; not flushed", self.where)
             return
@@ -164,14 +174,16 @@ class LedgerWriter:
             self._flushing.release()
 
     def _write(self, batch: list[dict[str, Any]]) -> bool:
+        epoch = self._epoch
+        assert epoch is not None  # flush() writes nothing before
         obj = LedgerObject(
-            epoch=self._epoch,
+            epoch=epoch,
             process=self._process,
             seq=self._seq,
             processes=self._processes,
             events=tuple(batch),
         )
-        key = ledger_key(self._epoch, self._process, self._seq)
+        key = ledger_key(epoch, self._process, self._seq)
         try:
             self._storage.write(key, obj.to_bytes())
         except Exception as e:  # the ledger never fails the training job

@@ -52,6 +52,7 @@ from jaxckpt.records import (
     PENDING,
     PROMOTED,
     SUPERSEDED,
+    UNSTAMPED,
     UPLOADED,
     WAITING,
     CommitMarker,
@@ -137,11 +138,14 @@ class Promoter:
 
         Requests of durable steps are removed (a multi-host part whose step
         another host's promoter committed, a promoter killed after the marker).
+        Unstamped ones (their job has no durable epoch yet) wait for their stamp.
         """
         durable = self.durable.visible_refs()
         self._newest_durable = max(durable, default=None)
         todo = []
         for step, request in read_requests(self.local).items():
+            if request.epoch == UNSTAMPED and self.epoch is None:
+                continue
             if step in durable:
                 withdraw(self.local, step)
             else:

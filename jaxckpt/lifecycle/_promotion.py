@@ -37,6 +37,7 @@ from jaxckpt.records import (
     FAILED,
     FENCED,
     PROMOTED,
+    UNSTAMPED,
     CommitMarker,
     PromotionRequest,
     PromotionResult,
@@ -120,6 +121,7 @@ class Promotion:
         interval_s: float = 5.0,
     ) -> None:
         self.local, self.durable = local.protocol, durable.protocol
+        self._tier = durable
         self.uri = durable.uri
         self._agreement = agreement
         self._mode = promotion
@@ -143,11 +145,12 @@ class Promotion:
         self._writes = not read_only
         self.on_result: Callable[[PromotionResult], None] | None = None
         """Told each result of the background promoter (the ledger)."""
-        if self._writes:
+        if self._writes and not durable.deferred:
             self._restamp()
 
     def _restamp(self) -> None:
-        """Requests of an earlier run (its epoch is fenced now) are taken over by this one."""
+        """Requests of an earlier run (its epoch is fenced now), and those written before
+        this run learned its epoch (unstamped), are taken over by this one."""
         epoch = self.durable.epoch
         assert epoch is not None
         for request in read_requests(self.local).values():
@@ -190,13 +193,22 @@ class Promotion:
         The request is written with the save, before the local marker, so a
         trainer killed right after its local commit loses nothing.
         """
-        if not self._agreement.agree("promote", self._chosen(step)):
+        if not self._tier.deferred:
+            chosen = self._agreement.agree("promote", self._chosen(step))
+        else:  # the primary says when the durable epoch is taken: every host adopts it here
+            chosen, learned = self._agreement.agree(
+                "promote", [self._chosen(step), self._tier.learned()]
+            )
+            if learned is not None:
+                self._tier.adopt(learned)
+                if self._writes:
+                    self._restamp()
+        if not chosen:
             return None
+        epoch = UNSTAMPED if self.durable.epoch is None else self.durable.epoch
         attempt = None
         if self._processes > 1:  # every host uploads its part into this durable attempt
-            assert self.durable.epoch is not None
-            attempt = self._agreement.agree("durable-attempt", new_attempt(self.durable.epoch))
-        assert self.durable.epoch is not None
+            attempt = self._agreement.agree("durable-attempt", new_attempt(epoch))
         with self._lock:
             self._last_requested = step
             self._last_request_time = time.monotonic()
@@ -204,7 +216,7 @@ class Promotion:
             self._asked.add(step)
         return PromotionRequest(
             step=step,
-            epoch=self.durable.epoch,
+            epoch=epoch,
             requested=time.time(),
             saved=time.time(),
             attempt=attempt,
@@ -271,8 +283,9 @@ class Promotion:
             )
 
     def pending_steps(self) -> set[int]:
-        """Requested steps not durable yet (local retention must keep them)."""
-        durable = self.durable.visible_refs()
+        """Requested steps not durable yet (local retention must keep them; every one while
+        the durable root has not answered)."""
+        durable = {} if self._tier.deferred else self.durable.visible_refs()
         return {s for s in read_requests(self.local) if s not in durable}
 
     def withdraw(self, step: int) -> None:
@@ -348,13 +361,16 @@ class Promotion:
             delay = min(delay * 2, 0.5)
 
     def close(self, timeout_s: float) -> None:
-        """Background: waits up to ``timeout_s`` for requested steps, then stops."""
+        """Background: waits up to ``timeout_s`` for requested steps, then stops (not for a
+        durable root that has not answered since the open: they stay requested)."""
+        self._tier.stop_joining()
         if self._thread is None:
             return
         deadline = time.monotonic() + timeout_s
         delay = 0.05
+        deferred = self._tier.deferred
         try:
-            while (left := self.pending_steps()) and time.monotonic() < deadline:
+            while (left := self.pending_steps()) and not deferred and time.monotonic() < deadline:
                 with self._lock:
                     fenced = any(self._errors.get(s, ("",))[0] == FENCED for s in left)
                 if fenced:
@@ -363,7 +379,7 @@ class Promotion:
                 time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
                 delay = min(delay * 2, 1.0)
             try:  # drops the requests of durable steps (another host's promoter committed)
-                if self._promoter is not None:
+                if self._promoter is not None and not deferred:
                     self._promoter.pending()
             except CheckpointError as e:
                 log.warning("promotion requests under %s kept: %s", self.local.where(), e)

@@ -90,6 +90,7 @@ from jaxckpt.records._requests import GONE as GONE
 from jaxckpt.records._requests import PARTS_WAITING as PARTS_WAITING
 from jaxckpt.records._requests import PROMOTED as PROMOTED
 from jaxckpt.records._requests import SUPERSEDED as SUPERSEDED
+from jaxckpt.records._requests import UNSTAMPED as UNSTAMPED
 from jaxckpt.records._requests import UPLOADED as UPLOADED
 from jaxckpt.records._requests import WAITING as WAITING
 from jaxckpt.records._requests import PromotionRequest as PromotionRequest
@@ -210,6 +211,7 @@ __all__ = [
     "TIER_RECORD",
     "TRAILER_BYTES",
     "TREE_FILE",
+    "UNSTAMPED",
     "UPLOADED",
     "WAITING",
     "WRITERS",

@@ -31,6 +31,11 @@ FENCED = "fenced"
 FAILED = "failed"
 ARCHIVED = "archived"
 
+UNSTAMPED = 0
+"""The epoch of a request written before its job learned the durable root's writer epoch
+(epochs start at 1; the durable root was in an outage when the job opened): no
+promoter copies it until the job stamps it with the epoch."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class PromotionRequest:
@@ -44,7 +49,7 @@ class PromotionRequest:
     Attributes:
       step: the step committed on the local tier.
       epoch: the durable root's writer epoch of the job that asked; the copy is
-        committed in that epoch.
+        committed in that epoch (:data:`UNSTAMPED`: not known yet, left alone).
       requested: wall-clock time the request was written.
       saved: wall-clock time the save of the step started (for time-to-durable).
       attempt: multi-host: the durable attempt every host uploads its part

@@ -179,8 +179,10 @@ class Selection:
 
     def latest(self) -> int | None:
         """The newest committed step of any tier, or None (collective; newest markers only)."""
-        newest = [t.newest(self._agreement, primary=self._primary) for t in self.tiers]
-        steps = [s for s in newest if s is not None]
+        steps: list[int] = []
+        for t in self.tiers:  # a durable root that does not answer yet: only if nothing else
+            n = t.newest(self._agreement, primary=self._primary, wait=not steps)
+            steps += [] if n is None else [n]
         return self._agreement.agree("latest", max(steps, default=None))
 
     def named(self, tier: str | None) -> tuple[Tier, ...]:
@@ -287,8 +289,8 @@ def _candidates(
     """
     held: list[dict[int, MarkerRef | None]] = []
     everywhere: set[int] = set()
-    for tier in tiers:
-        readable, common = tier.readable(agreement, listed, primary=primary)
+    for tier in tiers:  # a durable root that does not answer yet: only if nothing else
+        readable, common = tier.readable(agreement, listed, primary=primary, wait=not everywhere)
         if tier.own and not common and listed is _newest:
             # The hosts' newest markers here differ (one host's newest step was healed
             # from an older one, or lost): what they all hold is in their listings.

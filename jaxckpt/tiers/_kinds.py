@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, ClassVar
 
 import jax
@@ -20,7 +20,11 @@ import tensorstore as ts
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit import Agreement, CommitProtocol, EpochReader, collect, scan
-from jaxckpt.errors import CheckpointError, LocalRootInUseError, NotACheckpointRootError
+from jaxckpt.errors import (
+    CheckpointError,
+    LocalRootInUseError,
+    NotACheckpointRootError,
+)
 from jaxckpt.formats import ArrayWriter
 from jaxckpt.records import (
     COMMITS,
@@ -33,6 +37,7 @@ from jaxckpt.records import (
 )
 from jaxckpt.storage import Storage, tensorstore_backed
 from jaxckpt.tiers._commitpoint import EVERY_HOST, ONCE_FOR_THE_JOB, CommitPoint
+from jaxckpt.tiers._durablejoin import JoinedLater
 from jaxckpt.tiers._peers import NoReplicas, Replicas, open_replicas
 
 if TYPE_CHECKING:
@@ -155,6 +160,27 @@ class _Root:
         self.protocol.delete(step)
         self.peers.delete(step)
 
+    # -- joined in the background (a shared tier behind a local one; see SharedTier) --
+
+    deferred = False
+    """The open went on without this root's epoch (never for an own root)."""
+
+    def answers(self) -> bool:
+        return True
+
+    def learned(self) -> int | None:
+        return None
+
+    def adopt(self, epoch: int) -> None:
+        self.protocol.epoch = epoch
+
+    def on_adopt(self, told: Callable[[int], None]) -> None:
+        if self.protocol.epoch is not None:
+            told(self.protocol.epoch)
+
+    def stop_joining(self) -> None:
+        pass
+
 
 class OwnTier(_Root):
     """A root of this host's own (``local_root``): every host writes, lists and
@@ -177,7 +203,7 @@ class OwnTier(_Root):
             common &= set(other)
         return common
 
-    def newest(self, agreement: Agreement, *, primary: bool) -> int | None:
+    def newest(self, agreement: Agreement, *, primary: bool, wait: bool = True) -> int | None:
         """The newest step restorable from this tier on every host (this host's answer;
         one marker read on one process, every host's listing on several)."""
         if jax.process_count() > 1:
@@ -186,7 +212,7 @@ class OwnTier(_Root):
         return None if marker is None else marker.step
 
     def readable(
-        self, agreement: Agreement, listed: Listed, *, primary: bool
+        self, agreement: Agreement, listed: Listed, *, primary: bool, wait: bool = True
     ) -> tuple[dict[int, MarkerRef | None], set[int]]:
         """The steps this host may read here (what its own root lists, with their marker
         keys), and those of them every host has (collective on several processes)."""
@@ -215,6 +241,7 @@ class OwnTier(_Root):
         primary: bool,
         gc_grace_s: float | None,
         serves: str | None = None,
+        wait_s: float | None = None,
     ) -> int:
         """Becomes this root's writer on this host (every host does, for its own root):
         records (or checks) the durable root it ``serves`` first, and with ``gc_grace_s``
@@ -297,9 +324,14 @@ class OwnTier(_Root):
         return True
 
 
-class SharedTier(_Root):
+class SharedTier(JoinedLater, _Root):
     """The job's one root (``root``): the primary writes its records and lists it for
-    every host; every host writes its parts in the primary's epoch."""
+    every host; every host writes its parts in the primary's epoch.
+
+    Behind a local tier it is joined in the background when it does not answer within
+    ``durable_wait_s`` (see :mod:`jaxckpt.tiers._durablejoin`): until every host has
+    :meth:`adopt`-ed the epoch, :attr:`deferred` is true and the primary reads it only
+    once it :meth:`answers` (or when nothing else holds a step: ``wait``)."""
 
     name = "durable"
     own = False
@@ -309,21 +341,25 @@ class SharedTier(_Root):
         super().__init__(storage, options)
         self.retention = options.retention
         self.peers = NoReplicas()
+        self.join_later(options.save_timeout_s)
 
     def everywhere(self, agreement: Agreement, steps: Iterable[int]) -> set[int]:
         return set(steps)  # every host sees the same shared root
 
-    def newest(self, agreement: Agreement, *, primary: bool) -> int | None:
-        """The newest step restorable from this root (the primary's answer; one marker read)."""
-        marker = self.latest() if primary else None
+    def newest(self, agreement: Agreement, *, primary: bool, wait: bool = True) -> int | None:
+        """The newest step restorable from this root (the primary's answer; one marker read);
+        None unread while it does not answer, unless ``wait``."""
+        marker = self.latest() if primary and self._reads(wait) else None
         return None if marker is None else marker.step
 
     def readable(
-        self, agreement: Agreement, listed: Listed, *, primary: bool
+        self, agreement: Agreement, listed: Listed, *, primary: bool, wait: bool = True
     ) -> tuple[dict[int, MarkerRef | None], set[int]]:
         """The steps the primary lists here, agreed by every host (with their marker keys
-        on the primary only), twice: every host may read every one of them."""
-        seen: dict[int, MarkerRef | None] = dict(listed(self)) if primary else {}
+        on the primary only), twice: every host may read every one of them. Nothing while
+        this root does not answer, unless ``wait``."""
+        reads = primary and self._reads(wait)
+        seen: dict[int, MarkerRef | None] = dict(listed(self)) if reads else {}
         shared = agreement.agree(f"restore-{self.name}", sorted(seen))
         return {s: seen.get(s) for s in shared}, set(shared)
 
@@ -342,9 +378,18 @@ class SharedTier(_Root):
         primary: bool,
         gc_grace_s: float | None,
         serves: str | None = None,
-    ) -> int:
+        wait_s: float | None = None,
+    ) -> int | None:
         """Becomes this root's writer: the primary takes the epoch (and with ``gc_grace_s``
-        collects garbage), which every host then writes in (collective; ``serves`` unused)."""
+        collects garbage), which every host then writes in (collective; ``serves`` unused).
+
+        ``wait_s`` (behind a local tier): the primary takes it in the background and the
+        open waits at most this long; None returned (on every host) means :attr:`deferred`.
+        """
+        if wait_s is not None:
+            return self.take_later(
+                agreement, self.collect, primary=primary, gc_grace_s=gc_grace_s, wait_s=wait_s
+            )
         taken = self._take(gc_grace_s, None) if primary else None
         self.protocol.epoch = epoch = agreement.agree(f"{self.name}-epoch", taken)
         return epoch
@@ -360,5 +405,6 @@ class SharedTier(_Root):
         """Nothing to check: every host shares this root by design."""
 
     def prunes(self, *, primary: bool) -> bool:
-        """Whether this host applies retention here: the primary does, for the job."""
-        return primary
+        """Whether this host applies retention here: the primary does, for the job (once
+        its epoch is adopted)."""
+        return primary and not self.deferred

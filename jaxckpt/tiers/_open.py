@@ -78,8 +78,12 @@ def join_tiers(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointO
     require_own_roots(agreement, tiers)
     primary = jax.process_index() == options.primary_host
     grace = options.gc_grace_s if options.gc_on_open else None
+    behind = options.durable_wait_s if len(tiers) > 1 else None  # a local tier serves it
     for tier in tiers:  # an own tier records (or checks) the durable root it serves
-        tier.take_epoch(agreement, primary=primary, gc_grace_s=grace, serves=durable.uri)
+        wait_s = None if tier.own else behind
+        tier.take_epoch(
+            agreement, primary=primary, gc_grace_s=grace, serves=durable.uri, wait_s=wait_s
+        )
     for tier in tiers:  # the local tier's peers connect (collective; see _peertier)
         tier.peers.join(agreement, durable)
 

@@ -1,0 +1,236 @@
+"""Joining the durable root in the background, so that an outage of the durable root does
+not stop a job whose local tier holds what it needs.
+
+Opening a tiered manager takes a new writer epoch of the durable root (the primary
+does, then every host writes in it). In a storm of ``503 SlowDown`` every request is
+retried, so the open waited for the storm's end (and failed after ``save_timeout_s``
+of an outage) although the local tiers held the step to resume from. Instead the
+primary takes the epoch on a thread of its own (:class:`DurableJoin`), and the open
+waits for it at most ``CheckpointOptions.durable_wait_s``. When it has not answered
+by then, the job trains from its local tier meanwhile:
+
+* a restore takes the newest step every host holds locally (the durable root is
+  read only when no local step is complete everywhere, and then waited for);
+* promotion requests are written unstamped (epoch ``records.UNSTAMPED``, which no
+  promoter copies) and stamped with the epoch once every host has learned it at a
+  save (:meth:`~jaxckpt.lifecycle.Promotion.request`);
+* what a save can do without (health records, the run ledger, durable retention)
+  waits for the epoch or is skipped, said once in the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from jaxckpt.commit import Agreement, CommitProtocol
+from jaxckpt.errors import CheckpointError, StorageError
+from jaxckpt.records import COMMITS
+from jaxckpt.storage import Storage
+
+__all__ = ["DurableJoin", "JoinedLater", "waited"]
+
+log = logging.getLogger("jaxckpt")
+
+RETRY_S = (1.0, 30.0)
+"""The first and the longest wait between two tries of a join."""
+
+
+class DurableJoin:
+    """The primary's background take of the durable root's epoch (and garbage collection).
+
+    Args:
+      storage: the durable root.
+      gc_grace_s: with it, garbage is collected after the epoch is taken.
+      collect: ``collect(grace_s, commit_keys)``, the tier's collection.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        gc_grace_s: float | None,
+        collect: Callable[[float, list[str]], None],
+    ) -> None:
+        self._storage = storage
+        self._grace = gc_grace_s
+        self._collect = collect
+        self._taken = threading.Event()
+        self._done = threading.Event()
+        self._stop = threading.Event()
+        self.epoch: int | None = None
+        self.error: CheckpointError | None = None
+        """A failure that ends the join (not a storage error: those are retried)."""
+        self._thread = threading.Thread(target=self._run, name="jaxckpt-durable-join", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        delay, tries = RETRY_S[0], 0
+        while not self._stop.is_set():
+            tries += 1
+            try:
+                self._take()
+                return
+            except StorageError as e:  # an outage: tried again until it ends
+                if tries == 1 or tries % 10 == 0:
+                    log.warning(
+                        "durable root %s: no writer epoch yet (try %d; again in %.0fs): %s",
+                        self._storage.uri,
+                        tries,
+                        delay,
+                        e,
+                    )
+            except CheckpointError as e:  # not an outage: the job learns it at its next save
+                self.error = e
+                log.error("durable root %s cannot be joined: %s", self._storage.uri, e)
+                break
+            self._stop.wait(delay)
+            delay = min(2 * delay, RETRY_S[1])
+        self._taken.set()
+        self._done.set()
+
+    def _take(self) -> None:
+        protocol = CommitProtocol(self._storage)
+        protocol.ensure_root(create=True)
+        keys = self._storage.list(COMMITS)
+        self.epoch = protocol.take_epoch(keys).epoch
+        self._taken.set()
+        try:
+            if self._grace is not None:
+                self._collect(self._grace, keys)
+        finally:
+            self._done.set()
+
+    def taken(self, timeout_s: float | None = 0.0) -> int | None:
+        """The epoch once taken, waiting at most ``timeout_s`` (None: until the join ends).
+
+        Raises:
+          CheckpointError: the join ended without an epoch (its error).
+        """
+        self._taken.wait(timeout_s)
+        if self.epoch is None and self._taken.is_set():
+            raise self.error or CheckpointError(f"durable root {self._storage.uri}: join stopped")
+        return self.epoch
+
+    def settled(self, timeout_s: float) -> None:
+        """Waits at most ``timeout_s`` for garbage collection after the epoch."""
+        self._done.wait(max(0.0, timeout_s))
+
+    def stop(self) -> None:
+        """Ends the tries (the manager closes); a take under way finishes on its own."""
+        self._stop.set()
+
+
+def waited(join: DurableJoin, wait_s: float) -> int | None:
+    """The join's epoch within ``wait_s`` (then garbage collection within what is left),
+    or None when the durable root has not answered."""
+    start = time.monotonic()
+    epoch = join.taken(wait_s)
+    if epoch is not None:
+        join.settled(wait_s - (time.monotonic() - start))
+    return epoch
+
+
+class JoinedLater:
+    """The part of a shared tier (``SharedTier``) that may be joined in the background:
+    until every host has :meth:`adopt`-ed the epoch, :attr:`deferred` is true and the
+    primary reads the root only once it :meth:`answers` (or when nothing else holds a
+    step: ``wait``)."""
+
+    storage: Storage
+    protocol: CommitProtocol
+
+    def join_later(self, wait_s: float) -> None:
+        """Nothing deferred yet; a restore with nothing local waits at most ``wait_s``."""
+        self.deferred = False
+        """The open went on without this root's epoch; every host learns it later."""
+        self._join: DurableJoin | None = None  # the primary's, while deferred
+        self._wait_s = wait_s
+        self._adopted: list[Callable[[int], None]] = []
+        self._said = False
+
+    def take_later(
+        self,
+        agreement: Agreement,
+        collect: Callable[[float, list[str]], None],
+        *,
+        primary: bool,
+        gc_grace_s: float | None,
+        wait_s: float,
+    ) -> int | None:
+        """The primary takes the epoch in the background (then ``collect``-s garbage); the
+        open waits at most ``wait_s`` (collective). None on every host: :attr:`deferred`."""
+        taken = None
+        if primary:
+            self._join = DurableJoin(self.storage, gc_grace_s, collect)
+            taken = waited(self._join, wait_s)
+        epoch = agreement.agree("durable-epoch", taken)
+        self.protocol.epoch = epoch
+        self.deferred = epoch is None
+        if self.deferred and primary:
+            log.warning(
+                "durable root %s did not answer within %gs: training goes on from the local "
+                "tier; its writer epoch is taken in the background and promotion resumes then",
+                self.storage.uri,
+                wait_s,
+            )
+        elif primary:
+            self._join = None  # answered: nothing deferred
+        return epoch
+
+    def answers(self) -> bool:
+        """Whether this root has answered (its epoch taken; the primary's view): always,
+        unless the open went on without it."""
+        join = self._join
+        if join is None:
+            return True
+        with contextlib.suppress(CheckpointError):
+            return join.taken() is not None
+        return False
+
+    def _reads(self, wait: bool) -> bool:
+        """Whether the primary reads this root now: it answers, or ``wait`` (then the join
+        is waited for, at most ``wait_s``; a root that never answers raises)."""
+        if self.answers():
+            return True
+        uri = self.storage.uri
+        if not wait:
+            if not self._said:
+                self._said = True
+                log.warning("durable root %s does not answer yet: reading the local tier", uri)
+            return False
+        assert self._join is not None
+        log.warning("durable root %s: no local step to restore; waiting for it", uri)
+        if self._join.taken(self._wait_s) is None:
+            raise StorageError(
+                f"durable root {uri} did not answer within {self._wait_s:g}s "
+                "and no local tier holds a step to restore"
+            )
+        return True
+
+    def learned(self) -> int | None:
+        """The epoch for every host to adopt (the primary's answer, at a save): the join's,
+        once taken; None while not (or not deferred; a join that failed for good said why)."""
+        return None if self._join is None or not self.deferred else self._join.epoch
+
+    def adopt(self, epoch: int) -> None:
+        """Every host writes in ``epoch`` from now on (learned at a save)."""
+        self.protocol.epoch = epoch
+        self.deferred = False
+        log.info("joined durable root %s: writer epoch %d", self.storage.uri, epoch)
+        for told in self._adopted:
+            told(epoch)
+
+    def on_adopt(self, told: Callable[[int], None]) -> None:
+        """``told(epoch)`` once the epoch is adopted (at once if it is)."""
+        if self.deferred:
+            self._adopted.append(told)
+        elif self.protocol.epoch is not None:
+            told(self.protocol.epoch)
+
+    def stop_joining(self) -> None:
+        """Ends the background tries (the manager closes)."""
+        if self._join is not None:
+            self._join.stop()

@@ -1,0 +1,127 @@
+"""A durable root in an outage does not stop a job whose local tier holds its step.
+
+moto behind ``scripts/faultproxy.py`` answering every request ``503 SlowDown`` (a
+storm that lasts until the test ends it). A tiered manager opened in it waits
+``durable_wait_s`` for the durable epoch, then restores the newest step every host
+holds locally and trains; steps chosen for promotion meanwhile are requested
+unstamped, and once the storm ends the next save adopts the epoch taken in the
+background, stamps them, and they are promoted. With nothing local, the restore
+waits for the durable root instead. A promoter leaves unstamped requests alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import faultproxy
+import numpy as np
+import pytest
+from benchkit import servers
+from triggers import HANG_S, wait_until
+
+import jaxckpt
+from jaxckpt import policy
+from jaxckpt.commit import CommitProtocol
+from jaxckpt.lifecycle import Promoter
+from jaxckpt.records import UNSTAMPED, read_requests, request_promotion
+from jaxckpt.storage import open_storage
+
+
+@pytest.fixture
+def proxy(
+    s3_server: servers.Server, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[faultproxy.FaultProxy]:
+    proxy = faultproxy.FaultProxy(s3_server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)  # every root of the test
+    yield proxy
+    proxy.close()
+
+
+def _state(k: int) -> dict[str, np.ndarray]:
+    return {"w": np.arange(4096, dtype=np.float32) + k, "b": np.full(8, k, np.int64)}
+
+
+def _tiered(root: str, local: Path, proxy: faultproxy.FaultProxy, **kw: object) -> dict:
+    return {
+        "local_root": str(local),
+        "promote_policy": policy.EveryNSteps(20),
+        "save_timeout_s": HANG_S,  # an open that waited for the storm would fail after it
+        **kw,
+    }
+
+
+def _first_run(root: str, local: Path, proxy: faultproxy.FaultProxy) -> int:
+    """Steps 10..40 saved, 20 and 40 promoted; returns the first run's durable epoch."""
+    with jaxckpt.CheckpointManager(root, **_tiered(root, local, proxy)) as mgr:
+        for step in (10, 20, 30, 40):
+            mgr.save(step, _state(step))
+        assert mgr.wait_durable(40) == 40
+        return mgr._tiers[-1].protocol.epoch
+
+
+def test_a_job_restarted_in_an_outage_trains_from_its_local_tier_and_promotes_after(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    local = tmp_path / "local"
+    first_epoch = _first_run(root, local, proxy)
+    proxy.plan = faultproxy.FaultPlan(throttle=1.0)  # until the test ends it
+    options = _tiered(root, local, proxy, durable_wait_s=0.5)
+    with jaxckpt.CheckpointManager(root, **options) as mgr:
+        durable = mgr._tiers[-1]
+        assert durable.deferred and durable.protocol.epoch is None
+        assert mgr.latest_step() == 40
+        restored = mgr.restore()
+        assert mgr.restored_step == 40
+        np.testing.assert_array_equal(restored["w"], _state(40)["w"])
+        for step in (50, 60):  # 60 is chosen for promotion: requested, unstamped
+            mgr.save(step, _state(step))
+        mgr.wait()
+        assert read_requests(mgr._tiers[0].protocol)[60].epoch == UNSTAMPED
+        assert proxy.snapshot()["throttle"] > 0
+        proxy.plan = faultproxy.NO_FAULTS
+        wait_until(lambda: durable.learned() is not None, what="the epoch taken after the storm")
+        mgr.save(70, _state(70))  # every host adopts the epoch here; 60 is stamped
+        assert not durable.deferred and durable.protocol.epoch > first_epoch
+        assert mgr.wait_durable(60) == 60
+        assert mgr.ledger.writer is not None and mgr.ledger.writer.epoch == durable.protocol.epoch
+    with jaxckpt.CheckpointManager(root, read_only=True) as r:
+        assert r.steps() == [20, 40, 60]
+        np.testing.assert_array_equal(r.restore(60)["w"], _state(60)["w"])
+
+
+def test_with_nothing_local_the_restore_waits_for_the_durable_root(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    _first_run(root, tmp_path / "old-node", proxy)
+    proxy.plan = faultproxy.FaultPlan(throttle=1.0)
+    options = _tiered(root, tmp_path / "new-node", proxy, durable_wait_s=0.5)
+    with jaxckpt.CheckpointManager(root, **options) as mgr:
+        assert mgr._tiers[-1].deferred
+        storm = threading.Timer(1.0, lambda: setattr(proxy, "plan", faultproxy.NO_FAULTS))
+        storm.start()  # ends while the restore waits
+        restored = mgr.restore()
+        storm.join(HANG_S)
+    assert mgr.restored_step == 40
+    np.testing.assert_array_equal(restored["w"], _state(40)["w"])
+
+
+def test_a_promoter_leaves_an_unstamped_request_until_it_is_stamped(tmp_path: Path) -> None:
+    local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
+    with jaxckpt.CheckpointManager(
+        durable, local_root=local, promotion="external", promote_policy=policy.EveryNSteps(1)
+    ) as mgr:
+        mgr.save(5, _state(5))
+        epoch = mgr._tiers[-1].protocol.epoch
+    own = CommitProtocol(open_storage(local))
+    request = read_requests(own)[5]
+    request_promotion(own, request.restamped(UNSTAMPED, request.requested))
+    promoter = Promoter(own, CommitProtocol(open_storage(durable)))
+    assert promoter.promote_all() == []
+    assert 5 in read_requests(own)  # kept for its job to stamp
+    request_promotion(own, request.restamped(epoch, request.requested))
+    assert [r.outcome for r in promoter.promote_all()] == ["promoted"]
