@@ -5,8 +5,9 @@ deadline (gloo all-gathers) between pieces of local work: a process that failed
 between two of them (its file descriptors ran out as Orbax created its event
 loop) raised, and every other process waited in the next collective for ever.
 
-Here the collectives after Orbax's first one (``save_start``, before any local
-work) are meetings of the manager's :class:`~jaxckpt.commit._agree.Agreement`:
+Here Orbax's first one (``save_start``, before any local work) is the save's own
+``checks`` settle just before it, and the one after the snapshots is a meeting of the
+manager's :class:`~jaxckpt.commit._agree.Agreement`:
 coordination-service barriers with the save's deadline that carry failures. A
 process that fails locally anywhere inside Orbax's save *tells* its failure at
 its next meeting, which is the meeting the others wait at (the agreement's keys
@@ -78,19 +79,23 @@ def meeting_checkpointer(meetings: Meetings) -> type[ocp.AsyncCheckpointer]:
 
     class MeetingCheckpointer(ocp.AsyncCheckpointer):
         def synchronize_next_awaitable_signal_operation_id(self) -> None:
-            # Orbax meets after this increment; the meeting before the step's creation
-            # (every process increments first) does it here.
+            # Orbax meets after this increment; the meeting after the snapshots (before
+            # any background work, which is what uses the id) does it here.
             synchronization.OperationIdGenerator.next_operation_id()
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # Orbax's first barrier (``save_start``: a gloo all-gather of the devices, with
+            # no deadline) comes right after the save's "checks", which every process met
+            # with its failures: a barrier of this process alone is skipped.
+            self._active_processes = {multihost.process_index()}
+
         async def create_temporary_path(self, temporary_path: Any) -> None:
-            meetings.meet()  # nobody failed before; the primary may create
-            failure = None
+            meetings.meet()  # nobody failed before the handler submits its background write
+            # The primary's create only checks the step (``save`` began the attempt, agreed):
+            # a failure there is told at the next meeting, which the others wait at.
             if multihost.is_primary_host(self._primary_host):
-                try:
-                    await temporary_path.create()
-                except Exception as e:
-                    failure = e
-            meetings.meet(failure)
+                await temporary_path.create()
 
         async def _save(self, tmpdir: Any, *args: Any, **kwargs: Any) -> Any:
             ops = await super()._save(tmpdir, *args, **kwargs)

@@ -84,7 +84,8 @@ class Healing:
         own = self._local.visible()
         held = self.held()
         gathered = self._agreement.gather("peer-coverage", [own, held])
-        marker = self._durable.latest() if self.me == self._agreement.primary else None
+        reads = self.me == self._agreement.primary and self._durable.answers()  # not in an outage
+        marker = self._durable.latest() if reads else None
         durable = self._agreement.agree("peer-durable", None if marker is None else marker.step)
         reports = [(list(o), [(int(s), int(p), str(a)) for s, p, a in hs]) for o, hs in gathered]
         target = heal_target(reports, step, durable)
