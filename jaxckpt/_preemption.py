@@ -77,6 +77,27 @@ class PreemptionWatcher:
         self._previous.clear()
 
 
+def notices_alike(save_policy: Any) -> bool:
+    """Whether every process answers ``save_policy`` alike by itself (no agreement per step).
+
+    True on one process, and for a policy of steps (``EveryNSteps``, ``AtSteps``) and
+    ``OnPreemption`` when the notice is JAX's preemption sync point, which every process
+    reaches at the same step (a SIGINT on one process interrupts it at once: its notice
+    decides no save of the others). A policy of time or measured costs is agreed.
+    """
+    import jax
+
+    from jaxckpt import policy
+
+    if jax.process_count() == 1 or save_policy is None:
+        return True
+    parts = save_policy.policies if isinstance(save_policy, policy.AnySave) else (save_policy,)
+    steps = (policy.EveryNSteps, policy.AtSteps, policy.OnPreemption)
+    if not all(type(p) in steps for p in parts):
+        return False
+    return not any(isinstance(p, policy.OnPreemption) for p in parts) or _jax_syncs()
+
+
 def _jax_syncs() -> bool:
     """Whether JAX's multi-host preemption service runs here. Its notifier handles
     SIGTERM and makes every process reach the sync point at the same step; a handler

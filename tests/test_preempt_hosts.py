@@ -19,10 +19,13 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
+import jax
 import pytest
 from benchkit import servers
 
+from jaxckpt import _preemption, policy
 from jaxckpt.commit import CommitProtocol
 from jaxckpt.storage import open_storage
 
@@ -87,3 +90,24 @@ def test_sigterm_to_one_host_preempts_every_host_at_one_step(tmp_path: Path) -> 
     for i in range(2):
         local = CommitProtocol(open_storage(str(tmp_path / f"node{i}")))
         assert step in local.visible_refs(), (i, sorted(local.visible_refs()))
+
+
+@pytest.mark.parametrize(
+    ("save_policy", "jax_syncs", "alike"),
+    [
+        (policy.EveryNSteps(5), False, True),
+        (policy.EveryNSteps(5) | policy.AtSteps([7]), False, True),
+        (policy.EveryNSteps(5) | policy.OnPreemption(), True, True),  # JAX's sync point
+        (policy.EveryNSteps(5) | policy.OnPreemption(), False, False),  # each its own SIGTERM
+        (policy.EveryNSeconds(60.0), True, False),  # each host's own clock
+        (policy.EveryNSteps(5) | policy.Adaptive(mtbf_hours=1.0), True, False),
+    ],
+)
+def test_only_a_policy_every_host_answers_alike_skips_the_agreement_per_step(
+    monkeypatch: pytest.MonkeyPatch, save_policy: Any, jax_syncs: bool, alike: bool
+) -> None:
+    """A declined save of several processes agrees its decision only when the hosts could
+    answer differently (the test above is the same-step preemption it relies on)."""
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    monkeypatch.setattr(_preemption, "_jax_syncs", lambda: jax_syncs)
+    assert _preemption.notices_alike(save_policy) is alike

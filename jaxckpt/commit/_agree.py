@@ -91,6 +91,7 @@ class Agreement:
         self._counter = itertools.count()
         self._runs: dict[str, int] = {}
         self._stale: list[str] = []  # operations whose keys every process has read
+        self._keyed = True  # the current operation named a key (every process alike)
 
     @contextlib.contextmanager
     def operation(self, kind: str, key: object = None) -> Iterator[None]:
@@ -104,7 +105,9 @@ class Agreement:
         if self._depth:
             yield
             return
-        self._stale.append(f"{self._base}{self._op}/")  # the operation before is over
+        if self._keyed:  # the operation before is over (one that agreed nothing left no keys)
+            self._stale.append(f"{self._base}{self._op}/")
+        self._keyed = False
         name = kind if key is None else f"{kind}-{key}"
         n = self._runs[name] = self._runs.get(name, -1) + 1
         self._op, self._counter, self._depth = f"{name}.{n}", itertools.count(), 1
@@ -372,6 +375,7 @@ class Agreement:
         return f"jaxckpt/{self._namespace}/"
 
     def _key(self, name: str) -> str:
+        self._keyed = True
         return f"{self._base}{self._op}/{name}.{next(self._counter)}"
 
     @property

@@ -29,14 +29,15 @@ import jax
 
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
-from jaxckpt.commit import Agreement, CommitProtocol, Listing
+from jaxckpt._preemption import notices_alike
+from jaxckpt.commit import Agreement, Listing
 from jaxckpt.errors import (
     CheckpointError,
     SaveFailedError,
     SaveTimeoutError,
     WriterFencedError,
 )
-from jaxckpt.formats import ArrayWriter, HostArray, StepWriter, format_named
+from jaxckpt.formats import HostArray, StepWriter, format_named
 from jaxckpt.formats.writers import step_writer
 from jaxckpt.records import (
     CommitMarker,
@@ -82,14 +83,11 @@ class SaveSession:
         *,
         listeners: Sequence[CommitListener] = (),
     ) -> None:
-        self._tier = tier
-        self._protocol: CommitProtocol = tier.protocol
-        self._arrays: ArrayWriter = tier.arrays
+        self._tier, self._protocol, self._arrays = tier, tier.protocol, tier.arrays
         self.recorder = SaveRecorder()
         self._options = options
-        self._agreement = agreement
-        self._meetings = Meetings(agreement)
-        self._root = where
+        self._alike = notices_alike(options.save_policy)  # no agreement per declined step
+        self._agreement, self._meetings, self._root = agreement, Meetings(agreement), where
         self._primary = jax.process_index() == options.primary_host
         self._listeners = tuple(listeners)
         self._writer: StepWriter = step_writer(
@@ -127,7 +125,8 @@ class SaveSession:
             preempted=preempted(step),
             blocking_seconds=tuple(s.blocking_s for s in self.recorder.history()[-8:]),
         )
-        return bool(self._agreement.agree("save", save_policy.should_save(ctx)))
+        says = bool(save_policy.should_save(ctx))
+        return says if self._alike else bool(self._agreement.agree("save", says))
 
     def save(
         self,

@@ -36,7 +36,7 @@ from jaxckpt.records import (
     request_promotion,
 )
 from jaxckpt.tiers._peerclient import PeerClient
-from jaxckpt.tiers._placement import Held, Placement, fallback, heal_target
+from jaxckpt.tiers._placement import Held, Placement, coverage, fallback, heal_target
 
 if TYPE_CHECKING:
     from jaxckpt.tiers._tier import Tier
@@ -72,6 +72,13 @@ class Healing:
     def held(self) -> list[Held]:
         """The complete replicas this process holds (listed; their indexes are read on use)."""
         return replica_holdings(self._local.storage.list(REPLICAS))
+
+    def complete(self) -> int | None:
+        """The newest step complete in the union of the local tiers (collective: one gather
+        of every process's steps and replicas, as :meth:`heal` starts)."""
+        gathered = self._agreement.gather("peer-complete", [self._local.visible(), self.held()])
+        reports = [(list(o), [(int(s), int(p), str(a)) for s, p, a in hs]) for o, hs in gathered]
+        return max(coverage(reports)[0], default=None)
 
     def heal(self, step: int | None) -> None:
         """Brings the newest step complete in the union of the local tiers (or ``step``)

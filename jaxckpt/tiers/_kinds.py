@@ -206,8 +206,9 @@ class OwnTier(_Root):
     def newest(self, agreement: Agreement, *, primary: bool, wait: bool = True) -> int | None:
         """The newest step restorable from this tier on every host (this host's answer;
         one marker read on one process, every host's listing on several)."""
-        if jax.process_count() > 1:
-            return max(self.everywhere(agreement, self.committed()), default=None)
+        if jax.process_count() > 1:  # what every host has, or healing would bring back
+            steps = [*self.everywhere(agreement, self.committed()), self.peers.complete()]
+            return max((s for s in steps if s is not None), default=None)
         marker = self.latest()
         return None if marker is None else marker.step
 

@@ -104,6 +104,10 @@ class Replicas(Protocol):
     def heal(self, step: int | None) -> None:
         """Brings back, before a restore, a step whose parts are spread over the peers."""
 
+    def complete(self) -> int | None:
+        """The newest step complete in the union of the local tiers and their replicas
+        (collective), what a restore could heal; None: none."""
+
     def collect(self) -> list[int]:
         """Removes the replicas held here that are stale; returns their steps."""
         ...
@@ -132,6 +136,9 @@ class NoReplicas:
         return None
 
     def heal(self, step: int | None) -> None:
+        return None
+
+    def complete(self) -> int | None:
         return None
 
     def collect(self) -> list[int]:

@@ -118,7 +118,7 @@ def heal_target(
     >>> heal_target([([1, 2], [(2, 2, "c")]), ([1], [(2, 0, "a")]), ([1], [(2, 1, "b")])], None, 1)
     2
     """
-    complete, everywhere = _coverage(reports)
+    complete, everywhere = coverage(reports)
     if below is not None:
         complete = {s for s in complete if s < below}
     target = step if step is not None else max(complete, default=None)
@@ -127,7 +127,7 @@ def heal_target(
     return None if durable is not None and target < durable else target
 
 
-def _coverage(
+def coverage(
     reports: Sequence[tuple[Iterable[int], Iterable[Held]]],
 ) -> tuple[set[int], set[int]]:
     """The steps complete in the union of the local tiers, and those every process holds."""
@@ -170,7 +170,7 @@ def fallback(
             nxt,
             f"healing step {nxt} instead, the next newest step complete across the local tiers",
         )
-    complete, everywhere = _coverage(reports)
+    complete, everywhere = coverage(reports)
     older = max((s for s in complete if s < failed), default=None)
     if older is not None and older in everywhere and (durable is None or older >= durable):
         return None, f"the restore reads step {older}, which every process holds on its local tier"
