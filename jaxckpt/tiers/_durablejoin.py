@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from jaxckpt.commit import Agreement, CommitProtocol
@@ -35,6 +34,8 @@ __all__ = ["DurableJoin", "JoinedLater", "waited"]
 
 log = logging.getLogger("jaxckpt")
 
+SETTLE_S = 10.0
+"""How long closing waits for the garbage collection that followed the epoch."""
 RETRY_S = (1.0, 30.0)
 """The first and the longest wait between two tries of a join."""
 
@@ -124,13 +125,9 @@ class DurableJoin:
 
 
 def waited(join: DurableJoin, wait_s: float) -> int | None:
-    """The join's epoch within ``wait_s`` (then garbage collection within what is left),
-    or None when the durable root has not answered."""
-    start = time.monotonic()
-    epoch = join.taken(wait_s)
-    if epoch is not None:
-        join.settled(wait_s - (time.monotonic() - start))
-    return epoch
+    """The join's epoch within ``wait_s`` (its garbage collection goes on in the
+    background), or None when the durable root has not answered."""
+    return join.taken(wait_s)
 
 
 class JoinedLater:
@@ -176,8 +173,6 @@ class JoinedLater:
                 self.storage.uri,
                 wait_s,
             )
-        elif primary:
-            self._join = None  # answered: nothing deferred
         return epoch
 
     def answers(self) -> bool:
@@ -213,7 +208,7 @@ class JoinedLater:
     def learned(self) -> int | None:
         """The epoch for every host to adopt (the primary's answer, at a save): the join's,
         once taken; None while not (or not deferred; a join that failed for good said why)."""
-        return None if self._join is None or not self.deferred else self._join.epoch
+        return self._join.epoch if self._join is not None and self.deferred else None
 
     def adopt(self, epoch: int) -> None:
         """Every host writes in ``epoch`` from now on (learned at a save)."""
@@ -231,6 +226,8 @@ class JoinedLater:
             told(self.protocol.epoch)
 
     def stop_joining(self) -> None:
-        """Ends the background tries (the manager closes)."""
+        """Ends the background tries (the manager closes), after the garbage collection
+        of a join that took the epoch (at most :data:`SETTLE_S`)."""
         if self._join is not None:
             self._join.stop()
+            self._join.settled(SETTLE_S)
