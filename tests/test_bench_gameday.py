@@ -80,6 +80,23 @@ def test_goodput_from_the_supervisors_records() -> None:
     assert gameday.goodput({**day, "finished": False}, 0.5, 40)["goodput"] == 0.0
 
 
+def test_the_wall_time_is_split_into_startup_training_ending_and_between_runs() -> None:
+    runs: list[dict[str, Any]] = [
+        {"launched_t": 0.0, "first_step_t": 5.0, "last_step_t": 15.0, "steps": 11, "ended_t": 16.0},
+        {"launched_t": 18.0, "ended_t": 20.0},  # died before its first step
+        {
+            "launched_t": 21.0,
+            "first_step_t": 24.0,
+            "last_step_t": 34.0,
+            "steps": 6,
+            "ended_t": 34.5,
+        },
+    ]
+    p = gameday.phases(runs)
+    assert (p["startup"], p["training"], p["ending"], p["between"]) == (10.0, 20.0, 1.5, 3.0)
+    assert p["step_s"] == pytest.approx(20.0 / 15)  # 10 + 5 steps after each run's first
+
+
 def test_each_restart_is_matched_with_the_failure_that_ended_its_run() -> None:
     """A crash nobody scheduled (a job that died at start) is reported as unplanned; the
     scheduled kill is matched with the restart after it, the storm restarts nothing."""

@@ -180,7 +180,29 @@ def goodput(day: dict[str, Any], step_s: float, steps: int) -> dict[str, Any]:
         "restarts": restarts,
         "lost_steps": sum(r["lost_steps"] for r in restarts),
         "startup_s": sum(r.get("startup_s", 0.0) for r in runs),
+        "phases": phases(runs),
     }
+
+
+def phases(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the wall time went, summed over the runs (seconds): ``startup`` (launch to the
+    first step, or to the end of a run that never trained), ``training`` (first to last step), ``ending`` (last step to the run's end:
+    a kill, a preemption's save and exit), ``between`` (a run's end to the next launch: the
+    supervisor applying the failure); and ``step_s``, the mean time of a trained step."""
+    out = dict.fromkeys(("startup", "training", "ending", "between"), 0.0)
+    steps = 0
+    for prev, run in itertools.pairwise([None, *runs]):
+        if prev is not None and "ended_t" in prev and "launched_t" in run:
+            out["between"] += run["launched_t"] - prev["ended_t"]
+        if "first_step_t" in run:
+            out["startup"] += run["first_step_t"] - run["launched_t"]
+            out["training"] += run["last_step_t"] - run["first_step_t"]
+            out["ending"] += run["ended_t"] - run["last_step_t"]
+            steps += max(0, run["steps"] - 1)
+        elif "ended_t" in run:  # it never trained: all of it was starting
+            out["startup"] += run["ended_t"] - run["launched_t"]
+    out["step_s"] = out["training"] / steps if steps else 0.0
+    return out
 
 
 # ----------------------------------------------------------------------- the job
@@ -466,6 +488,9 @@ class Day:
                             run["startup_s"] = float(words[0]) - launched
                         training = True
                         run["reached"] = max(run["reached"], step)
+                        run["steps"] = run.get("steps", 0) + 1
+                        run["first_step_t"] = run.get("first_step_t", float(words[0]))
+                        run["last_step_t"] = float(words[0])
                         self.executed += 1
                         self.step_times.append(float(words[0]))
                 elif what == "DONE":
@@ -483,6 +508,7 @@ class Day:
         finally:
             if any(p.poll() is None for p in job.procs):
                 job.kill()
+        run["launched_t"], run["ended_t"] = launched, time.time()
         run["ended_by"] = "done" if done == s.processes and killed_for is None else killed_for
         if run["ended_by"] is None:
             run["ended_by"] = "exit"
@@ -600,6 +626,7 @@ def assess(day: dict[str, Any], ref: dict[str, Any], s: Settings, step_s: float)
         "goodput": g["goodput"],
         "wall_s": g["wall_s"],
         "startup_s": g["startup_s"],
+        "phases": g["phases"],
         "restarts": g["restarts"],
         "bit_exact": day["digest"] is not None and day["digest"] == ref["digest"],
         "wrong_data": len(wrong),
@@ -641,11 +668,19 @@ def render(result: dict[str, Any]) -> str:
         lost = ", ".join(str(f["lost_steps"]) for f in b["failures"])
         lines.append(
             f"Orbax: lost steps per failure {lost}; bit-exact {b['bit_exact']}, "
-            f"wrong data {b['wrong_data']}, wall {b['wall_s']:.0f} s "
-            f"(startups {b['startup_s']:.0f} s)"
+            f"wrong data {b['wrong_data']}, wall {b['wall_s']:.0f} s ({_phases(b)})"
         )
-    lines.append(f"jaxckpt: wall {result['wall_s']:.0f} s (startups {result['startup_s']:.0f} s)")
+    lines.append(f"jaxckpt: wall {result['wall_s']:.0f} s ({_phases(result)})")
     return "\n".join(lines)
+
+
+def _phases(result: dict[str, Any]) -> str:
+    p = result["phases"]
+    return (
+        f"startups {p['startup']:.0f} s, training {p['training']:.0f} s at "
+        f"{p['step_s'] * 1000:.0f} ms a step, endings {p['ending']:.0f} s, "
+        f"between runs {p['between']:.0f} s"
+    )
 
 
 def _num(x: float | None) -> str:
