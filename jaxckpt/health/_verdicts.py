@@ -198,7 +198,10 @@ class Health:
         log.info("marked step %d %s: %s", step, "good" if good else "bad", reason or "-")
 
     def bad_steps(self) -> set[int]:
-        """The steps whose newest mark is bad (one listing; raises on a storage error)."""
+        """The steps whose newest mark is bad (one listing; raises on a storage error; none
+        while the durable root does not answer)."""
+        if not self._answers():
+            return set()
         marks = _health.list_marks(self._storage)
         self._marked = set(marks)
         return {s for s, k in marks.items() if not k.good}

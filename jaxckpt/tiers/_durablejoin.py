@@ -176,11 +176,11 @@ class JoinedLater:
         return epoch
 
     def answers(self) -> bool:
-        """Whether this root has answered (its epoch taken; the primary's view): always,
-        unless the open went on without it."""
+        """Whether this root has answered: always, unless the open went on without it;
+        then on the primary once its epoch is taken, elsewhere once it is adopted."""
         join = self._join
         if join is None:
-            return True
+            return not self.deferred
         with contextlib.suppress(CheckpointError):
             return join.taken() is not None
         return False
@@ -230,4 +230,5 @@ class JoinedLater:
         of a join that took the epoch (at most :data:`SETTLE_S`)."""
         if self._join is not None:
             self._join.stop()
-            self._join.settled(SETTLE_S)
+            if self._join.epoch is not None:  # else it never answered: nothing to wait for
+                self._join.settled(SETTLE_S)
