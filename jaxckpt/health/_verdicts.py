@@ -95,9 +95,9 @@ class Health:
       agreement: the manager's.
       options: ``health`` and ``crash_loop_limit``; ``read_only`` writes nothing.
 
-    While the durable root has not answered since the open (the primary's view; see
-    :mod:`jaxckpt.tiers._durablejoin`) the records are skipped (unknown health is good
-    health), said once.
+    While the durable root has not answered since the open (see
+    :mod:`jaxckpt.tiers._durablejoin`) the records are skipped and no step is bad
+    (unknown health is good health), said once.
     """
 
     def __init__(

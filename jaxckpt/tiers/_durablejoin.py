@@ -30,7 +30,7 @@ from jaxckpt.errors import CheckpointError, StorageError
 from jaxckpt.records import COMMITS
 from jaxckpt.storage import Storage
 
-__all__ = ["DurableJoin", "JoinedLater", "waited"]
+__all__ = ["DurableJoin", "JoinedLater"]
 
 log = logging.getLogger("jaxckpt")
 
@@ -83,8 +83,8 @@ class DurableJoin:
                         delay,
                         e,
                     )
-            except CheckpointError as e:  # not an outage: the job learns it at its next save
-                self.error = e
+            except Exception as e:  # not an outage (a newer format, a bug): said, for good
+                self.error = e if isinstance(e, CheckpointError) else CheckpointError(str(e))
                 log.error("durable root %s cannot be joined: %s", self._storage.uri, e)
                 break
             self._stop.wait(delay)
@@ -124,12 +124,6 @@ class DurableJoin:
         self._stop.set()
 
 
-def waited(join: DurableJoin, wait_s: float) -> int | None:
-    """The join's epoch within ``wait_s`` (its garbage collection goes on in the
-    background), or None when the durable root has not answered."""
-    return join.taken(wait_s)
-
-
 class JoinedLater:
     """The part of a shared tier (``SharedTier``) that may be joined in the background:
     until every host has :meth:`adopt`-ed the epoch, :attr:`deferred` is true and the
@@ -162,7 +156,7 @@ class JoinedLater:
         taken = None
         if primary:
             self._join = DurableJoin(self.storage, gc_grace_s, collect)
-            taken = waited(self._join, wait_s)
+            taken = self._join.taken(wait_s)  # its garbage collection goes on meanwhile
         epoch = agreement.agree("durable-epoch", taken)
         self.protocol.epoch = epoch
         self.deferred = epoch is None
