@@ -243,7 +243,11 @@ class RunLedger:
         if step is None:
             return
         try:
-            tier, newest, nbytes = _where_restored(parts._tiers, step)
+            known = parts._select.restored_from  # what the restore read: no request
+            if known is not None and known[0] == step:
+                tier, newest, nbytes = known[1:]
+            else:
+                tier, newest, nbytes = _where_restored(parts._tiers, step)
         except Exception as e:  # the ledger never fails a restore
             log.warning("ledger: could not tell where step %d was restored from: %s", step, e)
             tier, newest, nbytes = None, None, 0

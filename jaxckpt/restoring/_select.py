@@ -76,6 +76,9 @@ class Selection:
         self.corrupt: set[int] = set()
         """Steps a restore found corrupt (agreed by every host), and own-tier steps newer
         than the step restored: a save may replace them."""
+        self.restored_from: tuple[int, str, int | None, int] | None = None
+        """The last restore on this host: its step, the tier read, the newest step the tiers
+        offered (their newest markers, or their listings after a fallback), the step's bytes."""
 
     def restore(
         self,
@@ -129,6 +132,8 @@ class Selection:
                     error = None
                     states = RestoredStates(s, marker.num_processes, records.loaded.process_states)
                     log.info("restored step %d from the %s copy (%s)", s, tier.name, tier.uri)
+                    newest = max((max(h) for h in candidates.held if h), default=None)
+                    self.restored_from = (s, tier.name, newest, marker.nbytes)
                     break
                 except Exception as e:  # agreed below: every host raises or falls back
                     if not isinstance(e, (*_MISSING, CorruptCheckpointError)):

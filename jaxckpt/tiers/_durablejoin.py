@@ -155,7 +155,9 @@ class JoinedLater:
         open waits at most ``wait_s`` (collective). None on every host: :attr:`deferred`."""
         taken = None
         if primary:
-            self._join = DurableJoin(self.storage, gc_grace_s, collect)
+            if self._join is None:
+                self.start_join(collect, gc_grace_s=gc_grace_s)
+            assert self._join is not None
             taken = self._join.taken(wait_s)  # its garbage collection goes on meanwhile
         epoch = agreement.agree("durable-epoch", taken)
         self.protocol.epoch = epoch
@@ -168,6 +170,12 @@ class JoinedLater:
                 wait_s,
             )
         return epoch
+
+    def start_join(
+        self, collect: Callable[[float, list[str]], None], *, gc_grace_s: float | None
+    ) -> None:
+        """The primary starts taking the epoch now (:meth:`take_later` waits for it)."""
+        self._join = DurableJoin(self.storage, gc_grace_s, collect)
 
     def answers(self) -> bool:
         """Whether this root has answered: always, unless the open went on without it;

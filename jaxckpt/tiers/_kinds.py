@@ -181,6 +181,9 @@ class _Root:
     def stop_joining(self) -> None:
         pass
 
+    def begin_join(self, *, gc_grace_s: float | None) -> None:
+        pass
+
 
 class OwnTier(_Root):
     """A root of this host's own (``local_root``): every host writes, lists and
@@ -346,6 +349,10 @@ class SharedTier(JoinedLater, _Root):
 
     def everywhere(self, agreement: Agreement, steps: Iterable[int]) -> set[int]:
         return set(steps)  # every host sees the same shared root
+
+    def begin_join(self, *, gc_grace_s: float | None) -> None:
+        """The primary starts taking the epoch (behind a local tier; see ``take_epoch``)."""
+        self.start_join(self.collect, gc_grace_s=gc_grace_s)
 
     def newest(self, agreement: Agreement, *, primary: bool, wait: bool = True) -> int | None:
         """The newest step restorable from this root (the primary's answer; one marker read);

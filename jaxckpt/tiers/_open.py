@@ -79,6 +79,8 @@ def join_tiers(tiers: Sequence[Tier], agreement: Agreement, options: CheckpointO
     primary = jax.process_index() == options.primary_host
     grace = options.gc_grace_s if options.gc_on_open else None
     behind = options.durable_wait_s if len(tiers) > 1 else None  # a local tier serves it
+    if behind is not None and primary:  # its epoch is taken while the local tier is opened
+        durable.begin_join(gc_grace_s=grace)
     for tier in tiers:  # an own tier records (or checks) the durable root it serves
         wait_s = None if tier.own else behind
         tier.take_epoch(
