@@ -108,6 +108,10 @@ def test_with_nothing_local_the_restore_waits_for_the_durable_root(
         storm.join(HANG_S)
     assert mgr.restored_step == 40
     np.testing.assert_array_equal(restored["w"], _state(40)["w"])
+    # No save adopted the epoch: the ledger's events (the open, the restore) are counted as
+    # dropped at close, not silently lost.
+    assert mgr.ledger.writer is not None and mgr.ledger.writer.epoch is None
+    assert mgr.ledger.writer.dropped >= 2
 
 
 def test_a_promoter_leaves_an_unstamped_request_until_it_is_stamped(tmp_path: Path) -> None:

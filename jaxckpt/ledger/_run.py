@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from jaxckpt.ledger._events import LedgerObject
@@ -242,15 +242,8 @@ class RunLedger:
         step = parts.restored_step
         if step is None:
             return
-        try:
-            known = parts._select.restored_from  # what the restore read: no request
-            if known is not None and known[0] == step:
-                tier, newest, nbytes = known[1:]
-            else:
-                tier, newest, nbytes = _where_restored(parts._tiers, step)
-        except Exception as e:  # the ledger never fails a restore
-            log.warning("ledger: could not tell where step %d was restored from: %s", step, e)
-            tier, newest, nbytes = None, None, 0
+        known = parts._select.restored_from  # what the restore read: no request here
+        tier, newest, nbytes = known[1:] if known and known[0] == step else (None, None, 0)
         why = None
         if newest is not None and newest > step:
             why = "fallback" if newest in parts._select.corrupt else "healing"
@@ -355,28 +348,6 @@ def _at_exit() -> None:
         t.start()
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-
-
-def _where_restored(tiers: Sequence[Tier], step: int) -> tuple[str | None, int | None, int]:
-    """The tier ``step`` was restored from (the nearest holding it), the newest step of
-    any tier, and the step's bytes: each tier's newest marker (one GET each, usually).
-    A durable root that has not answered at the open is not asked."""
-    newest: int | None = None
-    found: tuple[str, int] | None = None
-    tiers = [t for t in tiers if not t.deferred]
-    for tier in tiers:
-        marker = tier.latest()
-        if marker is None:
-            continue
-        newest = marker.step if newest is None else max(newest, marker.step)
-        if found is None and marker.step == step:
-            found = (tier.name, marker.nbytes)
-    if found is None:
-        for tier in tiers:
-            if tier.holds(step):
-                found = (tier.name, tier.marker(step).nbytes)
-                break
-    return (found[0], newest, found[1]) if found else (None, newest, 0)
 
 
 def _lost_steps(durable: Tier, writer: LedgerWriter, step: int) -> int | None:

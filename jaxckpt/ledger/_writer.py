@@ -204,6 +204,15 @@ class LedgerWriter:
         at interpreter exit the object-store servers may be gone)."""
         deadline = time.monotonic() + timeout_s
         self._stop.set()
+        if self._epoch is None:  # the durable root never answered in this run: said, counted
+            with self._lock:
+                lost, self.dropped = len(self._events), self.dropped + len(self._events)
+            log.warning(
+                "ledger under %s: %d events not written (the run never learned its durable "
+                "epoch: the durable root did not answer)",
+                self._storage.uri,
+                lost,
+            )
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout_s)

@@ -142,22 +142,12 @@ class JoinedLater:
         self._adopted: list[Callable[[int], None]] = []
         self._said = False
 
-    def take_later(
-        self,
-        agreement: Agreement,
-        collect: Callable[[float, list[str]], None],
-        *,
-        primary: bool,
-        gc_grace_s: float | None,
-        wait_s: float,
-    ) -> int | None:
-        """The primary takes the epoch in the background (then ``collect``-s garbage); the
-        open waits at most ``wait_s`` (collective). None on every host: :attr:`deferred`."""
+    def take_later(self, agreement: Agreement, *, primary: bool, wait_s: float) -> int | None:
+        """The open waits at most ``wait_s`` for the epoch the primary's join (begun by
+        :meth:`start_join`) takes (collective). None on every host: :attr:`deferred`."""
         taken = None
         if primary:
-            if self._join is None:
-                self.start_join(collect, gc_grace_s=gc_grace_s)
-            assert self._join is not None
+            assert self._join is not None, "start_join first"
             taken = self._join.taken(wait_s)  # its garbage collection goes on meanwhile
         epoch = agreement.agree("durable-epoch", taken)
         self.protocol.epoch = epoch
@@ -176,6 +166,11 @@ class JoinedLater:
     ) -> None:
         """The primary starts taking the epoch now (:meth:`take_later` waits for it)."""
         self._join = DurableJoin(self.storage, gc_grace_s, collect)
+
+    @property
+    def joining(self) -> bool:
+        """Whether this process has begun a join (the primary, behind a local tier)."""
+        return self._join is not None
 
     def answers(self) -> bool:
         """Whether this root has answered: always, unless the open went on without it;

@@ -73,11 +73,16 @@ class Healing:
         """The complete replicas this process holds (listed; their indexes are read on use)."""
         return replica_holdings(self._local.storage.list(REPLICAS))
 
+    def _reports(self, name: str, own: list[int]) -> list[tuple[list[int], list[Held]]]:
+        """Every process's (own steps, replicas held), this one's ``own`` (collective: one
+        gather)."""
+        gathered = self._agreement.gather(name, [own, self.held()])
+        return [(list(o), [(int(s), int(p), str(a)) for s, p, a in hs]) for o, hs in gathered]
+
     def complete(self) -> int | None:
         """The newest step complete in the union of the local tiers (collective: one gather
         of every process's steps and replicas, as :meth:`heal` starts)."""
-        gathered = self._agreement.gather("peer-complete", [self._local.visible(), self.held()])
-        reports = [(list(o), [(int(s), int(p), str(a)) for s, p, a in hs]) for o, hs in gathered]
+        reports = self._reports("peer-complete", self._local.visible())
         return max(coverage(reports)[0], default=None)
 
     def heal(self, step: int | None) -> None:
@@ -89,12 +94,10 @@ class Healing:
         one); the log says which step the restore gets instead.
         """
         own = self._local.visible()
-        held = self.held()
-        gathered = self._agreement.gather("peer-coverage", [own, held])
+        reports = self._reports("peer-coverage", own)
         reads = self.me == self._agreement.primary and self._durable.answers()  # not in an outage
         marker = self._durable.latest() if reads else None
         durable = self._agreement.agree("peer-durable", None if marker is None else marker.step)
-        reports = [(list(o), [(int(s), int(p), str(a)) for s, p, a in hs]) for o, hs in gathered]
         target = heal_target(reports, step, durable)
         while target is not None:
             fetched = True

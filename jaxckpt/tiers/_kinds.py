@@ -20,11 +20,7 @@ import tensorstore as ts
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit import Agreement, CommitProtocol, EpochReader, collect, scan
-from jaxckpt.errors import (
-    CheckpointError,
-    LocalRootInUseError,
-    NotACheckpointRootError,
-)
+from jaxckpt.errors import CheckpointError, LocalRootInUseError, NotACheckpointRootError
 from jaxckpt.formats import ArrayWriter
 from jaxckpt.records import (
     COMMITS,
@@ -395,9 +391,9 @@ class SharedTier(JoinedLater, _Root):
         open waits at most this long; None returned (on every host) means :attr:`deferred`.
         """
         if wait_s is not None:
-            return self.take_later(
-                agreement, self.collect, primary=primary, gc_grace_s=gc_grace_s, wait_s=wait_s
-            )
+            if primary and not self.joining:
+                self.begin_join(gc_grace_s=gc_grace_s)
+            return self.take_later(agreement, primary=primary, wait_s=wait_s)
         taken = self._take(gc_grace_s, None) if primary else None
         self.protocol.epoch = epoch = agreement.agree(f"{self.name}-epoch", taken)
         return epoch
