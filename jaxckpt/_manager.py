@@ -180,9 +180,9 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         if not saving:
             self._session.check_background()  # a finished failed save still surfaces, at once
             return False
-        self.wait()
-        request = self._promotion.request
-        self._session.save(step, state, metadata, metrics, keep, request, process_state)
+        self._session.wait()  # as wait(), but a step that cannot be promoted is told at the checks
+        request, lost = self._promotion.request, self._promotion.lost_error()
+        self._session.save(step, state, metadata, metrics, keep, request, process_state, lost)
         return True
 
     @_collective("wait")

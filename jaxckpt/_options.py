@@ -264,7 +264,7 @@ class CheckpointOptions:
     primary_host: int = 0
     layout: str = "packed"
     local_root: str | None = None
-    durable_wait_s: float = 5.0
+    durable_wait_s: float = 2.0
     promote_policy: SavePolicy | None = None
     local_retention: RetentionPolicy | None = None
     promotion: str = "background"

@@ -25,6 +25,7 @@ import jax
 
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
+from jaxckpt._preemption import notices_alike
 from jaxckpt.commit import Agreement
 from jaxckpt.errors import (
     CheckpointError,
@@ -84,6 +85,9 @@ class NoPromotion:
     def check_lost(self) -> None:
         return None
 
+    def lost_error(self) -> None:
+        return None
+
     def close(self, timeout_s: float) -> None:
         return None
 
@@ -126,6 +130,7 @@ class Promotion:
         self._agreement = agreement
         self._mode = promotion
         self._policy = promote_policy
+        self._alike = notices_alike(promote_policy)
         self._preempted = preempted
         self._primary_host = primary_host
         self._parts_timeout_s = parts_timeout_s
@@ -193,8 +198,9 @@ class Promotion:
         The request is written with the save, before the local marker, so a
         trainer killed right after its local commit loses nothing.
         """
-        if not self._tier.deferred:
-            chosen = self._agreement.agree("promote", self._chosen(step))
+        if not self._tier.deferred:  # every host answers a policy of steps alike
+            chosen = self._chosen(step)
+            chosen = chosen if self._alike else self._agreement.agree("promote", chosen)
         else:  # the primary says when the durable epoch is taken: every host adopts it here
             chosen, learned = self._agreement.agree(
                 "promote", [self._chosen(step), self._tier.learned()]
@@ -260,6 +266,20 @@ class Promotion:
         Raises:
           SaveFailedError: such steps (named), on every host of the job.
         """
+        lost = self._lost_here()
+        if self._processes > 1:
+            reported = self._agreement.reports("lost", lost or None).values()  # only losers
+            lost = sorted({s for host in reported for s in host})
+        if lost:
+            raise self._lost_error(lost)
+
+    def lost_error(self) -> SaveFailedError | None:
+        """This host's part of :meth:`check_lost`, without meeting the others: a save
+        tells it at its own checks, which every host meets anyway."""
+        lost = self._lost_here()
+        return self._lost_error(lost) if lost else None
+
+    def _lost_here(self) -> list[int]:
         with self._lock:
             awaiting = sorted(self._awaiting)
         lost: list[int] = []
@@ -272,15 +292,14 @@ class Promotion:
                     lost.append(step)
                 with self._lock:
                     self._awaiting.discard(step)
-        if self._processes > 1:
-            reported = self._agreement.reports("lost", lost or None).values()  # only losers
-            lost = sorted({s for host in reported for s in host})
-        if lost:
-            raise SaveFailedError(
-                f"steps {lost} were committed under {self.local.where()} but can no longer "
-                f"be promoted to {self.uri}: their local copies were removed or damaged "
-                "before promotion (see the log); they are not durable"
-            )
+        return lost
+
+    def _lost_error(self, lost: list[int]) -> SaveFailedError:
+        return SaveFailedError(
+            f"steps {lost} were committed under {self.local.where()} but can no longer "
+            f"be promoted to {self.uri}: their local copies were removed or damaged "
+            "before promotion (see the log); they are not durable"
+        )
 
     def pending_steps(self) -> set[int]:
         """Requested steps not durable yet (local retention must keep them; every one while

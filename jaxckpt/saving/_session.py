@@ -137,20 +137,23 @@ class SaveSession:
         keep: bool,
         request: Callable[[int], PromotionRequest | None],
         process_state: Any = None,
+        lost: CheckpointError | None = None,
     ) -> None:
         """Starts the save of ``step`` (see ``CheckpointManager.save``).
 
         Every process's local checks (its tier, its leaves, the step's absence and
         the fence where this process looks) are agreed before any collective: when
         one fails, every process raises, naming it, and none enters Orbax's save.
+        ``lost``: steps this process found can no longer be promoted, told at the checks.
         """
         if self._background is not None:  # every process waited for it before this save
             self._agreement.forget(self._background)
             self._background = None
         prepared: tuple[Any, Any, bytes, StepLocation, Listing | None, bool] | None = None
         failure: Exception | None = None
-        own_state = None
         try:
+            if lost is not None:
+                raise lost
             own_state = encode_process_state(process_state, step=step, process=jax.process_index())
             prepared = prepare_step(
                 self._tier,
@@ -367,12 +370,9 @@ class SaveSession:
     def _expect(self, step: int) -> Inflight:
         inflight = self.current()
         if inflight is None or inflight.step != step:
-            raise CheckpointError(f"no save of step {step} is in flight under {self._where}")
+            where = self._protocol.storage.uri
+            raise CheckpointError(f"no save of step {step} is in flight under {where}")
         return inflight
-
-    @property
-    def _where(self) -> str:
-        return self._protocol.storage.uri
 
     # -- SessionHooks (called by Orbax's handler and step path) ---------------
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from jaxckpt.commit import Agreement, CommitProtocol
@@ -93,11 +94,13 @@ class DurableJoin:
         self._done.set()
 
     def _take(self) -> None:
+        began = time.monotonic()
         protocol = CommitProtocol(self._storage)
         protocol.ensure_root(create=True)
         keys = self._storage.list(COMMITS)
         self.epoch = protocol.take_epoch(keys).epoch
         self._taken.set()
+        log.info("durable root %s joined in %.2fs", self._storage.uri, time.monotonic() - began)
         try:
             if self._grace is not None:
                 self._collect(self._grace, keys)
