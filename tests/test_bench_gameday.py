@@ -58,6 +58,22 @@ def test_intervals(kind: str, processes: int, bound: int) -> None:
     assert gameday.interval_steps(kind, s) == bound
 
 
+@pytest.mark.parametrize(
+    ("settings", "step_s", "every"),
+    [
+        ({}, 0.155, 10),  # Daly: 2.0 s for 70 ms a save and 30 s between failures: 12.9 steps
+        ({"mtbf_s": 8.0}, 0.155, 5),  # 1.0 s: 6.5 steps, and 5 divides the promotion interval
+        ({"save_cost_s": 1.0}, 0.155, 20),  # 7.1 s: 45.8 steps, at most one promotion interval
+        ({"mtbf_steps": 9}, 0.02, 5),  # 9 steps of 20 ms: Daly's 0.12 s is 5.8 steps
+        ({"every": 3}, 0.155, 3),  # chosen
+    ],
+)
+def test_the_local_save_interval_is_dalys_for_the_measured_save_cost(
+    settings: dict[str, Any], step_s: float, every: int
+) -> None:
+    assert gameday.local_interval(gameday.Settings(**settings), step_s) == every
+
+
 def test_goodput_from_the_supervisors_records() -> None:
     runs: list[dict[str, Any]] = [
         {"restored": 0, "tier": "fresh", "reached": 17, "ended_by": "sigkill", "held": 15},

@@ -76,7 +76,8 @@ RUN_TIMEOUT_S = 600.0
 class Settings:
     processes: int = 4
     steps: int = 1500
-    every: int = 5
+    every: int | None = None  # None: Daly's interval (see local_interval)
+    save_cost_s: float = 0.07
     promote_every: int = 20
     replicas: int = 2
     batch: int = 32
@@ -94,7 +95,7 @@ class Settings:
         unknown = set(self.kinds) - set(KINDS)
         if unknown or not self.kinds:
             raise ValueError(f"unknown failure kinds {sorted(unknown)}; choose from {KINDS}")
-        if self.processes < 1 or self.steps < 2 or self.every < 1 or self.promote_every < 1:
+        if self.processes < 1 or self.steps < 2 or (self.every or 1) < 1 or self.promote_every < 1:
             raise ValueError("processes >= 1, steps >= 2, every and promote_every >= 1")
 
 
@@ -107,6 +108,7 @@ SIZES = {
         "mtbf_steps": 9,
         "failures": 2,
         "kinds": ("sigkill", "node_loss"),
+        "every": 5,
         "step_sleep": 0.02,
         "storm_s": 3.0,
         "grace_s": 10.0,
@@ -136,6 +138,22 @@ def schedule(s: Settings, step_s: float) -> list[Failure]:
     return out
 
 
+def local_interval(s: Settings, step_s: float) -> int:
+    """The steps between two local saves: ``every`` if set, else Daly's optimum
+    (``jaxckpt.policy.daly_interval``) for a save that costs the training ``save_cost_s``
+    and the schedule's mean time between failures, rounded down to a divisor of
+    ``promote_every`` (each promoted step is a saved one), at least 1. ``save_cost_s``
+    is what ``--failures 0`` measures (``measured_save_cost_s``: the step time's excess
+    over the reference run's, per save)."""
+    if s.every is not None:
+        return s.every
+    from jaxckpt.policy import daly_interval
+
+    mtbf_s = s.mtbf_s if s.mtbf_steps is None else s.mtbf_steps * step_s
+    best = daly_interval(s.save_cost_s, mtbf_s) / step_s
+    return max(d for d in range(1, s.promote_every + 1) if s.promote_every % d == 0 and d <= best)
+
+
 def interval_steps(kind: str, s: Settings) -> int:
     """The save interval behind a failure's bound, for the report: one local save
     interval while any tier holds the newest saved step (plus what a save in flight at
@@ -147,11 +165,12 @@ def interval_steps(kind: str, s: Settings) -> int:
     if kind == "storm":
         return 0
     peers = s.processes > 1 and s.replicas > 1
+    every = s.every or 1
     if kind == "corrupt":
-        return 2 * s.every
+        return 2 * every
     if kind == "node_loss" and not peers:
         return s.promote_every
-    return s.every
+    return every
 
 
 def goodput(day: dict[str, Any], step_s: float, steps: int) -> dict[str, Any]:
@@ -299,7 +318,7 @@ class Day:
             f"--durable={self.durable}",
             f"--local={self.local}",
             f"--steps={s.steps}",
-            f"--every={s.every}",
+            f"--every={s.every or s.promote_every}",  # resolved before any contender runs
             f"--promote-every={s.promote_every}",
             f"--replicas={s.replicas}",
             f"--batch={s.batch}",
@@ -645,7 +664,7 @@ def assess(day: dict[str, Any], ref: dict[str, Any], s: Settings, step_s: float)
 def _failure(
     kind: str, process: int | None, at: int, lost: int, bound: int | None, s: Settings
 ) -> dict[str, Any]:
-    interval = interval_steps(kind, s) if kind in KINDS else s.every
+    interval = interval_steps(kind, s) if kind in KINDS else s.every or 1
     return {
         "kind": kind,
         "process": process,
@@ -676,9 +695,14 @@ def render(result: dict[str, Any]) -> str:
         lost = ", ".join(str(f["lost_steps"]) for f in b["failures"])
         lines.append(
             f"Orbax: lost steps per failure {lost}; bit-exact {b['bit_exact']}, "
-            f"wrong data {b['wrong_data']}, wall {b['wall_s']:.0f} s ({_phases(b)})"
+            f"wrong data {b['wrong_data']}, wall {b['wall_s']:.0f} s ({_phases(b)}; "
+            f"a save every {result['settings']['promote_every']} steps cost "
+            f"{b['measured_save_cost_s'] * 1000:.0f} ms)"
         )
-    lines.append(f"jaxckpt: wall {result['wall_s']:.0f} s ({_phases(result)})")
+    lines.append(
+        f"jaxckpt: wall {result['wall_s']:.0f} s ({_phases(result)}; a save every "
+        f"{result['settings']['every']} steps cost {result['measured_save_cost_s'] * 1000:.0f} ms)"
+    )
     return "\n".join(lines)
 
 
@@ -755,9 +779,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         ref = ref_day.run([])
         step_s = reference_step_s(ref_day)
+        s = dataclasses.replace(s, every=local_interval(s, step_s))
         failures = schedule(s, step_s)
         _progress(
-            f"gameday: {len(failures)} failures scheduled: "
+            f"gameday: a local save every {s.every} steps; {len(failures)} failures scheduled: "
             f"{[(f.at_step, f.kind) for f in failures]}"
         )
         ours = Day(
@@ -769,6 +794,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         ours.proxy = proxy
         mine = assess(ours.run(failures), ref, s, step_s)
+        mine["measured_save_cost_s"] = save_cost(mine, step_s, s.every)
         result: dict[str, Any] = {
             "settings": {**dataclasses.asdict(s), "kinds": list(s.kinds)},
             "step_s": step_s,
@@ -779,6 +805,9 @@ def main(argv: list[str] | None = None) -> int:
         if s.baseline:
             theirs = Day("orbax", s, work / "orbax", env, str(work / "orbax" / "durable"))
             result["baseline"] = assess(theirs.run(failures), ref, s, step_s)
+            result["baseline"]["measured_save_cost_s"] = save_cost(
+                result["baseline"], step_s, s.promote_every
+            )
             result["baseline_goodput"] = result["baseline"]["goodput"]
         result["elapsed_s"] = time.monotonic() - started
     finally:
@@ -804,6 +833,12 @@ def healthy(result: dict[str, Any]) -> bool:
         for f in result["failures"]
     )
     return within and result["bit_exact"] and result["wrong_data"] == 0
+
+
+def save_cost(assessed: dict[str, Any], step_s: float, every: int | None) -> float:
+    """What a save cost the training: the trained step's excess over the reference run's
+    step time, times the steps between saves."""
+    return max(0.0, assessed["phases"]["step_s"] - step_s) * (every or 1)
 
 
 def reference_step_s(day: Day) -> float:
