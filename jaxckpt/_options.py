@@ -384,6 +384,14 @@ class CheckpointOptions:
             kwargs = dataclasses.asdict(given) if is_object else {}
         else:
             kwargs = dict(given)
+            if not is_object:  # a directory takes io_concurrency; the object stores' fields
+                fields = {f.name for f in dataclasses.fields(ObjectStoreOptions)}  # are theirs
+                kwargs = {k: v for k, v in kwargs.items() if k not in fields}
+                if set(kwargs) - {"io_concurrency"}:
+                    raise ValueError(
+                        f"storage_options {sorted(set(kwargs) - {'io_concurrency'})} are options "
+                        f"neither of the directory root {root} nor of an object store"
+                    )
         if self.restore_memory_bytes is not None and is_object:
             kwargs["read_ahead_bytes"] = self.restore_memory_bytes
         if is_object and kwargs.get("retry_deadline_s") is None:

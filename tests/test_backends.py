@@ -190,6 +190,18 @@ def test_explicit_s3_endpoint_option_without_environment(s3_server, monkeypatch)
     np.testing.assert_array_equal(reader.restore(1)["w"], np.arange(4.0))
 
 
+def test_object_store_options_as_a_mapping_leave_a_directory_root_alone(tmp_path: Path) -> None:
+    """A launch script's ``storage_options`` for its cloud root also opens a local root and
+    a local tier (as the typed options do); a key nobody takes is named."""
+    options = {"max_retries": 1, "timeout_s": 30.0, "io_concurrency": 4}
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    with jaxckpt.CheckpointManager(root, local_root=local, storage_options=options) as mgr:
+        mgr.save(1, {"w": jnp.arange(4.0)})
+    assert jaxckpt.CheckpointManager(root, storage_options=options).latest_step() == 1
+    with pytest.raises(ValueError, match=r"storage_options \['max_retry'\] are options neither"):
+        jaxckpt.CheckpointManager(root, storage_options={"max_retry": 1})
+
+
 def test_the_saves_own_error_is_found_under_orbaxs_wrapper() -> None:
     """Orbax's ChainedFuture turns any TimeoutError of the background save (an agreement
     that names the process that never came) into its own, naming nobody: the session

@@ -388,6 +388,36 @@ def test_a_step_deleted_during_its_restore_is_reported_as_deleted(
         reader.restore(1)
 
 
+def test_inside_latest_once_the_newest_marker_is_read_once_on_that_thread(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(4.0)})
+    storage = open_storage(root)
+    protocol = CommitProtocol(storage)
+    reads: list[str] = []
+    read = type(storage).read
+
+    def counting_read(self: Any, key: str) -> Any:
+        reads.append(key)
+        return read(self, key)
+
+    monkeypatch.setattr(type(storage), "read", counting_read)
+
+    def markers_read() -> int:
+        return len([k for k in reads if parse_marker_key(k)])
+
+    with protocol.latest_once():
+        first = protocol.latest()
+        assert first is not None and first.step == 1 and markers_read() == 1
+        assert protocol.latest() is first and markers_read() == 1  # not read again
+        thread = threading.Thread(target=protocol.latest)  # another thread reads for itself
+        thread.start()
+        thread.join()
+        assert markers_read() == 2
+    assert protocol.latest() == first and markers_read() == 3  # after it: read each time
+
+
 def test_opening_and_latest_step_read_few_markers_at_300_steps(
     root: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

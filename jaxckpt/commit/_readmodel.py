@@ -9,10 +9,12 @@ extends this reader.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -65,6 +67,7 @@ class CommitReader:
         self.epoch: int | None = None
         self._list_workers = list_workers
         self.hints = Hints(storage, lambda: self.epoch)
+        self._once = threading.local()  # latest_once's answer, on its thread only
 
     def check_root(self) -> None:
         """Checks the root record (a reader's open; a writer's is ``CommitProtocol.ensure_root``).
@@ -158,7 +161,27 @@ class CommitReader:
         markers = self.map(self.read_ref, refs)
         return {r.step: m for r, m in zip(refs, markers, strict=True) if m is not None}
 
+    @contextlib.contextmanager
+    def latest_once(self) -> Iterator[None]:
+        """Inside, :meth:`latest` reads the root once on this thread (a restore asks it as
+        healing starts, then for its candidates; nothing it does writes this root)."""
+        self._once.on = True
+        try:
+            yield
+        finally:
+            self._once.__dict__.clear()
+
     def latest(self) -> CommitMarker | None:
+        """The newest visible valid marker (see :meth:`_latest`; once inside ``latest_once``)."""
+        if "marker" in self._once.__dict__:
+            marker: CommitMarker | None = self._once.marker
+            return marker
+        marker = self._latest()
+        if getattr(self._once, "on", False):
+            self._once.marker = marker
+        return marker
+
+    def _latest(self) -> CommitMarker | None:
         """The newest visible valid marker, reading markers newest first until one is valid.
 
         A constant number of small requests, whatever the number of steps: the

@@ -101,8 +101,11 @@ class Selection:
             ``CheckpointManager.restore`` (the same class on every host).
         """
         tiers, agreement = self.tiers, self._agreement
-        tiers[0].peers.heal(step)  # a part lost with its node comes back from its peers
-        candidates = _Candidates(tiers, agreement, step, primary=self._primary, skip=skip)
+        with contextlib.ExitStack() as once:  # a durable root's newest marker: read once
+            if not tiers[-1].own:
+                once.enter_context(tiers[-1].protocol.latest_once())
+            tiers[0].peers.heal(step)  # a part lost with its node comes back from its peers
+            candidates = _Candidates(tiers, agreement, step, primary=self._primary, skip=skip)
         collective = len(tiers) == 1  # every host reads the same copy
         s = candidates.first
         while True:
