@@ -26,7 +26,7 @@ import jaxckpt
 from jaxckpt import policy
 from jaxckpt.commit import CommitProtocol
 from jaxckpt.lifecycle import Promoter
-from jaxckpt.records import UNSTAMPED, read_requests, request_promotion
+from jaxckpt.records import UNSTAMPED, read_requests, request_promotion, withdraw
 from jaxckpt.storage import open_storage
 
 
@@ -129,3 +129,40 @@ def test_a_promoter_leaves_an_unstamped_request_until_it_is_stamped(tmp_path: Pa
     assert 5 in read_requests(own)  # kept for its job to stamp
     request_promotion(own, request.restamped(epoch, request.requested))
     assert [r.outcome for r in promoter.promote_all()] == ["promoted"]
+
+
+def test_a_save_does_not_wait_for_the_durable_root_to_tell_a_lost_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose promotion request went is looked up on the durable root (promoted, or
+    lost with its local copy); while that read hangs (an outage), saves go on (the first
+    waits ``LOST_WAIT_S``), and the lost step is told by the first save after it answers."""
+    from jaxckpt.lifecycle import _promotion
+
+    monkeypatch.setattr(_promotion, "LOST_WAIT_S", 0.2)
+    root, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    mgr = jaxckpt.CheckpointManager(root, local_root=local, promotion="external")
+    mgr.save(1, {"w": np.zeros(4)})
+    mgr.wait()
+    promotion = mgr._promotion
+    withdraw(promotion.local, 1)  # its request went, and it never became durable: lost
+    answer, asked = threading.Event(), threading.Event()
+    listing = promotion.durable.step_listing
+
+    def hanging(step: int) -> object:
+        asked.set()
+        answer.wait(HANG_S)
+        return listing(step)
+
+    monkeypatch.setattr(promotion.durable, "step_listing", hanging)
+    assert mgr.save(2, {"w": np.ones(4)})  # returns while the read hangs
+    assert asked.is_set() and not answer.is_set()
+    assert mgr.save(3, {"w": np.ones(4)})
+    answer.set()
+    wait_until(
+        lambda: all(c.done() for c in promotion._durable_checks.values()),
+        what="the durable lookup of step 1",
+    )
+    with pytest.raises(jaxckpt.SaveFailedError, match=r"steps \[1\] were committed"):
+        mgr.save(4, {"w": np.ones(4)})
+    mgr.close()

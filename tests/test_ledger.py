@@ -235,6 +235,26 @@ def test_the_compilation_cache_is_kept_in_a_local_root(tmp_path: Path) -> None:
         jaxckpt.CheckpointManager("s3://bucket/run", compilation_cache=True)
 
 
+def test_a_cache_in_the_local_tier_of_a_job_of_several_processes_is_said_to_serve_process_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from jaxckpt.ledger import _run
+
+    monkeypatch.setattr(_run, "_processes", lambda: 2)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        _run.RunLedger.starting(
+            tmp_path / "root",
+            jaxckpt.CheckpointOptions(local_root=str(tmp_path / "local"), compilation_cache=True),
+        )
+    finally:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+    assert "it serves process 0 only" in caplog.text
+
+
 def test_a_restarted_process_loads_its_compiled_step_from_the_cache(tmp_path: Path) -> None:
     """The first run compiles the step (a program far under JAX's default 1 s threshold)
     into the cache beside the checkpoints; the next process loads it instead."""

@@ -20,9 +20,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 
 import jax
 
+from jaxckpt import _pools as pools
 from jaxckpt import policy
 from jaxckpt._options import CheckpointOptions
 from jaxckpt._preemption import notices_alike
@@ -33,6 +36,7 @@ from jaxckpt.errors import (
     PromotionTimeoutError,
     SaveFailedError,
 )
+from jaxckpt.lifecycle._nopromotion import NoPromotion
 from jaxckpt.lifecycle._promoter import Promoter
 from jaxckpt.records import (
     FAILED,
@@ -52,44 +56,10 @@ from jaxckpt.tiers import Tier
 
 log = logging.getLogger("jaxckpt")
 
-
-class NoPromotion:
-    """The promotion of a manager without a local tier: nothing is ever requested."""
-
-    on_result: Callable[[PromotionResult], None] | None = None  # never called: nothing promotes
-
-    def __init__(self, root: str) -> None:
-        self._root = root
-
-    def request(self, step: int) -> PromotionRequest | None:
-        return None
-
-    def committed(self, marker: object = None) -> None:
-        return None
-
-    def pending_steps(self) -> set[int]:
-        return set()
-
-    def withdraw(self, step: int) -> None:
-        return None
-
-    def record_durable(self, recorder: SaveRecorder) -> None:
-        return None
-
-    def start(self, on_promoted: Callable[[], None]) -> None:
-        return None
-
-    def wait_durable(self, step: int | None, timeout_s: float) -> int | None:
-        raise CheckpointError(f"the manager of {self._root} has no local tier (local_root)")
-
-    def check_lost(self) -> None:
-        return None
-
-    def lost_error(self) -> None:
-        return None
-
-    def close(self, timeout_s: float) -> None:
-        return None
+LOST_WAIT_S = 2.0
+"""How long a save waits for the durable root to say whether a step whose promotion
+request went is durable (promoted) or lost: a lookup that takes longer (an outage) is
+told at a later save instead of holding up training."""
 
 
 class Promotion:
@@ -142,6 +112,7 @@ class Promotion:
         self._errors: dict[int, tuple[str, str]] = {}  # step -> (outcome, message)
         self._asked: set[int] = set()  # requested with a save under way
         self._awaiting: set[int] = set()  # requested, committed locally, not known durable
+        self._durable_checks: dict[int, Future[bool]] = {}  # of awaited steps whose request went
         self._durable_times: dict[int, float] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -274,12 +245,15 @@ class Promotion:
             raise self._lost_error(lost)
 
     def lost_error(self) -> SaveFailedError | None:
-        """This host's part of :meth:`check_lost`, without meeting the others: a save
-        tells it at its own checks, which every host meets anyway."""
-        lost = self._lost_here()
+        """This host's part of :meth:`check_lost`, without meeting the others (a save
+        tells it at its own checks, which every host meets anyway), waiting for the
+        durable root at most ``LOST_WAIT_S`` once per step: a step whose lookup has not
+        answered by then (an outage) is told at the first save after it does."""
+        lost = self._lost_here(within_s=LOST_WAIT_S)
         return self._lost_error(lost) if lost else None
 
-    def _lost_here(self) -> list[int]:
+    def _lost_here(self, *, within_s: float | None = None) -> list[int]:
+        deadline = None if within_s is None else time.monotonic() + within_s
         with self._lock:
             awaiting = sorted(self._awaiting)
         lost: list[int] = []
@@ -288,11 +262,28 @@ class Promotion:
             for step in awaiting:
                 if step in requested:
                     continue
-                if step not in self.durable.step_listing(step).visible():
+                check = self._durable_checks.get(step)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if check is None:  # is the step durable, now that its request went?
+                    check = pools.pool("lost-check", 1).submit(self._durable_has, step)
+                    self._durable_checks[step] = check
+                elif deadline is not None:
+                    left = 0.0  # waited for once already: not again at every save
+                futures.wait([check], timeout=left)
+                if deadline is not None and not (check.done() and check.exception() is None):
+                    if check.done():  # a storage error: asked again at the next save
+                        del self._durable_checks[step]
+                        log.info("step %d: durable root not read: %s", step, check.exception())
+                    continue
+                del self._durable_checks[step]
+                if not check.result():
                     lost.append(step)
                 with self._lock:
                     self._awaiting.discard(step)
         return lost
+
+    def _durable_has(self, step: int) -> bool:
+        return step in self.durable.step_listing(step).visible()
 
     def _lost_error(self, lost: list[int]) -> SaveFailedError:
         return SaveFailedError(
