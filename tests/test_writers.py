@@ -388,13 +388,8 @@ def test_a_step_deleted_during_its_restore_is_reported_as_deleted(
         reader.restore(1)
 
 
-def test_inside_latest_once_the_newest_marker_is_read_once_on_that_thread(
-    root: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    with jaxckpt.CheckpointManager(root) as mgr:
-        mgr.save(1, {"w": jnp.arange(4.0)})
-    storage = open_storage(root)
-    protocol = CommitProtocol(storage)
+def _counted_reads(storage: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys read through ``storage``'s class from now on, in order."""
     reads: list[str] = []
     read = type(storage).read
 
@@ -403,6 +398,17 @@ def test_inside_latest_once_the_newest_marker_is_read_once_on_that_thread(
         return read(self, key)
 
     monkeypatch.setattr(type(storage), "read", counting_read)
+    return reads
+
+
+def test_inside_latest_once_the_newest_marker_is_read_once_on_that_thread(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with jaxckpt.CheckpointManager(root) as mgr:
+        mgr.save(1, {"w": jnp.arange(4.0)})
+    storage = open_storage(root)
+    protocol = CommitProtocol(storage)
+    reads = _counted_reads(storage, monkeypatch)
 
     def markers_read() -> int:
         return len([k for k in reads if parse_marker_key(k)])
@@ -429,14 +435,7 @@ def test_opening_and_latest_step_read_few_markers_at_300_steps(
     for step in range(2, 301):  # 299 more markers (their data is never read here)
         copy = type(marker)(**{**marker.__dict__, "step": step})
         storage.write(copy.key, copy.to_bytes(), exclusive=True)
-    reads: list[str] = []
-    read = type(storage).read
-
-    def counting_read(self: Any, key: str) -> Any:
-        reads.append(key)
-        return read(self, key)
-
-    monkeypatch.setattr(type(storage), "read", counting_read)
+    reads = _counted_reads(storage, monkeypatch)
     mgr = jaxckpt.CheckpointManager(root)
     assert mgr.latest_step() == 300
     markers_read = [k for k in reads if parse_marker_key(k)]
