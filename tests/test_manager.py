@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from rootpaths import data_steps, marker_path, step_dir
 from trees import assert_tree_bitexact, sample_state
+from triggers import current_frame
 
 import jaxckpt
 from jaxckpt import policy
@@ -121,7 +122,7 @@ def _wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
 
 def _blocked_in(thread: threading.Thread, function) -> bool:
     """Whether ``thread`` is currently executing inside ``function``."""
-    frame = sys._current_frames().get(thread.ident)
+    frame = current_frame(thread)
     while frame is not None:
         if frame.f_code is function.__code__:
             return True

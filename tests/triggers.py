@@ -8,6 +8,7 @@ an upper bound only a hang reaches.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -32,10 +33,26 @@ def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = H
         time.sleep(POLL_S)
 
 
+def current_frame(thread: threading.Thread) -> Any:
+    """The frame ``thread`` is executing now (None once it ended).
+
+    With the garbage collector off meanwhile: on CPython 3.11 a collection that starts
+    inside ``sys._current_frames()`` (which holds the interpreter's thread-list lock)
+    can wait for that lock itself, and every thread of the process hangs (gh-106883).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames().get(thread.ident or 0)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def api_call_of_main_thread() -> str | None:
     """The ``CheckpointManager`` method the main thread is inside, outermost first (the call
     the test made, not one it makes itself: ``save`` calls ``wait``), e.g. ``"wait"``."""
-    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    frame = current_frame(threading.main_thread())
     outermost = None
     while frame is not None:
         code = frame.f_code
