@@ -387,10 +387,11 @@ class CheckpointOptions:
             if not is_object:  # a directory takes io_concurrency; the object stores' fields
                 fields = {f.name for f in dataclasses.fields(ObjectStoreOptions)}  # are theirs
                 kwargs = {k: v for k, v in kwargs.items() if k not in fields}
-                if set(kwargs) - {"io_concurrency"}:
+                unknown = sorted(set(kwargs) - {"io_concurrency"})
+                if unknown:
                     raise ValueError(
-                        f"storage_options {sorted(set(kwargs) - {'io_concurrency'})} are options "
-                        f"neither of the directory root {root} nor of an object store"
+                        f"storage_options {unknown} are options neither of the directory root "
+                        f"{root} nor of an object store"
                     )
         if self.restore_memory_bytes is not None and is_object:
             kwargs["read_ahead_bytes"] = self.restore_memory_bytes

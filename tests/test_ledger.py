@@ -240,7 +240,7 @@ def test_a_cache_in_the_local_tier_of_a_job_of_several_processes_is_said_to_serv
 ) -> None:
     from jaxckpt.ledger import _run
 
-    monkeypatch.setattr(_run, "_processes", lambda: 2)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
     before = jax.config.jax_compilation_cache_dir
     try:
         _run.RunLedger.starting(

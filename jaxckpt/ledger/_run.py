@@ -72,12 +72,6 @@ class ManagerParts(Protocol):
     def _select(self) -> Any: ...
 
 
-def _processes() -> int:
-    import jax
-
-    return jax.process_count()
-
-
 class RunLedger:
     """The run ledger of one manager (see the module docstring).
 
@@ -92,7 +86,9 @@ class RunLedger:
         self._on = options.ledger and not options.read_only
         if options.compilation_cache:
             enable_compilation_cache(cache_dir(root, options.local_root))
-            if options.local_root is not None and _processes() > 1:
+            import jax
+
+            if options.local_root is not None and jax.process_count() > 1:
                 log.warning(
                     "compilation cache in the local tier: JAX writes its entries from process "
                     "0 alone, so it serves process 0 only; a directory every host reads "

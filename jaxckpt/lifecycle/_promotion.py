@@ -263,19 +263,17 @@ class Promotion:
                 if step in requested:
                     continue
                 check = self._durable_checks.get(step)
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if check is None:  # is the step durable, now that its request went?
                     check = pools.pool("lost-check", 1).submit(self._durable_has, step)
                     self._durable_checks[step] = check
-                elif deadline is not None:
-                    left = 0.0  # waited for once already: not again at every save
-                futures.wait([check], timeout=left)
-                if deadline is not None and not (check.done() and check.exception() is None):
-                    if check.done():  # a storage error: asked again at the next save
-                        del self._durable_checks[step]
-                        log.info("step %d: durable root not read: %s", step, check.exception())
+                    if deadline is not None:  # waited for once: a later save only looks
+                        futures.wait([check], timeout=max(0.0, deadline - time.monotonic()))
+                if deadline is not None and not check.done():
                     continue
                 del self._durable_checks[step]
+                if deadline is not None and check.exception() is not None:  # asked again later
+                    log.info("step %d: durable root not read: %s", step, check.exception())
+                    continue
                 if not check.result():
                     lost.append(step)
                 with self._lock:
