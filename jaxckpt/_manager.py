@@ -211,8 +211,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         the durable step waited for (None: nothing durable and nothing asked).
 
         Args:
-          step: a step chosen for promotion; None: the newest this manager asked to promote
-            (if none, the newest durable step is returned).
+          step: a step chosen for promotion; None: the newest one asked (else the newest durable).
           timeout_s: how long to wait; None means ``save_timeout_s``.
 
         Raises:
@@ -345,6 +344,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
             return
         try:
             self.wait()  # after an interrupted wait() too: commits or raises
+            self._select.catch_up()  # a run that never used the durable root: its ledger
             self._health.ended("clean" if self._clean_exit else None)  # no crash
         finally:
             _openroots.unregister(self)

@@ -164,11 +164,13 @@ class CheckpointOptions:
       local_root: a fast local tier (e.g. a path on local NVMe): saves commit
         there, and the steps ``promote_policy`` chooses are promoted to the
         manager's root, the durable tier. None: saves go to the root.
-      durable_wait_s: with a local tier, how long opening waits for the durable
-        root (its writer epoch). If it has not answered by then (an outage, a storm
-        of 503s), the job trains from the local tier meanwhile: a restore takes the
-        newest step every host holds locally, and promotion resumes once the epoch
-        is taken in the background (README "Tiers").
+      durable_wait_s: with a local tier, how long the first use of the durable root
+        (``latest_step``, ``restore``, a save) waits for it, counted from the open,
+        which itself waits for nothing (what a job does in between, such as compiling
+        its step, overlaps the durable root's writer epoch). If it has not answered
+        by then (an outage, a storm of 503s), the job trains from the local tier
+        meanwhile: a restore takes the newest step every host holds locally, and
+        promotion resumes once the epoch is taken in the background (README "Tiers").
       promote_policy: which locally committed steps become durable (a save
         policy, e.g. ``EveryNSteps(1000) | OnPreemption()``); None: every one.
       local_retention: retention of the local tier (``retention`` is the

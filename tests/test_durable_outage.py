@@ -25,6 +25,7 @@ from triggers import HANG_S, wait_until
 import jaxckpt
 from jaxckpt import policy
 from jaxckpt.commit import CommitProtocol
+from jaxckpt.ledger import read_ledger
 from jaxckpt.lifecycle import Promoter
 from jaxckpt.records import UNSTAMPED, read_requests, request_promotion, withdraw
 from jaxckpt.storage import open_storage
@@ -93,6 +94,30 @@ def test_a_job_restarted_in_an_outage_trains_from_its_local_tier_and_promotes_af
         np.testing.assert_array_equal(r.restore(60)["w"], _state(60)["w"])
 
 
+def test_the_open_waits_for_nothing_and_the_first_use_adopts_the_epoch(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    """The open goes on while the durable root does not answer (a job compiles its step
+    meanwhile); ``latest_step()`` waits for it, within ``durable_wait_s`` of the open,
+    and every host adopts its epoch there: no save needed."""
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    local = tmp_path / "local"
+    first_epoch = _first_run(root, local, proxy)
+    proxy.plan = faultproxy.FaultPlan(throttle=1.0)
+    with jaxckpt.CheckpointManager(
+        root, **_tiered(root, local, proxy, durable_wait_s=HANG_S)
+    ) as mgr:
+        durable = mgr._tiers[-1]
+        assert durable.deferred and durable.protocol.epoch is None  # the open did not wait
+        proxy.plan = faultproxy.NO_FAULTS  # the durable root answers before the deadline
+        assert mgr.latest_step() == 40
+        assert not durable.deferred and durable.protocol.epoch > first_epoch
+        assert mgr.ledger.writer is not None and mgr.ledger.writer.epoch == durable.protocol.epoch
+        np.testing.assert_array_equal(mgr.restore()["w"], _state(40)["w"])
+        mgr.save(60, _state(60))  # chosen for promotion: stamped (else never promoted)
+        assert mgr.wait_durable(60) == 60
+
+
 def test_with_nothing_local_the_restore_waits_for_the_durable_root(
     proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
 ) -> None:
@@ -108,10 +133,13 @@ def test_with_nothing_local_the_restore_waits_for_the_durable_root(
         storm.join(HANG_S)
     assert mgr.restored_step == 40
     np.testing.assert_array_equal(restored["w"], _state(40)["w"])
-    # No save adopted the epoch: the ledger's events (the open, the restore) are counted as
-    # dropped at close, not silently lost.
-    assert mgr.ledger.writer is not None and mgr.ledger.writer.epoch is None
-    assert mgr.ledger.writer.dropped >= 2
+    # No save adopted the epoch: the close did, so the ledger's events (the open, the
+    # restore) were written under it, none dropped.
+    writer = mgr.ledger.writer
+    assert writer is not None and writer.epoch == mgr._tiers[-1].protocol.epoch is not None
+    assert writer.dropped == 0
+    run = next(r for r in read_ledger(open_storage(root)) if r.epoch == writer.epoch)
+    assert run.of("open") and [e["step"] for e in run.of("restore")] == [40]
 
 
 def test_a_promoter_leaves_an_unstamped_request_until_it_is_stamped(tmp_path: Path) -> None:

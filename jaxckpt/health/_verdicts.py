@@ -222,6 +222,7 @@ class Health:
         """The primary's decision before a restore of ``step`` (None: the newest good
         one; collective): the bad steps, after a crash-loop quarantine if one is due,
         and the reasons of the newest ones. ``restoring=False``: only the bad steps."""
+        self._select.catch_up()  # the durable root's epoch, if it answered since the open
         bad: list[int] = []
         marks: dict[int, _health.MarkKey] = {}
         if restoring:

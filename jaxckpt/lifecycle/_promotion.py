@@ -121,8 +121,8 @@ class Promotion:
         self._writes = not read_only
         self.on_result: Callable[[PromotionResult], None] | None = None
         """Told each result of the background promoter (the ledger)."""
-        if self._writes and not durable.deferred:
-            self._restamp()
+        if self._writes:  # now, or once every host adopts the epoch (see tiers._durablejoin)
+            durable.on_adopt(lambda _: self._restamp())
 
     def _restamp(self) -> None:
         """Requests of an earlier run (its epoch is fenced now), and those written before
@@ -177,9 +177,7 @@ class Promotion:
                 "promote", [self._chosen(step), self._tier.learned()]
             )
             if learned is not None:
-                self._tier.adopt(learned)
-                if self._writes:
-                    self._restamp()
+                self._tier.adopt(learned)  # requests are restamped then (on_adopt)
         if not chosen:
             return None
         epoch = UNSTAMPED if self.durable.epoch is None else self.durable.epoch

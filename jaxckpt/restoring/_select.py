@@ -180,6 +180,7 @@ class Selection:
     def steps(self, tier: str | None = None) -> list[int]:
         """Committed steps of the named tier (None: all), ascending, the primary's view
         (collective): an own tier's count when every host has them."""
+        self.catch_up()
         steps: set[int] = set()
         for t in self.named(tier):
             steps |= t.everywhere(self._agreement, t.committed())
@@ -187,11 +188,17 @@ class Selection:
 
     def latest(self) -> int | None:
         """The newest committed step of any tier, or None (collective; newest markers only)."""
+        self.catch_up()
         steps: list[int] = []
         for t in self.tiers:  # a durable root that does not answer yet: only if nothing else
             n = t.newest(self._agreement, primary=self._primary, wait=not steps)
             steps += [] if n is None else [n]
         return self._agreement.agree("latest", max(steps, default=None))
+
+    def catch_up(self) -> None:
+        """Every host adopts the durable root's epoch if the open went on without it and it
+        has answered since (collective; see ``tiers._durablejoin``)."""
+        self.tiers[-1].catch_up(self._agreement)
 
     def named(self, tier: str | None) -> tuple[Tier, ...]:
         """The tiers ``tier`` names (None: all), nearest first.

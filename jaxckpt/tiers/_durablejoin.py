@@ -5,9 +5,12 @@ Opening a tiered manager takes a new writer epoch of the durable root (the prima
 does, then every host writes in it). In a storm of ``503 SlowDown`` every request is
 retried, so the open waited for the storm's end (and failed after ``save_timeout_s``
 of an outage) although the local tiers held the step to resume from. Instead the
-primary takes the epoch on a thread of its own (:class:`DurableJoin`), and the open
-waits for it at most ``CheckpointOptions.durable_wait_s``. When it has not answered
-by then, the job trains from its local tier meanwhile:
+primary takes the epoch on a thread of its own (:class:`DurableJoin`) and the open
+waits for nothing: what a job does next (building and compiling its step) overlaps
+the join. The first use of the durable root (``latest_step``, ``restore``, a save)
+catches up (:meth:`JoinedLater.catch_up`): the primary waits for the join until
+``CheckpointOptions.durable_wait_s`` after it began, and every host adopts its epoch.
+When it has not answered by then, the job trains from its local tier meanwhile:
 
 * a restore takes the newest step every host holds locally (the durable root is
   read only when no local step is complete everywhere, and then waited for);
@@ -57,6 +60,7 @@ class DurableJoin:
         collect: Callable[[float, list[str]], None],
     ) -> None:
         self._storage = storage
+        self.began = time.monotonic()
         self._grace = gc_grace_s
         self._collect = collect
         self._taken = threading.Event()
@@ -142,25 +146,50 @@ class JoinedLater:
         """The open went on without this root's epoch; every host learns it later."""
         self._join: DurableJoin | None = None  # the primary's, while deferred
         self._wait_s = wait_s
+        self._deadline = 0.0  # the primary's: until then a first use waits for the join
         self._adopted: list[Callable[[int], None]] = []
-        self._said = False
+        self._said = self._late = False
 
     def take_later(self, agreement: Agreement, *, primary: bool, wait_s: float) -> int | None:
-        """The open waits at most ``wait_s`` for the epoch the primary's join (begun by
-        :meth:`start_join`) takes (collective). None on every host: :attr:`deferred`."""
+        """The open waits for nothing: the epoch is agreed if the primary's join (begun by
+        :meth:`start_join`) has taken it already, else :attr:`deferred` on every host and
+        the primary's first use waits for it until ``wait_s`` after the join began
+        (collective; None on every host: deferred)."""
         taken = None
         if primary:
             assert self._join is not None, "start_join first"
-            taken = self._join.taken(wait_s)  # its garbage collection goes on meanwhile
+            self._deadline = self._join.began + wait_s
+            taken = self._join.taken(0.0)  # its garbage collection goes on meanwhile
         epoch = agreement.agree("durable-epoch", taken)
         self.protocol.epoch = epoch
         self.deferred = epoch is None
-        if self.deferred and primary:
+        return epoch
+
+    def catch_up(self, agreement: Agreement) -> None:
+        """While :attr:`deferred`, every host adopts the epoch the primary's join has
+        taken, the primary waiting for it until the open's deadline (collective: a
+        restore's first step; nothing once adopted)."""
+        if self.deferred:
+            epoch = agreement.agree("durable-epoch", self.learned())
+            if epoch is not None:
+                self.adopt(epoch)
+
+    def _joined(self) -> int | None:
+        """The primary's join's epoch, waited for until the open's deadline (None: not
+        taken by then, said once; or no join here)."""
+        join = self._join
+        if join is None:
+            return None
+        epoch = None
+        with contextlib.suppress(CheckpointError):  # a join that failed for good said why
+            epoch = join.taken(max(0.0, self._deadline - time.monotonic()))
+        if epoch is None and not self._late:
+            self._late = True
             log.warning(
                 "durable root %s did not answer within %gs: training goes on from the local "
                 "tier; its writer epoch is taken in the background and promotion resumes then",
                 self.storage.uri,
-                wait_s,
+                self._deadline - join.began,
             )
         return epoch
 
@@ -177,13 +206,9 @@ class JoinedLater:
 
     def answers(self) -> bool:
         """Whether this root has answered: always, unless the open went on without it;
-        then on the primary once its epoch is taken, elsewhere once it is adopted."""
-        join = self._join
-        if join is None:
-            return not self.deferred
-        with contextlib.suppress(CheckpointError):
-            return join.taken() is not None
-        return False
+        then on the primary once its epoch is taken (waited for until the open's
+        deadline), elsewhere once it is adopted."""
+        return not self.deferred if self._join is None else self._joined() is not None
 
     def _reads(self, wait: bool) -> bool:
         """Whether the primary reads this root now: it answers, or ``wait`` (then the join
@@ -206,12 +231,13 @@ class JoinedLater:
         return True
 
     def learned(self) -> int | None:
-        """The epoch for every host to adopt (the primary's answer, at a save): the join's,
-        once taken; None while not (or not deferred; a join that failed for good said why)."""
-        return self._join.epoch if self._join is not None and self.deferred else None
+        """The epoch for every host to adopt (the primary's answer, at a save or a restore):
+        the join's, once taken (waited for until the open's deadline); None while not, or
+        not deferred."""
+        return self._joined() if self.deferred else None
 
     def adopt(self, epoch: int) -> None:
-        """Every host writes in ``epoch`` from now on (learned at a save)."""
+        """Every host writes in ``epoch`` from now on (learned at a save or a restore)."""
         self.protocol.epoch = epoch
         self.deferred = False
         log.info("joined durable root %s: writer epoch %d", self.storage.uri, epoch)

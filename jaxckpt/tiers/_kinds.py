@@ -167,6 +167,9 @@ class _Root:
     def learned(self) -> int | None:
         return None
 
+    def catch_up(self, agreement: Agreement) -> None:
+        pass
+
     def adopt(self, epoch: int) -> None:
         self.protocol.epoch = epoch
 

@@ -21,7 +21,9 @@ each), fed by a ``grain.DataLoader`` sharded by JAX process. Contenders:
 
 It prints one event per line on stdout, ``EV <unix time> <what> ...``: ``START``,
 ``JOINED`` (imports, the distributed group), ``BUILT`` (the model), ``OPENED`` (the
-checkpoint manager), ``RESTORED <step> <tier>`` or ``FRESH``, ``STEP <step> <crc32 of
+checkpoint manager), ``COMPILED`` (the train step, ahead of time: a restore follows it,
+so what a manager does in the background after its open overlaps the compilation),
+``RESTORED <step> <tier>`` or ``FRESH``, ``STEP <step> <crc32 of
 this process's batch>``, ``PREEMPTED <step>`` (saved and exiting) and ``DONE <step>
 <sha256 of the state>``. The supervisor derives goodput, lost steps and wrong data from
 these alone, and keeps each process's startup timeline (``logs/<run>-<i>.events``).
@@ -299,11 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     say("BUILT")
     contender = CONTENDERS[args.contender](args)
     say("OPENED")
+    # The step is compiled before the restore (it needs only the target's shapes), so
+    # that what a checkpoint manager does in the background after its open overlaps it.
+    batch_shapes = {"x": ((args.batch, FEATURES), np.float32), "y": ((args.batch,), np.int32)}
+    batch_spec = {k: jax.ShapeDtypeStruct(*v, sharding=split) for k, v in batch_shapes.items()}
+    jitted = jax.jit(step_fn, donate_argnums=0, out_shardings=replicated)
+    train = jitted.lower(target, batch_spec).compile()
+    say("COMPILED")
     state = contender.restore(target, data)
     if state is None:
         state = jax.jit(init, out_shardings=replicated)()
         say("FRESH")
-    train = jax.jit(step_fn, donate_argnums=0, out_shardings=replicated)
     step = int(state["step"])
     while step < args.steps:
         batch = next(data)
