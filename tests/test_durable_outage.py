@@ -175,14 +175,14 @@ def test_a_save_does_not_wait_for_the_durable_root_to_tell_a_lost_step(
     promotion = mgr._promotion
     withdraw(promotion.local, 1)  # its request went, and it never became durable: lost
     answer, asked = threading.Event(), threading.Event()
-    listing = promotion.durable.step_listing
+    newest = promotion.durable.latest
 
-    def hanging(step: int) -> object:
+    def hanging() -> object:
         asked.set()
         answer.wait(HANG_S)
-        return listing(step)
+        return newest()
 
-    monkeypatch.setattr(promotion.durable, "step_listing", hanging)
+    monkeypatch.setattr(promotion.durable, "latest", hanging)
     assert mgr.save(2, {"w": np.ones(4)})  # returns while the read hangs
     assert asked.is_set() and not answer.is_set()
     assert mgr.save(3, {"w": np.ones(4)})

@@ -94,7 +94,19 @@ def test_a_sigkilled_run_is_a_restart_with_lost_steps(tmp_path: Path) -> None:
         child.expect("REACHED 13")
         harness.wait_until(lambda: reached(13), what="reached step 13 in the ledger", timeout_s=60)
         assert child.kill() == -9
-    _train(root, range(11, 16))  # restores step 10: steps 11-13 are done again
+    told: list[float] = []
+
+    def listen(name: str, value: float, **kwargs: object) -> None:
+        if name == "/jax/jaxckpt/restore/lost_steps":
+            told.append(value)
+
+    jax.monitoring.register_scalar_listener(listen)
+    try:
+        _train(root, range(11, 16))  # restores step 10: steps 11-13 are done again
+        harness.wait_until(lambda: told, what="the lost steps told", timeout_s=60)
+    finally:
+        jax.monitoring.unregister_scalar_listener(listen)
+    assert told == [3]  # read off the restore's path, from the killed run's ledger
     r = jaxckpt.report(root)
     (restart,) = r.restarts
     assert (restart.restored_step, restart.reached_step, restart.lost_steps) == (10, 13, 3)

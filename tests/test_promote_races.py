@@ -20,7 +20,7 @@ from jaxckpt import policy, tools
 from jaxckpt.commit import CommitProtocol
 from jaxckpt.lifecycle import Promoter
 from jaxckpt.lifecycle import _promoter as _promote
-from jaxckpt.records import GONE, PROMOTED, read_requests
+from jaxckpt.records import GONE, PROMOTED, read_requests, withdraw
 from jaxckpt.storage import open_storage
 
 
@@ -76,3 +76,36 @@ def test_a_durable_step_deleted_meanwhile_does_not_stop_durable_retention(
     assert [r.outcome for r in results] == [PROMOTED] * 3, results
     assert sorted(durable_p.committed()) == [3]  # promoted newest first: 3, 2, then 1
     assert _promote.read_requests(local_p) == {}
+
+
+def test_a_step_withdrawn_behind_a_newer_durable_step_is_not_lost(tmp_path: Path) -> None:
+    """After an outage the promoters' backlog goes newest first, and another host's
+    promoter withdraws the request of a step older than a durable one (superseded):
+    the trainer's next save does not call that step lost (it did: SaveFailedError
+    stopped the game day's job after a storm)."""
+    local, root = tmp_path / "local", str(tmp_path / "durable")
+    state = {"w": np.arange(256.0)}
+    with jaxckpt.CheckpointManager(
+        root, local_root=str(local), promotion="external", promote_policy=policy.EveryNSteps(10)
+    ) as mgr:
+        mgr.save(10, state)
+        mgr.save(20, state)
+        mgr.wait()
+        own, durable = CommitProtocol(open_storage(str(local))), CommitProtocol(open_storage(root))
+        withdraw(own, 10)  # superseded: 20 is promoted, 10 never
+        assert [r.outcome for r in Promoter(own, durable).promote_all()] == [PROMOTED]
+        assert sorted(durable.visible_refs()) == [20]
+        mgr.save(30, state)  # the lookup of 10 answers "a newer step is durable"
+        mgr.save(40, state)
+        mgr.wait()
+    with jaxckpt.CheckpointManager(
+        str(tmp_path / "other"),
+        local_root=str(tmp_path / "local2"),
+        promotion="external",
+        promote_policy=policy.EveryNSteps(10),
+    ) as mgr:
+        mgr.save(10, state)
+        mgr.wait()
+        withdraw(CommitProtocol(open_storage(str(tmp_path / "local2"))), 10)
+        with pytest.raises(jaxckpt.SaveFailedError, match=r"steps \[10\]"):
+            mgr.save(20, state)  # gone with nothing durable at or past it: lost

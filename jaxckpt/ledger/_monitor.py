@@ -153,9 +153,7 @@ class Monitor:
             p.last_blocking.set(blocking_s)
             p.bytes.inc(nbytes)
 
-    def restored(
-        self, step: int, seconds: float, nbytes: int, why: str | None, lost: int | None
-    ) -> None:
+    def restored(self, step: int, seconds: float, nbytes: int, why: str | None) -> None:
         if not self._on:
             return
         import jax
@@ -166,15 +164,18 @@ class Monitor:
             self._scalar("/jax/checkpoint/read/gbytes_per_sec", nbytes / GIB / seconds)
         if why is not None:
             jax.monitoring.record_event("/jax/jaxckpt/restore/older_step", why=why)
-        if lost is not None:
-            self._scalar("/jax/jaxckpt/restore/lost_steps", lost)
         if (p := self.prometheus) is not None:
             p.restored.set(step)
             p.restores.inc()
             if why is not None:
                 p.older.inc()
-            if lost is not None:
-                p.lost.inc(lost)
+
+    def lost(self, steps: int) -> None:
+        """The steps the restart lost (the previous run's reached step minus the restored)."""
+        if self._on:
+            self._scalar("/jax/jaxckpt/restore/lost_steps", steps)
+            if (p := self.prometheus) is not None:
+                p.lost.inc(steps)
 
     def startup(self, phase: str, secs: float) -> None:
         if self._on:

@@ -271,8 +271,10 @@ class RunLedger:
             why=why,
             nbytes=nbytes,
         )
-        lost = _lost_steps(parts._tiers[-1], writer, step) if self._primary else None
-        self._monitor.restored(step, seconds, nbytes, why, lost)
+        self._monitor.restored(step, seconds, nbytes, why)
+        if self._primary:  # the previous run's reached step is read off the restore's path
+            args = (self._monitor, parts._tiers[-1], writer, step)
+            threading.Thread(target=_tell_lost, args=args, name="jaxckpt-lost", daemon=True).start()
         self._startup("restored", now)
 
     def committed(self, marker: CommitMarker) -> None:
@@ -358,12 +360,12 @@ def _at_exit() -> None:
         t.join(max(0.0, deadline - time.monotonic()))
 
 
-def _lost_steps(durable: Tier, writer: LedgerWriter, step: int) -> int | None:
-    """The previous run's reached step minus ``step``, from its primary's last ledger
-    objects (a listing and a GET or two), or None when unknown."""
+def _tell_lost(monitor: Monitor, durable: Tier, writer: LedgerWriter, step: int) -> None:
+    """Tells ``monitor`` the previous run's reached step minus ``step``, from its primary's
+    last ledger objects (a listing and a GET or two); nothing when unknown."""
     epoch, primary = writer.epoch, writer.process
     if epoch is None:  # the durable root has not answered yet
-        return None
+        return
     try:
         keys = durable.storage.list(f"ledger/{epoch - 1:012d}/{primary:06d}/")
         for key in reversed(keys[-3:]):
@@ -371,7 +373,7 @@ def _lost_steps(durable: Tier, writer: LedgerWriter, step: int) -> int | None:
             obj = None if data is None else LedgerObject.from_bytes(key, data)
             reached = [e["step"] for e in (obj.events if obj else ()) if e["kind"] == "reached"]
             if reached:
-                return max(0, reached[-1] - step)
+                monitor.lost(max(0, reached[-1] - step))
+                return
     except Exception as e:  # a metric only
         log.debug("ledger: the previous run's reached step is unknown: %s", e)
-    return None

@@ -263,14 +263,11 @@ class Job:
         self.open = n
 
     def _read(self, i: int, stream: TextIO, events: Path) -> None:
-        with events.open("w") as kept:
-            stepped = False
+        with events.open("w") as kept:  # every step's time: where a run slowed down
             for line in stream:
                 words = line.split()
                 if words[:1] == ["EV"] and line.endswith("\n"):  # not a line torn by a kill
-                    if words[2:3] != ["STEP"] or not stepped:  # the run's first step only
-                        kept.write(line)
-                        stepped = stepped or words[2:3] == ["STEP"]
+                    kept.write(line)
                     self.events.put((i, words[1:]))
         self.events.put((i, None))
 

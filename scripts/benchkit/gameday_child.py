@@ -26,7 +26,7 @@ so what a manager does in the background after its open overlaps the compilation
 ``RESTORED <step> <tier>`` or ``FRESH``, ``STEP <step> <crc32 of
 this process's batch>``, ``PREEMPTED <step>`` (saved and exiting) and ``DONE <step>
 <sha256 of the state>``. The supervisor derives goodput, lost steps and wrong data from
-these alone, and keeps each process's startup timeline (``logs/<run>-<i>.events``).
+these alone, and keeps each process's timeline of events (``logs/<run>-<i>.events``).
 """
 
 from __future__ import annotations
