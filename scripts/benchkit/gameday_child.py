@@ -161,7 +161,9 @@ class Jaxckpt:
             local_retention=policy.KeepLast(2),
             save_policy=policy.EveryNSteps(args.every) | policy.OnPreemption(),
             save_timeout_s=120,
-            compilation_cache=True,  # in the local tier: a node's loss takes it too
+            # In the local tier (a node's loss takes it too). JAX writes entries from
+            # process 0 alone, and on CPU the keys differ per process: one process only.
+            compilation_cache=jax.process_count() == 1,
             **tiered,
         )
 
