@@ -175,14 +175,14 @@ def test_a_save_does_not_wait_for_the_durable_root_to_tell_a_lost_step(
     promotion = mgr._promotion
     withdraw(promotion.local, 1)  # its request went, and it never became durable: lost
     answer, asked = threading.Event(), threading.Event()
-    newest = promotion.durable.latest
+    listing = promotion.durable.step_listing
 
-    def hanging() -> object:
+    def hanging(step: int) -> object:
         asked.set()
         answer.wait(HANG_S)
-        return newest()
+        return listing(step)
 
-    monkeypatch.setattr(promotion.durable, "latest", hanging)
+    monkeypatch.setattr(promotion.durable, "step_listing", hanging)
     assert mgr.save(2, {"w": np.ones(4)})  # returns while the read hangs
     assert asked.is_set() and not answer.is_set()
     assert mgr.save(3, {"w": np.ones(4)})

@@ -226,13 +226,12 @@ class Promotion:
 
     def check_lost(self) -> None:
         """Raises once for the steps this manager asked to promote that can no longer
-        become durable: their request is gone (its local copy vanished, was damaged,
-        or the local root was removed under the job) and neither they nor a newer
-        step are durable.
+        become durable: their request is gone (its local copy vanished, was damaged, or
+        the local root was removed under the job) and neither they nor a newer step are.
 
-        A few small reads, only while steps await promotion: a listing of the
-        local ``promote/`` and, per step whose request went, the durable root's newest
-        marker.
+        A few small reads, only while steps await promotion: a listing of the local
+        ``promote/`` and, per step whose request went, its durable marker keys (and the
+        newest durable marker when they are not there).
 
         Raises:
           SaveFailedError: such steps (named), on every host of the job.
@@ -281,10 +280,11 @@ class Promotion:
         return lost
 
     def _durable_has(self, step: int) -> bool:
-        """Whether ``step`` or a newer one is durable (one read): a promoter withdraws the
-        request of a step older than a durable one (superseded), which is not lost."""
+        """Whether ``step`` or a newer one is durable (superseded: its request withdrawn)."""
+        if step in self.durable.step_listing(step).visible():  # the usual answer: promoted
+            return True
         newest = self.durable.latest()
-        return newest is not None and newest.step >= step
+        return newest is not None and newest.step > step
 
     def _lost_error(self, lost: list[int]) -> SaveFailedError:
         return SaveFailedError(
