@@ -11,11 +11,13 @@ instead of starting and joining a ``ThreadPoolExecutor`` of its own:
 A :class:`Lease` runs at most ``limit`` of its tasks at once and, like an
 executor used as a context manager, waits for them when the ``with`` block
 ends; the threads themselves stay for the next call. Each name's pool is
-created on first use, with as many threads as the largest ``limit`` asked of
-it (a larger request replaces it by a larger one; the old one finishes what
-it was given, then its threads exit). Tasks of one name must not wait for
-tasks of the same name (that could take every thread); waiting across names
-is fine as long as the names do not form a circle.
+created on first use, with as many threads as the leases open on it at once
+have asked for together (a larger need replaces it by a larger one; the old one
+finishes what it was given, then its threads exit): one lease never waits for
+another's tasks, so a read that hangs on one root (an outage) does not hold up
+a listing of another. Tasks of one name must not wait for tasks of the same
+name (that could take every thread); waiting across names is fine as long as
+the names do not form a circle.
 
 After ``fork`` the child starts without pools (the parent's threads are not
 in it) and creates its own on first use. At interpreter exit every pool is
@@ -41,6 +43,7 @@ _T = TypeVar("_T")
 _lock = threading.Lock()
 _pools: dict[str, ThreadPoolExecutor] = {}
 _sizes: dict[str, int] = {}
+_leased: dict[str, int] = {}  # per name, the limits of the open leases together
 
 
 def pool(name: str, workers: int) -> ThreadPoolExecutor:
@@ -71,6 +74,8 @@ class Lease(Executor):
             raise ValueError(f"a lease needs a limit of at least 1, got {limit}")
         self._name = name
         self._limit = limit
+        with _lock:
+            _leased[name] = self._workers = _leased.get(name, 0) + limit
         self._free = limit
         self._queue: deque[tuple[Future[Any], Callable[[], Any]]] = deque()
         self._futures: list[Future[Any]] = []
@@ -106,7 +111,7 @@ class Lease(Executor):
                 outer.set_result(result)
 
         try:
-            inner = pool(self._name, self._limit).submit(run)
+            inner = pool(self._name, self._workers).submit(run)
         except RuntimeError as e:  # the interpreter is exiting: pools take no new work
             if outer.set_running_or_notify_cancel():
                 outer.set_exception(e)
@@ -125,11 +130,14 @@ class Lease(Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Takes no more tasks; cancels queued ones if asked, and waits for the rest."""
         with self._lock:
-            self._closed = True
+            closing, self._closed = not self._closed, True
             futures = list(self._futures)
             queued = [outer for outer, _ in self._queue] if cancel_futures else []
         for outer in queued:
             outer.cancel()
+        if closing:  # its threads are free for other leases once its tasks end
+            with _lock:
+                _leased[self._name] -= self._limit
         if wait:
             wait_for(futures)
 
@@ -149,6 +157,7 @@ def shutdown_all() -> None:
         pools = list(_pools.values())
         _pools.clear()
         _sizes.clear()
+        _leased.clear()
     for executor in pools:
         executor.shutdown(wait=False, cancel_futures=True)
 
@@ -158,6 +167,7 @@ def _forget_after_fork() -> None:
     _lock = threading.Lock()  # another thread may have held it at the fork
     _pools.clear()
     _sizes.clear()
+    _leased.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

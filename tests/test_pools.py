@@ -41,6 +41,20 @@ def test_the_threads_outlive_a_lease_and_are_shared() -> None:
     assert len(names) <= 2 and all(n.startswith("jaxckpt-test-shared") for n in names)
 
 
+def test_a_task_that_hangs_in_one_lease_does_not_hold_up_another() -> None:
+    """Two leases of one name at once get a thread each: a listing of one root no longer
+    queues behind a read of another root that hangs in its outage (the game day's
+    training stalled for a storm's 60 s so)."""
+    release = threading.Event()
+    with pools.borrow("test-hang", 1) as hung:
+        stuck = hung.submit(release.wait, HANG_S)
+        with pools.borrow("test-hang", 1) as other:
+            assert other.submit(lambda: 7).result(timeout=HANG_S) == 7
+        assert not stuck.done()
+        release.set()
+    assert stuck.result() is True
+
+
 def test_leaving_the_block_waits_for_every_task_even_after_an_error() -> None:
     done = []
 
