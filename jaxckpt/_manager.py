@@ -138,6 +138,11 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         """This writer's epoch (None for a read-only manager)."""
         return self._protocol.epoch
 
+    def compile(self, lowered: Any) -> Any:
+        """``lowered.compile()`` for a ``jax.stages.Lowered``; with ``compilation_cache``, the
+        executable this process kept in the local tier on an earlier run, loaded."""
+        return self.ledger.compile(lowered)
+
     @_collective("save")
     def save(
         self,
@@ -198,11 +203,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         self._promotion.check_lost()
 
     def save_stats(self) -> list[SaveStats]:
-        """Telemetry of the recent committed saves, oldest first.
-
-        With a local tier, ``total_s`` is the time to the local commit and ``durable_s`` to
-        the durable commit (None while not durable, or not chosen by the promote policy).
-        """
+        """Telemetry of the recent committed saves, oldest first (with a local tier, ``total_s``
+        to the local commit, ``durable_s`` to the durable one: None while not durable)."""
         self._promotion.record_durable(self._session.recorder)
         return self._session.recorder.history()
 
@@ -210,9 +212,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         """With a local tier: blocks until ``step`` is committed on the durable root; returns
         the durable step waited for (None: nothing durable and nothing asked).
 
-        Args:
-          step: a step chosen for promotion; None: the newest one asked (else the newest durable).
-          timeout_s: how long to wait; None means ``save_timeout_s``.
+        ``step``: a promoted step, None: the newest asked (else durable); ``timeout_s``: None
+        means ``save_timeout_s``.
 
         Raises:
           PromotionError: it cannot be promoted (damaged local copy, fenced, nowhere).
@@ -331,9 +332,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
 
     @_collective("close")
     def close(self) -> None:
-        """Waits for the in-flight save and releases resources. Idempotent.
-
-        After a ``KeyboardInterrupt`` in ``wait()`` it still waits: it returns once committed.
+        """Waits for the in-flight save (after a ``KeyboardInterrupt`` in ``wait()`` too: it
+        returns once committed) and releases resources. Idempotent.
 
         Raises:
           SaveFailedError: the in-flight save failed and did not commit.

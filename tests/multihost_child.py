@@ -154,6 +154,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-wrong-secret", action="store_true")
     p.add_argument("--local-keep", type=int, default=None, help="local_retention KeepLast(N)")
     p.add_argument("--save-after", default="", help="restore mode: then save these steps")
+    p.add_argument("--compile", action="store_true", help="compilation_cache; compile() a step")
     return p.parse_args(argv)
 
 
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             tiered["local_retention"] = jaxckpt.policy.KeepLast(args.local_keep)
         if args.promote_every is not None:
             tiered["promote_policy"] = jaxckpt.policy.EveryNSteps(args.promote_every)
+        tiered["compilation_cache"] = args.compile
         logging.getLogger("jaxckpt").addHandler(_TierHandler())
         logging.getLogger("jaxckpt").setLevel(logging.INFO)
 
@@ -248,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     dies = args.mode == "save_and_die"
     manager = open_manager(max(args.save_timeout, UNBOUNDED_S) if dies else args.save_timeout)
     _say("READY")
+    if args.compile:
+        _compile(manager, mesh)
     steps = [int(s) for s in args.steps.split(",")]
     if args.mode == "save":
         for step in steps:
@@ -358,6 +362,22 @@ def build_state(mesh: Any, step: int) -> dict[str, Any]:
     state.update({n: expected(n, step) for n in HOST if _wanted(n)})
     state.update(value_leaves(step))
     return state
+
+
+def _compile(manager: Any, mesh: Any) -> None:
+    """Compiles (or loads) a step that sums across the processes, checks what it computes
+    and says ``COMPILED loaded=L compiled=C``."""
+    import jax
+
+    sharding = _sharding(jax, mesh, ("data",))
+    full = np.arange(32, dtype=np.float32).reshape(8, 4)
+    shape = jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=sharding)
+    step = manager.compile(jax.jit(lambda v: v * 2 + v.sum()).lower(shape))
+    out = step(jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx]))
+    for shard in out.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), (full * 2 + full.sum())[shard.index])
+    cache = manager.ledger.executables
+    _say(f"COMPILED loaded={cache.loaded} compiled={cache.compiled}")
 
 
 def _save(manager: Any, mesh: Any, step: int) -> None:

@@ -247,24 +247,75 @@ def test_the_compilation_cache_is_kept_in_a_local_root(tmp_path: Path) -> None:
         jaxckpt.CheckpointManager("s3://bucket/run", compilation_cache=True)
 
 
-def test_a_cache_in_the_local_tier_of_a_job_of_several_processes_is_said_to_serve_process_0(
+def test_a_job_of_several_processes_keeps_each_process_step_and_leaves_jax_cache_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """JAX's cache writes from process 0 alone: in the local tier of a job of several
+    processes it would serve process 0 only, so ``compile`` keeps each process's step."""
     from jaxckpt.ledger import _run
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     before = jax.config.jax_compilation_cache_dir
-    try:
-        _run.RunLedger.starting(
-            tmp_path / "root",
-            jaxckpt.CheckpointOptions(local_root=str(tmp_path / "local"), compilation_cache=True),
-        )
-    finally:
-        from jax.experimental.compilation_cache import compilation_cache
+    caplog.set_level("INFO", logger="jaxckpt")
+    ledger = _run.RunLedger.starting(
+        tmp_path / "root",
+        jaxckpt.CheckpointOptions(local_root=str(tmp_path / "local"), compilation_cache=True),
+    )
+    assert jax.config.jax_compilation_cache_dir == before
+    assert "CheckpointManager.compile keeps each process's step" in caplog.text
+    assert ledger.executables is not None
+    assert ledger.executables.directory == str(tmp_path / "local/compilation-cache/executables")
 
-        jax.config.update("jax_compilation_cache_dir", before)
-        compilation_cache.reset_cache()
-    assert "it serves process 0 only" in caplog.text
+
+def _lowered(scale: float) -> jax.stages.Lowered:
+    def step(w: jax.Array, x: jax.Array) -> jax.Array:
+        return w - scale * jax.numpy.tanh(x @ w).T @ x  # w's shape: its buffer is donated
+
+    return jax.jit(step, donate_argnums=0).lower(
+        np.ones((8, 8), np.float32), np.ones((2, 8), np.float32)
+    )
+
+
+def test_compile_keeps_the_step_and_a_restart_loads_it(tmp_path: Path) -> None:
+    """The first run compiles and keeps the executable; the next loads it and computes the
+    same bits; a damaged file is compiled again (counted, said) and replaced; a program
+    that differs is another entry; only the newest ``KEEP`` per process stay."""
+    from jaxckpt.ledger._executables import KEEP, ExecutableCache
+
+    def run(scale: float = 2.0) -> tuple[ExecutableCache, np.ndarray]:
+        cache = ExecutableCache(str(tmp_path / "cc"))  # a restarted process's
+        w, x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64, np.ones((2, 8), np.float32)
+        return cache, np.asarray(cache.compile(_lowered(scale))(w, x))
+
+    first, want = run()
+    (kept,) = (tmp_path / "cc/executables").iterdir()
+    assert (first.compiled, first.loaded, first.failures) == (1, 0, 0)
+    second, got = run()
+    assert (second.compiled, second.loaded, second.failures) == (0, 1, 0)
+    assert got.tobytes() == want.tobytes()
+
+    data = bytearray(kept.read_bytes())
+    data[-10] ^= 0xFF
+    kept.write_bytes(bytes(data))
+    third, got = run()
+    assert (third.compiled, third.loaded, third.failures) == (1, 0, 1)
+    assert got.tobytes() == want.tobytes()
+    assert run()[0].loaded == 1  # replaced by a whole one
+
+    for scale in range(3, 3 + KEEP):
+        assert run(float(scale))[0].compiled == 1
+    assert len(list((tmp_path / "cc/executables").iterdir())) == KEEP
+    assert run(float(2 + KEEP))[0].loaded == 1  # the newest stay
+    with pytest.raises(TypeError, match=r"jax.stages.Lowered"):
+        first.compile(jax.jit(lambda v: v))
+
+
+def test_compile_without_the_cache_compiles(tmp_path: Path) -> None:
+    with jaxckpt.CheckpointManager(str(tmp_path / "root")) as mgr:
+        compiled = mgr.compile(_lowered(1.0))
+        assert isinstance(compiled, jax.stages.Compiled)
+        assert mgr.ledger.executables is None
+    assert not (tmp_path / "root/compilation-cache").exists()
 
 
 def test_a_restarted_process_loads_its_compiled_step_from_the_cache(tmp_path: Path) -> None:

@@ -47,8 +47,9 @@ def tiers(local: Path, promotion: str) -> tuple[str, ...]:
     return (f"--local-root={local}", f"--promotion={promotion}", f"--leaves={','.join(LEAVES)}")
 
 
-def save(tmp_path: Path, root: str, local: Path, promotion: str) -> list[mh.Proc]:
-    procs = mh.run_group(tmp_path, root, mode="save", extra=tiers(local, promotion), **GROUP)
+def save(tmp_path: Path, root: str, local: Path, promotion: str, *more: str) -> list[mh.Proc]:
+    extra = (*tiers(local, promotion), *more)
+    procs = mh.run_group(tmp_path, root, mode="save", extra=extra, **GROUP)
     for p in procs:
         assert p.said("COMMITTED") == [f"COMMITTED {s}" for s in STEPS], p.report()
     for i in range(2):  # each local tier commits its own part only
@@ -65,9 +66,11 @@ def save(tmp_path: Path, root: str, local: Path, promotion: str) -> list[mh.Proc
     return procs
 
 
-def restore_tiers(tmp_path: Path, root: str, local: Path, promotion: str) -> list[str]:
+def restore_tiers(
+    tmp_path: Path, root: str, local: Path, promotion: str, *more: str
+) -> tuple[list[str], list[mh.Proc]]:
     """Restores in a group; returns where each process read from (both restore step 2)."""
-    procs = mh.restore(tmp_path, root, extra=tiers(local, promotion), **GROUP)
+    procs = mh.restore(tmp_path, root, extra=(*tiers(local, promotion), *more), **GROUP)
     assert mh.restored_steps(procs) == [STEPS[-1]] * 2
     for p in procs:
         assert p.said("CHECKED") == ["CHECKED 10"], p.report()  # 5 arrays, 2 shards each
@@ -76,7 +79,7 @@ def restore_tiers(tmp_path: Path, root: str, local: Path, promotion: str) -> lis
     for p in procs:
         (line,) = p.said("TIER")
         tiers_read.append(line.split()[1])
-    return tiers_read
+    return tiers_read, procs
 
 
 def check_durable(root: str) -> None:
@@ -124,12 +127,15 @@ def test_background_promotion_to_an_object_store_and_a_corrupt_local_chunk(
         assert read_requests(CommitProtocol(open_storage(f"{local}{i}"))) == {}
     # x's first chunk (rows 0:4, on device 0) is in process 0's local tier only.
     servers.corrupt_object(chunk_path(f"{local}0", STEPS[-1], "x", 0, 0))
-    assert restore_tiers(tmp_path, root, local, "background") == ["durable", "local"]
+    assert restore_tiers(tmp_path, root, local, "background")[0] == ["durable", "local"]
 
 
 def test_external_promotion_one_sidecar_per_host_and_a_wiped_local_tier(tmp_path: Path) -> None:
+    """Also ``CheckpointManager.compile``: each process keeps its compiled step in its local
+    tier; after the restart the kept one loads, the replaced node's compiles again."""
     root, local = str(tmp_path / "durable"), tmp_path / "local"
-    save(tmp_path, root, local, "external")
+    for p in save(tmp_path, root, local, "external", "--compile"):
+        assert p.said("COMPILED") == ["COMPILED loaded=0 compiled=1"], p.report()
     assert CommitProtocol(open_storage(root)).committed() == {}  # nobody promoted yet
     sidecars = [
         subprocess.Popen(
@@ -169,7 +175,12 @@ def test_external_promotion_one_sidecar_per_host_and_a_wiped_local_tier(tmp_path
     assert rerun.returncode == 0 and "promoted 0 steps" in rerun.stdout, rerun.stderr
     assert read_requests(locals_[1]) == {}  # durable now: its requests are dropped
     shutil.rmtree(f"{local}1")  # a replaced node
-    assert restore_tiers(tmp_path, root, local, "external") == ["local", "durable"]
+    read, procs = restore_tiers(tmp_path, root, local, "external", "--compile")
+    assert read == ["local", "durable"]
+    assert [p.said("COMPILED") for p in procs] == [
+        ["COMPILED loaded=1 compiled=0"],
+        ["COMPILED loaded=0 compiled=1"],
+    ], [p.report() for p in procs]
 
 
 def test_a_failed_multi_host_save_is_never_promoted(tmp_path: Path) -> None:

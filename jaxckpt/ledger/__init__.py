@@ -2,10 +2,10 @@
 
 Modules, bottom up: ``_events`` (keys and events, checked when read), ``_writer``
 (batched, bounded objects written by a background thread), ``_startup`` (process start
-time, the compilation cache), ``_monitor`` (``jax.monitoring`` under Orbax's names and
-Prometheus), ``_run`` (the manager's hooks), ``_read`` (reading a ledger back),
-``_runs`` (one run's figures), ``_report`` (goodput and badput; :func:`report`),
-``_plot`` (the timeline picture).
+time, JAX's compilation cache), ``_executables`` (each process's compiled step),
+``_monitor`` (``jax.monitoring`` under Orbax's names and Prometheus), ``_run`` (the
+manager's hooks), ``_read`` (reading a ledger back), ``_runs`` (one run's figures),
+``_report`` (goodput and badput; :func:`report`), ``_plot`` (the timeline picture).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from jaxckpt.ledger._events import LedgerObject
+from jaxckpt.ledger._executables import ExecutableCache
 from jaxckpt.ledger._monitor import Monitor
 from jaxckpt.ledger._startup import cache_dir, enable_compilation_cache, process_start_time
 from jaxckpt.ledger._writer import LedgerWriter
@@ -84,16 +85,20 @@ class RunLedger:
         self.process_start = process_start_time()
         self._options = options
         self._on = options.ledger and not options.read_only
+        self.executables: ExecutableCache | None = None  # CheckpointManager.compile's
         if options.compilation_cache:
-            enable_compilation_cache(cache_dir(root, options.local_root))
             import jax
 
+            directory = cache_dir(root, options.local_root)
+            self.executables = ExecutableCache(directory)
             if options.local_root is not None and jax.process_count() > 1:
-                log.warning(
-                    "compilation cache in the local tier: JAX writes its entries from process "
-                    "0 alone, so it serves process 0 only; a directory every host reads "
-                    "(jax_compilation_cache_dir) serves them all"
+                log.info(
+                    "compilation cache in the local tier: CheckpointManager.compile keeps each "
+                    "process's step; JAX's cache is left off (it writes from process 0 alone, "
+                    "so it would serve process 0 only)"
                 )
+            else:
+                enable_compilation_cache(directory)
         self._writer: LedgerWriter | None = None
         self._monitor = Monitor(primary=False, metrics_port=None)
         self._parts: ManagerParts | None = None
@@ -119,6 +124,12 @@ class RunLedger:
     def writer(self) -> LedgerWriter | None:
         """The writer (None: no ledger, e.g. a read-only manager)."""
         return self._writer
+
+    def compile(self, lowered: Any) -> Any:
+        """``lowered.compile()``, kept per process with ``compilation_cache``."""
+        if self.executables is None:
+            return lowered.compile()
+        return self.executables.compile(lowered)
 
     def opened(self, parts: ManagerParts) -> None:
         """Joins the opened manager's parts and starts writing (a writable manager)."""
