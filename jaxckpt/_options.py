@@ -171,6 +171,8 @@ class CheckpointOptions:
         by then (an outage, a storm of 503s), the job trains from the local tier
         meanwhile: a restore takes the newest step every host holds locally, and
         promotion resumes once the epoch is taken in the background (README "Tiers").
+        1 s covers a join under load (0.6-0.9 s on the game day, most of it botocore's
+        import and client) and bounds what a restart in a storm waits.
       promote_policy: which locally committed steps become durable (a save
         policy, e.g. ``EveryNSteps(1000) | OnPreemption()``); None: every one.
       local_retention: retention of the local tier (``retention`` is the
@@ -266,7 +268,7 @@ class CheckpointOptions:
     primary_host: int = 0
     layout: str = "packed"
     local_root: str | None = None
-    durable_wait_s: float = 2.0
+    durable_wait_s: float = 1.0
     promote_policy: SavePolicy | None = None
     local_retention: RetentionPolicy | None = None
     promotion: str = "background"

@@ -28,12 +28,14 @@ directory since Orbax 0.12.8 cannot write ``s3://``; its defaults but
 ``save_interval_steps=--promote-every``): a failure's process part (the kill, the
 notice) hits it alike; what has no counterpart there (a local tier to wipe, corrupt or
 fill, a storm on S3) does nothing. An uninterrupted ``reference`` run gives the data
-order, the final parameters and the step time. jaxckpt runs alone with
-``compilation_cache=True`` (its opt-in cache in the local tier; with several processes
-it would serve process 0 only, which the others' first step waits for anyway); Orbax
-with JAX's defaults (no persistent cache). jaxckpt's modules are byte-compiled first, as an
-installed package's are (with ``PYTHONDONTWRITEBYTECODE`` a checkout's would be compiled
-again by every process at every start: 0.14 s of CPU each).
+order, the final parameters and the step time. jaxckpt runs with
+``compilation_cache=True`` and compiles the step with ``CheckpointManager.compile`` (each
+process's executable kept in its local tier: a restart loads it, a lost node compiles
+again); Orbax with JAX's defaults (no persistent cache). Every process but 0 waits until
+process 0's coordination service listens before it joins (JAX retries an early client
+after about a second: a race that added 0 or 1.1 s to a start). jaxckpt's modules are
+byte-compiled first, as an installed package's are (with ``PYTHONDONTWRITEBYTECODE`` a
+checkout's would be compiled again by every process at every start: 0.14 s of CPU each).
 
 Reported (``--json``): ``goodput`` (:func:`goodput`: kept steps at the reference step
 time over wall time, less the supervisor's own reads of the tiers after each failure),

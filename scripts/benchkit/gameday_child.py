@@ -68,6 +68,22 @@ class Records:
         return {"x": self.x[i], "y": self.y[i]}
 
 
+def wait_for_coordinator(address: str, timeout_s: float = 120.0) -> None:
+    """Waits until process 0's coordination service listens: a client that connects
+    first is retried by JAX after a backoff of about a second (whether process 0 finished
+    its imports first is a race that added 0 or 1.1 s to a start, either contender)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.01)
+
+
 def make_loader(seed: int, batch: int) -> Any:
     import grain
     import jax
@@ -161,11 +177,13 @@ class Jaxckpt:
             local_retention=policy.KeepLast(2),
             save_policy=policy.EveryNSteps(args.every) | policy.OnPreemption(),
             save_timeout_s=120,
-            # In the local tier (a node's loss takes it too). JAX writes entries from
-            # process 0 alone, and on CPU the keys differ per process: one process only.
-            compilation_cache=jax.process_count() == 1,
+            # In the local tier (a node's loss takes it too): each process's step (compile).
+            compilation_cache=True,
             **tiered,
         )
+
+    def compile(self, lowered: Any) -> Any:
+        return self.mgr.compile(lowered)
 
     def restore(self, target: Any, data: Any) -> Any:
         if self.mgr.latest_step() is None:
@@ -207,6 +225,9 @@ class Orbax:
     def _on_term(self, *_: object) -> None:
         self.term = True
 
+    def compile(self, lowered: Any) -> Any:
+        return lowered.compile()
+
     def restore(self, target: Any, data: Any) -> Any:
         import grain
 
@@ -241,6 +262,9 @@ class Orbax:
 class Reference:
     def __init__(self, args: argparse.Namespace) -> None:
         pass
+
+    def compile(self, lowered: Any) -> Any:
+        return lowered.compile()
 
     def restore(self, target: Any, data: Any) -> Any:
         return None
@@ -280,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_platforms", "cpu")
     if args.num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if args.process_id > 0:
+            wait_for_coordinator(args.coordinator)
         jax.distributed.initialize(
             coordinator_address=args.coordinator,
             coordinator_bind_address=args.coordinator,
@@ -308,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_shapes = {"x": ((args.batch, FEATURES), np.float32), "y": ((args.batch,), np.int32)}
     batch_spec = {k: jax.ShapeDtypeStruct(*v, sharding=split) for k, v in batch_shapes.items()}
     jitted = jax.jit(step_fn, donate_argnums=0, out_shardings=replicated)
-    train = jitted.lower(target, batch_spec).compile()
+    train = contender.compile(jitted.lower(target, batch_spec))
     say("COMPILED")
     state = contender.restore(target, data)
     if state is None:
