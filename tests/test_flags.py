@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from absl import app, flags
@@ -311,6 +312,8 @@ def test_disabled_manager_saves_nothing_and_finds_nothing(tmp_path):
         with pytest.raises(jaxckpt.StepNotFoundError, match="disabled"):
             mgr.restore()
         mgr.wait()
+        lowered = jax.jit(lambda v: v + 1).lower(np.zeros(3, np.float32))
+        assert list(mgr.compile(lowered)(np.zeros(3, np.float32))) == [1, 1, 1]
     assert not (tmp_path / "r").exists()  # nothing was opened or written
 
 
