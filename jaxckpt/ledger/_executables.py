@@ -42,7 +42,8 @@ def executable_key(lowered: Any) -> str:
     import jax
     import jaxlib
 
-    client = jax.devices()[0].client
+    devices = jax.devices()
+    client = devices[0].client
     parts = [
         lowered.as_text(),
         str(lowered.in_tree),
@@ -52,7 +53,7 @@ def executable_key(lowered: Any) -> str:
         client.platform,
         client.platform_version,
         f"{jax.process_index()}/{jax.process_count()}",
-        repr([(d.id, d.process_index, d.device_kind) for d in jax.devices()]),
+        repr([(d.id, d.process_index, d.device_kind) for d in devices]),
         os.environ.get("XLA_FLAGS", ""),
         os.environ.get("LIBTPU_INIT_ARGS", ""),
     ]
@@ -86,8 +87,8 @@ class ExecutableCache:
                 f"not {type(lowered).__name__}"
             )
         began = time.monotonic()
-        key = executable_key(lowered)
-        path = os.path.join(self.directory, f"p{jax.process_index()}-{key[:40]}")
+        mine = f"p{jax.process_index()}-"  # this process's files
+        path = os.path.join(self.directory, mine + executable_key(lowered)[:40])
         compiled = self._load(path, lowered)
         if compiled is not None:
             self.loaded += 1
@@ -97,7 +98,7 @@ class ExecutableCache:
             return compiled
         compiled = lowered.compile()
         self.compiled += 1
-        self._store(path, compiled)
+        self._store(path, compiled, mine)
         return compiled
 
     def _load(self, path: str, lowered: Any) -> Any:
@@ -125,7 +126,7 @@ class ExecutableCache:
         except Exception as e:  # compiled again and replaced
             return self._failed("cannot load", path, e, " (compiling it)")
 
-    def _store(self, path: str, compiled: Any) -> None:
+    def _store(self, path: str, compiled: Any, mine: str) -> None:
         from jax.experimental import serialize_executable
 
         tmp = None
@@ -137,7 +138,7 @@ class ExecutableCache:
                 f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
             os.replace(tmp, path)
             tmp = None
-            self._prune(os.path.basename(path).split("-")[0])
+            self._prune(mine)
         except Exception as e:  # the next run compiles again
             self._failed("cannot keep", path, e, "")
         finally:
@@ -145,12 +146,13 @@ class ExecutableCache:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
-    def _prune(self, process: str) -> None:
-        """Deletes this process's executables past the :data:`KEEP` newest used."""
+    def _prune(self, mine: str) -> None:
+        """Deletes this process's executables (names starting ``mine``) past the
+        :data:`KEEP` newest used."""
         with os.scandir(self.directory) as entries:
-            mine = [e for e in entries if e.name.startswith(f"{process}-") and e.is_file()]
-        mine.sort(key=lambda e: e.stat().st_mtime, reverse=True)
-        for old in mine[KEEP:]:
+            kept = [e for e in entries if e.name.startswith(mine) and e.is_file()]
+        kept.sort(key=lambda e: e.stat().st_mtime, reverse=True)
+        for old in kept[KEEP:]:
             with contextlib.suppress(OSError):
                 os.unlink(old.path)
 
