@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import os
 import random
 import socket
 import struct
@@ -132,9 +133,11 @@ class FaultProxy:
     Args:
       upstream: the server's base URL, ``http://127.0.0.1:PORT``.
       seed: seeds the fault choices (the thread interleaving still varies).
+      nice: the nice value of the proxy's threads (Linux: its listener's, which the
+        threads serving its connections inherit).
     """
 
-    def __init__(self, upstream: str, *, seed: int = 0) -> None:
+    def __init__(self, upstream: str, *, seed: int = 0, nice: int = 0) -> None:
         url = urllib.parse.urlsplit(upstream)
         if url.scheme != "http" or url.hostname not in LOOPBACK or url.port is None:
             raise ValueError(f"the proxy forwards to http://127.0.0.1:PORT only, got {upstream!r}")
@@ -148,10 +151,14 @@ class FaultProxy:
         self._idle = threading.Condition(self._lock)
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.proxy = self
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="faultproxy", daemon=True
-        )
+        self._nice = nice
+        self._thread = threading.Thread(target=self._serve, name="faultproxy", daemon=True)
         self._thread.start()
+
+    def _serve(self) -> None:
+        if self._nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+        self._server.serve_forever()
 
     @property
     def endpoint(self) -> str:

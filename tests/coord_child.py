@@ -22,6 +22,9 @@ The state is ``x`` (``8P x 4`` float32, sharded over every process), ``r``
   ``EMFILE`` between Orbax's first collective and the next; the limit is back
   right after), printing ``FAILED``/``MESSAGE`` like ``fail_save``; then
   commits step 3.
+* ``fail_snapshot``: commits step 1; saves step 2 while process 1's handler fails
+  after its snapshots (the others have taken theirs and handed their write over), printing
+  ``FAILED``/``MESSAGE`` like ``fail_save``; then commits step 3.
 * ``fail_restore``: restores the newest step, 1 (one process cannot read its
   data), and prints ``FAILED`` and ``MESSAGE`` like ``fail_save``.
 * ``resume``: the README resume loop: restores the newest restorable step
@@ -76,7 +79,15 @@ def main() -> int:
     p.add_argument("--root", required=True)
     p.add_argument(
         "--mode",
-        choices=("count", "fail_save", "fail_check", "fail_orbax", "fail_restore", "resume"),
+        choices=(
+            "count",
+            "fail_save",
+            "fail_check",
+            "fail_orbax",
+            "fail_snapshot",
+            "fail_restore",
+            "resume",
+        ),
     )
     p.add_argument("--save-timeout", type=float, default=60.0)
     args = p.parse_args()
@@ -135,12 +146,15 @@ def main() -> int:
         mgr.save(4, state(4))
         mgr.wait()
         _say("COMMITTED 4")
-    elif args.mode == "fail_orbax":
+    elif args.mode in ("fail_orbax", "fail_snapshot"):
         mgr.save(1, state(1))
         mgr.wait()
         _say("COMMITTED 1")
         if jax.process_index() == 1:
-            _no_descriptors_for_orbax_once()
+            if args.mode == "fail_orbax":
+                _no_descriptors_for_orbax_once()
+            else:
+                _handler_fails_once()
         _failing(jaxckpt, 2, lambda: (mgr.save(2, state(2)), mgr.wait()))
         mgr.save(3, state(3))
         mgr.wait()
@@ -159,6 +173,20 @@ def main() -> int:
     mgr.close()
     _say("DONE")
     return 0
+
+
+def _handler_fails_once() -> None:
+    """The handler's next save fails after its snapshots and its write's hand-over."""
+    from jaxckpt.saving import _handler
+
+    async_save = _handler.ZarrHandler.async_save
+
+    async def failing(self: Any, directory: Any, args: Any) -> Any:
+        _handler.ZarrHandler.async_save = async_save
+        await async_save(self, directory, args)
+        raise OSError(28, "No space left on device (injected after the snapshots)")
+
+    _handler.ZarrHandler.async_save = failing  # type: ignore[method-assign]
 
 
 def _no_descriptors_for_orbax_once() -> None:

@@ -191,6 +191,36 @@ def test_one_process_failing_inside_orbax_s_save_fails_it_everywhere_naming_it(
         assert mgr.steps() == [1, 3]
 
 
+def test_a_failure_after_the_snapshots_writes_nothing_of_the_step_anywhere(
+    tmp_path: Path,
+) -> None:
+    """Process 1 of 2 fails after its snapshots, when every process has handed its
+    background write over: every process raises naming it, and no process wrote any
+    data of step 2 (a write waits until its save's blocking phase has returned)."""
+    root = tmp_path / "run"
+    with group(tmp_path, str(root), "fail_snapshot", 2) as g:
+        for i in range(2):
+            kind, seconds, message = _failed(g, i, 2)
+            assert seconds < AGREED_WITHIN_S, g.report()
+            assert kind == "SaveFailedError", g.report()
+            assert "No space left on device (injected" in message, message
+            if i != 1:
+                assert "save of step 2" in message and "failed on process 1" in message, message
+            assert g.lines(i, "COMMITTED") == ["1", "3"], g.report()
+    with jaxckpt.CheckpointManager(str(root), read_only=True) as mgr:
+        assert mgr.steps() == [1, 3]
+    data = [p for p in root.rglob("*") if p.is_file() and {"packs", "arrays"} & set(p.parts)]
+    assert {_step_of(p.relative_to(root)) for p in data} == {1, 3}, sorted(map(str, data))
+
+
+def _step_of(path: Path) -> int:
+    """The step of a file of array data: ``attempts/<step>/<attempt>/arrays/...`` or
+    ``data/<slot>/<step>.<attempt>/packs/...``."""
+    if path.parts[0] == "attempts":
+        return int(path.parts[1])
+    return int(path.parts[2].split(".")[0])
+
+
 def test_one_process_that_cannot_read_its_data_fails_the_restore_everywhere_naming_it(
     tmp_path: Path, denied_root: tuple[str, str]
 ) -> None:

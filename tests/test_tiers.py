@@ -28,7 +28,7 @@ from tier_child import state
 from trees import assert_tree_bitexact
 
 import jaxckpt
-from jaxckpt import policy
+from jaxckpt import cli, policy
 from jaxckpt.commit import CommitProtocol, list_attempt
 from jaxckpt.records import ATTEMPTS, DATA, parse_data_key, read_requests
 from jaxckpt.storage import open_storage
@@ -395,6 +395,31 @@ def test_promote_copies_without_importing_jax(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "step 1: promoted" in proc.stdout
     assert durable_steps(root) == [1]
+
+
+@pytest.mark.parametrize(("flag", "nice"), [([], 10), (["--nice", "13"], 13), (["--nice", "0"], 0)])
+def test_the_promoter_lowers_its_priority_below_the_trainer_s(tmp_path, flag, nice):
+    """The sidecar shares the node with the trainer: it runs at nice 10 unless told."""
+    root, local = str(tmp_path / "durable"), tmp_path / "local"
+    with tiered(root, local, promotion="external") as mgr:
+        mgr.save(1, state(1))
+    code = (
+        "import os, threading; from jaxckpt import cli; "
+        "me = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()); "
+        f"before = me(); assert cli.main(['promote', {str(local)!r}, {root!r}, *{flag!r}]) == 0; "
+        f"print('NICE', before, me())"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    before, after = (int(w) for w in proc.stdout.split("NICE")[1].split())
+    assert after == max(before, nice), proc.stdout
+    assert durable_steps(root) == [1]
+
+
+def test_the_promoter_refuses_a_nice_value_out_of_range(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["promote", str(tmp_path / "local"), str(tmp_path / "durable"), "--nice", "20"])
+    assert "--nice: must be an integer 0-19, got '20'" in capsys.readouterr().err
 
 
 def test_packed_local_tier_promotes_its_pack_objects(s3_server, tmp_path):

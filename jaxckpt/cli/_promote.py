@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+from jaxckpt._niceness import lower_thread_priority
 from jaxckpt.cli._common import add_retention_flags, command, open_root, retention, seconds
 from jaxckpt.cli._output import err, human_bytes, human_duration
 
@@ -23,6 +24,17 @@ def hours(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of hours >= 0, got {text!r}") from None
 
 
+def niceness(text: str) -> int:
+    """An argparse ``type``: a nice value, 0-19."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value not in range(20):
+        raise argparse.ArgumentTypeError(f"must be an integer 0-19, got {text!r}")
+    return value
+
+
 def register(sub: Any) -> None:
     p = command(
         sub,
@@ -35,6 +47,14 @@ def register(sub: Any) -> None:
     p.add_argument("--watch", action="store_true", help="keep promoting until SIGTERM (sidecar)")
     p.add_argument(
         "--interval", type=seconds, default=5.0, metavar="SECONDS", help="--watch: poll period"
+    )
+    p.add_argument(
+        "--nice",
+        type=niceness,
+        default=10,
+        metavar="N",
+        help="the promoter's nice value, 0-19 (Linux; default 10): it shares the node with "
+        "the trainer, whose steps take the CPU first; 0 keeps the priority it was started with",
     )
     p.add_argument(
         "--metrics-port",
@@ -87,6 +107,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
     if args.metrics_port is not None and not args.watch:
         err("--metrics-port needs --watch")
         return 2
+    lower_thread_priority(args.nice, "the promoter")  # before it starts any thread
     if args.watch and not wait_for_local_tier(args.local_root, args.interval):
         return 0  # stopped before the job created its local root
     local = open_root(args.local_root)

@@ -21,9 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import tempfile
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -33,6 +31,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.path import atomicity_types
 
+from jaxckpt._niceness import lower_thread_priority
 from jaxckpt.formats import HostArray, snapshot_array
 from jaxckpt.records import SavedLeaf
 from jaxckpt.saving._meet import Meetings, meeting_checkpointer
@@ -50,24 +49,6 @@ class SessionHooks(Protocol):
     ) -> None: ...
 
     def commit(self, step: int) -> None: ...
-
-
-_log = logging.getLogger("jaxckpt")
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Raises the calling thread's nice value to ``nice`` (Linux: per thread; never lowers it).
-
-    Threads it starts inherit the value. Elsewhere, or without permission, logs and goes on.
-    """
-    if nice <= 0:
-        return
-    tid = threading.get_native_id()
-    try:
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except (AttributeError, OSError) as e:
-        _log.warning("could not lower the save thread's priority to nice %d: %s", nice, e)
 
 
 @dataclasses.dataclass

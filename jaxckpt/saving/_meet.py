@@ -14,6 +14,12 @@ its next meeting, which is the meeting the others wait at (the agreement's keys
 count meetings, and every process has met as often), so every process raises
 at once, naming the failing one. A failure that a meeting raised was met by
 every process already and is not told again.
+
+Orbax's barrier before the handler (after ``create_temporary_path``) is no meeting:
+the handler's background write waits until ``save`` has returned (``Inflight.release``),
+so a failure anywhere before the meeting after the snapshots, on any process, is met
+there before any process writes anything (and no write competes with the blocking
+phase for the interpreter).
 """
 
 from __future__ import annotations
@@ -91,15 +97,15 @@ def meeting_checkpointer(meetings: Meetings) -> type[ocp.AsyncCheckpointer]:
             self._active_processes = {multihost.process_index()}
 
         async def create_temporary_path(self, temporary_path: Any) -> None:
-            meetings.meet()  # nobody failed before the handler submits its background write
-            # The primary's create only checks the step (``save`` began the attempt, agreed):
-            # a failure there is told at the next meeting, which the others wait at.
+            # No meeting: the background write waits for the end of ``save`` (see the
+            # module docstring). The primary's create only checks the step (``save`` began
+            # the attempt, agreed): a failure there is told at the next meeting.
             if multihost.is_primary_host(self._primary_host):
                 await temporary_path.create()
 
         async def _save(self, tmpdir: Any, *args: Any, **kwargs: Any) -> Any:
             ops = await super()._save(tmpdir, *args, **kwargs)
-            meetings.meet()  # every snapshot taken before any background write starts
+            meetings.meet()  # every process took its snapshots: none failed before writing
             return ops
 
     return MeetingCheckpointer

@@ -182,25 +182,26 @@ class SaveSession:
                 with contextlib.suppress(Exception):  # else collected as a stale attempt
                     self._protocol.storage.delete(prepared[3].pending_key)
             raise
-        self.start(
-            Inflight(
-                loc=loc,
-                tree=tree,
-                metrics=metrics,
-                keep=keep,
-                request=promotion,
-                listing=listing,
-                announced=announced,
-                agreement=self._agreement.detached(within_s=self._options.save_timeout_s),
-                process_state=own_state,
-            )
+        inflight = Inflight(
+            loc=loc,
+            tree=tree,
+            metrics=metrics,
+            keep=keep,
+            request=promotion,
+            listing=listing,
+            announced=announced,
+            agreement=self._agreement.detached(within_s=self._options.save_timeout_s),
+            process_state=own_state,
         )
+        self.start(inflight)
         self._meetings.begin(f"save of step {step} under {self._root}")
+        blocked = False
         try:
             self._checkpointer.save(
                 _handler.orbax_step_path(step),
                 args=_handler.SaveArgs(step=step, leaves=leaves, values=values),
             )
+            blocked = True
         except Exception as e:
             self._meetings.tell(e)  # the others wait at this process's next meeting
             self.end(failed=True)
@@ -211,6 +212,8 @@ class SaveSession:
             if isinstance(e, CheckpointError):
                 raise
             raise SaveFailedError(f"save of step {step} under {self._root} failed: {e}") from e
+        finally:  # the background write starts once the caller has its thread back
+            inflight.release(abandoned=not blocked)  # (or writes nothing)
         self.recorder.blocked(step)
         self._last_saved = (step, time.monotonic())
 
@@ -241,12 +244,9 @@ class SaveSession:
         self._await_commit()
 
     def _await_commit(self) -> None:
-        """Waits until the in-flight save committed or failed.
-
-        Orbax joins its background thread, but a ``KeyboardInterrupt`` during
-        ``Thread.join`` can leave the thread looking finished to later joins
-        (CPython < 3.13), so the session's own state decides, with a deadline.
-        """
+        """Waits until the in-flight save committed or failed: the session's own state
+        decides, with a deadline (a ``KeyboardInterrupt`` during Orbax's ``Thread.join``
+        can leave its thread looking finished to later joins, CPython < 3.13)."""
         deadline = time.monotonic() + self._options.save_timeout_s
         while (inflight := self.current()) is not None:
             self.check_background()
@@ -381,8 +381,8 @@ class SaveSession:
         self._expect(step)
 
     def write(self, step: int, leaves: Sequence[SavedLeaf], arrays: Sequence[HostArray]) -> None:
-        """Orbax's write: this process's part of the step, then its agreed commit
-        (see :meth:`StepWrite.run`)."""
+        """Orbax's write: this process's part of the step, then its agreed commit, once
+        ``save`` has returned (see :meth:`StepWrite.run`)."""
         inflight = self._expect(step)
         StepWrite(
             self._tier,

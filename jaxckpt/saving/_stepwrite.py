@@ -12,6 +12,7 @@ own part there after the step's promotion request.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import jax
 from jaxckpt import _pools
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit import Agreement, CommitProtocol, Listing, reached, watched
-from jaxckpt.errors import CheckpointError, StepAlreadyExistsError
+from jaxckpt.errors import CheckpointError, SaveTimeoutError, StepAlreadyExistsError
 from jaxckpt.formats import ArrayWriter, HostArray, StepWriter
 from jaxckpt.records import (
     TREE_FILE,
@@ -74,10 +75,33 @@ class Inflight:
     summary: PartSummary | None = None
     """This process's manifest part as the commit checks it, sent to the primary (which
     does not read the part back)."""
+    released: threading.Event = field(default_factory=threading.Event)
+    """Set when ``save`` returns (or fails): the background write waits for it."""
+    abandoned: bool = False
+    """The blocking phase failed: the background write writes nothing."""
 
     @property
     def step(self) -> int:
         return self.loc.step
+
+    def release(self, *, abandoned: bool = False) -> None:
+        """Ends the save's blocking phase: its background write starts (or, when
+        ``abandoned``, returns without writing)."""
+        self.abandoned = self.abandoned or abandoned
+        self.released.set()
+
+    def wait_released(self, timeout_s: float, root: str) -> bool:
+        """Waits for :meth:`release`; whether the background write is to write.
+
+        Raises:
+          SaveTimeoutError: the blocking phase did not end within ``timeout_s``.
+        """
+        if not self.released.wait(timeout_s):
+            raise SaveTimeoutError(
+                f"save of step {self.step} under {root}: its blocking phase did not end "
+                f"within save_timeout_s={timeout_s:g}s"
+            )
+        return not self.abandoned
 
 
 class StepWrite:
@@ -121,7 +145,13 @@ class StepWrite:
     def run(self, inflight: Inflight, arrays: Sequence[HostArray]) -> None:
         """Writes this process's part, agrees that every process wrote its own, and
         commits (the primary of a shared tier; each host of its own tier): a process
-        that fails makes every process's save fail at once, naming it."""
+        that fails makes every process's save fail at once, naming it.
+
+        It starts once ``save`` has returned (:meth:`Inflight.release`): it never competes
+        with the blocking phase, and a save whose blocking phase failed writes nothing.
+        """
+        if not inflight.wait_released(self._options.save_timeout_s, self._root):
+            return
         step = inflight.step
         what = f"save of step {step} under {self._root}"
         failure: Exception | None = None

@@ -36,6 +36,9 @@ process 0's coordination service listens before it joins (JAX retries an early c
 after about a second: a race that added 0 or 1.1 s to a start). jaxckpt's modules are
 byte-compiled first, as an installed package's are (with ``PYTHONDONTWRITEBYTECODE`` a
 checkout's would be compiled again by every process at every start: 0.14 s of CPU each).
+moto and the fault proxy stand for a store on other machines: they run at nice 19
+(:data:`CLOUD_NICE`), taking the CPU the job leaves; the sidecars run at their default
+nice 10, like any node's.
 
 Reported (``--json``): ``goodput`` (:func:`goodput`: kept steps at the reference step
 time over wall time, less the supervisor's own reads of the tiers after each failure),
@@ -76,6 +79,9 @@ CHILD = Path(__file__).resolve().parent / "gameday_child.py"
 KINDS = ("sigkill", "node_loss", "preempt", "storm", "corrupt", "disk_full")
 TMPFS_BYTES = 64 << 20
 RUN_TIMEOUT_S = 600.0
+CLOUD_NICE = 19
+"""The durable store (moto) and the fault proxy stand for servers on other machines: at
+nice 19 they take only the CPU the job leaves (Orbax's durable root is a directory)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -767,7 +773,7 @@ def main(argv: list[str] | None = None) -> int:
     servers.isolate_cloud_env(os.environ, str(work))
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "scripts")]))
-    moto = servers.start_moto(work)
+    moto = servers.start_moto(work, nice=CLOUD_NICE)
     os.environ["AWS_ENDPOINT_URL_S3"] = moto.endpoint  # the supervisor's own listings
     sys.path.insert(0, str(REPO / "scripts"))
     import faultproxy
@@ -776,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     # PYTHONDONTWRITEBYTECODE compiles its modules again in every process of every run.
     compileall.compile_dir(REPO / "jaxckpt", quiet=1)
 
-    proxy = faultproxy.FaultProxy(moto.endpoint, seed=s.seed)
+    proxy = faultproxy.FaultProxy(moto.endpoint, seed=s.seed, nice=CLOUD_NICE)
     started = time.monotonic()
     try:
         env_s3 = {**env, "AWS_ENDPOINT_URL_S3": proxy.endpoint}

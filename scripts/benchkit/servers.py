@@ -125,15 +125,20 @@ def _spawn(
     probe_path: str,
     log_dir: Path,
     env: dict[str, str] | None = None,
+    nice: int = 0,
 ) -> Server:
     """Starts a server that binds a port of its own choosing (port 0) and logs it.
 
     No port is picked by the caller and released, so no other process can take
     it in between: the server's own log line names the port it listens on.
+    ``nice``: the server's nice value (added to this process's).
     """
     log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+    niced = (lambda: os.nice(nice)) if nice else None
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=niced
+        )
     server = Server(name, "", BUCKET, process, log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not (match := _LISTENING.search(server.log_tail(100_000))):
@@ -167,6 +172,7 @@ def start_moto(
     unauthenticated_requests: int | None = None,
     patched: bool = True,
     key_buffer_bytes: int = MOTO_KEY_BUFFER_BYTES,
+    nice: int = 0,
 ) -> Server:
     """Starts moto's S3 server on a loopback port it picks, with bucket :data:`BUCKET`.
 
@@ -183,6 +189,7 @@ def start_moto(
       patched: serialise the writes of each key (:func:`_run_moto`); False runs
         ``moto_server`` as released.
       key_buffer_bytes: larger objects are spilled to temporary files.
+      nice: the server's nice value (a benchmark's stand-in for a store elsewhere).
     """
     env = dict(os.environ, MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(key_buffer_bytes))
     if unauthenticated_requests is not None:
@@ -191,7 +198,7 @@ def start_moto(
         argv = [sys.executable, "-P", __file__, "moto", "127.0.0.1"]
     else:
         argv = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", "0"]
-    server = _spawn("moto", argv, "/", log_dir, env)
+    server = _spawn("moto", argv, "/", log_dir, env, nice)
     try:
         s3_client(server.endpoint).create_bucket(Bucket=server.bucket)
     except BaseException:
