@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from jaxckpt._lazy import lazy_names
 from jaxckpt.errors import CheckpointError as CheckpointError
 from jaxckpt.errors import CorruptCheckpointError as CorruptCheckpointError
 from jaxckpt.errors import LocalRootInUseError as LocalRootInUseError
@@ -82,15 +83,13 @@ _LAZY = {
 }
 
 
+_lazy = lazy_names(__name__, _LAZY, globals())
+
+
 def __getattr__(name: str) -> Any:
     if name == "policy":
         return importlib.import_module("jaxckpt.policy")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _lazy(name)
 
 
 __all__ = [

@@ -23,12 +23,16 @@ After ``fork`` the child starts without pools (the parent's threads are not
 in it) and creates its own on first use. At interpreter exit every pool is
 shut down (``concurrent.futures`` joins the threads of the pools still busy).
 
+:func:`lower_thread_priority` lowers a background thread's CPU priority (the save's writer,
+the promoter) below the training's.
+
 This module imports nothing of jaxckpt, so every layer may use it.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 from collections import deque
@@ -172,3 +176,21 @@ def _forget_after_fork() -> None:
 
 os.register_at_fork(after_in_child=_forget_after_fork)
 atexit.register(shutdown_all)
+
+
+def lower_thread_priority(nice: int, what: str = "the save thread") -> None:
+    """Raises the calling thread's nice value to ``nice`` (Linux: per thread; never lowers it).
+
+    Threads it starts inherit the value. Elsewhere, or without permission, logs (naming
+    ``what``) and goes on.
+    """
+    if nice <= 0:
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except (AttributeError, OSError) as e:
+        logging.getLogger("jaxckpt").warning(
+            "could not lower %s's priority to nice %d: %s", what, nice, e
+        )

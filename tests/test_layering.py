@@ -27,7 +27,7 @@ from importgraph import (
 MODULES = modules()
 
 LAYERS: list[set[str]] = [
-    {"errors", "_pools", "_retentionpolicy", "_openroots", "_niceness"},
+    {"errors", "_pools", "_retentionpolicy", "_openroots", "_lazy"},
     {"_healthpolicy"},  # judging a step from its metrics
     {"policy", "_flagdefs"},
     {"_preemption", "storage"},

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from jaxckpt._niceness import lower_thread_priority
+from jaxckpt._pools import lower_thread_priority
 from jaxckpt.cli._common import add_retention_flags, command, open_root, retention, seconds
 from jaxckpt.cli._output import err, human_bytes, human_duration
 

@@ -21,9 +21,9 @@ jax, so their names load lazily: importing this face imports neither.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from jaxckpt._lazy import lazy_names
 from jaxckpt.formats._writer import Planned, StepWriter, Written
 from jaxckpt.records import (
     FORMATS,
@@ -73,13 +73,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxckpt.formats' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [

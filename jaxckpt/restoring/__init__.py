@@ -8,9 +8,9 @@ Other packages import from this face only; the ``_modules`` are this package's o
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from jaxckpt._lazy import lazy_names
 from jaxckpt.restoring._nnx import nnx_step_fn as nnx_step_fn
 from jaxckpt.restoring._resumereport import CHECKPOINT as CHECKPOINT
 from jaxckpt.restoring._resumereport import NONDETERMINISTIC as NONDETERMINISTIC
@@ -64,13 +64,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxckpt.restoring' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [

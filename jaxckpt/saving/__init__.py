@@ -8,9 +8,9 @@ Other packages import from this face only; the ``_modules`` are this package's o
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from jaxckpt._lazy import lazy_names
 from jaxckpt.saving._telemetry import SaveRecorder as SaveRecorder
 from jaxckpt.saving._telemetry import SaveStats as SaveStats
 from jaxckpt.saving._telemetry import human_bytes as human_bytes
@@ -29,13 +29,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxckpt.saving' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [

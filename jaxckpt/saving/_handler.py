@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.path import atomicity_types
 
-from jaxckpt._niceness import lower_thread_priority
+from jaxckpt._pools import lower_thread_priority
 from jaxckpt.formats import HostArray, snapshot_array
 from jaxckpt.records import SavedLeaf
 from jaxckpt.saving._meet import Meetings, meeting_checkpointer

@@ -7,9 +7,9 @@ Other packages import from this face only; the ``_modules`` are this package's o
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from jaxckpt._lazy import lazy_names
 from jaxckpt.tiers._placement import heal_target as heal_target
 
 if TYPE_CHECKING:
@@ -30,13 +30,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxckpt.tiers' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [

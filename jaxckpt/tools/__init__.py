@@ -6,9 +6,9 @@ Other packages import from this face only; the ``_modules`` are this package's o
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from jaxckpt._lazy import lazy_names
 from jaxckpt.tools._copy import copy_part as copy_part
 from jaxckpt.tools._copy import copy_step as copy_step
 
@@ -42,13 +42,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxckpt.tools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [
