@@ -344,7 +344,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
             return
         try:
             self.wait()  # after an interrupted wait() too: commits or raises
-            self._select.catch_up()  # a run that never used the durable root: its ledger
+            self._select.catch_up(closing=True)  # a run that never used the durable root
             self._health.ended("clean" if self._clean_exit else None)  # no crash
         finally:
             _openroots.unregister(self)

@@ -142,6 +142,28 @@ def test_with_nothing_local_the_restore_waits_for_the_durable_root(
     assert run.of("open") and [e["step"] for e in run.of("restore")] == [40]
 
 
+def test_with_nothing_local_the_restore_reads_the_durable_root_before_its_epoch(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    """Reading needs the durable root to answer, not the writer epoch: while every write to
+    it is throttled (the join cannot take the epoch), a job on a new node restores the
+    newest durable step; the epoch is taken once writes go through again."""
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    first_epoch = _first_run(root, tmp_path / "old-node", proxy)
+    proxy.inject("throttle", method="PUT", path_contains="", times=None)
+    options = _tiered(root, tmp_path / "new-node", proxy, durable_wait_s=0.5)
+    with jaxckpt.CheckpointManager(root, **options) as mgr:
+        durable = mgr._tiers[-1]
+        assert mgr.latest_step() == 40
+        restored = mgr.restore()
+        assert mgr.restored_step == 40
+        np.testing.assert_array_equal(restored["w"], _state(40)["w"])
+        assert durable.deferred and durable.protocol.epoch is None  # still no epoch
+        assert proxy.snapshot()["throttle"] > 0
+        proxy.clear_rules()
+    assert mgr._tiers[-1].protocol.epoch > first_epoch  # adopted at the close
+
+
 def test_a_promoter_leaves_an_unstamped_request_until_it_is_stamped(tmp_path: Path) -> None:
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
     with jaxckpt.CheckpointManager(

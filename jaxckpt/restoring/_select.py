@@ -195,10 +195,10 @@ class Selection:
             steps += [] if n is None else [n]
         return self._agreement.agree("latest", max(steps, default=None))
 
-    def catch_up(self) -> None:
+    def catch_up(self, *, closing: bool = False) -> None:
         """Every host adopts the durable root's epoch if the open went on without it and it
         has answered since (collective; see ``tiers._durablejoin``)."""
-        self.tiers[-1].catch_up(self._agreement)
+        self.tiers[-1].catch_up(self._agreement, closing=closing)
 
     def named(self, tier: str | None) -> tuple[Tier, ...]:
         """The tiers ``tier`` names (None: all), nearest first.

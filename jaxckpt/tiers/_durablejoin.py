@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from jaxckpt.commit import Agreement, CommitProtocol
 from jaxckpt.errors import CheckpointError, StorageError
-from jaxckpt.records import COMMITS
+from jaxckpt.records import COMMITS, ROOT_RECORD
 from jaxckpt.storage import Storage
 
 __all__ = ["DurableJoin", "JoinedLater"]
@@ -63,6 +63,7 @@ class DurableJoin:
         self.began = time.monotonic()
         self._grace = gc_grace_s
         self._collect = collect
+        self._answered = threading.Event()  # a request of the join succeeded
         self._taken = threading.Event()
         self._done = threading.Event()
         self._stop = threading.Event()
@@ -94,12 +95,15 @@ class DurableJoin:
                 break
             self._stop.wait(delay)
             delay = min(2 * delay, RETRY_S[1])
+        self._answered.set()  # the join ended (its error, or stopped): no more waiting
         self._taken.set()
         self._done.set()
 
     def _take(self) -> None:
         began = time.monotonic()
         protocol = CommitProtocol(self._storage)
+        self._storage.read(ROOT_RECORD)  # the root answers: it can be read meanwhile
+        self._answered.set()
         protocol.ensure_root(create=True)
         keys = self._storage.list(COMMITS)
         self.epoch = protocol.take_epoch(keys).epoch
@@ -121,6 +125,18 @@ class DurableJoin:
         if self.epoch is None and self._taken.is_set():
             raise self.error or CheckpointError(f"durable root {self._storage.uri}: join stopped")
         return self.epoch
+
+    def answered(self, timeout_s: float) -> bool:
+        """Whether the root has answered a request (it can be read, with or without an
+        epoch), waiting at most ``timeout_s``.
+
+        Raises:
+          CheckpointError: the join ended for good before (its error).
+        """
+        answered = self._answered.wait(timeout_s)
+        if self.error is not None:
+            raise self.error
+        return answered
 
     def settled(self, timeout_s: float) -> None:
         """Waits at most ``timeout_s`` for garbage collection after the epoch."""
@@ -165,24 +181,29 @@ class JoinedLater:
         self.deferred = epoch is None
         return epoch
 
-    def catch_up(self, agreement: Agreement) -> None:
+    def catch_up(self, agreement: Agreement, *, closing: bool = False) -> None:
         """While :attr:`deferred`, every host adopts the epoch the primary's join has
         taken, the primary waiting for it until the open's deadline (collective: a
-        restore's first step; nothing once adopted)."""
+        restore's first step; nothing once adopted). ``closing``: the manager closes, and
+        the primary waits up to :data:`SETTLE_S` for a join the root has answered (a
+        restore read it before its epoch), so that the run's events are written."""
         if self.deferred:
-            epoch = agreement.agree("durable-epoch", self.learned())
+            epoch = agreement.agree("durable-epoch", self._joined(closing=closing))
             if epoch is not None:
                 self.adopt(epoch)
 
-    def _joined(self) -> int | None:
+    def _joined(self, *, closing: bool = False) -> int | None:
         """The primary's join's epoch, waited for until the open's deadline (None: not
-        taken by then, said once; or no join here)."""
+        taken by then, said once; or no join here); ``closing``: see :meth:`catch_up`."""
         join = self._join
         if join is None:
             return None
         epoch = None
         with contextlib.suppress(CheckpointError):  # a join that failed for good said why
-            epoch = join.taken(max(0.0, self._deadline - time.monotonic()))
+            wait_s = self._deadline - time.monotonic()
+            if closing and join.answered(0.0):  # the root answers: its epoch comes soon
+                wait_s = max(wait_s, SETTLE_S)
+            epoch = join.taken(max(0.0, wait_s))
         if epoch is None and not self._late:
             self._late = True
             log.warning(
@@ -223,7 +244,9 @@ class JoinedLater:
             return False
         assert self._join is not None
         log.warning("durable root %s: no local step to restore; waiting for it", uri)
-        if self._join.taken(self._wait_s) is None:
+        # Reading needs no epoch: the root's first answer will do (a new root's takes a
+        # create-only write more, S3's after a probe of three requests).
+        if not self._join.answered(self._wait_s):
             raise StorageError(
                 f"durable root {uri} did not answer within {self._wait_s:g}s "
                 "and no local tier holds a step to restore"

@@ -167,7 +167,7 @@ class _Root:
     def learned(self) -> int | None:
         return None
 
-    def catch_up(self, agreement: Agreement) -> None:
+    def catch_up(self, agreement: Agreement, *, closing: bool = False) -> None:
         pass
 
     def adopt(self, epoch: int) -> None:
