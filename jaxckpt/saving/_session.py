@@ -195,13 +195,13 @@ class SaveSession:
         )
         self.start(inflight)
         self._meetings.begin(f"save of step {step} under {self._root}")
-        blocked = False
+        returned = False
         try:
             self._checkpointer.save(
                 _handler.orbax_step_path(step),
                 args=_handler.SaveArgs(step=step, leaves=leaves, values=values),
             )
-            blocked = True
+            returned = True
         except Exception as e:
             self._meetings.tell(e)  # the others wait at this process's next meeting
             self.end(failed=True)
@@ -213,7 +213,7 @@ class SaveSession:
                 raise
             raise SaveFailedError(f"save of step {step} under {self._root} failed: {e}") from e
         finally:  # the background write starts once the caller has its thread back
-            inflight.release(abandoned=not blocked)  # (or writes nothing)
+            inflight.release(abandoned=not returned)  # (or writes nothing)
         self.recorder.blocked(step)
         self._last_saved = (step, time.monotonic())
 
