@@ -164,6 +164,28 @@ def test_with_nothing_local_the_restore_reads_the_durable_root_before_its_epoch(
     assert mgr._tiers[-1].protocol.epoch > first_epoch  # adopted at the close
 
 
+def test_a_new_durable_root_is_not_read_after_its_first_answer(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    """The join's first request found no root record: a job with nothing local starts
+    fresh at once, without listing the new root (its writes are throttled meanwhile, so
+    the join is not done); the epoch is taken once they go through. (No promoter runs
+    here: a watching one lists the root too.)"""
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    proxy.inject("throttle", method="PUT", path_contains="", times=None)
+    proxy.deny(("GET", "commits/"), ("GET", "epochs/"))  # a read of the steps fails the test
+    options = _tiered(root, tmp_path / "node", proxy, durable_wait_s=0.5, promotion="external")
+    with jaxckpt.CheckpointManager(root, **options) as mgr:
+        assert mgr.latest_step() is None
+        with pytest.raises(jaxckpt.errors.StepNotFoundError, match="no committed steps"):
+            mgr.restore()
+        assert mgr._tiers[-1].deferred
+        assert proxy.snapshot()["deny"] == 0 and proxy.snapshot()["throttle"] > 0
+        proxy.clear_rules()
+        mgr.save(20, _state(20))
+    assert mgr._tiers[-1].protocol.epoch is not None  # adopted at the close
+
+
 def test_a_promoter_leaves_an_unstamped_request_until_it_is_stamped(tmp_path: Path) -> None:
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
     with jaxckpt.CheckpointManager(

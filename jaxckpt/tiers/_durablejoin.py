@@ -68,6 +68,8 @@ class DurableJoin:
         self._done = threading.Event()
         self._stop = threading.Event()
         self.epoch: int | None = None
+        self.new_root = False
+        """The join's first answer: no root record (a new root, which holds no step)."""
         self.error: CheckpointError | None = None
         """A failure that ends the join (not a storage error: those are retried)."""
         self._thread = threading.Thread(target=self._run, name="jaxckpt-durable-join", daemon=True)
@@ -102,7 +104,7 @@ class DurableJoin:
     def _take(self) -> None:
         began = time.monotonic()
         protocol = CommitProtocol(self._storage)
-        self._storage.read(ROOT_RECORD)  # the root answers: it can be read meanwhile
+        self.new_root = self._storage.read(ROOT_RECORD) is None  # the root answers
         self._answered.set()
         protocol.ensure_root(create=True)
         keys = self._storage.list(COMMITS)
@@ -245,13 +247,14 @@ class JoinedLater:
         assert self._join is not None
         log.warning("durable root %s: no local step to restore; waiting for it", uri)
         # Reading needs no epoch: the root's first answer will do (a new root's takes a
-        # create-only write more, S3's after a probe of three requests).
+        # create-only write more, S3's after a probe of three requests), and a new root
+        # holds nothing to read.
         if not self._join.answered(self._wait_s):
             raise StorageError(
                 f"durable root {uri} did not answer within {self._wait_s:g}s "
                 "and no local tier holds a step to restore"
             )
-        return True
+        return not self._join.new_root
 
     def learned(self) -> int | None:
         """The epoch for every host to adopt (the primary's answer, at a save or a restore):
