@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from types import EllipsisType
 
 from jaxckpt import _pools as pools
 from jaxckpt.commit._commitcheck import CommitCheck
@@ -75,17 +76,19 @@ class CommitProtocol(CommitReader):
 
     # -- root and epochs ----------------------------------------------------
 
-    def ensure_root(self, *, create: bool) -> None:
+    def ensure_root(self, *, create: bool, found: bytes | EllipsisType | None = ...) -> None:
         """Checks the root record; with ``create``, writes (or upgrades) it.
 
         A writable open upgrades a format-1 root record to this format, so a
         jaxckpt too old to honour writer epochs refuses to write to it.
+        ``found``: the root record the caller has just read (None: there is none), so that
+        it is read once; unset, it is read here.
 
         Raises:
           NotACheckpointRootError: no root record and not ``create``.
           UnsupportedFormatError: the root was written by a newer format.
         """
-        data = self.storage.read(ROOT_RECORD)
+        data = self.storage.read(ROOT_RECORD) if found is ... else found
         if data is None:
             if not create:
                 raise NotACheckpointRootError(

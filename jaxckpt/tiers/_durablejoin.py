@@ -104,9 +104,10 @@ class DurableJoin:
     def _take(self) -> None:
         began = time.monotonic()
         protocol = CommitProtocol(self._storage)
-        self.new_root = self._storage.read(ROOT_RECORD) is None  # the root answers
+        found = self._storage.read(ROOT_RECORD)  # the root answers
+        self.new_root = found is None
         self._answered.set()
-        protocol.ensure_root(create=True)
+        protocol.ensure_root(create=True, found=found)
         keys = self._storage.list(COMMITS)
         self.epoch = protocol.take_epoch(keys).epoch
         self._taken.set()
