@@ -179,8 +179,9 @@ def test_a_new_durable_root_is_not_read_after_its_first_answer(
         assert mgr.latest_step() is None
         with pytest.raises(jaxckpt.errors.StepNotFoundError, match="no committed steps"):
             mgr.restore()
-        assert mgr._tiers[-1].deferred
-        assert proxy.snapshot()["deny"] == 0 and proxy.snapshot()["throttle"] > 0
+        wait_until(lambda: proxy.snapshot()["throttle"] > 0, what="the join's first PUT")
+        assert mgr._tiers[-1].deferred  # its writes are still throttled
+        assert proxy.snapshot()["deny"] == 0
         proxy.clear_rules()
         mgr.save(20, _state(20))
     assert mgr._tiers[-1].protocol.epoch is not None  # adopted at the close

@@ -24,6 +24,7 @@ from jaxckpt.storage import (
     PreconditionFailed,
     Storage,
     TensorStoreStorage,
+    _local,
     _object,
     _tserror,
     open_storage,
@@ -171,6 +172,28 @@ def test_delete_prefix_returns_only_when_the_tree_is_gone_while_another_removes_
     for remover in removers:
         remover.join(timeout=120)
     assert left == [[], []]
+
+
+def test_delete_prefix_gives_up_on_a_tree_refilled_past_its_deadline(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer that refills the tree as fast as the walks empty it: the removal raises,
+    naming the prefix, once its deadline has passed (the collection retries it later)."""
+    storage = open_storage(str(tmp_path))
+    storage.write("t/d/f", b"v")
+    walks: list[float] = []
+
+    def refilled(path: str) -> None:
+        walks.append(time.monotonic())
+        raise OSError(errno.ENOTEMPTY, "Directory not empty", path)
+
+    monkeypatch.setattr(_local, "_RMTREE_ATTEMPTS", 10**9)
+    monkeypatch.setattr(_local, "_RMTREE_DEADLINE_S", 0.3)
+    monkeypatch.setattr(_local.shutil, "rmtree", refilled)
+    started = time.monotonic()
+    with pytest.raises(StorageError, match="t/"):
+        storage.delete_prefix("t/")
+    assert len(walks) > 1 and 0.3 <= time.monotonic() - started < 5
 
 
 def test_list_is_recursive_sorted_and_relative(storage: Storage) -> None:

@@ -117,7 +117,9 @@ def test_lost_marker_response_still_commits(
 
 @pytest.mark.timeout(120)
 def test_gc_on_open_tolerates_a_fenced_writer_still_writing(tmp_path: Path) -> None:
-    """A zombie keeps creating files in its attempt while new writers open and collect it."""
+    """A zombie keeps writing its step's chunks (7 leaves of 64 chunks, 8 files each,
+    over and over: a fenced writer retrying them) while new writers open and collect
+    its attempt."""
     root = str(tmp_path / "root")
     with jaxckpt.CheckpointManager(root) as mgr:
         mgr.save(1, _state(1))
@@ -128,7 +130,8 @@ def test_gc_on_open_tolerates_a_fenced_writer_still_writing(tmp_path: Path) -> N
     def write_like_a_zombie() -> None:
         n = 0
         while not stop.is_set():
-            directory = os.path.join(root, zombie.arrays_prefix, f"leaf{n % 7}", "c", str(n))
+            chunk = str(n // 7 % 64)
+            directory = os.path.join(root, zombie.arrays_prefix, f"leaf{n % 7}", "c", chunk)
             n += 1
             try:
                 os.makedirs(directory, exist_ok=True)

@@ -20,6 +20,7 @@ from jaxckpt.storage._durable import makedirs_durable as _makedirs_durable
 
 _RMTREE_ATTEMPTS = 8  # a zombie writer may create files while its attempt is removed
 _RMTREE_RACES = 10_000  # walks restarted because another remover took an entry first
+_RMTREE_DEADLINE_S = 30.0  # a writer that refills faster than the walks remove is left for later
 _CLOCK_PROBE = ".jaxckpt-clock-"  # created and removed at once by age()
 
 
@@ -164,10 +165,13 @@ class LocalStorage:
         Another process removing the same tree (a fenced writer abandoning its
         attempt while the new writer collects it) takes entries from under
         ``rmtree``, which then stops with FileNotFoundError halfway: the walk
-        starts again until the tree is gone.
+        starts again until the tree is gone. A tree still there after 30 s of walks
+        raises: a writer that fills it faster than they empty it would make each walk
+        longer than the last.
         """
         path = _join(self._root, prefix.rstrip("/"))
         refilled = taken = 0
+        deadline = time.monotonic() + _RMTREE_DEADLINE_S
         while True:
             try:
                 shutil.rmtree(path)
@@ -177,11 +181,12 @@ class LocalStorage:
                 taken += 1
                 if not os.path.lexists(path):
                     return
-                if taken == _RMTREE_RACES:
+                if taken == _RMTREE_RACES or time.monotonic() > deadline:
                     raise self._error("delete", prefix, e) from e
             except OSError as e:
                 refilled += 1
-                if e.errno != errno.ENOTEMPTY or refilled == _RMTREE_ATTEMPTS:
+                late = time.monotonic() > deadline
+                if e.errno != errno.ENOTEMPTY or refilled == _RMTREE_ATTEMPTS or late:
                     raise self._error("delete", prefix, e) from e
 
     def list(self, prefix: str) -> list[str]:
