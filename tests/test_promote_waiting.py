@@ -14,6 +14,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+import pytest
 from test_promote_races import requested
 
 from jaxckpt.commit import CommitProtocol
@@ -23,6 +24,7 @@ from jaxckpt.records import (
     PARTS_WAITING,
     PROMOTED,
     SUPERSEDED,
+    UNSTAMPED,
     PromotionRequest,
     new_attempt,
     read_requests,
@@ -122,3 +124,29 @@ def test_a_superseded_step_restamped_since_it_was_begun_goes_without_another_upl
     parts = durable.storage.list("data/")
     assert any(first.attempt in k for k in parts), parts  # begun once
     assert not any(again.attempt in k for k in parts), parts  # and never again
+
+
+def test_an_idle_promoter_sends_the_durable_root_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watching sidecar's pass with no request to serve (all promoted, or an unstamped
+    one of a job without a durable epoch yet) lists nothing there: it used to list
+    ``commits/`` and ``writers/`` at every pass (every second, on every node)."""
+    local, durable = requested(tmp_path / "local", str(tmp_path / "durable"), [10])
+    request = read_requests(local)[10]
+    promoter = Promoter(local, durable)
+    listed: list[str] = []
+    inner = durable.storage.list
+
+    def counted(prefix: str) -> list[str]:
+        listed.append(prefix)
+        return inner(prefix)
+
+    monkeypatch.setattr(durable.storage, "list", counted)
+    assert outcomes(promoter.promote_once()) == {10: PROMOTED}
+    assert listed  # a pass with a request reads the durable root
+    listed.clear()
+    assert promoter.promote_once() == []  # nothing requested
+    request_promotion(local, request.restamped(UNSTAMPED, request.requested))
+    assert promoter.promote_once() == []  # its job has no durable epoch yet
+    assert listed == []

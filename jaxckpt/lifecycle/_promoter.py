@@ -139,13 +139,21 @@ class Promoter:
         Requests of durable steps are removed (a multi-host part whose step
         another host's promoter committed, a promoter killed after the marker).
         Unstamped ones (their job has no durable epoch yet) wait for their stamp.
+        The durable root is listed only when a request is there: an idle watching
+        promoter sends it nothing.
         """
+        requests = {
+            step: request
+            for step, request in read_requests(self.local).items()
+            if request.epoch != UNSTAMPED or self.epoch is not None
+        }
+        if not requests:
+            self._waiting = {}
+            return []
         durable = self.durable.visible_refs()
         self._newest_durable = max(durable, default=None)
         todo = []
-        for step, request in read_requests(self.local).items():
-            if request.epoch == UNSTAMPED and self.epoch is None:
-                continue
+        for step, request in requests.items():
             if step in durable:
                 withdraw(self.local, step)
             else:
