@@ -6,17 +6,24 @@ every newer step back: on a game day the local tiers filled up meanwhile. Now a 
 looks once and goes on; the step fails after ``parts_timeout_s`` counted across passes,
 and its request goes once a newer step is durable. Single process: the other host of a
 two-host request is simply never there.
+
+Between passes a watching sidecar sends the durable root nothing, and a new request
+starts its next pass at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_promote_races import requested
+from triggers import wait_until
 
+import jaxckpt
 from jaxckpt.commit import CommitProtocol
 from jaxckpt.lifecycle import Promoter
 from jaxckpt.records import (
@@ -150,3 +157,27 @@ def test_an_idle_promoter_sends_the_durable_root_nothing(
     request_promotion(local, request.restamped(UNSTAMPED, request.requested))
     assert promoter.promote_once() == []  # its job has no durable epoch yet
     assert listed == []
+
+
+def test_a_watching_sidecar_starts_a_pass_when_a_request_appears(tmp_path: Path) -> None:
+    """Between passes (``interval_s`` apart) a sidecar lists its local requests every
+    ``REQUEST_POLL_S``: a step requested meanwhile is promoted at once, not an interval
+    later (the step's exposure to a lost node)."""
+    local, durable = requested(tmp_path / "local", str(tmp_path / "durable"), [10])
+    promoter = Promoter(local, durable)
+    stop = threading.Event()
+    watcher = threading.Thread(target=promoter.watch, args=(stop,), kwargs={"interval_s": 600})
+    watcher.start()
+    try:
+        wait_until(lambda: sorted(durable.committed()) == [10], what="step 10", timeout_s=30)
+        with jaxckpt.CheckpointManager(
+            str(tmp_path / "durable"), local_root=str(tmp_path / "local"), promotion="external"
+        ) as mgr:
+            mgr.save(20, {"w": np.arange(256.0) + 20}, force=True)
+        asked = time.monotonic()
+        wait_until(lambda: 20 in durable.committed(), what="step 20", timeout_s=30)
+        assert time.monotonic() - asked < 10  # the interval is 600 s
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+    assert not watcher.is_alive()

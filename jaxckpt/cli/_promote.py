@@ -46,7 +46,12 @@ def register(sub: Any) -> None:
     p.add_argument("root", metavar="ROOT", help="the durable root")
     p.add_argument("--watch", action="store_true", help="keep promoting until SIGTERM (sidecar)")
     p.add_argument(
-        "--interval", type=seconds, default=5.0, metavar="SECONDS", help="--watch: poll period"
+        "--interval",
+        type=seconds,
+        default=5.0,
+        metavar="SECONDS",
+        help="--watch: the period of passes over the durable root (retries, archiving); a new "
+        "request in the local tier starts one at once (it is looked for every 0.1 s)",
     )
     p.add_argument(
         "--nice",
