@@ -134,28 +134,21 @@ class Promoter:
         return protocol
 
     def pending(self) -> list[PromotionRequest]:
-        """Requests whose step is not durable yet, newest first.
+        """Requests whose step is not durable yet, newest first (the durable root is
+        listed only when a request is there: an idle sidecar sends it nothing).
 
         Requests of durable steps are removed (a multi-host part whose step
         another host's promoter committed, a promoter killed after the marker).
         Unstamped ones (their job has no durable epoch yet) wait for their stamp.
-        The durable root is listed only when a request is there: an idle watching
-        promoter sends it nothing.
         """
-        requests = {
-            step: request
-            for step, request in read_requests(self.local).items()
-            if request.epoch != UNSTAMPED or self.epoch is not None
-        }
-        if not requests:
-            self._waiting = {}
-            return []
-        durable = self.durable.visible_refs()
+        stamped = self.epoch is not None
+        asked = [r for r in read_requests(self.local).values() if stamped or r.epoch != UNSTAMPED]
+        durable = self.durable.visible_refs() if asked else set()
         self._newest_durable = max(durable, default=None)
         todo = []
-        for step, request in requests.items():
-            if step in durable:
-                withdraw(self.local, step)
+        for request in asked:
+            if request.step in durable:
+                withdraw(self.local, request.step)
             else:
                 todo.append(request)
         waiting = {r.step for r in todo}
