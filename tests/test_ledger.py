@@ -289,9 +289,10 @@ def test_compile_keeps_the_step_and_a_restart_loads_it(tmp_path: Path) -> None:
 
     first, want = run()
     (kept,) = (tmp_path / "cc/executables").iterdir()
-    assert (first.compiled, first.loaded, first.failures) == (1, 0, 0)
+    assert (first.compiled, first.loaded, first.failures, first.outcome) == (1, 0, 0, "compiled")
     second, got = run()
     assert (second.compiled, second.loaded, second.failures) == (0, 1, 0)
+    assert second.outcome == "loaded"
     assert got.tobytes() == want.tobytes()
 
     data = bytearray(kept.read_bytes())
@@ -299,6 +300,7 @@ def test_compile_keeps_the_step_and_a_restart_loads_it(tmp_path: Path) -> None:
     kept.write_bytes(bytes(data))
     third, got = run()
     assert (third.compiled, third.loaded, third.failures) == (1, 0, 1)
+    assert third.outcome == "recompiled"
     assert got.tobytes() == want.tobytes()
     assert run()[0].loaded == 1  # replaced by a whole one
 
@@ -308,6 +310,54 @@ def test_compile_keeps_the_step_and_a_restart_loads_it(tmp_path: Path) -> None:
     assert run(float(2 + KEEP))[0].loaded == 1  # the newest stay
     with pytest.raises(TypeError, match=r"jax.stages.Lowered"):
         first.compile(jax.jit(lambda v: v))
+
+
+def test_the_compile_is_an_event_the_report_shows_per_restart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each run's ``compile`` (its outcome and seconds) is in the ledger and recorded
+    under ``/jax/jaxckpt/startup/compile_secs``; a restart's row says how it compiled."""
+    root = str(tmp_path / "root")
+    heard: list[tuple[str, dict[str, object]]] = []
+
+    def listen(name: str, *args: object, **kwargs: object) -> None:
+        heard.append((name, kwargs))
+
+    def run(steps: range) -> None:
+        with jaxckpt.CheckpointManager(
+            root, compilation_cache=True, ledger_flush_s=0.2, save_policy=policy.EveryNSteps(5)
+        ) as mgr:
+            mgr.compile(_lowered(2.0))
+            if mgr.latest_step() is not None:
+                mgr.restore()
+            for step in steps:
+                mgr.save(step, {"w": np.full(64, float(step))})
+
+    before = jax.config.jax_compilation_cache_dir
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        run(range(1, 6))
+        run(range(6, 11))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+    runs = read_ledger(open_storage(root))
+    assert [[e["outcome"] for e in r.of("compile")] for r in runs] == [["compiled"], ["loaded"]]
+    outcomes = [kw["outcome"] for name, kw in heard if name.endswith("startup/compile_secs")]
+    assert outcomes == ["compiled", "loaded"]
+    (restart,) = jaxckpt.report(root).restarts
+    assert restart.compile == "loaded" and restart.compile_s is not None
+    assert restart.compile_s < 60
+    assert main(["report", root]) == 0
+    header, row = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if "RESTART" in line or " loaded " in line
+    ]
+    assert header.split()[-1] == "COMPILE" and " loaded " in row
 
 
 def test_compile_without_the_cache_compiles(tmp_path: Path) -> None:

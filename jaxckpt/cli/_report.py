@@ -62,7 +62,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     print_table(rows, right=(1, 2))
     if r.restarts:
         print()
-        rows = [["RESTART AT", "CRASH", "RESTORED", "REACHED", "LOST STEPS", "LOST", "TIER", "WHY"]]
+        rows = [
+            [
+                "RESTART AT",
+                "CRASH",
+                "RESTORED",
+                "REACHED",
+                "LOST STEPS",
+                "LOST",
+                "TIER",
+                "WHY",
+                "COMPILE",
+            ]
+        ]
         for x in r.restarts:
             rows.append(
                 [
@@ -74,6 +86,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                     _s(x.lost_s),
                     x.tier or "-",
                     x.why or "-",
+                    "-" if x.compile_s is None else f"{x.compile} {_s(x.compile_s)}",
                 ]
             )
         print_table(rows, right=(0, 2, 3, 4, 5))

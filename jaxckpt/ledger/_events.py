@@ -49,6 +49,9 @@ FIELDS: Mapping[str, Mapping[str, tuple[type, ...]]] = {
         "why": _OPT_STR,
         "nbytes": _INT,
     },
+    # CheckpointManager.compile: loaded (a kept executable), compiled (none kept, or no
+    # compilation_cache) or recompiled (the kept one failed to load)
+    "compile": {"outcome": _STR, "seconds": _NUM},
     "first_save": {"step": _INT},  # the first save() call of the run (startup's end)
     "reached": {"step": _INT},  # the newest step the loop called save() with, at t
     # a save() call that started a save, on every process: the seconds the loop waited

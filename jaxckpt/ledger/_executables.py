@@ -71,11 +71,14 @@ class ExecutableCache:
       loaded: steps loaded from the cache.
       compiled: steps compiled (not in the cache, or it failed to load).
       failures: files that failed to load or to be written (each logged).
+      outcome: the last compile's: ``loaded``, ``compiled`` (none kept) or
+        ``recompiled`` (the kept one failed to load); None before the first.
     """
 
     def __init__(self, directory: str) -> None:
         self.directory = os.path.join(directory, SUBDIR)
         self.loaded = self.compiled = self.failures = 0
+        self.outcome: str | None = None
 
     def compile(self, lowered: Any) -> Any:
         """``lowered.compile()``, or the executable this process kept of it."""
@@ -89,15 +92,18 @@ class ExecutableCache:
         began = time.monotonic()
         mine = f"p{jax.process_index()}-"  # this process's files
         path = os.path.join(self.directory, mine + executable_key(lowered)[:40])
+        failed = self.failures
         compiled = self._load(path, lowered)
         if compiled is not None:
             self.loaded += 1
+            self.outcome = "loaded"
             log.info("compiled step loaded from %s in %.2fs", path, time.monotonic() - began)
             with contextlib.suppress(OSError):
                 os.utime(path)  # the newest used is kept
             return compiled
         compiled = lowered.compile()
         self.compiled += 1
+        self.outcome = "recompiled" if self.failures > failed else "compiled"
         self._store(path, compiled, mine)
         return compiled
 

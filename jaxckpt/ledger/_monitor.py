@@ -9,8 +9,9 @@ names, so a dashboard built on Orbax's events sees jaxckpt's saves too:
 this process's). The rest are under ``/jax/jaxckpt/``: ``restore/lost_steps``,
 ``restore/older_step`` (an event with ``why``: fallback, healing), ``promotion/durable_secs``
 (from a save's start until it was durable), ``retention/freed_gbytes`` and
-``startup/{open,restored,first_save}_secs`` (since the process started). As Orbax
-does, only the primary process records them.
+``startup/{open,restored,first_save}_secs`` (since the process started) and
+``startup/compile_secs`` (``CheckpointManager.compile``, with ``outcome``: loaded,
+compiled, recompiled). As Orbax does, only the primary process records them.
 
 With ``metrics_port`` the primary also serves Prometheus metrics (see
 :class:`TrainerMetrics`), as the promoter sidecar does.
@@ -180,6 +181,14 @@ class Monitor:
     def startup(self, phase: str, secs: float) -> None:
         if self._on:
             self._duration(f"/jax/jaxckpt/startup/{phase}_secs", secs)
+
+    def compiled(self, outcome: str, secs: float) -> None:
+        if self._on:
+            import jax
+
+            jax.monitoring.record_event_duration_secs(
+                "/jax/jaxckpt/startup/compile_secs", secs, outcome=outcome
+            )
 
     def promoted(self, durable_s: float) -> None:
         if not self._on:

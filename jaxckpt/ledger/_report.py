@@ -61,6 +61,9 @@ class Restart:
       why: why an older step than the newest was restored (``fallback``, ``healing``,
         ``quarantine``: a crash loop marked it bad, ``bad``: marked bad).
       at_s: when the restart's process started, seconds into the job.
+      compile, compile_s: ``CheckpointManager.compile`` in the restarted run: ``loaded``
+        (every process loaded its kept executable), ``compiled`` or ``recompiled`` (a
+        kept one failed to load), and the slowest process's seconds (None: not called).
     """
 
     restored_step: int | None
@@ -71,6 +74,8 @@ class Restart:
     crash: bool
     why: str | None = None
     at_s: float = 0.0
+    compile: str | None = None
+    compile_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,6 +156,8 @@ def _restart(prev: RunFigures, cur: RunFigures, origin: float) -> Restart:
         crash=not prev.clean,
         why=cur.why,
         at_s=cur.start - origin,
+        compile=cur.compile,
+        compile_s=cur.compile_s,
     )
 
 

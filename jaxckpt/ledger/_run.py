@@ -126,10 +126,17 @@ class RunLedger:
         return self._writer
 
     def compile(self, lowered: Any) -> Any:
-        """``lowered.compile()``, kept per process with ``compilation_cache``."""
-        if self.executables is None:
-            return lowered.compile()
-        return self.executables.compile(lowered)
+        """``lowered.compile()``, kept per process with ``compilation_cache``; its outcome
+        and seconds are an event (``compile``)."""
+        began = time.monotonic()
+        cache = self.executables
+        compiled = lowered.compile() if cache is None else cache.compile(lowered)
+        outcome = "compiled" if cache is None else cache.outcome or "compiled"
+        seconds = time.monotonic() - began
+        if self._writer is not None:
+            self._writer.append("compile", outcome=outcome, seconds=seconds)
+        self._monitor.compiled(outcome, seconds)
+        return compiled
 
     def opened(self, parts: ManagerParts) -> None:
         """Joins the opened manager's parts and starts writing (a writable manager)."""

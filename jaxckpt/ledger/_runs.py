@@ -14,6 +14,9 @@ from typing import Any
 
 from jaxckpt.ledger._read import RunEvents
 
+_COMPILES = ("recompiled", "compiled", "loaded")
+"""A run's compile outcome: the first of these that any of its processes had."""
+
 
 class RunFigures:
     """One run's figures, from its events (see :mod:`jaxckpt.ledger._report`)."""
@@ -37,6 +40,10 @@ class RunFigures:
         self.restored = None if first is None else first["step"]
         self.tier = None if first is None else first["tier"]
         self.why = None if first is None else first["why"]
+        compiles = run.of("compile")  # CheckpointManager.compile: the slowest process's
+        self.compile_s = max((e["seconds"] for e in compiles), default=None)
+        outcomes = {e["outcome"] for e in compiles}
+        self.compile = next((o for o in _COMPILES if o in outcomes), None)
         first_saves = run.of("first_save")
         self.first_save = max((e["t"] for e in first_saves), default=None)
         exits = {
