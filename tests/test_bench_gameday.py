@@ -147,7 +147,9 @@ def test_each_restart_is_matched_with_the_failure_that_ended_its_run() -> None:
 
 def test_smoke_run_restarts_within_bounds_and_ends_bit_exact(tmp_path: Path) -> None:
     out = tmp_path / "gameday.json"
+    plot = tmp_path / "day.png"
     argv = ["--smoke", "--kinds", "sigkill,corrupt", "--no-baseline", "--json", str(out)]
+    argv += ["--plot", str(plot)]
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "gameday", *argv],
         capture_output=True,
@@ -167,3 +169,10 @@ def test_smoke_run_restarts_within_bounds_and_ends_bit_exact(tmp_path: Path) -> 
         assert f["bound_steps"] <= 2 * f["interval_steps"], f  # one save in flight at most
     assert [r["tier"] for r in result["restarts"]] == ["local", "local"], result["restarts"]
     assert "| kind | process | at step | lost steps | bound | interval | within |" in proc.stdout
+    # The job's own run ledger tells the same restarts (its reached steps may lag a kill).
+    ledger = result["ledger"]
+    assert ledger["tiers"] == ["local", "local"] and ledger["compile"] == ["loaded", "loaded"]
+    told = zip(ledger["lost_steps"], result["restarts"], strict=True)
+    assert all(0 <= lost <= r["lost_steps"] for lost, r in told), (ledger, result["restarts"])
+    assert 0.0 < ledger["goodput"] <= 1.0
+    assert plot.read_bytes().startswith(b"\x89PNG")

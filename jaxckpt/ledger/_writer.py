@@ -6,7 +6,10 @@ changed; :meth:`close` flushes what is left. The first flush runs in the thread 
 starts the writer (the manager's open), so a run that dies early is still seen and a
 process's first requests (its store's one-off credential lookup among them) belong to its
 open, whatever the scheduling: the requests of the saves after it are the same every run.
-A flush writes one object per :data:`~jaxckpt.ledger._events.MAX_OBJECT_BYTES` of events
+:meth:`flush_soon` has the thread flush at once: when the run learns its epoch after the
+open (the durable root joined in the background) and after its first save call, so the
+startup of a run that dies within an interval is on the store too. A flush writes one
+object per :data:`~jaxckpt.ledger._events.MAX_OBJECT_BYTES` of events
 (one, in practice), so the requests per process are one per flush, whatever the number of
 saves in it. A write that fails is logged, counted (:attr:`failures`) and retried at the
 next flush with the same sequence number; when the store stays down the buffer keeps its
@@ -78,6 +81,7 @@ class LedgerWriter:
         self._reached_written: int | None = None
         self._seq = 0
         self._stop = threading.Event()
+        self._soon = threading.Event()  # the flusher's next flush is now
         self._thread: threading.Thread | None = None
         self.failures = 0
         """Ledger writes that failed (each logged; none fails a save)."""
@@ -91,8 +95,14 @@ class LedgerWriter:
         return self._epoch
 
     def adopt(self, epoch: int) -> None:
-        """The run's epoch, learned after the open: what was kept is written from now on."""
+        """The run's epoch, learned after the open: what was kept is written at once."""
         self._epoch = epoch
+        self.flush_soon()
+
+    def flush_soon(self) -> None:
+        """The background flusher writes now instead of at its next interval (no I/O here):
+        the events that decide a run's startup are on the store before a crash."""
+        self._soon.set()
 
     @property
     def process(self) -> int:
@@ -195,7 +205,11 @@ class LedgerWriter:
         return True
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while True:
+            self._soon.wait(self._interval_s)
+            self._soon.clear()
+            if self._stop.is_set():
+                return
             self.flush()
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -204,6 +218,7 @@ class LedgerWriter:
         at interpreter exit the object-store servers may be gone)."""
         deadline = time.monotonic() + timeout_s
         self._stop.set()
+        self._soon.set()
         if self._epoch is None:  # the durable root never answered in this run: said, counted
             with self._lock:
                 lost, self.dropped = len(self._events), self.dropped + len(self._events)

@@ -712,7 +712,40 @@ def render(result: dict[str, Any]) -> str:
         f"jaxckpt: wall {result['wall_s']:.0f} s ({_phases(result)}; a save every "
         f"{result['settings']['every']} steps cost {result['measured_save_cost_s'] * 1000:.0f} ms)"
     )
+    if (led := result.get("ledger")) is not None:
+        told = (
+            f"error {led['error']}"
+            if "error" in led
+            else f"goodput {led['goodput']:.3f} over {led['wall_s']:.0f} s, lost steps per "
+            f"restart {led['lost_steps']}, compiles {led['compile']}"
+        )
+        lines.append(f"jaxckpt report of the durable root: {told}")
     return "\n".join(lines)
+
+
+def ledger_view(root: str, plot_to: Path | None) -> dict[str, Any]:
+    """jaxckpt's day as its run ledger tells it (``jaxckpt.report``), beside the supervisor's
+    records; with ``plot_to`` (``.png``, ``.html``) its timeline. A SIGKILL loses the
+    reached steps the ledger had not flushed yet (``ledger_flush_s``), so its lost steps
+    are at most the supervisor's."""
+    import jaxckpt
+    from jaxckpt.ledger import plot
+
+    try:
+        r = jaxckpt.report(root)
+    except jaxckpt.CheckpointError as e:
+        return {"error": str(e)}
+    if plot_to is not None:
+        plot(r, str(plot_to))
+    return {
+        "goodput": r.goodput,
+        "wall_s": r.wall_s,
+        "badput_s": dataclasses.asdict(r.badput_s),
+        "lost_steps": [x.lost_steps for x in r.restarts],
+        "tiers": [x.tier for x in r.restarts],
+        "compile": [x.compile for x in r.restarts],
+        "plot": None if plot_to is None else str(plot_to),
+    }
 
 
 def _phases(result: dict[str, Any]) -> str:
@@ -744,6 +777,7 @@ def parse_args(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--step-sleep", type=float)
     p.add_argument("--no-baseline", action="store_true", help="skip the Orbax run")
     p.add_argument("--json", type=Path, help="write the result here ('-': stdout)")
+    p.add_argument("--plot", type=Path, help="jaxckpt's day as `jaxckpt report --plot` draws it")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (logs)")
     args = p.parse_args(argv)
     chosen: dict[str, Any] = dict(
@@ -808,6 +842,7 @@ def main(argv: list[str] | None = None) -> int:
         ours.proxy = proxy
         mine = assess(ours.run(failures), ref, s, step_s)
         mine["measured_save_cost_s"] = save_cost(mine, step_s, s.every)
+        mine["ledger"] = ledger_view(ours.durable, args.plot)
         result: dict[str, Any] = {
             "settings": {**dataclasses.asdict(s), "kinds": list(s.kinds)},
             "step_s": step_s,
