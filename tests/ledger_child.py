@@ -2,12 +2,11 @@
 
 Usage::
 
-    python tests/ledger_child.py ROOT --until N [--flush-s S] [--local-root L]
+    python tests/ledger_child.py ROOT --until N
 
 Opens ``jaxckpt.CheckpointManager(ROOT)`` (``EveryNSteps(5)``, the ledger flushed every
-0.2 s or ``S``; with a local tier ``L``), calls ``save`` for steps 1 .. N, prints
-``REACHED N`` and then waits forever: the parent kills it once the ledger holds the
-reached step.
+0.2 s), calls ``save`` for steps 1 .. N, prints ``REACHED N`` and then waits forever:
+the parent kills it once the ledger holds the reached step.
 """
 
 from __future__ import annotations
@@ -26,14 +25,9 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("root")
     p.add_argument("--until", type=int, required=True)
-    p.add_argument("--flush-s", type=float, default=0.2)
-    p.add_argument("--local-root")
     args = p.parse_args()
     mgr = jaxckpt.CheckpointManager(
-        args.root,
-        save_policy=policy.EveryNSteps(5),
-        ledger_flush_s=args.flush_s,
-        local_root=args.local_root,
+        args.root, save_policy=policy.EveryNSteps(5), ledger_flush_s=0.2
     )
     for step in range(1, args.until + 1):
         mgr.save(step, {"w": np.full(256, float(step))})

@@ -187,6 +187,32 @@ def test_a_new_durable_root_is_not_read_after_its_first_answer(
     assert mgr._tiers[-1].protocol.epoch is not None  # adopted at the close
 
 
+def test_the_ledger_is_written_as_soon_as_a_deferred_epoch_is_adopted(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    """The open went on without the durable root, so its events waited for the epoch: they
+    are written once it is adopted, not at the next flush interval (600 s here), so a run
+    that dies within its first interval is on the store as one whose open wrote."""
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    proxy.inject("throttle", method="PUT", path_contains="", times=None)
+    options = _tiered(root, tmp_path / "node", proxy, durable_wait_s=0.5, ledger_flush_s=600)
+    with jaxckpt.CheckpointManager(root, **options) as mgr:
+        assert mgr._tiers[-1].deferred
+        proxy.clear_rules()
+        steps = iter(range(1, 10**6))
+
+        def adopted() -> bool:
+            step = next(steps)
+            mgr.save(step, _state(step), force=True)
+            return not mgr._tiers[-1].deferred
+
+        wait_until(adopted, what="the durable epoch adopted at a save")
+        storage = open_storage(root)
+        wait_until(lambda: bool(storage.list("ledger/")), what="the ledger", timeout_s=30)
+        (run,) = read_ledger(storage)
+        assert run.epoch == mgr._tiers[-1].protocol.epoch and run.of("open")
+
+
 def test_a_promoter_leaves_an_unstamped_request_until_it_is_stamped(tmp_path: Path) -> None:
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
     with jaxckpt.CheckpointManager(

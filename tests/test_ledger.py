@@ -115,25 +115,6 @@ def test_a_sigkilled_run_is_a_restart_with_lost_steps(tmp_path: Path) -> None:
     assert 0 < r.goodput < 1 and r.badput_s.lost_work == restart.lost_s
 
 
-def test_a_run_killed_within_its_first_flush_interval_left_its_startup(tmp_path: Path) -> None:
-    """The ledger is flushed at once when a run learns its durable epoch (behind a local
-    tier, after the open) and after its first save call: a run killed long before its
-    first interval (600 s here) is still on the store, its open and first save with it."""
-    root = str(tmp_path / "root")
-    storage = open_storage(root)
-
-    def told() -> set[str]:
-        runs = read_ledger(storage) if storage.list("ledger/") else []
-        return {e["kind"] for run in runs for es in run.events.values() for e in es}
-
-    argv = [CHILD, root, "--until", "3", "--flush-s", "600", "--local-root", str(tmp_path / "l")]
-    with harness.running([sys.executable, *argv]) as child:
-        child.expect("REACHED 3")
-        harness.wait_until(lambda: "first_save" in told(), what="the first save", timeout_s=60)
-        assert child.kill() == -9
-    assert {"open", "first_save"} <= told()
-
-
 def test_report_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = str(tmp_path / "root")
     _train(root, range(1, 8))

@@ -224,7 +224,6 @@ class RunLedger:
         if self._first_save:
             self._first_save = False
             writer.append("first_save", t=now, step=step)
-            writer.flush_soon()  # the run's startup is on the store before a crash
             self._startup("first_save", now)
         watcher = parts._watcher
         if not self._preempted and watcher is not None and watcher.noticed:

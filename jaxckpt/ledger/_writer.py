@@ -7,8 +7,8 @@ starts the writer (the manager's open), so a run that dies early is still seen a
 process's first requests (its store's one-off credential lookup among them) belong to its
 open, whatever the scheduling: the requests of the saves after it are the same every run.
 :meth:`flush_soon` has the thread flush at once: when the run learns its epoch after the
-open (the durable root joined in the background) and after its first save call, so the
-startup of a run that dies within an interval is on the store too. A flush writes one
+open (the durable root joined in the background), so that a run that dies within its
+first interval is on the store too, as one whose open wrote. A flush writes one
 object per :data:`~jaxckpt.ledger._events.MAX_OBJECT_BYTES` of events
 (one, in practice), so the requests per process are one per flush, whatever the number of
 saves in it. A write that fails is logged, counted (:attr:`failures`) and retried at the
@@ -100,8 +100,7 @@ class LedgerWriter:
         self.flush_soon()
 
     def flush_soon(self) -> None:
-        """The background flusher writes now instead of at its next interval (no I/O here):
-        the events that decide a run's startup are on the store before a crash."""
+        """The background flusher writes now instead of at its next interval (no I/O here)."""
         self._soon.set()
 
     @property
