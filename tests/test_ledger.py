@@ -189,6 +189,42 @@ def test_the_report_arithmetic() -> None:
     assert r.daly["failures"] == 1 and r.daly["mtbf_s"] == 41.0
 
 
+def test_a_run_killed_before_its_restore_was_written_restored_the_newest_save() -> None:
+    """Run 2 died within its first flush interval: only its open was written. The newest
+    save of the runs before it (step 10, at or below the 15 reached) stands in for what
+    it restored, instead of step 0 (15 steps lost where 5 were)."""
+    opened = {"kind": "open", "process_start": None, "tiers": [], "pid": 1}
+    saved = {"kind": "save", "blocking_s": 0.1, "total_s": 0.2, "nbytes": 8, "tier": "local"}
+    first = _run(
+        1,
+        {**opened, "t": 1.0, "open_start": 0.5},
+        {**saved, "t": 10.5, "step": 10, "started": 10.0},
+        {"kind": "reached", "t": 21.0, "step": 15},
+    )
+    second = _run(2, {**opened, "t": 31.0, "open_start": 30.0})
+    third = _run(
+        3,
+        {**opened, "t": 41.0, "open_start": 40.0},
+        {"kind": "restore", "t": 41.5, "step": 10, "tier": "local", "seconds": 0.5}
+        | {"newest": 10, "why": None, "nbytes": 8},
+        {"kind": "first_save", "t": 42.0, "step": 11},
+        {"kind": "exit", "t": 50.0, "closed": True},
+    )
+    one, two = build_report("root", [first, second, third]).restarts
+    assert (one.restored_step, one.reached_step, one.lost_steps, one.why) == (
+        10,
+        15,
+        5,
+        "unrecorded",
+    )
+    assert one.tier is None and (two.restored_step, two.lost_steps) == (10, 0)
+    unsaved = _run(
+        1, {**opened, "t": 1.0, "open_start": 0.5}, {"kind": "reached", "t": 5.0, "step": 4}
+    )
+    (fresh,) = build_report("root", [unsaved, second]).restarts  # nothing saved before it
+    assert (fresh.restored_step, fresh.lost_steps, fresh.why) == (None, 4, None)
+
+
 def test_the_reader_skips_what_is_not_a_ledger_object(tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path))
     good = LedgerObject(

@@ -59,7 +59,9 @@ class Restart:
       tier: where the restored step came from (``local``, ``durable``).
       crash: the run before ended without a clean exit.
       why: why an older step than the newest was restored (``fallback``, ``healing``,
-        ``quarantine``: a crash loop marked it bad, ``bad``: marked bad).
+        ``quarantine``: a crash loop marked it bad, ``bad``: marked bad), or
+        ``unrecorded``: the run died before its restore was written, and the newest save
+        before it stands in for the step it restored.
       at_s: when the restart's process started, seconds into the job.
       compile, compile_s: ``CheckpointManager.compile`` in the restarted run: ``loaded``
         (every process loaded its kept executable), ``compiled`` or ``recompiled`` (a
@@ -159,6 +161,21 @@ def _restart(prev: RunFigures, cur: RunFigures, origin: float) -> Restart:
         compile=cur.compile,
         compile_s=cur.compile_s,
     )
+
+
+def _stand_in_for_unrecorded_restores(runs: Sequence[RunFigures]) -> None:
+    """A run killed within its first flush interval wrote its open but not its restore:
+    when the runs before it committed saves, the newest of them up to the step the last
+    one reached stands in for the step it restored (``why``: ``unrecorded``), as a
+    restore takes the newest step; without one it started fresh."""
+    saved: list[int] = []
+    for p, c in itertools.pairwise(runs):
+        saved += p.saves
+        if c.restored is not None or p.reached is None:
+            continue
+        newest = max((s for s in saved if s <= p.reached), default=None)
+        if newest is not None:
+            c.restored, c.why = newest, "unrecorded"
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -296,6 +313,7 @@ def build_report(
     for p, c in itertools.pairwise(runs):
         if c.start < p.end:  # a process that ran the run before too: from this open
             c.start = max(p.end, c.open_start)
+    _stand_in_for_unrecorded_restores(runs)
     origin = runs[0].start
     wall = max(0.0, runs[-1].end - origin)
     restarts = tuple(_restart(p, c, origin) for p, c in itertools.pairwise(runs))
