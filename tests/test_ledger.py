@@ -225,6 +225,32 @@ def test_a_run_killed_before_its_restore_was_written_restored_the_newest_save() 
     assert (fresh.restored_step, fresh.lost_steps, fresh.why) == (None, 4, None)
 
 
+def test_progress_made_by_runs_the_ledger_never_heard_of_is_not_badput() -> None:
+    """Between run 1 (steps 0-100 at 0.2 s, dead at t=20) and run 2 (from t=60, restoring
+    step 200) runs trained that never learned their epoch (a storm over their whole life):
+    of the 40 s gap, the 100 steps kept (20 s) are not badput, the rest is."""
+    opened = {"kind": "open", "process_start": None, "tiers": [], "pid": 1}
+    first = _run(
+        1,
+        {**opened, "t": 0.0, "open_start": 0.0},
+        {"kind": "first_save", "t": 0.0, "step": 0},
+        {"kind": "reached", "t": 20.0, "step": 100},
+    )
+    second = _run(
+        2,
+        {**opened, "t": 60.0, "open_start": 60.0},
+        {"kind": "restore", "t": 60.0, "step": 200, "tier": "durable", "seconds": 0.0}
+        | {"newest": 200, "why": None, "nbytes": 8},
+        {"kind": "first_save", "t": 60.0, "step": 201},
+        {"kind": "reached", "t": 70.0, "step": 251},
+        {"kind": "exit", "t": 70.0, "closed": True},
+    )
+    r = build_report("root", [first, second])
+    assert r.badput_s.startup == pytest.approx(20.0)
+    assert r.goodput == pytest.approx(50.0 / 70.0)
+    assert r.restarts[0].lost_steps == 0
+
+
 def test_the_reader_skips_what_is_not_a_ledger_object(tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path))
     good = LedgerObject(

@@ -178,6 +178,21 @@ def _stand_in_for_unrecorded_restores(runs: Sequence[RunFigures]) -> None:
             c.restored, c.why = newest, "unrecorded"
 
 
+def _step_s(runs: Sequence[RunFigures]) -> float | None:
+    """The job's median seconds per step over its runs."""
+    return _median([s for r in runs if (s := r.step_s()) is not None])
+
+
+def _gap_badput(p: RunFigures, c: RunFigures, step_s: float | None) -> float:
+    """The time between two runs of the ledger that was not kept progress: runs it never
+    heard of (their durable root never answered them, so they never learned an epoch to
+    write under) may have trained in it, up to the step the next run restored."""
+    gap = max(0.0, c.start - p.end)
+    if step_s is None or c.restored is None or p.reached is None:
+        return gap
+    return max(0.0, gap - max(0, c.restored - p.reached) * step_s)
+
+
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -318,7 +333,7 @@ def build_report(
     wall = max(0.0, runs[-1].end - origin)
     restarts = tuple(_restart(p, c, origin) for p, c in itertools.pairwise(runs))
     startup = sum(max(0.0, min(r.work_start, r.end) - r.start - r.restore_s) for r in runs)
-    startup += sum(max(0.0, c.start - p.end) for p, c in itertools.pairwise(runs))
+    startup += sum(_gap_badput(p, c, _step_s(runs)) for p, c in itertools.pairwise(runs))
     lost = sum(r.lost_s for r in restarts)
     blocking = sum(s["blocking_s"] for r in runs for s in r.saves.values())
     blocking -= sum(
