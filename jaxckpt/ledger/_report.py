@@ -333,7 +333,8 @@ def build_report(
     wall = max(0.0, runs[-1].end - origin)
     restarts = tuple(_restart(p, c, origin) for p, c in itertools.pairwise(runs))
     startup = sum(max(0.0, min(r.work_start, r.end) - r.start - r.restore_s) for r in runs)
-    startup += sum(_gap_badput(p, c, _step_s(runs)) for p, c in itertools.pairwise(runs))
+    step_s = _step_s(runs)
+    startup += sum(_gap_badput(p, c, step_s) for p, c in itertools.pairwise(runs))
     lost = sum(r.lost_s for r in restarts)
     blocking = sum(s["blocking_s"] for r in runs for s in r.saves.values())
     blocking -= sum(

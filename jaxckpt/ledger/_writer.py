@@ -6,9 +6,9 @@ changed; :meth:`close` flushes what is left. The first flush runs in the thread 
 starts the writer (the manager's open), so a run that dies early is still seen and a
 process's first requests (its store's one-off credential lookup among them) belong to its
 open, whatever the scheduling: the requests of the saves after it are the same every run.
-:meth:`flush_soon` has the thread flush at once: when the run learns its epoch after the
-open (the durable root joined in the background), so that a run that dies within its
-first interval is on the store too, as one whose open wrote. A flush writes one
+When the run learns its epoch after the open (the durable root joined in the background,
+:meth:`adopt`) the thread flushes at once, so that a run that dies within its first
+interval is on the store too, as one whose open wrote. A flush writes one
 object per :data:`~jaxckpt.ledger._events.MAX_OBJECT_BYTES` of events
 (one, in practice), so the requests per process are one per flush, whatever the number of
 saves in it. A write that fails is logged, counted (:attr:`failures`) and retried at the
@@ -95,12 +95,9 @@ class LedgerWriter:
         return self._epoch
 
     def adopt(self, epoch: int) -> None:
-        """The run's epoch, learned after the open: what was kept is written at once."""
+        """The run's epoch, learned after the open: what was kept is written at once (by
+        the background flusher, not at its next interval; no I/O here)."""
         self._epoch = epoch
-        self.flush_soon()
-
-    def flush_soon(self) -> None:
-        """The background flusher writes now instead of at its next interval (no I/O here)."""
         self._soon.set()
 
     @property
