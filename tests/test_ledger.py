@@ -251,6 +251,38 @@ def test_progress_made_by_runs_the_ledger_never_heard_of_is_not_badput() -> None
     assert r.restarts[0].lost_steps == 0
 
 
+def test_a_run_that_died_before_its_progress_was_written_trained_from_its_restore() -> None:
+    """Run 1 (steps 0-100 at 0.2 s, step 90 saved, dead at t=20); run 2 opens at t=25 and
+    dies before its next flush (nothing but its open written); run 3 opens at t=40 and
+    restores step 140: run 2 trained steps 90-140 (10 s) of the 15 s after its open, and
+    only the rest is badput (the report counted all 15 s, and a day of frequent kills
+    read 0.54 against the supervisor's 0.66)."""
+    opened = {"kind": "open", "process_start": None, "tiers": [], "pid": 1}
+    saved = {"kind": "save", "t": 18.5, "step": 90, "blocking_s": 0.0, "total_s": 0.5}
+    first = _run(
+        1,
+        {**opened, "t": 0.0, "open_start": 0.0},
+        {"kind": "first_save", "t": 0.0, "step": 0},
+        saved | {"nbytes": 8, "tier": "local", "started": 18.0},
+        {"kind": "reached", "t": 20.0, "step": 100},
+    )
+    second = _run(2, {**opened, "t": 25.0, "open_start": 24.0})
+    third = _run(
+        3,
+        {**opened, "t": 40.0, "open_start": 40.0},
+        {"kind": "restore", "t": 40.0, "step": 140, "tier": "local", "seconds": 0.0}
+        | {"newest": 140, "why": None, "nbytes": 8},
+        {"kind": "first_save", "t": 40.0, "step": 141},
+        {"kind": "reached", "t": 50.0, "step": 191},
+        {"kind": "exit", "t": 50.0, "closed": True},
+    )
+    r = build_report("root", [first, second, third])
+    assert [x.restored_step for x in r.restarts] == [90, 140]  # run 2's: the newest save
+    assert r.badput_s.startup == pytest.approx(1.0 + 4.0 + 5.0)  # run 2's open, two gaps
+    assert r.badput_s.lost_work == pytest.approx(2.0)  # run 1: steps 90-100
+    assert r.goodput == pytest.approx(38.0 / 50.0)
+
+
 def test_the_reader_skips_what_is_not_a_ledger_object(tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path))
     good = LedgerObject(

@@ -186,11 +186,14 @@ def _step_s(runs: Sequence[RunFigures]) -> float | None:
 def _gap_badput(p: RunFigures, c: RunFigures, step_s: float | None) -> float:
     """The time between two runs of the ledger that was not kept progress: runs it never
     heard of (their durable root never answered them, so they never learned an epoch to
-    write under) may have trained in it, up to the step the next run restored."""
+    write under) may have trained in it, up to the step the next run restored; so may
+    ``p`` itself when it died before its first reached step was written (its end is its
+    open: its training is in the gap, from the step it restored)."""
     gap = max(0.0, c.start - p.end)
-    if step_s is None or c.restored is None or p.reached is None:
+    reached = p.reached if p.reached is not None else p.restored or 0
+    if step_s is None or c.restored is None:
         return gap
-    return max(0.0, gap - max(0, c.restored - p.reached) * step_s)
+    return max(0.0, gap - max(0, c.restored - reached) * step_s)
 
 
 def _median(values: Sequence[float]) -> float | None:
