@@ -28,7 +28,9 @@ from jaxckpt.commit import CommitProtocol
 from jaxckpt.lifecycle import Promoter
 from jaxckpt.records import (
     FAILED,
+    MAX_RECEIPTS,
     PARTS_WAITING,
+    PROMOTE,
     PROMOTED,
     SUPERSEDED,
     UNSTAMPED,
@@ -36,7 +38,9 @@ from jaxckpt.records import (
     new_attempt,
     read_requests,
     request_promotion,
+    withdraw_durable,
 )
+from jaxckpt.storage import open_storage
 
 
 def as_two_hosts(local: CommitProtocol, step: int) -> PromotionRequest:
@@ -181,3 +185,37 @@ def test_a_watching_sidecar_starts_a_pass_when_a_request_appears(tmp_path: Path)
         stop.set()
         watcher.join(timeout=30)
     assert not watcher.is_alive()
+
+
+def test_a_trainer_learns_that_its_step_is_durable_from_the_promoters_receipt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The promoter leaves a receipt where it withdraws a durable step's request: the
+    trainer's next save learns from it that the step it asked for is durable, and reads
+    nothing on the durable root (it used to list it there, waiting up to
+    ``LOST_WAIT_S`` in the save's blocking phase: 18 ms a promoted step on the game day)."""
+    durable_root, local_root = str(tmp_path / "durable"), str(tmp_path / "local")
+    mgr = jaxckpt.CheckpointManager(durable_root, local_root=local_root, promotion="external")
+    mgr.save(10, {"w": np.arange(4.0)}, force=True)
+    mgr.wait()
+    local = CommitProtocol(open_storage(local_root))
+    promoter = Promoter(local, CommitProtocol(open_storage(durable_root)))
+    assert outcomes(promoter.promote_once()) == {10: PROMOTED}
+    assert local.storage.list(PROMOTE) == [f"{PROMOTE}000000000010.done"]
+    looked: list[int] = []
+    monkeypatch.setattr(mgr._promotion, "_durable_has", lambda step: looked.append(step))
+    assert mgr.save(20, {"w": np.arange(4.0)}, force=True)
+    mgr.wait()
+    assert looked == []
+    assert mgr._promotion._awaiting == {20}  # step 10: known durable
+    mgr.close()
+
+
+def test_a_promoter_keeps_only_the_newest_receipts(tmp_path: Path) -> None:
+    local, durable = requested(tmp_path / "local", str(tmp_path / "durable"), [10])
+    for step in range(11, 23):  # receipts no trainer came to read
+        withdraw_durable(local, step)
+    assert outcomes(Promoter(local, durable).promote_once()) == {10: PROMOTED}
+    assert sorted(local.storage.list(PROMOTE)) == [  # pruned as its pass listed them
+        f"{PROMOTE}{s:012d}.done" for s in [10, *range(23 - MAX_RECEIPTS, 23)]
+    ]

@@ -62,8 +62,10 @@ from jaxckpt.records import (
     health_records,
     manifest_name,
     promote_key,
+    prune_receipts,
     read_requests,
     withdraw,
+    withdraw_durable,
 )
 
 log = logging.getLogger("jaxckpt")
@@ -142,13 +144,16 @@ class Promoter:
         Unstamped ones (their job has no durable epoch yet) wait for their stamp.
         """
         stamped = self.epoch is not None
-        asked = [r for r in read_requests(self.local).values() if stamped or r.epoch != UNSTAMPED]
+        receipts: set[int] = set()
+        requests = read_requests(self.local, receipts=receipts)
+        prune_receipts(self.local, receipts)
+        asked = [r for r in requests.values() if stamped or r.epoch != UNSTAMPED]
         durable = self.durable.visible_refs() if asked else set()
         self._newest_durable = max(durable, default=None)
         todo = []
         for request in asked:
             if request.step in durable:
-                withdraw(self.local, request.step)
+                withdraw_durable(self.local, request.step)
             else:
                 todo.append(request)
         waiting = {r.step for r in todo}
@@ -237,7 +242,7 @@ class Promoter:
 
                 nbytes = copy_step(self.local, writer, marker)
         except StepAlreadyExistsError:
-            withdraw(self.local, step)
+            withdraw_durable(self.local, step)
             return PromotionResult(step=step, outcome=ALREADY_DURABLE, request=request)
         except _PartsMissing as e:
             if self._superseded(request):
@@ -262,7 +267,7 @@ class Promoter:
             return PromotionResult(step=step, outcome=FAILED, request=request, error=str(e))
         durable_marker = writer.read_marker(step)
         writer.tidying.settle(TIDY_S)  # its pending record goes before a one-shot run ends
-        withdraw(self.local, step)
+        withdraw_durable(self.local, step)
         self._newest_durable = max(step, self._newest_durable or step)
         seconds = time.monotonic() - start
         log.info(

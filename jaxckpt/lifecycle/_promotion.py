@@ -229,9 +229,8 @@ class Promotion:
         become durable: their request is gone (its local copy vanished, was damaged, or
         the local root was removed under the job) and neither they nor a newer step are.
 
-        A few small reads, only while steps await promotion: a listing of the local
-        ``promote/`` and, per step whose request went, its durable marker keys (and the
-        newest durable marker when they are not there).
+        A few small reads while steps await promotion: a listing of the local ``promote/``
+        and, per step whose request went without a receipt, its durable marker keys.
 
         Raises:
           SaveFailedError: such steps (named), on every host of the job.
@@ -245,9 +244,9 @@ class Promotion:
 
     def lost_error(self) -> SaveFailedError | None:
         """This host's part of :meth:`check_lost`, without meeting the others (a save
-        tells it at its own checks, which every host meets anyway), waiting for the
-        durable root at most ``LOST_WAIT_S`` once per step: a step whose lookup has not
-        answered by then (an outage) is told at the first save after it does."""
+        tells it at its own checks, which every host meets anyway). A step whose request
+        went without a receipt from its promoter is looked up on the durable root, waited
+        for at most ``LOST_WAIT_S`` once: unanswered (an outage), it is told later."""
         lost = self._lost_here(within_s=LOST_WAIT_S)
         return self._lost_error(lost) if lost else None
 
@@ -257,9 +256,12 @@ class Promotion:
             awaiting = sorted(self._awaiting)
         lost: list[int] = []
         if awaiting:
-            requested = read_requests(self.local)
+            receipts: set[int] = set()  # steps their promoter said are durable: no lookup
+            requested = read_requests(self.local, receipts=receipts)
+            with self._lock:
+                self._awaiting -= receipts
             for step in awaiting:
-                if step in requested:
+                if step in requested or step in receipts:
                     continue
                 check = self._durable_checks.get(step)
                 if check is None:  # is the step durable, now that its request went?
@@ -327,10 +329,9 @@ class Promotion:
 
     def _durable_time(self, step: int) -> float | None:
         with self._lock:
-            if step in self._durable_times:
-                return self._durable_times[step]
-        marker = self.durable.read_marker(step)
-        return None if marker is None else marker.time
+            when = self._durable_times.get(step)
+        marker = self.durable.read_marker(step) if when is None else None
+        return marker.time if marker is not None else when
 
     def wait_durable(self, step: int | None, timeout_s: float) -> int | None:
         """Blocks until ``step`` (default: the newest requested) is durable; returns it.
@@ -345,8 +346,7 @@ class Promotion:
         if target is None:
             marker = self.durable.latest()
             return None if marker is None else marker.step
-        deadline = time.monotonic() + timeout_s
-        delay = 0.02
+        deadline, delay = time.monotonic() + timeout_s, 0.02
         while True:
             if target in self.durable.visible_refs():
                 return target
@@ -377,8 +377,7 @@ class Promotion:
         self._tier.stop_joining()
         if self._thread is None:
             return
-        deadline = time.monotonic() + timeout_s
-        delay = 0.05
+        deadline, delay = time.monotonic() + timeout_s, 0.05
         deferred = self._tier.deferred
         try:
             while (left := self.pending_steps()) and not deferred and time.monotonic() < deadline:

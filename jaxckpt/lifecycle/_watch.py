@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from jaxckpt.errors import CheckpointError
-from jaxckpt.records import PARTS_WAITING, PROMOTE, PROMOTED, PromotionResult
+from jaxckpt.records import PARTS_WAITING, PROMOTE, PROMOTED, PromotionResult, parse_promote_key
 
 if TYPE_CHECKING:
     from jaxckpt.lifecycle._promoter import Promoter
@@ -71,11 +71,13 @@ def watch(
 
 
 def _requests(promoter: Promoter) -> set[str] | None:
-    """The keys of the local tier's promotion requests (None: not listed)."""
+    """The keys of the local tier's promotion requests (None: not listed; the promoter's
+    own receipts beside them are not requests)."""
     try:
-        return set(promoter.local.storage.list(PROMOTE))
+        keys = promoter.local.storage.list(PROMOTE)
     except CheckpointError:
         return None
+    return {k for k in keys if parse_promote_key(k) is not None}
 
 
 def _until_new_request(

@@ -54,6 +54,7 @@ from jaxckpt.records._keys import parse_data_key as parse_data_key
 from jaxckpt.records._keys import parse_epoch_key as parse_epoch_key
 from jaxckpt.records._keys import parse_marker_key as parse_marker_key
 from jaxckpt.records._keys import parse_pending_key as parse_pending_key
+from jaxckpt.records._keys import parse_promote_key as parse_promote_key
 from jaxckpt.records._keys import parse_publish_key as parse_publish_key
 from jaxckpt.records._keys import parse_replica_index_key as parse_replica_index_key
 from jaxckpt.records._keys import parse_replica_step as parse_replica_step
@@ -87,6 +88,7 @@ from jaxckpt.records._requests import ARCHIVED as ARCHIVED
 from jaxckpt.records._requests import FAILED as FAILED
 from jaxckpt.records._requests import FENCED as FENCED
 from jaxckpt.records._requests import GONE as GONE
+from jaxckpt.records._requests import MAX_RECEIPTS as MAX_RECEIPTS
 from jaxckpt.records._requests import PARTS_WAITING as PARTS_WAITING
 from jaxckpt.records._requests import PROMOTED as PROMOTED
 from jaxckpt.records._requests import SUPERSEDED as SUPERSEDED
@@ -95,9 +97,11 @@ from jaxckpt.records._requests import UPLOADED as UPLOADED
 from jaxckpt.records._requests import WAITING as WAITING
 from jaxckpt.records._requests import PromotionRequest as PromotionRequest
 from jaxckpt.records._requests import PromotionResult as PromotionResult
+from jaxckpt.records._requests import prune_receipts as prune_receipts
 from jaxckpt.records._requests import read_requests as read_requests
 from jaxckpt.records._requests import request_promotion as request_promotion
 from jaxckpt.records._requests import withdraw as withdraw
+from jaxckpt.records._requests import withdraw_durable as withdraw_durable
 from jaxckpt.records._step import FORMAT as FORMAT
 from jaxckpt.records._step import FORMAT_VERSION as FORMAT_VERSION
 from jaxckpt.records._step import LAYOUTS as LAYOUTS
@@ -181,6 +185,7 @@ __all__ = [
     "LEGACY_STEPS",
     "MAX_NAME_CHARS",
     "MAX_PACKS",
+    "MAX_RECEIPTS",
     "MAX_STEP",
     "MIN_PACK_BYTES",
     "NAMES_TEXT",
@@ -269,6 +274,7 @@ __all__ = [
     "parse_epoch_key",
     "parse_marker_key",
     "parse_pending_key",
+    "parse_promote_key",
     "parse_publish_key",
     "parse_replica_index_key",
     "parse_replica_step",
@@ -277,6 +283,7 @@ __all__ = [
     "path_str",
     "process_state_summaries",
     "promote_key",
+    "prune_receipts",
     "publish_key",
     "read_checked",
     "read_requests",
@@ -296,5 +303,6 @@ __all__ = [
     "uploads_within",
     "versions_text",
     "withdraw",
+    "withdraw_durable",
     "writer_versions",
 ]

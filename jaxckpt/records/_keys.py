@@ -100,6 +100,7 @@ WIDE_STEP_DIGITS = 19  # ... and of larger steps, after a "w" (sorting after eve
 MAX_STEP = 2**63 - 1
 """The largest step id (a signed 64-bit integer): ``save`` refuses larger ones."""
 _V1_JSON = re.compile(r"(\d+)\.json")
+_RECEIPT = re.compile(r"(\d+)\.done")
 
 
 def new_attempt(epoch: int, now: float | None = None) -> str:
@@ -478,6 +479,19 @@ def parse_promote_key(key: str) -> int | None:
     """The step a ``promote/`` key names, or None."""
     name = key[len(PROMOTE) :] if key.startswith(PROMOTE) else ""
     m = _V1_JSON.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def receipt_key(step: int) -> str:
+    """The key of a promoter's receipt for ``step``: durable, its request withdrawn
+    (beside the requests, which readers of requests skip: not a ``.json``)."""
+    return f"{PROMOTE}{step:0{STEP_DIGITS}d}.done"
+
+
+def parse_receipt_key(key: str) -> int | None:
+    """The step a receipt key names, or None."""
+    name = key[len(PROMOTE) :] if key.startswith(PROMOTE) else ""
+    m = _RECEIPT.fullmatch(name)
     return int(m.group(1)) if m else None
 
 

@@ -12,7 +12,14 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from jaxckpt.errors import CheckpointError, CorruptCheckpointError
-from jaxckpt.records._keys import PROMOTE, parse_attempt, parse_promote_key, promote_key
+from jaxckpt.records._keys import (
+    PROMOTE,
+    parse_attempt,
+    parse_promote_key,
+    parse_receipt_key,
+    promote_key,
+    receipt_key,
+)
 from jaxckpt.records._step import json_record, load_json_record
 
 if TYPE_CHECKING:
@@ -30,6 +37,9 @@ SUPERSEDED = "superseded by a newer durable step"
 FENCED = "fenced"
 FAILED = "failed"
 ARCHIVED = "archived"
+
+MAX_RECEIPTS = 8
+"""Receipts a promoter keeps (the newest steps'): a trainer awaits one or two steps."""
 
 UNSTAMPED = 0
 """The epoch of a request written before its job learned the durable root's writer epoch
@@ -149,12 +159,21 @@ def request_promotion(local: CommitProtocol, request: PromotionRequest) -> None:
     local.storage.write(promote_key(request.step), request.to_bytes())
 
 
-def read_requests(local: CommitProtocol) -> dict[int, PromotionRequest]:
-    """Every readable promotion request of a local root, by step (an invalid one is logged)."""
+def read_requests(
+    local: CommitProtocol, *, receipts: set[int] | None = None
+) -> dict[int, PromotionRequest]:
+    """Every readable promotion request of a local root, by step (an invalid one is logged).
+
+    ``receipts``: filled with the steps a promoter's receipt says are durable (from the
+    same listing: :func:`withdraw_durable`).
+    """
     requests: dict[int, PromotionRequest] = {}
     for key in local.storage.list(PROMOTE):
         step = parse_promote_key(key)
         if step is None:
+            done = parse_receipt_key(key)
+            if receipts is not None and done is not None:
+                receipts.add(done)
             continue
         data = local.storage.read(key)
         if data is None:
@@ -169,3 +188,17 @@ def read_requests(local: CommitProtocol) -> dict[int, PromotionRequest]:
 def withdraw(local: CommitProtocol, step: int) -> None:
     """Removes the promotion request of ``step`` (done, or can never succeed)."""
     local.storage.delete(promote_key(step))
+
+
+def withdraw_durable(local: CommitProtocol, step: int) -> None:
+    """Withdraws the request of ``step``, which is durable, leaving a receipt that says
+    so: the trainer that asked learns it from its local root, not from the durable one.
+    The receipt goes first: a request seen gone has its receipt (unless pruned)."""
+    local.storage.write(receipt_key(step), b"")
+    withdraw(local, step)
+
+
+def prune_receipts(local: CommitProtocol, receipts: set[int]) -> None:
+    """Deletes all but the newest :data:`MAX_RECEIPTS` of ``receipts`` (listed ones)."""
+    for step in sorted(receipts)[:-MAX_RECEIPTS]:
+        local.storage.delete(receipt_key(step))
