@@ -168,7 +168,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
           metadata: JSON-serialisable user metadata stored with the step.
           metrics: numbers the retention policy may rank steps by.
           keep: pin this step against deletion by retention.
-          process_state: this process's own state (bytes, str, JSON), e.g. a data iterator's.
+          process_state: this process's state (bytes, str, JSON, or a callable: ``it.get_state``).
 
         Returns:
           True when a save was started, False when the save policy declined.
@@ -180,8 +180,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
           WriterFencedError: another process opened the root for writing since.
         """
         self._session.check_writable()
-        policy = self._session.policy_says_save
-        step, saving = self._clock.decide(step, force, policy, self.preempted, self.latest_step)
+        says = self._session.policy_says_save
+        step, saving = self._clock.decide(step, force, says, self.preempted, self.latest_step)
         if not saving:
             self._session.check_background()  # a finished failed save still surfaces, at once
             return False

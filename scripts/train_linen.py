@@ -178,7 +178,7 @@ def train(mgr: jaxckpt.CheckpointManager) -> None:
         }
         state, loss = step_fn(state, global_batch)
         step += 1
-        mgr.save(step, state, process_state=data.get_state(), force=step == _STEPS.value)
+        mgr.save(step, state, process_state=data.get_state, force=step == _STEPS.value)
     mgr.wait()
     logging.info("done at step %d: loss %.4f", step, float(loss) if _STEPS.value else 0.0)
 

@@ -154,6 +154,8 @@ class SaveSession:
         try:
             if lost is not None:
                 raise lost
+            if callable(process_state):  # taken now that the step is saved (``it.get_state``)
+                process_state = process_state()
             own_state = encode_process_state(process_state, step=step, process=jax.process_index())
             prepared = prepare_step(
                 self._tier,

@@ -200,7 +200,7 @@ class Jaxckpt:
 
     def save(self, step: int, state: Any, data: Any, final: bool) -> bool:
         """Saves as the policy says; True when preempted (saved, committed: exit)."""
-        self.mgr.save(step, state, process_state=data.get_state(), force=final)
+        self.mgr.save(step, state, process_state=data.get_state, force=final)
         if self.mgr.preempted(step):
             self.mgr.wait()
             return True
