@@ -281,6 +281,14 @@ def test_a_run_that_died_before_its_progress_was_written_trained_from_its_restor
     assert r.badput_s.startup == pytest.approx(1.0 + 4.0 + 5.0)  # run 2's open, two gaps
     assert r.badput_s.lost_work == pytest.approx(2.0)  # run 1: steps 90-100
     assert r.goodput == pytest.approx(38.0 / 50.0)
+    # Killed early twice: run 2 (open at t=25) and run 3 (open at t=32, nothing else);
+    # run 4 (t=40) restores step 140, 50 steps (10 s) past the newest save runs 2-3 knew.
+    again = _run(3, {**opened, "t": 32.0, "open_start": 32.0})
+    fourth = RunEvents(epoch=4, processes=1, events=third.events)
+    r = build_report("root", [first, second, again, fourth])
+    assert [x.restored_step for x in r.restarts] == [90, 90, 140]
+    assert r.badput_s.startup == pytest.approx(1.0 + 4.0 + 7.0 + 8.0 - 10.0)
+    assert r.goodput == pytest.approx(38.0 / 50.0)
 
 
 def test_the_reader_skips_what_is_not_a_ledger_object(tmp_path: Path) -> None:

@@ -166,14 +166,16 @@ def _restart(prev: RunFigures, cur: RunFigures, origin: float) -> Restart:
 def _stand_in_for_unrecorded_restores(runs: Sequence[RunFigures]) -> None:
     """A run killed within its first flush interval wrote its open but not its restore:
     when the runs before it committed saves, the newest of them up to the step the last
-    one reached stands in for the step it restored (``why``: ``unrecorded``), as a
-    restore takes the newest step; without one it started fresh."""
+    one reached (else the step that one restored: killed early too) stands in for the
+    step it restored (``why``: ``unrecorded``), as a restore takes the newest step;
+    without one it started fresh."""
     saved: list[int] = []
     for p, c in itertools.pairwise(runs):
         saved += p.saves
-        if c.restored is not None or p.reached is None:
+        bound = p.reached if p.reached is not None else p.restored
+        if c.restored is not None or bound is None:
             continue
-        newest = max((s for s in saved if s <= p.reached), default=None)
+        newest = max((s for s in saved if s <= bound), default=None)
         if newest is not None:
             c.restored, c.why = newest, "unrecorded"
 
@@ -183,17 +185,24 @@ def _step_s(runs: Sequence[RunFigures]) -> float | None:
     return _median([s for r in runs if (s := r.step_s()) is not None])
 
 
-def _gap_badput(p: RunFigures, c: RunFigures, step_s: float | None) -> float:
-    """The time between two runs of the ledger that was not kept progress: runs it never
+def _gaps_badput(runs: Sequence[RunFigures], step_s: float | None) -> float:
+    """The time between runs of the ledger that was not kept progress: runs it never
     heard of (their durable root never answered them, so they never learned an epoch to
-    write under) may have trained in it, up to the step the next run restored; so may
-    ``p`` itself when it died before its first reached step was written (its end is its
-    open: its training is in the gap, from the step it restored)."""
-    gap = max(0.0, c.start - p.end)
-    reached = p.reached if p.reached is not None else p.restored or 0
-    if step_s is None or c.restored is None:
-        return gap
-    return max(0.0, gap - max(0, c.restored - reached) * step_s)
+    write under) may have trained in a gap, up to the step the next run restored; so may
+    the run before it when it died before its first reached step was written (its end
+    is its open: its training is in the gap, from the step it restored). Where that
+    restore is a stand-in (``unrecorded``: it may have restored later steps, trained
+    before its open), progress the gap after it cannot hold is credited to the one
+    before it."""
+    total, carry = 0.0, 0.0
+    for p, c in reversed(list(itertools.pairwise(runs))):
+        gap = max(0.0, c.start - p.end)
+        if step_s is not None and c.restored is not None:
+            reached = p.reached if p.reached is not None else p.restored or 0
+            carry += max(0, c.restored - reached) * step_s
+        total += max(0.0, gap - carry)
+        carry = max(0.0, carry - gap) if p.why == "unrecorded" else 0.0
+    return total
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -337,7 +346,7 @@ def build_report(
     restarts = tuple(_restart(p, c, origin) for p, c in itertools.pairwise(runs))
     startup = sum(max(0.0, min(r.work_start, r.end) - r.start - r.restore_s) for r in runs)
     step_s = _step_s(runs)
-    startup += sum(_gap_badput(p, c, step_s) for p, c in itertools.pairwise(runs))
+    startup += _gaps_badput(runs, step_s)
     lost = sum(r.lost_s for r in restarts)
     blocking = sum(s["blocking_s"] for r in runs for s in r.saves.values())
     blocking -= sum(
