@@ -212,7 +212,13 @@ def test_a_trainer_learns_that_its_step_is_durable_from_the_promoters_receipt(
 
 
 def test_a_promoter_keeps_only_the_newest_receipts(tmp_path: Path) -> None:
+    """Receipts are bounded, and a new request of a step drops its older receipt (an
+    earlier run's): a receipt answers only a request written before it."""
     local, durable = requested(tmp_path / "local", str(tmp_path / "durable"), [10])
+    request = read_requests(local)[10]
+    withdraw_durable(local, 10)
+    request_promotion(local, request)
+    assert sorted(local.storage.list(PROMOTE)) == [f"{PROMOTE}000000000010.json"]
     for step in range(11, 23):  # receipts no trainer came to read
         withdraw_durable(local, step)
     assert outcomes(Promoter(local, durable).promote_once()) == {10: PROMOTED}

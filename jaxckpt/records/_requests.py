@@ -155,7 +155,10 @@ class PromotionResult:
 
 
 def request_promotion(local: CommitProtocol, request: PromotionRequest) -> None:
-    """Writes (or re-stamps) the promotion request of ``request.step`` into the local root."""
+    """Writes (or re-stamps) the promotion request of ``request.step`` into the local root;
+    a receipt of an earlier promotion of that step (an earlier run's) goes first, so that
+    a receipt answers only a request written before it."""
+    local.storage.delete(receipt_key(request.step))
     local.storage.write(promote_key(request.step), request.to_bytes())
 
 
