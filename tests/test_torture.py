@@ -138,8 +138,10 @@ def test_gc_on_open_tolerates_a_fenced_writer_still_writing(tmp_path: Path) -> N
                 for i in range(8):
                     with open(os.path.join(directory, str(i)), "wb") as f:
                         f.write(b"x")
-            except FileNotFoundError:
-                continue  # the collector removed the directory under it
+            except (FileNotFoundError, FileExistsError):
+                # the collector removed the directory under it: os.makedirs raises
+                # FileExistsError when it is removed between its mkdir and its isdir check
+                continue
 
     for i in range(8):  # leftover chunks of the zombie, before it goes on writing
         os.makedirs(os.path.join(root, zombie.arrays_prefix, "old", "c", str(i)), exist_ok=True)
