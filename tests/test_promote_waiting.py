@@ -38,6 +38,7 @@ from jaxckpt.records import (
     new_attempt,
     read_requests,
     request_promotion,
+    withdraw,
     withdraw_durable,
 )
 from jaxckpt.storage import open_storage
@@ -208,6 +209,31 @@ def test_a_trainer_learns_that_its_step_is_durable_from_the_promoters_receipt(
     mgr.wait()
     assert looked == []
     assert mgr._promotion._awaiting == {20}  # step 10: known durable
+    mgr.close()
+
+
+def test_a_receipt_that_comes_while_a_durable_lookup_is_pending_ends_the_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request withdrawn without a receipt starts a durable lookup; when the receipt
+    comes before the lookup answers (a slow durable root), the step is known durable
+    and its pending lookup is dropped, not kept for a step no save asks about again."""
+    durable_root, local_root = str(tmp_path / "durable"), str(tmp_path / "local")
+    mgr = jaxckpt.CheckpointManager(durable_root, local_root=local_root, promotion="external")
+    mgr.save(10, {"w": np.arange(4.0)}, force=True)
+    mgr.wait()
+    local = CommitProtocol(open_storage(local_root))
+    answer = threading.Event()
+    monkeypatch.setattr(mgr._promotion, "_durable_has", lambda step: answer.wait(30))
+    monkeypatch.setattr("jaxckpt.lifecycle._promotion.LOST_WAIT_S", 0.05)
+    withdraw(local, 10)  # the request went, no receipt (yet): looked up, unanswered
+    assert mgr._promotion.lost_error() is None
+    assert set(mgr._promotion._durable_checks) == {10}
+    withdraw_durable(local, 10)  # then the receipt
+    assert mgr._promotion.lost_error() is None
+    assert mgr._promotion._durable_checks == {}
+    assert mgr._promotion._awaiting == set()
+    answer.set()
     mgr.close()
 
 

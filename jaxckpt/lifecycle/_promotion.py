@@ -73,11 +73,9 @@ class Promotion:
       promote_policy: which locally committed steps to promote (None: all).
       preempted: whether a preemption notice arrived (for the policy).
       primary_host: the process whose promoter commits multi-host steps.
-      parts_timeout_s: multi-host: how long the primary's promoter waits for
-        the other hosts' parts of a step (per pass).
+      parts_timeout_s: how long the primary's promoter waits for other hosts' parts (a pass).
       read_only: promote nothing (``wait_durable`` still watches).
-      interval_s: how often the background promoter looks for requests it
-        was not woken for (requests of an earlier run).
+      interval_s: how often the background promoter looks for an earlier run's requests.
     """
 
     def __init__(
@@ -260,6 +258,8 @@ class Promotion:
             requested = read_requests(self.local, receipts=receipts)
             with self._lock:
                 self._awaiting -= receipts
+            for step in receipts:  # a lookup begun before its receipt came is not read
+                self._durable_checks.pop(step, None)
             for step in awaiting:
                 if step in requested or step in receipts:
                     continue
