@@ -33,6 +33,9 @@ def test_the_schedule_is_seeded_and_ends_before_the_last_step() -> None:
     assert {f.process for f in first} <= set(range(4))
     other = gameday.schedule(gameday.Settings(steps=200, mtbf_steps=20, seed=4), 0.1)
     assert other != first
+    assert gameday.schedule(s, 0.1, k=1) == gameday.schedule(  # schedule k: seed + k
+        gameday.Settings(processes=4, steps=200, mtbf_steps=20, failures=50, seed=4), 0.1
+    )
     by_time = gameday.Settings(steps=200, mtbf_s=2.0, failures=50, seed=3)  # 20 steps of 0.1 s
     assert gameday.schedule(by_time, 0.1) == gameday.schedule(
         gameday.Settings(steps=200, mtbf_steps=20, failures=50, seed=3), 0.1
@@ -145,6 +148,29 @@ def test_each_restart_is_matched_with_the_failure_that_ended_its_run() -> None:
     assert not changed["bit_exact"] and changed["wrong_data"] == 1
 
 
+def test_schedules_combine_into_mean_goodputs_and_every_failure() -> None:
+    """Several schedules: each contender's mean goodput, every failure with its
+    schedule's seed, bit-exact and no wrong data only if every day was."""
+
+    def day(seed: int, goodput: float, baseline: float | None, exact: bool) -> dict[str, Any]:
+        failures = [{"kind": "sigkill", "lost_steps": 3, "bound_steps": 4}]
+        return {"seed": seed, "goodput": goodput, "baseline_goodput": baseline} | {
+            "bit_exact": exact,
+            "wrong_data": seed,
+            "failures": failures,
+        }
+
+    both = gameday.combine([day(0, 0.8, 0.7, True), day(1, 0.9, 0.8, False)])
+    assert both["goodput"] == pytest.approx(0.85)
+    assert both["baseline_goodput"] == pytest.approx(0.75)
+    assert both["bit_exact"] is False and both["wrong_data"] == 1
+    assert [f["schedule"] for f in both["failures"]] == [0, 1]
+    assert gameday.combine([day(0, 0.8, None, True)])["baseline_goodput"] is None
+    assert gameday.healthy(gameday.combine([day(0, 0.8, None, True)]))
+    with pytest.raises(ValueError, match="schedules"):
+        gameday.Settings(schedules=0)
+
+
 def test_smoke_run_restarts_within_bounds_and_ends_bit_exact(tmp_path: Path) -> None:
     out = tmp_path / "gameday.json"
     plot = tmp_path / "day.png"
@@ -163,16 +189,18 @@ def test_smoke_run_restarts_within_bounds_and_ends_bit_exact(tmp_path: Path) -> 
     assert result["baseline_goodput"] is None
     assert 0.0 < result["goodput"] <= 1.0
     assert len(result["failures"]) == 2, result["failures"]
+    (day,) = result["schedules"]  # the smoke size runs one schedule
+    assert day["seed"] == 0 and day["goodput"] == result["goodput"]
     for f in result["failures"]:
         assert f["kind"] in ("sigkill", "corrupt"), f
         assert f["bound_steps"] is not None and 0 <= f["lost_steps"] <= f["bound_steps"], f
         assert f["bound_steps"] <= 2 * f["interval_steps"], f  # one save in flight at most
-    assert [r["tier"] for r in result["restarts"]] == ["local", "local"], result["restarts"]
+    assert [r["tier"] for r in day["restarts"]] == ["local", "local"], day["restarts"]
     assert "| kind | process | at step | lost steps | bound | interval | within |" in proc.stdout
     # The job's own run ledger sees every run (a run killed within its first flush interval
     # wrote at its open, or once its deferred durable epoch was adopted), and its report
     # draws the day.
-    ledger = result["ledger"]
-    assert len(ledger["lost_steps"]) == len(result["restarts"]), (ledger, result["restarts"])
+    ledger = day["ledger"]
+    assert len(ledger["lost_steps"]) == len(day["restarts"]), (ledger, day["restarts"])
     assert 0.0 < ledger["goodput"] <= 1.0
     assert plot.read_bytes().startswith(b"\x89PNG")

@@ -40,7 +40,13 @@ moto and the fault proxy stand for a store on other machines: they run at nice 1
 (:data:`CLOUD_NICE`), taking the CPU the job leaves; the sidecars run at their default
 nice 10, like any node's.
 
-Reported (``--json``): ``goodput`` (:func:`goodput`: kept steps at the reference step
+The full size runs ``--schedules 3``: one reference run, then both contenders on the
+schedules of seeds ``seed``, ``seed + 1``, ... (the data order stays ``seed``'s). The
+top level of ``--json`` holds their mean ``goodput`` and ``baseline_goodput``, every
+failure (with its ``schedule``), ``bit_exact`` and ``wrong_data`` of all; ``schedules``
+each day as below.
+
+Reported per schedule: ``goodput`` (:func:`goodput`: kept steps at the reference step
 time over wall time, less the supervisor's own reads of the tiers after each failure),
 ``phases`` (:func:`phases`: where the wall time went), ``baseline_goodput``,
 ``bit_exact`` (final state digest equals the reference's), ``wrong_data`` (steps whose
@@ -63,6 +69,7 @@ import queue
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,6 +106,7 @@ class Settings:
     failures: int = 12
     kinds: tuple[str, ...] = KINDS
     seed: int = 0
+    schedules: int = 1
     storm_s: float = 60.0
     grace_s: float = 20.0
     baseline: bool = True
@@ -109,10 +117,12 @@ class Settings:
             raise ValueError(f"unknown failure kinds {sorted(unknown)}; choose from {KINDS}")
         if self.processes < 1 or self.steps < 2 or (self.every or 1) < 1 or self.promote_every < 1:
             raise ValueError("processes >= 1, steps >= 2, every and promote_every >= 1")
+        if self.schedules < 1:
+            raise ValueError("schedules >= 1")
 
 
 SIZES = {
-    "full": {},
+    "full": {"schedules": 3},
     "quick": {"processes": 2, "steps": 300, "mtbf_s": 8.0, "failures": 6, "storm_s": 15.0},
     "smoke": {
         "processes": 1,
@@ -135,11 +145,11 @@ class Failure:
     process: int
 
 
-def schedule(s: Settings, step_s: float) -> list[Failure]:
-    """The seeded failure schedule: exponential gaps of ``mtbf_s`` seconds of training
-    (``mtbf_steps`` steps if set), kinds and victims drawn uniformly; only failures that
-    come before the job's last step."""
-    rng = random.Random(s.seed)
+def schedule(s: Settings, step_s: float, k: int = 0) -> list[Failure]:
+    """The ``k``-th seeded failure schedule (seed ``seed + k``): exponential gaps of
+    ``mtbf_s`` seconds of training (``mtbf_steps`` steps if set), kinds and victims drawn
+    uniformly; only failures that come before the job's last step."""
+    rng = random.Random(s.seed + k)
     mean = s.mtbf_steps if s.mtbf_steps is not None else max(1.0, s.mtbf_s / step_s)
     out, at = [], 0
     while len(out) < s.failures:
@@ -685,11 +695,24 @@ def _failure(
 
 
 def render(result: dict[str, Any]) -> str:
+    settings, days = result["settings"], result["schedules"]
     lines = [
-        f"game day: {result['settings']['processes']} processes, {result['settings']['steps']} "
-        f"steps, reference step {result['step_s'] * 1000:.0f} ms",
-        f"goodput {result['goodput']:.3f} (Orbax baseline {_num(result['baseline_goodput'])}), "
-        f"bit-exact {result['bit_exact']}, wrong data {result['wrong_data']}",
+        f"game day: {settings['processes']} processes, {settings['steps']} steps, reference "
+        f"step {result['step_s'] * 1000:.0f} ms, {len(days)} failure schedule(s)",
+        f"goodput {result['goodput']:.3f} (Orbax baseline {_num(result['baseline_goodput'])})"
+        + (" on average" if len(days) > 1 else "")
+        + f", bit-exact {result['bit_exact']}, wrong data {result['wrong_data']}",
+    ]
+    for day in days:
+        lines += render_day(day, settings)
+    return "\n".join(lines)
+
+
+def render_day(result: dict[str, Any], settings: dict[str, Any]) -> list[str]:
+    """One schedule's day: its failures against their bounds, both contenders' phases."""
+    lines = [
+        f"schedule of seed {result['seed']}: goodput {result['goodput']:.3f} (Orbax "
+        f"{_num(result['baseline_goodput'])})",
         "| kind | process | at step | lost steps | bound | interval | within |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -705,12 +728,12 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"Orbax: lost steps per failure {lost}; bit-exact {b['bit_exact']}, "
             f"wrong data {b['wrong_data']}, wall {b['wall_s']:.0f} s ({_phases(b)}; "
-            f"a save every {result['settings']['promote_every']} steps cost "
+            f"a save every {settings['promote_every']} steps cost "
             f"{b['measured_save_cost_s'] * 1000:.0f} ms)"
         )
     lines.append(
         f"jaxckpt: wall {result['wall_s']:.0f} s ({_phases(result)}; a save every "
-        f"{result['settings']['every']} steps cost {result['measured_save_cost_s'] * 1000:.0f} ms)"
+        f"{settings['every']} steps cost {result['measured_save_cost_s'] * 1000:.0f} ms)"
     )
     if (led := result.get("ledger")) is not None:
         told = (
@@ -720,7 +743,7 @@ def render(result: dict[str, Any]) -> str:
             f"restart {led['lost_steps']}, compiles {led['compile']}"
         )
         lines.append(f"jaxckpt report of the durable root: {told}")
-    return "\n".join(lines)
+    return lines
 
 
 def ledger_view(root: str, plot_to: Path | None) -> dict[str, Any]:
@@ -772,7 +795,8 @@ def parse_args(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--mtbf-steps", type=int)
     p.add_argument("--failures", type=int)
     p.add_argument("--kinds", help=f"comma-separated, of {','.join(KINDS)}")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="the data order's; schedule k's is seed + k")
+    p.add_argument("--schedules", type=int, help="failure schedules, each run by both (full: 3)")
     p.add_argument("--storm-s", type=float)
     p.add_argument("--step-sleep", type=float)
     p.add_argument("--no-baseline", action="store_true", help="skip the Orbax run")
@@ -790,6 +814,7 @@ def parse_args(argv: list[str]) -> tuple[Settings, argparse.Namespace]:
         "mtbf_steps",
         "failures",
         "seed",
+        "schedules",
         "storm_s",
         "step_sleep",
     ):
@@ -819,7 +844,6 @@ def main(argv: list[str] | None = None) -> int:
     proxy = faultproxy.FaultProxy(moto.endpoint, seed=s.seed, nice=CLOUD_NICE)
     started = time.monotonic()
     try:
-        env_s3 = {**env, "AWS_ENDPOINT_URL_S3": proxy.endpoint}
         _progress("gameday: the uninterrupted reference run")
         ref_day = Day(
             "reference", dataclasses.replace(s, kinds=s.kinds), work / "reference", env, ""
@@ -827,36 +851,12 @@ def main(argv: list[str] | None = None) -> int:
         ref = ref_day.run([])
         step_s = reference_step_s(ref_day)
         s = dataclasses.replace(s, every=local_interval(s, step_s))
-        failures = schedule(s, step_s)
-        _progress(
-            f"gameday: a local save every {s.every} steps; {len(failures)} failures scheduled: "
-            f"{[(f.at_step, f.kind) for f in failures]}"
-        )
-        ours = Day(
-            "jaxckpt",
-            s,
-            work / "jaxckpt",
-            env_s3,
-            f"s3://{moto.bucket}/gameday-{uuid.uuid4().hex[:8]}",
-        )
-        ours.proxy = proxy
-        mine = assess(ours.run(failures), ref, s, step_s)
-        mine["measured_save_cost_s"] = save_cost(mine, step_s, s.every)
-        mine["ledger"] = ledger_view(ours.durable, args.plot)
-        result: dict[str, Any] = {
+        day = Contest(s, work, env, proxy, moto.bucket, ref, step_s)
+        result = {
             "settings": {**dataclasses.asdict(s), "kinds": list(s.kinds)},
             "step_s": step_s,
-            **mine,
-            "baseline_goodput": None,
-            "baseline": None,
+            **combine([day.contend(k, args.plot if k == 0 else None) for k in range(s.schedules)]),
         }
-        if s.baseline:
-            theirs = Day("orbax", s, work / "orbax", env, str(work / "orbax" / "durable"))
-            result["baseline"] = assess(theirs.run(failures), ref, s, step_s)
-            result["baseline"]["measured_save_cost_s"] = save_cost(
-                result["baseline"], step_s, s.promote_every
-            )
-            result["baseline_goodput"] = result["baseline"]["goodput"]
         result["elapsed_s"] = time.monotonic() - started
     finally:
         proxy.close()
@@ -871,6 +871,59 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args.json.write_text(text)
     return 0 if healthy(result) else 1
+
+
+@dataclasses.dataclass
+class Contest:
+    """Both contenders on the same failure schedules, after one reference run."""
+
+    s: Settings
+    work: Path
+    env: dict[str, str]
+    proxy: Any
+    bucket: str
+    ref: dict[str, Any]
+    step_s: float
+
+    def contend(self, k: int, plot: Path | None) -> dict[str, Any]:
+        """Schedule ``k``: jaxckpt's day (S3 behind the proxy), then Orbax's."""
+        s, step_s = self.s, self.step_s
+        failures = schedule(s, step_s, k)
+        _progress(
+            f"gameday: schedule {k + 1} of {s.schedules} (seed {s.seed + k}), a local save "
+            f"every {s.every} steps; {len(failures)} failures: "
+            f"{[(f.at_step, f.kind) for f in failures]}"
+        )
+        work = self.work / f"schedule{k}"
+        env_s3 = {**self.env, "AWS_ENDPOINT_URL_S3": self.proxy.endpoint}
+        durable = f"s3://{self.bucket}/gameday-{uuid.uuid4().hex[:8]}"
+        ours = Day("jaxckpt", s, work / "jaxckpt", env_s3, durable)
+        ours.proxy = self.proxy
+        mine = assess(ours.run(failures), self.ref, s, step_s)
+        mine["measured_save_cost_s"] = save_cost(mine, step_s, s.every)
+        mine["ledger"] = ledger_view(ours.durable, plot)
+        out: dict[str, Any] = {"seed": s.seed + k, **mine, "baseline_goodput": None}
+        out["baseline"] = None
+        if s.baseline:
+            theirs = Day("orbax", s, work / "orbax", self.env, str(work / "orbax" / "durable"))
+            base = assess(theirs.run(failures), self.ref, s, step_s)
+            base["measured_save_cost_s"] = save_cost(base, step_s, s.promote_every)
+            out["baseline"], out["baseline_goodput"] = base, base["goodput"]
+        return out
+
+
+def combine(days: list[dict[str, Any]]) -> dict[str, Any]:
+    """The schedules together: each contender's mean goodput, every failure (with its
+    schedule's seed), bit-exact and no wrong data only if every day was."""
+    baselines = [d["baseline_goodput"] for d in days]
+    return {
+        "goodput": statistics.fmean(d["goodput"] for d in days),
+        "baseline_goodput": None if None in baselines else statistics.fmean(baselines),
+        "bit_exact": all(d["bit_exact"] for d in days),
+        "wrong_data": sum(d["wrong_data"] for d in days),
+        "failures": [{**f, "schedule": d["seed"]} for d in days for f in d["failures"]],
+        "schedules": days,
+    }
 
 
 def healthy(result: dict[str, Any]) -> bool:
