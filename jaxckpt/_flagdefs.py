@@ -184,7 +184,7 @@ def define_all(fv: absl_flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "checkpoint_local_keep_last",
         None,
-        "With a local tier: keep the N newest local steps (and any waiting for promotion).",
+        "With a local tier: keep the N newest local steps (and 2 more waiting for promotion).",
         lower_bound=1,
         **kw,
     )

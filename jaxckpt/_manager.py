@@ -109,7 +109,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         self._retention = retention = Retention(
             self._tiers,
             primary=jax.process_index() == opts.primary_host,
-            protected=(session.current_steps, self._promotion.pending_steps, publisher.pending),
+            protected=(session.current_steps, self._promotion.kept_waiting, publisher.pending),
             on_fenced=session.fence,
             bad=lambda: self._health.bad_steps(),
             deleted=lambda s: self._health.deleted(s),

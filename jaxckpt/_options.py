@@ -176,7 +176,12 @@ class CheckpointOptions:
       promote_policy: which locally committed steps become durable (a save
         policy, e.g. ``EveryNSteps(1000) | OnPreemption()``); None: every one.
       local_retention: retention of the local tier (``retention`` is the
-        durable root's); a step waiting for promotion is always kept.
+        durable root's); a step waiting for promotion is kept, up to ``promote_backlog``.
+      promote_backlog: the most steps waiting for promotion the local tier keeps
+        beyond ``local_retention``'s: while the durable root is down or behind, an
+        older waiting step is superseded by the newer ones (its request withdrawn,
+        said in the log) so that the local disk holds a bounded number of steps; None
+        keeps every one (an outage longer than the disk holds then fails the saves).
       promotion: ``"background"`` (a thread of this manager promotes) or
         ``"external"`` (a ``jaxckpt promote`` process does; ``close`` does not wait).
       restore_memory_bytes: the restore's memory budget on object stores,
@@ -271,6 +276,7 @@ class CheckpointOptions:
     durable_wait_s: float = 1.0
     promote_policy: SavePolicy | None = None
     local_retention: RetentionPolicy | None = None
+    promote_backlog: int | None = 2
     promotion: str = "background"
     restore_memory_bytes: int | None = None
     writer_nice: int = 0
@@ -295,6 +301,8 @@ class CheckpointOptions:
             raise ValueError(f"chunk_bytes must be positive, got {self.chunk_bytes}")
         if self.max_inflight_bytes < 1:
             raise ValueError(f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}")
+        if self.promote_backlog is not None and self.promote_backlog < 1:
+            raise ValueError(f"promote_backlog must be >= 1 or None, got {self.promote_backlog}")
         if not self.durable_wait_s >= 0:
             raise ValueError(f"durable_wait_s must be non-negative, got {self.durable_wait_s}")
         if not self.gc_grace_s >= 0:  # NaN too; infinity keeps every attempt of the epoch

@@ -39,8 +39,9 @@ so the script's ``--help`` lists them):
 * ``--checkpoint_promote_every_steps`` / ``--checkpoint_promote_every_seconds``: which
   local saves are promoted to the durable root (with ``--checkpoint_on_preemption``, also
   the first after SIGTERM); unset: every one.
-* ``--checkpoint_local_keep_last``: retention of the local tier (steps waiting for
-  promotion are always kept); the ``keep`` flags above apply to the durable root.
+* ``--checkpoint_local_keep_last``: retention of the local tier (the newest
+  ``promote_backlog`` steps waiting for promotion are kept too); the ``keep`` flags
+  above apply to the durable root.
 * ``--checkpoint_local_replicas``: ``local_replicas``, how many nodes hold each process's
   local part (1: its own only); a restore after a lost node fetches the missing parts
   from the others.

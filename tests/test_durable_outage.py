@@ -94,6 +94,43 @@ def test_a_job_restarted_in_an_outage_trains_from_its_local_tier_and_promotes_af
         np.testing.assert_array_equal(r.restore(60)["w"], _state(60)["w"])
 
 
+def test_a_long_outage_keeps_only_the_newest_waiting_steps_locally(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    """While the durable root does not answer, every step chosen for promotion waits;
+    the local tier keeps only the newest ``promote_backlog`` of them beyond its own
+    rule, withdrawing the older requests (on the game day, two 503 storms filled a
+    node's disk with waiting steps, and every save then failed with ENOSPC). No save
+    raises for the superseded steps, and the newest is promoted after the outage."""
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    local = tmp_path / "local"
+    _first_run(root, local, proxy)
+    proxy.plan = faultproxy.FaultPlan(throttle=1.0)
+    options = _tiered(root, local, proxy, durable_wait_s=0.5, promote_policy=None)
+    options["local_retention"] = policy.KeepLast(1)
+    with jaxckpt.CheckpointManager(root, **options) as mgr:
+        durable, nearest = mgr._tiers[-1], mgr._tiers[0].protocol
+        assert durable.deferred
+        mgr.restore()
+        for step in range(50, 110, 10):  # each requested; the root does not answer
+            mgr.save(step, _state(step))
+            mgr.wait()
+            mgr.wait_for_deletions()
+        assert sorted(read_requests(nearest)) == [90, 100]  # promote_backlog=2
+        assert sorted(nearest.committed()) == [90, 100]  # KeepLast(1) and the backlog
+        proxy.plan = faultproxy.NO_FAULTS
+        wait_until(lambda: durable.learned() is not None, what="the epoch taken after the storm")
+        mgr.save(110, _state(110))  # every host adopts the epoch: the requests are stamped
+        assert mgr.wait_durable(110) == 110
+        mgr.save(120, _state(120))  # a lost step would raise here: none is
+        mgr.wait()
+    with jaxckpt.CheckpointManager(root, read_only=True) as r:
+        assert not {50, 60, 70, 80} & set(r.steps())
+        np.testing.assert_array_equal(r.restore(110)["w"], _state(110)["w"])
+    with pytest.raises(ValueError, match="promote_backlog"):
+        jaxckpt.CheckpointOptions(promote_backlog=0)
+
+
 def test_the_open_waits_for_nothing_and_the_first_use_adopts_the_epoch(
     proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
 ) -> None:

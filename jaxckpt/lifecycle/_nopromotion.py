@@ -31,6 +31,9 @@ class NoPromotion:
     def pending_steps(self) -> set[int]:
         return set()
 
+    def kept_waiting(self) -> set[int]:
+        return set()
+
     def withdraw(self, step: int) -> None:
         return None
 

@@ -38,6 +38,7 @@ from jaxckpt.errors import (
 )
 from jaxckpt.lifecycle._nopromotion import NoPromotion
 from jaxckpt.lifecycle._promoter import Promoter
+from jaxckpt.lifecycle._waiting import lost_steps_error, within_backlog
 from jaxckpt.records import (
     FAILED,
     FENCED,
@@ -76,6 +77,8 @@ class Promotion:
       parts_timeout_s: how long the primary's promoter waits for other hosts' parts (a pass).
       read_only: promote nothing (``wait_durable`` still watches).
       interval_s: how often the background promoter looks for an earlier run's requests.
+      backlog: the most waiting steps local retention keeps (None: all; see
+        :func:`within_backlog`).
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class Promotion:
         parts_timeout_s: float = 300.0,
         read_only: bool = False,
         interval_s: float = 5.0,
+        backlog: int | None = None,
     ) -> None:
         self.local, self.durable = local.protocol, durable.protocol
         self._tier = durable
@@ -103,6 +107,7 @@ class Promotion:
         self._primary_host = primary_host
         self._parts_timeout_s = parts_timeout_s
         self._interval_s = interval_s
+        self._backlog = backlog
         self._process, self._processes = jax.process_index(), jax.process_count()
         self._lock = threading.Lock()
         self._last_requested: int | None = None
@@ -238,7 +243,7 @@ class Promotion:
             reported = self._agreement.reports("lost", lost or None).values()  # only losers
             lost = sorted({s for host in reported for s in host})
         if lost:
-            raise self._lost_error(lost)
+            raise lost_steps_error(self.local, self.uri, lost)
 
     def lost_error(self) -> SaveFailedError | None:
         """This host's part of :meth:`check_lost`, without meeting the others (a save
@@ -246,7 +251,7 @@ class Promotion:
         went without a receipt from its promoter is looked up on the durable root, waited
         for at most ``LOST_WAIT_S`` once: unanswered (an outage), it is told later."""
         lost = self._lost_here(within_s=LOST_WAIT_S)
-        return self._lost_error(lost) if lost else None
+        return lost_steps_error(self.local, self.uri, lost) if lost else None
 
     def _lost_here(self, *, within_s: float | None = None) -> list[int]:
         deadline = None if within_s is None else time.monotonic() + within_s
@@ -288,18 +293,15 @@ class Promotion:
         newest = self.durable.latest()
         return newest is not None and newest.step > step
 
-    def _lost_error(self, lost: list[int]) -> SaveFailedError:
-        return SaveFailedError(
-            f"steps {lost} were committed under {self.local.where()} but can no longer "
-            f"be promoted to {self.uri}: their local copies were removed or damaged "
-            "before promotion (see the log); they are not durable"
-        )
-
     def pending_steps(self) -> set[int]:
         """Requested steps not durable yet (local retention must keep them; every one while
         the durable root has not answered)."""
         durable = {} if self._tier.deferred else self.durable.visible_refs()
         return {s for s in read_requests(self.local) if s not in durable}
+
+    def kept_waiting(self) -> set[int]:
+        """The waiting steps local retention keeps (:func:`within_backlog`)."""
+        return within_backlog(self, self._backlog)
 
     def withdraw(self, step: int) -> None:
         """Never promotes ``step`` (it is being deleted)."""
@@ -432,4 +434,5 @@ def open_promotion(
         primary_host=options.primary_host,
         parts_timeout_s=options.save_timeout_s,
         read_only=options.read_only,
+        backlog=options.promote_backlog,
     )

@@ -3,7 +3,8 @@
 After each commit (and each promotion) the deleter applies each tier's rule
 (``local_retention`` on a local tier, ``retention`` on the durable one) on
 one thread. A step is never deleted while it is *protected*: being restored,
-being saved, or waiting for promotion. An own tier is pruned by every host,
+being saved, or waiting for promotion (the newest ``promote_backlog`` of those, see
+``lifecycle._waiting``). An own tier is pruned by every host,
 a shared tier by the primary only. Deletions are fence-checked by the tier's
 protocol; a fenced deleter reports the fence and stops.
 """
