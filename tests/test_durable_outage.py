@@ -131,6 +131,34 @@ def test_a_long_outage_keeps_only_the_newest_waiting_steps_locally(
         jaxckpt.CheckpointOptions(promote_backlog=0)
 
 
+def test_local_retention_goes_on_while_a_joined_durable_root_does_not_answer(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    """A storm after the job joined its durable root: local retention reads nothing
+    there (neither which requested steps are durable nor, past its last reading, the
+    health marks), so it keeps deleting (it stopped, and on the game day a storm at the
+    end of a run filled 50 of a node's 64 MiB with every step saved in it)."""
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    local = tmp_path / "local"
+    _first_run(root, local, proxy)
+    options = _tiered(root, local, proxy, promote_policy=policy.EveryNSteps(20))
+    options["local_retention"] = policy.KeepLast(1)
+    options["storage_options"] = {"max_retries": 1, "initial_delay_s": 0.01, "max_delay_s": 0.02}
+    with jaxckpt.CheckpointManager(root, **options) as mgr:
+        nearest = mgr._tiers[0].protocol
+        mgr.restore()
+        assert not mgr._tiers[-1].deferred  # joined before the storm
+        proxy.plan = faultproxy.FaultPlan(throttle=1.0)
+        for step in range(50, 200, 10):  # 60, 80, ... requested; none promoted
+            mgr.save(step, _state(step))
+            mgr.wait()
+            mgr.wait_for_deletions()
+        assert proxy.snapshot()["throttle"] > 0
+        assert sorted(read_requests(nearest)) == [160, 180]  # promote_backlog=2
+        assert sorted(nearest.committed()) == [160, 180, 190]  # and KeepLast(1)
+        proxy.plan = faultproxy.NO_FAULTS
+
+
 def test_the_open_waits_for_nothing_and_the_first_use_adopts_the_epoch(
     proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
 ) -> None:

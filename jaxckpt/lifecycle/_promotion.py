@@ -77,8 +77,7 @@ class Promotion:
       parts_timeout_s: how long the primary's promoter waits for other hosts' parts (a pass).
       read_only: promote nothing (``wait_durable`` still watches).
       interval_s: how often the background promoter looks for an earlier run's requests.
-      backlog: the most waiting steps local retention keeps (None: all; see
-        :func:`within_backlog`).
+      backlog: how many waiting steps local retention keeps (:func:`within_backlog`).
     """
 
     def __init__(
@@ -266,8 +265,8 @@ class Promotion:
             for step in receipts:  # a lookup begun before its receipt came is not read
                 self._durable_checks.pop(step, None)
             for step in awaiting:
-                if step in requested or step in receipts:
-                    continue
+                if step in requested or step in receipts or step not in self._awaiting:
+                    continue  # asked for, durable, or withdrawn meanwhile (superseded, deleted)
                 check = self._durable_checks.get(step)
                 if check is None:  # is the step durable, now that its request went?
                     check = pools.pool("lost-check", 1).submit(self._durable_has, step)
@@ -294,10 +293,10 @@ class Promotion:
         return newest is not None and newest.step > step
 
     def pending_steps(self) -> set[int]:
-        """Requested steps not durable yet (local retention must keep them; every one while
-        the durable root has not answered)."""
-        durable = {} if self._tier.deferred else self.durable.visible_refs()
-        return {s for s in read_requests(self.local) if s not in durable}
+        """Requested steps, not known durable: a promoter withdraws a step's request once it
+        is (local retention keeps them, see :meth:`kept_waiting`; it reads nothing on the
+        durable root, so it goes on in an outage)."""
+        return set(read_requests(self.local))
 
     def kept_waiting(self) -> set[int]:
         """The waiting steps local retention keeps (:func:`within_backlog`)."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from jaxckpt import policy
-from jaxckpt.errors import WriterFencedError
+from jaxckpt.errors import StorageError, WriterFencedError
 from jaxckpt.lifecycle._keep import retention_decision
 from jaxckpt.records import CommitMarker
 from jaxckpt.tiers import Tier
@@ -52,6 +52,8 @@ class Retention:
     ) -> None:
         self._tiers = tuple(tiers)
         self._bad = bad
+        self._last_bad: set[int] = set()  # the marks last read (kept through an outage)
+        self._said = False
         self._deleted = deleted
         self._primary = primary
         self._protected = tuple(protected)
@@ -129,7 +131,7 @@ class Retention:
                 if tier.retention is None or not tier.prunes(primary=self._primary):
                     continue
                 committed = tier.committed()
-                protected, bad = self.protected(), self._bad()
+                protected, bad = self.protected(), self._bad_now()
                 rule = retention_decision(committed, tier.retention, protected=protected, bad=bad)
                 for step in rule.delete:
                     log.info("retention: deleting step %d under %s", step, tier.uri)
@@ -143,6 +145,18 @@ class Retention:
             log.error("retention stopped: %s", e)
         except Exception:
             log.exception("retention failed; it will be retried after the next save")
+
+    def _bad_now(self) -> set[int]:
+        """The bad steps; while the durable root (where marks live) does not answer, those
+        last read: local retention goes on in an outage (it stopped, and a 503 storm
+        filled a node's disk with every step saved meanwhile)."""
+        try:
+            self._last_bad, self._said = self._bad(), False
+        except StorageError as e:
+            if not self._said:  # once an outage
+                self._said = True
+                log.warning("retention: health marks not read (%s); the last ones read apply", e)
+        return self._last_bad
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Blocks until the scheduled deletions have finished."""
