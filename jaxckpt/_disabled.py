@@ -59,6 +59,10 @@ class DisabledCheckpointManager(CheckpointManager):
     def wait(self) -> None:
         return None
 
+    @property
+    def failed_saves(self) -> int:
+        return 0
+
     def save_stats(self) -> list[Any]:
         return []
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -64,6 +65,11 @@ def _collective(kind: str) -> Callable[[_F], _F]:
         return run  # type: ignore[return-value]
 
     return wrap
+
+
+def _left(by: float) -> float:
+    """Seconds until ``by`` (``time.monotonic()``), at least 0."""
+    return max(0.0, by - time.monotonic())
 
 
 class CheckpointManager(ProcessStateAccess, HealthAccess):
@@ -139,8 +145,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         return self._protocol.epoch
 
     def compile(self, lowered: Any) -> Any:
-        """``lowered.compile()`` for a ``jax.stages.Lowered``; with ``compilation_cache``, the
-        executable this process kept in the local tier on an earlier run, loaded."""
+        """``lowered.compile()``; with ``compilation_cache``, this process's kept executable."""
         return self.ledger.compile(lowered)
 
     @_collective("save")
@@ -183,9 +188,9 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         says = self._session.policy_says_save
         step, saving = self._clock.decide(step, force, says, self.preempted, self.latest_step)
         if not saving:
-            self._session.check_background()  # a finished failed save still surfaces, at once
+            self._session.check_background(tolerate=True)  # a failed save surfaces at once
             return False
-        self._session.wait()  # as wait(), but a step that cannot be promoted is told at the checks
+        self._session.wait(tolerate=True)  # a step that cannot be promoted: told at the checks
         request, lost = self._promotion.request, self._promotion.lost_error()
         self._session.save(step, state, metadata, metrics, keep, request, process_state, lost)
         return True
@@ -209,11 +214,9 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         return self._session.recorder.history()
 
     def wait_durable(self, step: int | None = None, timeout_s: float | None = None) -> int | None:
-        """With a local tier: blocks until ``step`` is committed on the durable root; returns
-        the durable step waited for (None: nothing durable and nothing asked).
-
-        ``step``: a promoted step, None: the newest asked (else durable); ``timeout_s``: None
-        means ``save_timeout_s``.
+        """With a local tier: blocks until ``step`` (None: the newest asked, else durable) is
+        committed on the durable root, within ``timeout_s`` (None: ``save_timeout_s``);
+        returns the durable step waited for (None: nothing durable and nothing asked).
 
         Raises:
           PromotionError: it cannot be promoted (damaged local copy, fenced, nowhere).
@@ -226,11 +229,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
 
     @_collective("steps")
     def steps(self, tier: str | None = None) -> list[int]:
-        """Committed steps, ascending (the primary's view; collective: call it on every process).
-
-        Args:
-          tier: ``"local"`` or ``"durable"`` lists one tier; None: every restorable step.
-        """
+        """Committed steps, ascending (the primary's view; collective: call it on every
+        process) of ``tier``, ``"local"`` or ``"durable"`` (None: every restorable step)."""
         return self._select.steps(tier)
 
     @_collective("latest")
@@ -332,8 +332,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
 
     @_collective("close")
     def close(self) -> None:
-        """Waits for the in-flight save (after a ``KeyboardInterrupt`` in ``wait()`` too: it
-        returns once committed) and releases resources. Idempotent.
+        """Waits for the in-flight save (after an interrupted ``wait()`` too), then frees all.
 
         Raises:
           SaveFailedError: the in-flight save failed and did not commit.
@@ -342,17 +341,22 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         """
         if self._session.closed:
             return
+        ok = False  # what a run can do without: waited for close_wait_s in all, at the end
         try:
             self.wait()  # after an interrupted wait() too: commits or raises
             self._select.catch_up(closing=True)  # a run that never used the durable root
-            self._health.ended("clean" if self._clean_exit else None)  # no crash
+            ok = True
         finally:
             _openroots.unregister(self)
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
-            for part in (self._publisher, self._retention, self._watcher):  # in this order
-                if part is not None:  # (the watcher is None without OnPreemption)
+            by = self.ledger.closing_by = time.monotonic() + self.options.close_wait_s
+            if ok:  # committed: a clean exit (no crash) is recorded
+                self._health.ended("clean" if self._clean_exit else None, _left(by))
+            for part in (self._publisher, self._watcher):  # (no watcher without OnPreemption)
+                if part is not None:
                     part.close()
+            self._retention.close(_left(by))
             self._agreement.close()
 
     def __enter__(self) -> CheckpointManager:

@@ -249,6 +249,16 @@ class CheckpointOptions:
         (``CheckpointManager.ledger.write_failures``), never fails a save.
       ledger_flush_s: the longest an event waits before it is written (the reached
         step is at most this late); the ledger's thread writes at most this often.
+      tolerate_failed_saves: how many background saves in a row may fail without
+        ``save()`` raising (a full local disk, a store's outage past ``save_timeout_s``):
+        each is logged and counted (``CheckpointManager.failed_saves``, the ledger's
+        ``save_failed``), its step is not committed, and the next save the policy takes
+        tries again; the next failure raises ``SaveFailedError``. ``wait()`` and
+        ``close()`` always raise; a fence always raises. 0: the first failure raises.
+      close_wait_s: how long ``close()``, once the in-flight save has committed, waits
+        in all for what a run can do without (the ledger's last events, the health
+        exit record, a retention pass) while a store does not answer; what is left is
+        logged and abandoned at exit (a cut-short deletion is collected later).
       metrics_port: the primary process serves Prometheus metrics of its saves,
         restores and reached step on this port (``pip install 'jaxckpt[promote]'``).
       compilation_cache: keep JAX's persistent compilation cache in
@@ -292,6 +302,8 @@ class CheckpointOptions:
     strict_replication: bool = False
     ledger: bool = True
     ledger_flush_s: float = 10.0
+    close_wait_s: float = 5.0
+    tolerate_failed_saves: int = 0
     metrics_port: int | None = None
     compilation_cache: bool = False
     publish: PublishOptions | None = None
@@ -377,6 +389,11 @@ class CheckpointOptions:
             raise ValueError(f"crash_loop_limit must be an int >= 1 or None, got {limit!r}")
         if not 0 < self.ledger_flush_s <= 600:
             raise ValueError(f"ledger_flush_s must be in (0, 600], got {self.ledger_flush_s}")
+        tolerated = self.tolerate_failed_saves
+        if isinstance(tolerated, bool) or not isinstance(tolerated, int) or tolerated < 0:
+            raise ValueError(f"tolerate_failed_saves must be an int >= 0, got {tolerated!r}")
+        if not 0 <= self.close_wait_s <= 600:
+            raise ValueError(f"close_wait_s must be in [0, 600], got {self.close_wait_s}")
         if self.publish is not None and not isinstance(self.publish, PublishOptions):
             raise ValueError(f"publish must be a PublishOptions or None, got {self.publish!r}")
         port = self.metrics_port

@@ -8,6 +8,10 @@ instead of starting and joining a ``ThreadPoolExecutor`` of its own:
 ...     sorted(pool.map(abs, [-2, 1, -3]))
 [1, 2, 3]
 
+:func:`detached` runs one call on a daemon thread of its own, for a request to a store
+that may not answer (a health record, a lookup a save can do without): the caller waits
+as long as it chooses, and interpreter exit does not wait at all.
+
 A :class:`Lease` runs at most ``limit`` of its tasks at once and, like an
 executor used as a context manager, waits for them when the ``with`` block
 ends; the threads themselves stay for the next call. Each name's pool is
@@ -153,6 +157,26 @@ def borrow(name: str, limit: int) -> Lease:
     call: ``with borrow("commit", 16) as pool: pool.submit(...)``.
     """
     return Lease(name, limit)
+
+
+def detached(name: str, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> Future[_T]:
+    """Runs ``fn`` on a new daemon thread ``jaxckpt-NAME``; its result (or exception) comes
+    in the future. Unlike a pool's thread, interpreter exit does not wait for it: use it for
+    what a process may abandon at exit (a request retried while its store does not answer).
+    """
+    future: Future[_T] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as e:
+            future.set_exception(e)
+        else:
+            future.set_result(result)
+
+    threading.Thread(target=run, name=f"jaxckpt-{name}", daemon=True).start()
+    return future
 
 
 def shutdown_all() -> None:

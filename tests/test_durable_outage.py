@@ -12,6 +12,7 @@ waits for the durable root instead. A promoter leaves unstamped requests alone.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -330,3 +331,33 @@ def test_a_save_does_not_wait_for_the_durable_root_to_tell_a_lost_step(
     with pytest.raises(jaxckpt.SaveFailedError, match=r"steps \[1\] were committed"):
         mgr.save(4, {"w": np.ones(4)})
     mgr.close()
+
+
+def test_a_close_inside_a_storm_waits_close_wait_s_for_what_the_run_can_do_without(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    """A job that ends inside a storm: ``close()`` commits its save (local), then waits at
+    most ``close_wait_s`` in all for the exit record, the ledger's last events and a
+    retention pass, each retried against a root that answers 503. It waited for every
+    retry: 387 s for a 4-process game-day job whose storm did not end. The saves before
+    do not wait for the run's progress record either."""
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    local = tmp_path / "local"
+    _first_run(root, local, proxy)
+    options = _tiered(root, local, proxy, promotion="external", close_wait_s=1.0)
+    options["local_retention"] = policy.KeepLast(1)
+    mgr = jaxckpt.CheckpointManager(root, **options)
+    mgr.restore()  # a run record: its exit record is due at close
+    assert not mgr._tiers[-1].deferred  # joined before the storm
+    proxy.plan = faultproxy.FaultPlan(throttle=1.0)
+    began = time.monotonic()
+    for step in (50, 60):  # 50's progress record is not waited for (it was: HANG_S)
+        mgr.save(step, _state(step))
+    mgr.close()
+    took = time.monotonic() - began
+    assert proxy.snapshot()["throttle"] > 0
+    assert took < 1.0 + 10.0, took  # the saves commit locally; then 1 s, not HANG_S
+    assert mgr._health.failures == 1  # the exit record, not written: counted
+    mgr._retention.wait(30)  # the pass close() left: it goes on with the marks last read
+    assert sorted(mgr._tiers[0].protocol.committed()) == [60]  # KeepLast(1) went on
+    proxy.plan = faultproxy.NO_FAULTS

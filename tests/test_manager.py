@@ -428,6 +428,86 @@ def test_background_failure_surfaces_on_next_save(root, monkeypatch):
     mgr.close()
 
 
+@pytest.mark.usefixtures("plain_by_default")
+def test_tolerated_failed_saves_let_training_go_on_until_too_many_in_a_row(root, monkeypatch):
+    """``tolerate_failed_saves=1``: a failed save (a full disk) is logged, counted and in
+    the ledger, and the next save tries again; a commit starts the count again; two in a
+    row raise (the game day's full local disk crashed every process's job)."""
+    import errno
+
+    from jaxckpt.formats import _tsio
+    from jaxckpt.ledger import read_ledger
+    from jaxckpt.storage import open_storage
+
+    write = _tsio.ArrayWriter.write
+
+    def full_for(*steps):  # the disk is full while these are saved
+        def put(self, loc, arrays):
+            if loc.step in steps:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return write(self, loc, arrays)
+
+        return put
+
+    state = {"w": jnp.arange(8.0)}
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", full_for(2, 5, 6))
+    mgr = jaxckpt.CheckpointManager(root, tolerate_failed_saves=1, ledger_flush_s=0.2)
+    for step in (1, 2, 3, 4, 5, 6):
+        assert mgr.save(step, state)  # 3: 2 failed, told; 6: 5 failed after 4 committed
+    assert mgr.failed_saves == 2
+    with pytest.raises(jaxckpt.SaveFailedError, match=r"step 6 .*No space left"):
+        mgr.save(7, state)  # 5 and 6 failed in a row
+    mgr.close()
+    assert mgr.steps() == [1, 3, 4] and mgr.failed_saves == 2
+    (run,) = read_ledger(open_storage(root))
+    assert [e["step"] for e in run.of("save_failed")] == [2, 5, 7]  # 7: its save() raised
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", full_for(2))
+    again = jaxckpt.CheckpointManager(root, tolerate_failed_saves=1)
+    again.save(2, state)
+    with pytest.raises(jaxckpt.SaveFailedError, match="step 2"):  # wait() always raises
+        again.wait()
+    again.close()
+
+
+@pytest.mark.usefixtures("plain_by_default")
+def test_a_full_local_tier_keeps_only_its_newest_step_and_the_next_save_commits(
+    tmp_path, monkeypatch
+):
+    """A save that fails with ENOSPC on its own local tier makes room there (local
+    retention keeps only the newest step) before the next save: on the game day a full
+    local disk crashed the job."""
+    import errno
+
+    from jaxckpt.formats import _tsio
+
+    write = _tsio.ArrayWriter.write
+
+    def put(self, loc, arrays):
+        if loc.step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, loc, arrays)
+
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", put)
+    state = {"w": jnp.arange(8.0)}
+    with jaxckpt.CheckpointManager(
+        tmp_path / "durable",
+        local_root=str(tmp_path / "local"),
+        local_retention=policy.KeepLast(3),
+        promote_policy=policy.EveryNSteps(1000),
+        tolerate_failed_saves=1,
+    ) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, state)
+        mgr.save(5, state)  # 4 failed: room made first, then 5 saved
+        mgr.wait()
+        mgr.wait_for_deletions()
+        assert mgr.steps("local") == [3, 5] and mgr.failed_saves == 1
+        mgr.save(6, state)
+        mgr.wait()
+        mgr.wait_for_deletions()
+        assert mgr.steps("local") == [3, 5, 6]  # KeepLast(3) again
+
+
 def test_root_that_cannot_be_created_names_the_path(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

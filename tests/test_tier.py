@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,3 +71,42 @@ def test_retention_prunes_every_tier_but_never_a_protected_step(tmp_path):
     assert tier.visible() == [2, 3, 5] and fenced == []
     retention.committed()  # after close(): nothing is scheduled
     assert tier.visible() == [2, 3, 5]
+
+
+def test_retention_prunes_while_the_health_marks_do_not_answer_and_closes_in_bounded_time(
+    tmp_path, monkeypatch
+):
+    """The marks live on the durable root; while it does not answer a pass waits for them
+    at most ``marks_wait_s``, the last read apply, and the read under way is not sent again;
+    passes asked for meanwhile make one; ``close()`` waits only as long as it is told."""
+    saved(tmp_path / "root", range(1, 6))
+    (tier,) = open_tiers(tmp_path / "root", CheckpointOptions(retention=policy.KeepLast(1)))
+    tier.take_epoch(Agreement("test-marks", timeout_s=5), primary=True, gc_grace_s=None)
+    answer, reads, passes = threading.Event(), [], []
+
+    def bad() -> set[int]:  # a LIST retried through a storm
+        reads.append(time.monotonic())
+        answer.wait(60)
+        return set()
+
+    retention = Retention([tier], primary=True, protected=[], on_fenced=print, bad=bad)
+    retention.marks_wait_s = 0.05
+    monkeypatch.setattr(retention, "protected", lambda: passes.append(1) or set())
+    for _ in range(5):
+        retention.committed()
+    retention.wait(30)
+    assert tier.visible() == [5]  # pruned with the marks last read (none)
+    assert len(reads) == 1 and 1 <= len(passes) <= 2  # five asks: one pass, or two
+    retention.close()
+    retention = Retention([tier], primary=True, protected=[], on_fenced=print, bad=bad)
+    retention.marks_wait_s = 30.0
+    retention.committed()  # its first pass waits for the marks, up to 30 s
+    began = time.monotonic()
+    retention.close(0.2)
+    assert time.monotonic() - began < 5
+    with pytest.raises(TimeoutError):
+        retention.wait(0.1)
+    answer.set()
+    retention.wait(30)  # the pass under way finished; nothing is scheduled after close()
+    retention.committed()
+    retention.wait(1)

@@ -55,12 +55,26 @@ def promote_cli(local: Path, root: str, *args: str, **env: str) -> subprocess.Po
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **env},
+        env={**os.environ, "PYTHONFAULTHANDLER": "1", **env},  # SIGABRT: every stack
     )
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = TIMEOUT_S) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
+    """Its exit code and output; one that does not exit in time fails the test with the
+    stacks of its threads (faulthandler's, on SIGABRT) and its last output."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(
+            f"{proc.args} did not exit within {timeout:g}s; stdout:\n{out[-3000:]}\n"
+            f"stderr:\n{err[-8000:]}"
+        ) from None
     return proc.returncode, out, err
 
 

@@ -32,6 +32,11 @@ class HealthAccess:
     wait: Callable[[], None]
     restore: Callable[..., Any]
 
+    @property
+    def failed_saves(self) -> int:
+        """Background saves that failed without ``save()`` raising (``tolerate_failed_saves``)."""
+        return self._session.failures.count
+
     def preempted(self, step: int = 0) -> bool:
         """True once SIGTERM/SIGINT or JAX's preemption notice came (``policy.OnPreemption``)."""
         preempted = self._watcher is not None and self._watcher.preempted(step)

@@ -22,12 +22,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, overload
 
 import jax
 
-from jaxckpt import policy
+from jaxckpt import _pools, policy
 from jaxckpt._options import CheckpointOptions
 from jaxckpt.commit import Agreement
 from jaxckpt.errors import CorruptCheckpointError, StepNotFoundError
@@ -119,6 +120,8 @@ class Health:
         self._history: list[Mapping[str, float]] | None = None
         self._replaced: set[int] = set()  # bad steps a save may replace (judged afresh)
         self._run: str | None = None  # set at the first restore of a writable manager
+        self._exit_write: Future[None] | None = None  # the exit record's write (see ended)
+        self._exit_wait_s, self._exit_failed = options.close_wait_s, False
         self._recording = False  # inside the first restore: its attempts are recorded
         self._listed_runs: list[_runs.Run] | None = None  # the quarantine's listing
         self.skipped: frozenset[int] = frozenset()
@@ -149,8 +152,9 @@ class Health:
                 progress = self._run is not None and not self._progress
                 progress = progress and marker.step > restored
                 self._progress |= progress
-            if progress and self._run is not None:
-                _runs.write_progress(self._storage, self._run, marker.step)
+            if progress and self._run is not None:  # not waited for: see _detached
+                what = f"the progress record of step {marker.step}"
+                self._detached(what, _runs.write_progress, self._storage, self._run, marker.step)
         except Exception as e:  # the save committed; its verdict is an extra
             self._failed(f"health of step {marker.step}", e)
 
@@ -311,18 +315,30 @@ class Health:
 
     # -- ends of a run -----------------------------------------------------------
 
-    def ended(self, how: str | None) -> None:
+    def ended(self, how: str | None, timeout_s: float | None = None) -> None:
         """Records how this run ended, ``"clean"`` or ``"preempted"`` (None: neither);
-        once, and only for a run that restored."""
+        once, and only for a run that restored. The write goes on in the background: the
+        call that starts it waits at most ``close_wait_s``, a call with ``timeout_s`` at
+        most that. One not written then (a store that does not answer) is counted once,
+        and abandoned at exit."""
         with self._lock:
-            if how is None or self._exited or self._run is None or not self._writes:
-                return
-            self._exited = True
-            run = self._run
+            run, starts = self._run, False
+            if how is not None and not self._exited and run is not None and self._writes:
+                self._exited = starts = True
+                self._exit_write = _pools.detached(
+                    "exit-record", _runs.write_exit, self._storage, run, how
+                )
+            writing = self._exit_write
+        if writing is None or (timeout_s is None and not starts):
+            return
+        wait_s = self._exit_wait_s if timeout_s is None else timeout_s
         try:
-            _runs.write_exit(self._storage, run, how)
+            writing.result(wait_s)
         except Exception as e:
-            self._failed("the exit record", e)
+            if not self._exit_failed:
+                self._exit_failed = True
+                why = TimeoutError(f"not written within {wait_s:g}s")
+                self._failed("the exit record", why if isinstance(e, TimeoutError) else e)
 
     # -- rollback ----------------------------------------------------------------
 
@@ -381,6 +397,17 @@ class Health:
                 what,
             )
         return True
+
+    def _detached(self, what: str, write: Callable[..., Any], *args: Any) -> None:
+        """Runs ``write`` in the background, a failure counted: a save does not wait for
+        a record (a storm held a save up for the retries of its progress record)."""
+
+        def told(done: Future[Any]) -> None:
+            error = done.exception()
+            if isinstance(error, Exception):
+                self._failed(what, error)
+
+        _pools.detached("health-record", write, *args).add_done_callback(told)
 
     def _failed(self, what: str, e: Exception) -> None:
         self.failures += 1

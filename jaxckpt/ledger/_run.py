@@ -36,7 +36,7 @@ from jaxckpt.ledger._writer import LedgerWriter
 if TYPE_CHECKING:
     from jaxckpt._options import CheckpointOptions
     from jaxckpt.records import CommitMarker, PromotionResult
-    from jaxckpt.saving import SaveRecorder
+    from jaxckpt.saving import FailedSaves, SaveRecorder
     from jaxckpt.tiers import Tier
 
 log = logging.getLogger("jaxckpt")
@@ -47,13 +47,16 @@ _T = TypeVar("_T")
 
 class _Session(Protocol):
     @property
+    def failures(self) -> FailedSaves: ...
+    @property
     def recorder(self) -> SaveRecorder: ...
     def listen(self, *listeners: Any) -> None: ...
 
 
 class ManagerParts(Protocol):
     """What the ledger reads of a :class:`jaxckpt.CheckpointManager` (read only; the
-    promotion's ``on_result`` and the retention's ``on_deleted`` hooks it sets)."""
+    promotion's ``on_result``, the retention's ``on_deleted`` and the session's
+    ``failures.on_failed`` hooks it sets)."""
 
     @property
     def options(self) -> CheckpointOptions: ...
@@ -110,6 +113,9 @@ class RunLedger:
         self._preempted = False
         self._primary = False
         self._closed = False
+        self.closing_by: float | None = None
+        """Set by the manager's ``close()`` (``time.monotonic()``): the last flush waits at
+        most until then (``CheckpointOptions.close_wait_s`` shared with the other records)."""
 
     @classmethod
     def starting(cls, root: str | os.PathLike[str], options: CheckpointOptions) -> RunLedger:
@@ -171,6 +177,9 @@ class RunLedger:
         if hasattr(parts._promotion, "on_result"):
             parts._promotion.on_result = self._promoted
         parts._retention.on_deleted = self._deleted
+        parts._session.failures.on_failed = lambda step, error: writer.append(
+            "save_failed", step=step, error=error
+        )
         parts._session.listen(self)
         durable.on_adopt(writer.adopt)  # deferred: the events wait for the epoch
         self._writer = writer
@@ -336,11 +345,15 @@ class RunLedger:
             self._monitor.deleted(nbytes)
 
     def _close(
-        self, *, closed: bool, error: BaseException | None = None, timeout_s: float = 30.0
+        self, *, closed: bool, error: BaseException | None = None, timeout_s: float | None = None
     ) -> None:
         writer = self._writer
         if writer is None or self._closed:
             return
+        if timeout_s is None:
+            by = self.closing_by
+            wait_s = self._options.close_wait_s
+            timeout_s = wait_s if by is None else max(0.0, by - time.monotonic())
         self._closed = True
         self._harvest()
         text = None if error is None else f"{type(error).__name__}: {error}"

@@ -268,8 +268,8 @@ class Promotion:
                 if step in requested or step in receipts or step not in self._awaiting:
                     continue  # asked for, durable, or withdrawn meanwhile (superseded, deleted)
                 check = self._durable_checks.get(step)
-                if check is None:  # is the step durable, now that its request went?
-                    check = pools.pool("lost-check", 1).submit(self._durable_has, step)
+                if check is None:  # durable, now that its request went? (exit never waits)
+                    check = pools.detached("lost-check", self._durable_has, step)
                     self._durable_checks[step] = check
                     if deadline is not None:  # waited for once: a later save only looks
                         futures.wait([check], timeout=max(0.0, deadline - time.monotonic()))

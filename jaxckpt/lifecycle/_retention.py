@@ -1,12 +1,21 @@
 """Retention: one background deleter for every tier of a manager.
 
 After each commit (and each promotion) the deleter applies each tier's rule
-(``local_retention`` on a local tier, ``retention`` on the durable one) on
-one thread. A step is never deleted while it is *protected*: being restored,
-being saved, or waiting for promotion (the newest ``promote_backlog`` of those, see
-``lifecycle._waiting``). An own tier is pruned by every host,
-a shared tier by the primary only. Deletions are fence-checked by the tier's
-protocol; a fenced deleter reports the fence and stops.
+(``local_retention`` on a local tier, ``retention`` on the durable one) on one daemon
+thread; passes asked for while one runs make one more pass. A step is never deleted
+while it is *protected*: being restored, being saved, or waiting for promotion (the
+newest ``promote_backlog`` of those, see ``lifecycle._waiting``). An own tier is pruned
+by every host, a shared tier by the primary only. Deletions are fence-checked by the
+tier's protocol; a fenced deleter reports the fence and stops.
+
+A save that found this process's own tier full asks for room (:meth:`Retention.make_room`):
+one pass keeps only the newest step there.
+
+A pass waits for the health marks (which steps are bad) at most
+:attr:`Retention.marks_wait_s`; while the durable root does not answer, the last ones
+read apply, so a local tier is pruned through an outage. ``close()`` waits a bounded
+time for the pass under way: a deletion cut short at exit is finished by the garbage
+collector (the marker goes first).
 """
 
 from __future__ import annotations
@@ -15,9 +24,9 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
-from jaxckpt import policy
+from jaxckpt import _pools, policy
 from jaxckpt.errors import StorageError, WriterFencedError
 from jaxckpt.lifecycle._keep import retention_decision
 from jaxckpt.records import CommitMarker
@@ -53,6 +62,7 @@ class Retention:
         self._tiers = tuple(tiers)
         self._bad = bad
         self._last_bad: set[int] = set()  # the marks last read (kept through an outage)
+        self._reading: Future[set[int]] | None = None  # the marks' read under way
         self._said = False
         self._deleted = deleted
         self._primary = primary
@@ -60,9 +70,14 @@ class Retention:
         self._on_fenced = on_fenced
         self._lock = threading.Lock()
         self._restoring: set[int] = set()
-        self._pool: ThreadPoolExecutor | None = None
-        self._deletion: Future[None] | None = None
+        self._passes = threading.Condition(threading.Lock())
+        self._asked = self._done = 0  # passes asked for; of those, passes finished
+        self._tight = False  # the next pass keeps only the newest step of an own tier
+        self._thread: threading.Thread | None = None
         self._closed = False
+        self.marks_wait_s = 2.0
+        """How long a pass waits for the health marks before it uses those last read (the
+        read goes on, and a later pass takes its answer)."""
         self.on_deleted: Callable[[str, int, int], None] | None = None
         """Told ``(tier name, step, bytes)`` after each deletion by the rule (the ledger)."""
 
@@ -117,22 +132,59 @@ class Retention:
         """A step committed (or was promoted): schedule a pass of the deleter."""
         if not any(t.retention is not None for t in self._tiers):
             return
-        with self._lock:
+        with self._passes:
             if self._closed:  # a promotion finishing after close() is pruned next time
                 return
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxckpt-retention")
-            self._deletion = self._pool.submit(self.apply)
+            self._asked += 1
+            if self._thread is None:  # a daemon: exit does not wait for a store's retries
+                self._thread = threading.Thread(
+                    target=self._run, name="jaxckpt-retention", daemon=True
+                )
+                self._thread.start()
+            self._passes.notify_all()
+
+    def make_room(self, timeout_s: float = 30.0) -> None:
+        """A save found this process's own tier full: one pass keeps there only the newest
+        step (and the protected ones), waited for at most ``timeout_s``, so that the next
+        save has the room of the steps it deletes."""
+        own = [t for t in self._tiers if t.own and t.retention is not None]
+        if not own:
+            return
+        log.warning("%s is full: keeping only its newest step there", own[0].uri)
+        with self._passes:
+            self._tight = True
+        self.committed()
+        try:
+            self.wait(timeout_s)
+        except TimeoutError as e:
+            log.warning("%s", e)
+
+    def _run(self) -> None:
+        while True:
+            with self._passes:
+                self._passes.wait_for(lambda: self._asked > self._done or self._closed)
+                if self._asked == self._done:  # closed, nothing asked
+                    return
+                covered = self._asked  # every pass asked for so far: one pass does
+            self.apply()
+            with self._passes:
+                self._done = covered
+                self._passes.notify_all()
 
     def apply(self) -> None:
         """Deletes, in every tier this process prunes, what its rule does not keep."""
+        bad: set[int] | None = None  # read once a pass
+        with self._passes:
+            tight, self._tight = self._tight, False
         try:
             for tier in self._tiers:
                 if tier.retention is None or not tier.prunes(primary=self._primary):
                     continue
                 committed = tier.committed()
-                protected, bad = self.protected(), self._bad_now()
-                rule = retention_decision(committed, tier.retention, protected=protected, bad=bad)
+                bad = self._bad_now() if bad is None else bad
+                protected = self.protected()
+                keep = policy.KeepLast(1) if tight and tier.own else tier.retention
+                rule = retention_decision(committed, keep, protected=protected, bad=bad)
                 for step in rule.delete:
                     log.info("retention: deleting step %d under %s", step, tier.uri)
                     tier.delete(step)
@@ -147,27 +199,43 @@ class Retention:
             log.exception("retention failed; it will be retried after the next save")
 
     def _bad_now(self) -> set[int]:
-        """The bad steps; while the durable root (where marks live) does not answer, those
-        last read: local retention goes on in an outage (it stopped, and a 503 storm
-        filled a node's disk with every step saved meanwhile)."""
+        """The bad steps; while the durable root (where marks live) does not answer within
+        ``marks_wait_s`` (once an outage), those last read: local retention goes on in an
+        outage (it stopped, and a 503 storm filled a node's disk with every step saved)."""
+        reading = self._reading
+        if reading is None or reading.done():
+            reading = self._reading = _pools.detached("health-marks", self._bad)
         try:
-            self._last_bad, self._said = self._bad(), False
-        except StorageError as e:
+            wait_s = 0.0 if self._said else self.marks_wait_s  # an outage's passes do not wait
+            self._last_bad, self._said = reading.result(timeout=wait_s), False
+        except (StorageError, TimeoutError) as e:
             if not self._said:  # once an outage
                 self._said = True
-                log.warning("retention: health marks not read (%s); the last ones read apply", e)
+                why = e if isinstance(e, StorageError) else f"no answer in {self.marks_wait_s:g}s"
+                log.warning("retention: health marks not read (%s); the last ones read apply", why)
         return self._last_bad
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Blocks until the scheduled deletions have finished."""
-        deletion = self._deletion
-        if deletion is not None:
-            deletion.result(timeout=timeout_s)
+        """Blocks until the passes scheduled so far have finished.
 
-    def close(self) -> None:
-        """Finishes the scheduled deletions and stops the deleter."""
-        with self._lock:
+        Raises:
+          TimeoutError: they did not within ``timeout_s``.
+        """
+        with self._passes:
+            asked = self._asked
+            if not self._passes.wait_for(lambda: self._done >= asked, timeout_s):
+                raise TimeoutError(f"retention: deletions not finished within {timeout_s:g}s")
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finishes the scheduled deletions (waiting at most ``timeout_s``: a pass still
+        under way then, held up by a store that does not answer, is left to the daemon
+        thread, and to the garbage collector if the process exits) and stops the deleter."""
+        with self._passes:
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            self._passes.notify_all()
+            thread = self._thread
+        if thread is None:
+            return
+        thread.join(timeout_s)
+        if thread.is_alive():
+            log.warning("retention: a pass still under way after %gs is left unfinished", timeout_s)

@@ -1,6 +1,7 @@
 """Saving a step: the save session, the Orbax handler, the writing of one step and its
-commit, save telemetry, the step a save names (``_stepclock``), Orbax's log lines, and
-the exit hook that commits a save still in flight.
+commit, failed saves (raised or tolerated), save telemetry, the step a save names
+(``_stepclock``), Orbax's log lines, and the exit hook that commits a save still in
+flight.
 
 Other packages import from this face only; the ``_modules`` are this package's own
 (and its unit tests').
@@ -16,6 +17,7 @@ from jaxckpt.saving._telemetry import SaveStats as SaveStats
 from jaxckpt.saving._telemetry import human_bytes as human_bytes
 
 if TYPE_CHECKING:
+    from jaxckpt.saving._failures import FailedSaves as FailedSaves
     from jaxckpt.saving._session import SaveSession as SaveSession
     from jaxckpt.saving._stepclock import StepClock as StepClock
     from jaxckpt.saving._stepclock import check_step_value as check_step_value
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
 # Names whose modules import jax or TensorStore load on first use, so that
 # the light modules of this package (and ``jaxckpt ls``) stay free of them.
 _LAZY = {
+    "FailedSaves": "jaxckpt.saving._failures",
     "SaveSession": "jaxckpt.saving._session",
     "StepClock": "jaxckpt.saving._stepclock",
     "check_step_value": "jaxckpt.saving._stepclock",
@@ -33,6 +36,7 @@ __getattr__ = lazy_names(__name__, _LAZY, globals())
 
 
 __all__ = [
+    "FailedSaves",
     "SaveRecorder",
     "SaveSession",
     "SaveStats",

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 import jax
 
@@ -34,7 +34,6 @@ from jaxckpt.commit import Agreement, Listing
 from jaxckpt.errors import (
     CheckpointError,
     SaveFailedError,
-    SaveTimeoutError,
     WriterFencedError,
 )
 from jaxckpt.formats import HostArray, StepWriter, format_named
@@ -48,7 +47,8 @@ from jaxckpt.records import (
     withdraw,
 )
 from jaxckpt.saving import _atexit, _handler
-from jaxckpt.saving._helpers import behind, fence_error
+from jaxckpt.saving._failures import FailedSaves, save_error
+from jaxckpt.saving._helpers import fence_error
 from jaxckpt.saving._meet import Meetings
 from jaxckpt.saving._stepwrite import Inflight, StepWrite, prepare_step
 from jaxckpt.saving._telemetry import SaveRecorder
@@ -104,6 +104,7 @@ class SaveSession:
         self.fenced: WriterFencedError | None = None
         """Set once a newer writer took over: nothing more commits."""
         self.closed = False
+        self.failures = FailedSaves(options.tolerate_failed_saves, lambda: self._listeners)
 
     # -- the manager's side ------------------------------------------------------
 
@@ -231,8 +232,8 @@ class SaveSession:
             )
         return self._checkpointer
 
-    def wait(self) -> None:
-        """Blocks until the in-flight save is committed (see ``CheckpointManager.wait``)."""
+    def wait(self, *, tolerate: bool = False) -> None:
+        """Blocks until the in-flight save committed (``tolerate``: see :class:`FailedSaves`)."""
         if self.fenced is not None:
             raise self.fenced
         if self._checkpointer is None:
@@ -240,49 +241,45 @@ class SaveSession:
         try:
             self._checkpointer.wait_until_finished()
         except Exception as e:
-            self._raise_failed(e)
+            self._raise_failed(e, tolerate)
         if not self._primary and self.current() is not None:
             self.end(failed=False)  # Orbax's final barrier: the primary committed
-        self._await_commit()
+        self._await_commit(tolerate)
 
-    def _await_commit(self) -> None:
+    def _await_commit(self, tolerate: bool) -> None:
         """Waits until the in-flight save committed or failed: the session's own state
         decides, with a deadline (a ``KeyboardInterrupt`` during Orbax's ``Thread.join``
         can leave its thread looking finished to later joins, CPython < 3.13)."""
         deadline = time.monotonic() + self._options.save_timeout_s
         while (inflight := self.current()) is not None:
-            self.check_background()
+            self.check_background(tolerate=tolerate)
             if time.monotonic() > deadline:
                 self._raise_failed(
                     TimeoutError(f"step {inflight.step} neither committed nor failed")
                 )
             time.sleep(0.02)
 
-    def check_background(self) -> None:
+    def check_background(self, *, tolerate: bool = False) -> None:
         """Raises the background save's failure, if it failed, without waiting."""
         if self._checkpointer is None:
             return
         try:
             self._checkpointer.check_for_errors()
         except Exception as e:
-            self._raise_failed(e)
+            self._raise_failed(e, tolerate)
 
-    def _raise_failed(self, error: Exception) -> NoReturn:
+    def _raise_failed(self, error: Exception, tolerate: bool = False) -> None:
+        """Raises the save's failure (``tolerate``: unless :class:`FailedSaves` lets it
+        pass); a fence always raises."""
         inflight = self.end(failed=True)
         step = inflight.step if inflight else None
         fenced = fence_error(error) or self._fenced_now(step)
         if fenced is not None:
             self.fenced = fenced
             raise fenced from error
-        e = behind(error, CheckpointError) or error  # ours, under Orbax's wrapper
-        if isinstance(e, TimeoutError):
-            raise SaveTimeoutError(
-                f"save of step {step} under {self._root} did not commit within "
-                f"{self._options.save_timeout_s:.0f}s: {e}"
-            ) from error
-        raise SaveFailedError(
-            f"background save of step {step} under {self._root} failed: {e}"
-        ) from error
+        failure = save_error(error, step, self._root, self._options.save_timeout_s)
+        if not self.failures.tolerates(failure, step, error, asked=tolerate):
+            raise failure from error
 
     def _fenced_now(self, step: int | None) -> WriterFencedError | None:
         """A newer writer took over (its garbage collection may be why a save failed)."""
@@ -357,6 +354,8 @@ class SaveSession:
         with self._lock:
             inflight, self._inflight = self._inflight, None
         _atexit.untrack(self)
+        if inflight is not None and not failed:
+            self.failures.committed()
         if inflight is not None and failed:
             self.recorder.failed(inflight.step)
             if self._commits.abandons(primary=self._primary):
@@ -403,6 +402,7 @@ class SaveSession:
         with self._lock:
             self._inflight = None
         _atexit.untrack(self)
+        self.failures.committed()
 
     def finish_at_exit(self) -> None:
         """At interpreter exit: waits (bounded) for the save in flight, logging one line."""

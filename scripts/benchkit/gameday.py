@@ -29,11 +29,13 @@ directory since Orbax 0.12.8 cannot write ``s3://``; its defaults but
 notice) hits it alike; what has no counterpart there (a local tier to wipe, corrupt or
 fill, a storm on S3) does nothing. An uninterrupted ``reference`` run gives the data
 order, the final parameters and the step time. jaxckpt runs with
-``compilation_cache=True`` and compiles the step with ``CheckpointManager.compile`` (each
-process's executable kept in its local tier: a restart loads it, a lost node compiles
-again); Orbax with JAX's defaults (no persistent cache). Every process but 0 waits until
-process 0's coordination service listens before it joins (JAX retries an early client
-after about a second: a race that added 0 or 1.1 s to a start). jaxckpt's modules are
+``tolerate_failed_saves=3`` (a save that fails does not end the job; one that found the
+local disk full makes room there) and ``compilation_cache=True``, and compiles the step
+with ``CheckpointManager.compile`` (each process's executable kept in its local tier: a
+restart loads it, a lost node compiles again); Orbax with JAX's defaults (no persistent
+cache). Every process but 0 waits until process 0's coordination service listens before
+it joins (JAX retries an early client after about a second: a race that added 0 or
+1.1 s to a start). jaxckpt's modules are
 byte-compiled first, as an installed package's are (with ``PYTHONDONTWRITEBYTECODE`` a
 checkout's would be compiled again by every process at every start: 0.14 s of CPU each).
 moto and the fault proxy stand for a store on other machines: they run at nice 19

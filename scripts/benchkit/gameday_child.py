@@ -177,6 +177,7 @@ class Jaxckpt:
             local_retention=policy.KeepLast(2),
             save_policy=policy.EveryNSteps(args.every) | policy.OnPreemption(),
             save_timeout_s=120,
+            tolerate_failed_saves=3,  # a full local disk: room is made, the next save commits
             # In the local tier (a node's loss takes it too): each process's step (compile).
             compilation_cache=True,
             **tiered,
