@@ -29,6 +29,7 @@ FLAG_NAMES = (
     "checkpoint_keep_every",
     "checkpoint_async",
     "checkpoint_timeout_seconds",
+    "checkpoint_tolerate_failed_saves",
     "checkpoint_preflight_steps",
     "checkpoint_preflight_root",
     "checkpoint_local_root",
@@ -145,6 +146,14 @@ def define_all(fv: absl_flags.FlagValues) -> None:
     )
     flags.DEFINE_float(
         "checkpoint_timeout_seconds", 600.0, "A save must commit within this.", lower_bound=0, **kw
+    )
+    flags.DEFINE_integer(
+        "checkpoint_tolerate_failed_saves",
+        0,
+        "Failed saves in a row training goes on after (logged, counted; the next save tries "
+        "again); 0: the first raises.",
+        lower_bound=0,
+        **kw,
     )
     flags.DEFINE_integer(
         "checkpoint_preflight_steps",

@@ -29,6 +29,8 @@ so the script's ``--help`` lists them):
   retention; unset keeps every step.
 * ``--checkpoint_async``: when off, ``save`` returns only once the step is committed.
 * ``--checkpoint_timeout_seconds``: a save must commit within this.
+* ``--checkpoint_tolerate_failed_saves``: failed saves in a row training goes on after
+  (``tolerate_failed_saves``); 0 (default): the first raises.
 * ``--checkpoint_preflight_steps``: before training, prove that a checkpoint of the
   starting state resumes bit-exactly for N steps (:func:`preflight_from_flags`, which
   runs :func:`jaxckpt.check_resume`); 0 (default) skips it.
@@ -142,6 +144,7 @@ def options_from_flags(
         "save_policy": save_policy_from_flags(fv),
         "retention": retention_from_flags(fv),
         "save_timeout_s": fv.checkpoint_timeout_seconds,
+        "tolerate_failed_saves": fv.checkpoint_tolerate_failed_saves,
         "writer_nice": fv.checkpoint_writer_nice,
         **tier_fields(fv),
     }

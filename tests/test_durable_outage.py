@@ -11,6 +11,9 @@ waits for the durable root instead. A promoter leaves unstamped requests alone.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -361,3 +364,39 @@ def test_a_close_inside_a_storm_waits_close_wait_s_for_what_the_run_can_do_witho
     mgr._retention.wait(30)  # the pass close() left: it goes on with the marks last read
     assert sorted(mgr._tiers[0].protocol.committed()) == [60]  # KeepLast(1) went on
     proxy.plan = faultproxy.NO_FAULTS
+
+
+def test_a_sidecar_told_to_stop_in_a_storm_exits_within_its_grace(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    """SIGTERM to a ``promote --watch`` sidecar whose promotion is retried against a root
+    that answers 503: it exits within ``--stop-grace`` (it waited for the retries; the
+    game day's supervisor waited 30 s per sidecar, a pod's grace is 30 s)."""
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    local = tmp_path / "local"
+    _first_run(root, local, proxy)
+    mgr = jaxckpt.CheckpointManager(root, **_tiered(root, local, proxy, promotion="external"))
+    argv = [sys.executable, "-m", "jaxckpt", "promote", str(local), root, "--watch"]
+    sidecar = subprocess.Popen(
+        [*argv, "--interval", "0.2", "--stop-grace", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sidecar.stdout is not None and "watching" in sidecar.stdout.readline()
+        proxy.plan = faultproxy.FaultPlan(throttle=1.0)
+        mgr.save(60, _state(60))  # committed locally, requested: the sidecar promotes it
+        mgr.wait()
+        wait_until(lambda: proxy.snapshot()["throttle"] >= 5, what="the sidecar's retries")
+        sidecar.send_signal(signal.SIGTERM)
+        began = time.monotonic()
+        out, err = sidecar.communicate(timeout=HANG_S)
+    finally:
+        sidecar.kill()
+    assert time.monotonic() - began < 1 + 10, err[-3000:]
+    assert sidecar.returncode == 0, err[-3000:]
+    assert "abandoned" in out and "stopped after" in out
+    assert 60 in read_requests(CommitProtocol(open_storage(str(local))))  # the next one's
+    proxy.plan = faultproxy.NO_FAULTS
+    mgr.close()

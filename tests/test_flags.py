@@ -120,11 +120,12 @@ def test_command_line_parsing_through_as_parsed(tmp_path):
         checkpoint_every_steps="5",
         checkpoint_keep_last="2",
         checkpoint_timeout_seconds="30",
+        checkpoint_tolerate_failed_saves="3",
     ):
         opts = jaxckpt.flags.options_from_flags()
     assert opts.save_policy == policy.EveryNSteps(5) | policy.OnPreemption()
     assert opts.retention == policy.KeepLast(2)
-    assert opts.save_timeout_s == 30.0
+    assert (opts.save_timeout_s, opts.tolerate_failed_saves) == (30.0, 3)
 
 
 def test_restore_memory_and_writer_nice_flags(tmp_path):

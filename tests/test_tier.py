@@ -50,6 +50,28 @@ def test_a_tier_lists_reads_and_deletes_its_steps(tmp_path):
     assert tier.visible() == [1, 3] and not tier.holds(2)
 
 
+def test_a_full_disk_still_deletes_a_step(tmp_path, monkeypatch):
+    """A deletion announces itself with a pending record; on a disk with no room for it
+    the step is deleted anyway (a full local tier could not free a byte)."""
+    import errno
+
+    saved(tmp_path / "root", range(1, 4))
+    tier = open_tier(tmp_path / "root", CheckpointOptions(), "durable")
+    tier.take_epoch(Agreement("test-full", timeout_s=5), primary=True, gc_grace_s=None)
+    storage, write = tier.storage, tier.storage.write
+
+    def full(key, data):
+        if key.startswith("pending/"):
+            raise jaxckpt.StorageError(errno.ENOSPC, f"cannot write {key}: no space left")
+        return write(key, data)
+
+    monkeypatch.setattr(storage, "write", full)
+    before = sum(1 for _ in (tmp_path / "root").rglob("*") if _.is_file())
+    tier.delete(1)
+    assert tier.visible() == [2, 3]
+    assert sum(1 for _ in (tmp_path / "root").rglob("*") if _.is_file()) < before - 1  # its data
+
+
 def test_retention_prunes_every_tier_but_never_a_protected_step(tmp_path):
     saved(tmp_path / "root", range(1, 6))
     options = CheckpointOptions(retention=policy.KeepLast(1))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -60,6 +62,15 @@ def register(sub: Any) -> None:
         metavar="N",
         help="the promoter's nice value, 0-19 (Linux; default 10): it shares the node with "
         "the trainer, whose steps take the CPU first; 0 keeps the priority it was started with",
+    )
+    p.add_argument(
+        "--stop-grace",
+        type=seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="--watch: after SIGTERM, how long a promotion under way may finish; then the "
+        "sidecar exits and the step is promoted again by the next promoter (a store that "
+        "does not answer kept one past a pod's grace period)",
     )
     p.add_argument(
         "--metrics-port",
@@ -197,6 +208,24 @@ def cmd_promote(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.refresh()
 
-    promoter.watch(stop, interval_s=args.interval, on_pass=after_pass)
+    watching = threading.Thread(
+        target=promoter.watch,
+        args=(stop,),
+        kwargs={"interval_s": args.interval, "on_pass": after_pass},
+        name="jaxckpt-watch",
+        daemon=True,
+    )
+    watching.start()
+    while watching.is_alive() and not stop.wait(1.0):  # signals reach this (main) thread
+        pass
+    watching.join(args.stop_grace)
     print(f"stopped after {human_duration(time.monotonic() - started)}", flush=True)
+    if watching.is_alive():  # its retries, and the pools' threads, would hold the exit up
+        print(
+            f"a promotion under way did not finish within --stop-grace={args.stop_grace:g}s: "
+            "abandoned (nothing of it is visible; the next promoter promotes the step)",
+            flush=True,
+        )
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -18,6 +18,7 @@ on rename, nothing overwrites data a valid marker names.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,7 @@ from jaxckpt.errors import (
     CorruptCheckpointError,
     NotACheckpointRootError,
     StepAlreadyExistsError,
+    StorageError,
     WriterFencedError,
 )
 from jaxckpt.records import (
@@ -341,7 +343,14 @@ class CommitProtocol(CommitReader):
         """Deletes a marker and then the data it names, announced by a pending record."""
         self.tidying.before_delete(loc)  # the save's record goes first (the same key)
         record = json_record(operation="delete", started=time.time(), step=loc.step)
-        self.storage.write(loc.pending_key, record)
-        self.storage.delete(key)
+        try:
+            self.storage.write(loc.pending_key, record)
+        except StorageError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.warning(
+                "step %d: %s is full: deleted without its record", loc.step, self.storage.uri
+            )
+        self.storage.delete(key)  # (cut short then: its data is found by `jaxckpt gc --full`)
         reached("delete_retracted", loc.step)
         self._remove(loc)  # what is left is an interrupted delete: every collection finishes it

@@ -380,6 +380,9 @@ class Day:
                 proc.wait(timeout=10)
 
     def close(self) -> None:
+        for proc in self.sidecars.values():  # all at once, as a scheduler stops its pods
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
         for i in list(self.sidecars):
             self.stop_sidecar(i)
         self.free_disks()
