@@ -18,7 +18,6 @@ on rename, nothing overwrites data a valid marker names.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -54,7 +53,7 @@ from jaxckpt.records import (
     marker_refs_of,
     parts_crc32c,
 )
-from jaxckpt.storage import PreconditionFailed, Storage
+from jaxckpt.storage import PreconditionFailed, Storage, no_space
 
 log = logging.getLogger("jaxckpt")
 
@@ -346,7 +345,7 @@ class CommitProtocol(CommitReader):
         try:
             self.storage.write(loc.pending_key, record)
         except StorageError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if not no_space(e):
                 raise
             log.warning(
                 "step %d: %s is full: deleted without its record", loc.step, self.storage.uri

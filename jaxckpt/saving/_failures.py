@@ -11,13 +11,13 @@ the space of the steps deleted.
 
 from __future__ import annotations
 
-import errno
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxckpt.errors import CheckpointError, SaveFailedError, SaveTimeoutError
 from jaxckpt.saving._helpers import behind
+from jaxckpt.storage import no_space
 
 log = logging.getLogger("jaxckpt")
 
@@ -30,17 +30,6 @@ def save_error(error: Exception, step: int | None, root: str, timeout_s: float) 
             f"save of step {step} under {root} did not commit within {timeout_s:.0f}s: {e}"
         )
     return SaveFailedError(f"background save of step {step} under {root} failed: {e}")
-
-
-def no_space(error: BaseException | None) -> bool:
-    """Whether ``error`` (or one it was raised from) is a full disk or quota."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 class FailedSaves:

@@ -43,6 +43,7 @@ from jaxckpt.storage._local import LocalStorage as LocalStorage
 from jaxckpt.storage._options import DIRECT_PART_BYTES as DIRECT_PART_BYTES
 from jaxckpt.storage._options import ObjectStoreOptions as ObjectStoreOptions
 from jaxckpt.storage._options import span_limit as span_limit
+from jaxckpt.storage._retry import no_space as no_space
 from jaxckpt.storage._s3address import S3Address as S3Address
 from jaxckpt.storage._s3address import resolve_style as resolve_style
 from jaxckpt.storage._upload import FileUploads as FileUploads
@@ -140,6 +141,7 @@ __all__ = [
     "aligned_empty",
     "fsync_dir",
     "makedirs_durable",
+    "no_space",
     "open_storage",
     "parse_root",
     "resolve_style",

@@ -26,6 +26,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import random
 import time
@@ -127,6 +128,18 @@ def unreachable(error: BaseException) -> bool:
         return True
     text = "".join([str(error), *getattr(error, "__notes__", ())])
     return any(marker in text for marker in _UNREACHABLE)
+
+
+def no_space(error: BaseException | None) -> bool:
+    """Whether ``error`` (or one it was raised from) is a full disk or quota: no retry helps
+    until something is deleted."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def tensorstore_transient(error: BaseException) -> bool:
