@@ -479,6 +479,7 @@ def test_a_full_local_tier_keeps_only_its_newest_step_and_the_next_save_commits(
     import errno
 
     from jaxckpt.formats import _tsio
+    from jaxckpt.tiers._peers import NoReplicas
 
     write = _tsio.ArrayWriter.write
 
@@ -488,6 +489,8 @@ def test_a_full_local_tier_keeps_only_its_newest_step_and_the_next_save_commits(
         return write(self, loc, arrays)
 
     monkeypatch.setattr(_tsio.ArrayWriter, "write", put)
+    withdrawn: list[int] = []  # the tier's replicas are told too (their held copies go)
+    monkeypatch.setattr(NoReplicas, "withdraw", lambda self, step: withdrawn.append(step))
     state = {"w": jnp.arange(8.0)}
     with jaxckpt.CheckpointManager(
         tmp_path / "durable",
@@ -502,10 +505,61 @@ def test_a_full_local_tier_keeps_only_its_newest_step_and_the_next_save_commits(
         mgr.wait()
         mgr.wait_for_deletions()
         assert mgr.steps("local") == [3, 5] and mgr.failed_saves == 1
+        assert withdrawn == [4]
         mgr.save(6, state)
         mgr.wait()
         mgr.wait_for_deletions()
         assert mgr.steps("local") == [3, 5, 6]  # KeepLast(3) again
+
+
+@pytest.mark.usefixtures("plain_by_default")
+def test_a_local_tier_that_stays_full_keeps_one_step_until_it_has_room(tmp_path, monkeypatch):
+    """A disk filled by something else stays full: keeping ``local_retention``'s steps
+    again right after the room was made failed every other save (4 processes, a 64 MiB
+    tmpfs filled to its last byte: 5 of 10 saves failed). Until its file system has the
+    room of two steps more, retention keeps only the newest step there."""
+    import errno
+
+    from jaxckpt.formats import _tsio
+    from jaxckpt.storage import LocalStorage
+
+    write = _tsio.ArrayWriter.write
+    size: dict[str, int | None] = {"disk": None}  # None: not full yet
+
+    def used(root):
+        return sum(f.stat().st_size for f in pathlib.Path(root).rglob("*") if f.is_file())
+
+    def put(self, loc, arrays):
+        if loc.step == 2:  # something else fills the disk: what is used now is all there is
+            size["disk"] = used(tmp_path / "local")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, loc, arrays)
+
+    def free_bytes(self):
+        return 1 << 40 if size["disk"] is None else max(0, size["disk"] - used(self.uri))
+
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", put)
+    monkeypatch.setattr(LocalStorage, "free_bytes", free_bytes)
+    state = {"w": jnp.arange(8.0)}
+    with jaxckpt.CheckpointManager(
+        tmp_path / "durable",
+        local_root=str(tmp_path / "local"),
+        local_retention=policy.KeepLast(3),
+        promote_policy=policy.EveryNSteps(1000),
+        tolerate_failed_saves=1,
+    ) as mgr:
+        local = []
+        for step in (1, 2, 3, 4, 5, 6, 7):
+            if step == 6:
+                size["disk"] = None  # room again
+            mgr.save(step, state)
+            if step != 2:  # its failure is seen (and let pass) by the next save
+                mgr.wait()
+                mgr.wait_for_deletions()
+                local.append(mgr.steps("local"))
+        assert mgr.failed_saves == 1
+    # one step kept while full; after 6's pass found room, KeepLast(3) again
+    assert local == [[1], [3], [4], [5], [6], [6, 7]]
 
 
 def test_root_that_cannot_be_created_names_the_path(tmp_path):

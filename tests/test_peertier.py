@@ -204,3 +204,25 @@ def test_a_replication_failure_leaves_the_step_not_replicated_not_failed(tmp_pat
     assert strict.not_replicated == 0
     with pytest.raises(ValueError, match="strict_replication"):
         CheckpointOptions(strict_replication=1)  # type: ignore[arg-type]
+
+
+def test_a_failed_steps_replicas_and_owed_copies_are_withdrawn(tmp_path):
+    """A save that failed everywhere never commits: the replicas of it a holder keeps (newer
+    than its own newest step, so gc keeps them) and the copies of it owed to a holder
+    that was down took the room a full disk's next save needed; withdrawing the step
+    removes the first and forgets the second."""
+    from jaxckpt.records._keys import StepLocation
+
+    peers = _peers(tmp_path, _dead_address())
+    local = peers._local.storage
+    for step in (7, 8):
+        local.write(StepLocation(step, A).key("manifest/0.json"), b"part %d" % step)
+        peers.replicate(StepLocation(step, A), metrics=None, keep=False)  # holder down: owed
+        _replica(local, step, source=1)  # process 1's part, held here
+    assert sorted(peers._owed) == [7, 8]
+    peers.withdraw(8)
+    assert sorted(peers._owed) == [7]  # step 7 committed: still owed
+    assert not local.list(replica_prefix(8))
+    assert local.list(replica_prefix(7))
+    peers.withdraw(9)  # nothing of it here: nothing happens
+    assert sorted(peers._owed) == [7] and local.list(replica_prefix(7))

@@ -9,7 +9,9 @@ by every host, a shared tier by the primary only. Deletions are fence-checked by
 tier's protocol; a fenced deleter reports the fence and stops.
 
 A save that found this process's own tier full asks for room (:meth:`Retention.make_room`):
-one pass keeps only the newest step there.
+from then on the passes keep only the newest step there, until its file system has the
+room of two more steps (:data:`ROOM_STEPS` times the most a deleted step freed there; a
+disk filled by something else often stays full: keeping two again failed every other save).
 
 A pass waits for the health marks (which steps are bad) at most
 :attr:`Retention.marks_wait_s`; while the durable root does not answer, the last ones
@@ -33,6 +35,10 @@ from jaxckpt.records import CommitMarker
 from jaxckpt.tiers import Tier
 
 log = logging.getLogger("jaxckpt")
+
+ROOM_STEPS = 2
+"""A tier made room on keeps its rule again once it has the room of this many steps more
+(the one its rule keeps again and the next save's)."""
 
 
 class Retention:
@@ -72,7 +78,8 @@ class Retention:
         self._restoring: set[int] = set()
         self._passes = threading.Condition(threading.Lock())
         self._asked = self._done = 0  # passes asked for; of those, passes finished
-        self._tight = False  # the next pass keeps only the newest step of an own tier
+        self._tight = False  # passes keep only the newest step of an own tier (it was full)
+        self._step_room = 0  # the most a deletion freed on an own tier (a step, its replicas)
         self._thread: threading.Thread | None = None
         self._closed = False
         self.marks_wait_s = 2.0
@@ -144,9 +151,10 @@ class Retention:
             self._passes.notify_all()
 
     def make_room(self, timeout_s: float = 30.0) -> None:
-        """A save found this process's own tier full: one pass keeps there only the newest
-        step (and the protected ones), waited for at most ``timeout_s``, so that the next
-        save has the room of the steps it deletes."""
+        """A save found this process's own tier full: passes keep there only the newest
+        step (and the protected ones) until it has room again (:data:`ROOM_STEPS`); the
+        first is waited for at most ``timeout_s``, so that the next save has the room of
+        the steps it deletes."""
         own = [t for t in self._tiers if t.own and t.retention is not None]
         if not own:
             return
@@ -158,6 +166,16 @@ class Retention:
             self.wait(timeout_s)
         except TimeoutError as e:
             log.warning("%s", e)
+
+    def _roomy(self, tier: Tier) -> bool:
+        """Whether an own tier that was full has room again: :data:`ROOM_STEPS` times what
+        a deleted step freed there (the most seen) is free (an object store: always; no
+        deletion measured yet: not yet)."""
+        free = _free(tier)
+        if free is not None and (not self._step_room or free < ROOM_STEPS * self._step_room):
+            return False
+        log.info("%s has room again (%s bytes free): its retention rule applies", tier.uri, free)
+        return True
 
     def _run(self) -> None:
         while True:
@@ -175,7 +193,7 @@ class Retention:
         """Deletes, in every tier this process prunes, what its rule does not keep."""
         bad: set[int] | None = None  # read once a pass
         with self._passes:
-            tight, self._tight = self._tight, False
+            tight = self._tight
         try:
             for tier in self._tiers:
                 if tier.retention is None or not tier.prunes(primary=self._primary):
@@ -187,11 +205,17 @@ class Retention:
                 rule = retention_decision(committed, keep, protected=protected, bad=bad)
                 for step in rule.delete:
                     log.info("retention: deleting step %d under %s", step, tier.uri)
+                    before = _free(tier)
                     tier.delete(step)
+                    if tier.own and before is not None:  # what a step takes here, its replicas
+                        self._step_room = max(self._step_room, (_free(tier) or 0) - before)
                     if tier is self._tiers[-1]:
                         self._deleted(step)
                     if self.on_deleted is not None:
                         self.on_deleted(tier.name, step, committed[step].nbytes)
+                if tight and tier.own and self._roomy(tier):
+                    with self._passes:
+                        self._tight = False
         except WriterFencedError as e:
             self._on_fenced(e)
             log.error("retention stopped: %s", e)
@@ -239,3 +263,12 @@ class Retention:
         thread.join(timeout_s)
         if thread.is_alive():
             log.warning("retention: a pass still under way after %gs is left unfinished", timeout_s)
+
+
+def _free(tier: Tier) -> int | None:
+    """The bytes free on ``tier``'s file system (None: not a file system, or unknown)."""
+    free_bytes = getattr(tier.storage, "free_bytes", None)
+    try:
+        return None if free_bytes is None else int(free_bytes())
+    except OSError:
+        return None

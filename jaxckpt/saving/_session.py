@@ -104,7 +104,9 @@ class SaveSession:
         self.fenced: WriterFencedError | None = None
         """Set once a newer writer took over: nothing more commits."""
         self.closed = False
-        self.failures = FailedSaves(options.tolerate_failed_saves, lambda: self._listeners)
+        self.failures = FailedSaves(
+            options.tolerate_failed_saves, lambda: (*self._listeners, self._tier.peers)
+        )
 
     # -- the manager's side ------------------------------------------------------
 
@@ -241,7 +243,7 @@ class SaveSession:
         try:
             self._checkpointer.wait_until_finished()
         except Exception as e:
-            self._raise_failed(e, tolerate)
+            self._failed(e, tolerate)
         if not self._primary and self.current() is not None:
             self.end(failed=False)  # Orbax's final barrier: the primary committed
         self._await_commit(tolerate)
@@ -254,9 +256,8 @@ class SaveSession:
         while (inflight := self.current()) is not None:
             self.check_background(tolerate=tolerate)
             if time.monotonic() > deadline:
-                self._raise_failed(
-                    TimeoutError(f"step {inflight.step} neither committed nor failed")
-                )
+                late = TimeoutError(f"step {inflight.step} neither committed nor failed")
+                self._failed(late)
             time.sleep(0.02)
 
     def check_background(self, *, tolerate: bool = False) -> None:
@@ -266,11 +267,11 @@ class SaveSession:
         try:
             self._checkpointer.check_for_errors()
         except Exception as e:
-            self._raise_failed(e, tolerate)
+            self._failed(e, tolerate)
 
-    def _raise_failed(self, error: Exception, tolerate: bool = False) -> None:
-        """Raises the save's failure (``tolerate``: unless :class:`FailedSaves` lets it
-        pass); a fence always raises."""
+    def _failed(self, error: Exception, tolerate: bool = False) -> None:
+        """Raises the save's failure, unless ``tolerate`` and :class:`FailedSaves` let it
+        pass (then returns); a fence always raises."""
         inflight = self.end(failed=True)
         step = inflight.step if inflight else None
         fenced = fence_error(error) or self._fenced_now(step)
@@ -361,8 +362,7 @@ class SaveSession:
             if self._commits.abandons(primary=self._primary):
                 with contextlib.suppress(Exception):  # leftovers are collected anyway
                     removed = self._protocol.abandon(inflight.loc)  # kept if committed here
-                    # A failed save is never promoted; on several hosts also when this
-                    # host committed its part (another host's part may never come).
+                    # Never promoted; on several hosts even if committed here (parts may lack)
                     several = jax.process_count() > 1
                     if (removed or several) and inflight.request is not None:
                         withdraw(self._protocol, inflight.step)

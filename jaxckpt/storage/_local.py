@@ -47,6 +47,11 @@ class LocalStorage:
     def __repr__(self) -> str:
         return f"LocalStorage({self._root!r})"
 
+    def free_bytes(self) -> int:
+        """The bytes free for this root on its file system (``statvfs``; a full disk
+        makes retention keep fewer local steps until there is room again)."""
+        return shutil.disk_usage(self._root).free
+
     def _error(self, action: str, key: str, exc: OSError) -> StorageError:
         detail = exc.strerror or str(exc)
         if exc.errno == errno.ENOSPC:

@@ -115,6 +115,9 @@ class Replicas(Protocol):
     def delete(self, step: int) -> None:
         """Removes the replicas of ``step`` held here (the step is deleted)."""
 
+    def withdraw(self, step: int) -> None:
+        """``step``'s save failed: its replicas held here go, its owed copies are not sent."""
+
     def close(self) -> None:
         """Stops serving this process's replicas."""
 
@@ -145,6 +148,9 @@ class NoReplicas:
         return []
 
     def delete(self, step: int) -> None:
+        return None
+
+    def withdraw(self, step: int) -> None:
         return None
 
     def close(self) -> None:
@@ -244,6 +250,18 @@ class Peers(Healing):
     def delete(self, step: int) -> None:
         """Removes the replicas of other processes' parts of ``step`` held here."""
         self._local.storage.delete_prefix(replica_prefix(step))
+
+    def withdraw(self, step: int) -> None:
+        """The save of ``step`` failed (on every process alike): it never commits, so the
+        replicas of it held here go now and the copies of it owed are never sent. Kept,
+        they took the room a full disk's next save needed: a holder keeps replicas newer
+        than its own newest step (:meth:`collect`), and owed copies go out before every
+        replication. A failure to delete is logged (``collect`` finds them later)."""
+        self._owed.pop(step, None)
+        try:
+            self.delete(step)
+        except CheckpointError as e:
+            log.warning("step %d failed; its replicas held here stay for now: %s", step, e)
 
     def _connect(self, process: int) -> Any:
         return connect(
