@@ -350,7 +350,7 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
             _openroots.unregister(self)
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
-            by = self.ledger.closing_by = time.monotonic() + self.options.close_wait_s
+            by = self.ledger.closing_by = time.monotonic() + self.ledger.close_wait_s()
             if ok:  # committed: a clean exit (no crash) is recorded
                 self._health.ended("clean" if self._clean_exit else None, _left(by))
             for part in (self._publisher, self._watcher):  # (no watcher without OnPreemption)

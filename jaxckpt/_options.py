@@ -257,7 +257,8 @@ class CheckpointOptions:
         ``close()`` always raise; a fence always raises. 0: the first failure raises.
       close_wait_s: how long ``close()``, once the in-flight save has committed, waits
         in all for what a run can do without (the ledger's last events, the health
-        exit record, a retention pass) while a store does not answer; what is left is
+        exit record, a retention pass) while a store does not answer (at most 1 s when
+        the ledger's writes already find the durable root not answering); what is left is
         logged and abandoned at exit (a cut-short deletion is collected later).
       metrics_port: the primary process serves Prometheus metrics of its saves,
         restores and reached step on this port (``pip install 'jaxckpt[promote]'``).

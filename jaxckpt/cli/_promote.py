@@ -68,9 +68,10 @@ def register(sub: Any) -> None:
         type=seconds,
         default=10.0,
         metavar="SECONDS",
-        help="--watch: after SIGTERM, how long a promotion under way may finish; then the "
-        "sidecar exits and the step is promoted again by the next promoter (a store that "
-        "does not answer kept one past a pod's grace period)",
+        help="--watch: after SIGTERM, a promotion pass under way may finish until this long "
+        "after it began; then the sidecar exits and the step is promoted again by the next "
+        "promoter (a store that does not answer kept one past a pod's grace period; one "
+        "already retried this long is not waited for)",
     )
     p.add_argument(
         "--metrics-port",
@@ -218,7 +219,9 @@ def cmd_promote(args: argparse.Namespace) -> int:
     watching.start()
     while watching.is_alive() and not stop.wait(1.0):  # signals reach this (main) thread
         pass
-    watching.join(args.stop_grace)
+    began = promoter.busy_since  # a pass retried in an outage for the grace: not waited for
+    grace = args.stop_grace - (0.0 if began is None else time.monotonic() - began)
+    watching.join(max(0.0, grace))
     print(f"stopped after {human_duration(time.monotonic() - started)}", flush=True)
     if watching.is_alive():  # its retries, and the pools' threads, would hold the exit up
         print(

@@ -122,6 +122,21 @@ class RunLedger:
         """Made first thing when a manager opens (its open's start time)."""
         return cls(os.fspath(root), options)
 
+    def close_wait_s(self) -> float:
+        """How long ``close()`` waits for what a run can do without: ``close_wait_s``, or at
+        most :data:`OUTAGE_WAIT_S` while the ledger's writes find the durable root not
+        answering (a job ending in a storm waited its whole ``close_wait_s`` for nothing)."""
+        wait_s = self._options.close_wait_s
+        if self._writer is None or self._writer.answering or wait_s <= OUTAGE_WAIT_S:
+            return wait_s
+        log.warning(
+            "durable root does not answer the ledger's writes: close() waits at most %gs for "
+            "the run's last records (close_wait_s=%g)",
+            OUTAGE_WAIT_S,
+            wait_s,
+        )
+        return OUTAGE_WAIT_S
+
     @property
     def write_failures(self) -> int:
         return 0 if self._writer is None else self._writer.failures
@@ -363,6 +378,9 @@ class RunLedger:
         _OPEN.discard(self)
 
 
+OUTAGE_WAIT_S = 1.0
+"""What ``close()`` waits in all for the run's last records while the durable root does
+not answer (:meth:`RunLedger.close_wait_s`)."""
 _OPEN: weakref.WeakSet[RunLedger] = weakref.WeakSet()
 AT_EXIT_S = 5.0
 """How long interpreter exit waits for the last flushes of managers left open (all together)."""

@@ -33,6 +33,8 @@ log = logging.getLogger("jaxckpt")
 
 MAX_BUFFERED = 10_000
 """Events kept in memory while the store cannot be written (the oldest are dropped)."""
+STUCK_S = 5.0
+"""A ledger write under way this long is being retried: its store does not answer."""
 
 
 def _encoded(event: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +91,15 @@ class LedgerWriter:
         """Events dropped because the buffer was full while the store failed."""
         self.objects = 0
         """Ledger objects written."""
+        self._writing_since: float | None = None  # the write under way began (monotonic)
+        self._last_failed = False
+
+    @property
+    def answering(self) -> bool:
+        """Whether its store answers, as far as the ledger knows: its last write did not
+        fail and none has been under way for :data:`STUCK_S` (retried in an outage)."""
+        since = self._writing_since
+        return not self._last_failed and (since is None or time.monotonic() - since < STUCK_S)
 
     @property
     def epoch(self) -> int | None:
@@ -190,12 +201,17 @@ class LedgerWriter:
             events=tuple(batch),
         )
         key = ledger_key(epoch, self._process, self._seq)
+        self._writing_since = time.monotonic()
         try:
             self._storage.write(key, obj.to_bytes())
         except Exception as e:  # the ledger never fails the training job
             self.failures += 1
+            self._last_failed = True
             log.warning("ledger write %s failed (%d so far): %s", self.where, self.failures, e)
             return False
+        finally:
+            self._writing_since = None
+        self._last_failed = False
         self._seq += 1
         self.objects += 1
         return True

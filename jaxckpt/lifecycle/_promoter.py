@@ -128,6 +128,7 @@ class Promoter:
         self._newest_durable: int | None = None  # as of this pass's listing
         self.backoff = Backoff(first_s=backoff_s[0], longest_s=backoff_s[1])
         """The steps left alone after a failure (and, as ``None``, failed passes)."""
+        self.busy_since: float | None = None  # the pass under way began (a failed one: stays)
 
     def writer(self, epoch: int) -> CommitProtocol:
         """A protocol of the durable root that writes (and fence-checks) as ``epoch``."""
@@ -169,7 +170,7 @@ class Promoter:
         (logged). ``stop`` ends the pass between steps.
         """
         results = []
-        self._stop = stop
+        self._stop, self.busy_since = stop, time.monotonic()
         for request in self.pending():
             if stop is not None and stop.is_set():
                 break
@@ -185,6 +186,7 @@ class Promoter:
             results.append(result)
             if self._on_result is not None and result.outcome != PARTS_WAITING:
                 self._on_result(result)  # told once the step is decided
+        self.busy_since = None
         return results
 
     def promote_all(self, *, stop: threading.Event | None = None) -> list[PromotionResult]:
