@@ -176,7 +176,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
           process_state: this process's state (bytes, str, JSON, or a callable: ``it.get_state``).
 
         Returns:
-          True when a save was started, False when the save policy declined.
+          True when a save was started, False when the save policy declined (or, within
+          ``tolerate_failed_saves``, the store failed its checks: a full local disk).
 
         Raises:
           StepAlreadyExistsError: ``step`` is already committed.
@@ -192,8 +193,9 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
             return False
         self._session.wait(tolerate=True)  # a step that cannot be promoted: told at the checks
         request, lost = self._promotion.request, self._promotion.lost_error()
-        self._session.save(step, state, metadata, metrics, keep, request, process_state, lost)
-        return True
+        return self._session.save(
+            step, state, metadata, metrics, keep, request, process_state, lost
+        )
 
     @_collective("wait")
     def wait(self) -> None:

@@ -469,6 +469,17 @@ def test_tolerated_failed_saves_let_training_go_on_until_too_many_in_a_row(root,
     again.close()
 
 
+def _local_keeping_3(tmp_path):
+    """A manager with a local tier keeping 3 steps (none promoted) that lets a failed save pass."""
+    return jaxckpt.CheckpointManager(
+        tmp_path / "durable",
+        local_root=str(tmp_path / "local"),
+        local_retention=policy.KeepLast(3),
+        promote_policy=policy.EveryNSteps(1000),
+        tolerate_failed_saves=1,
+    )
+
+
 @pytest.mark.usefixtures("plain_by_default")
 def test_a_full_local_tier_keeps_only_its_newest_step_and_the_next_save_commits(
     tmp_path, monkeypatch
@@ -492,13 +503,7 @@ def test_a_full_local_tier_keeps_only_its_newest_step_and_the_next_save_commits(
     withdrawn: list[int] = []  # the tier's replicas are told too (their held copies go)
     monkeypatch.setattr(NoReplicas, "withdraw", lambda self, step: withdrawn.append(step))
     state = {"w": jnp.arange(8.0)}
-    with jaxckpt.CheckpointManager(
-        tmp_path / "durable",
-        local_root=str(tmp_path / "local"),
-        local_retention=policy.KeepLast(3),
-        promote_policy=policy.EveryNSteps(1000),
-        tolerate_failed_saves=1,
-    ) as mgr:
+    with _local_keeping_3(tmp_path) as mgr:
         for step in (1, 2, 3, 4):
             mgr.save(step, state)
         mgr.save(5, state)  # 4 failed: room made first, then 5 saved
@@ -510,6 +515,46 @@ def test_a_full_local_tier_keeps_only_its_newest_step_and_the_next_save_commits(
         mgr.wait()
         mgr.wait_for_deletions()
         assert mgr.steps("local") == [3, 5, 6]  # KeepLast(3) again
+
+
+def test_a_full_local_tier_found_by_a_saves_checks_is_a_tolerated_failed_save(
+    tmp_path, monkeypatch
+):
+    """A disk filled to its last byte fails a save at its first write, the pending record
+    in ``save()``'s checks, not in the background: that raised from ``save()`` whatever
+    ``tolerate_failed_saves`` said (the game day's job crashed at its next save). Now
+    ``save()`` returns False, counts it and makes room, and the next save commits."""
+    import errno
+
+    from jaxckpt.storage import LocalStorage
+
+    write = LocalStorage.write
+    full = {"on": False}
+
+    def put(self, key, data, **kw):
+        if full["on"] and key.startswith("pending/"):
+            raise jaxckpt.StorageError(errno.ENOSPC, f"cannot write {key}: no space left")
+        return write(self, key, data, **kw)
+
+    monkeypatch.setattr(LocalStorage, "write", put)
+    state = {"w": jnp.arange(8.0)}
+    with _local_keeping_3(tmp_path) as mgr:
+        for step in (1, 2):
+            assert mgr.save(step, state)
+            mgr.wait()
+        full["on"] = True
+        assert mgr.save(3, state) is False
+        assert mgr.failed_saves == 1
+        full["on"] = False
+        assert mgr.save(4, state)
+        mgr.wait()
+        mgr.wait_for_deletions()
+        assert mgr.steps("local") == [2, 4]  # room made (one step kept), then 4
+        full["on"] = True
+        assert mgr.save(5, state) is False
+        with pytest.raises(jaxckpt.StorageError, match="no space left"):
+            mgr.save(6, state)  # two in a row: raised
+        full["on"] = False
 
 
 @pytest.mark.usefixtures("plain_by_default")
@@ -541,13 +586,7 @@ def test_a_local_tier_that_stays_full_keeps_one_step_until_it_has_room(tmp_path,
     monkeypatch.setattr(_tsio.ArrayWriter, "write", put)
     monkeypatch.setattr(LocalStorage, "free_bytes", free_bytes)
     state = {"w": jnp.arange(8.0)}
-    with jaxckpt.CheckpointManager(
-        tmp_path / "durable",
-        local_root=str(tmp_path / "local"),
-        local_retention=policy.KeepLast(3),
-        promote_policy=policy.EveryNSteps(1000),
-        tolerate_failed_saves=1,
-    ) as mgr:
+    with _local_keeping_3(tmp_path) as mgr:
         local = []
         for step in (1, 2, 3, 4, 5, 6, 7):
             if step == 6:

@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.path import atomicity_types
 
+from jaxckpt._options import CheckpointOptions
 from jaxckpt._pools import lower_thread_priority
 from jaxckpt.formats import HostArray, snapshot_array
 from jaxckpt.records import SavedLeaf
@@ -236,23 +237,24 @@ def _already_met(*, key: str, timeout_ms: int) -> None:
 
 def make_checkpointer(
     session: SessionHooks,
+    options: CheckpointOptions,
     *,
-    timeout_s: float,
-    primary_host: int = 0,
     per_host: bool = False,
-    writer_nice: int = 0,
     meetings: Meetings | None = None,
 ) -> ocp.AsyncCheckpointer:
     """An AsyncCheckpointer wired to jaxckpt's handler and commit protocol.
 
     Closing the checkpointer closes the handler (and its writer thread).
 
-    ``primary_host`` creates and commits each step (Orbax's primary host) and
-    writes the numpy leaves, as it writes the tree record in the manager.
+    ``options.primary_host`` creates and commits each step (Orbax's primary host) and
+    writes the numpy leaves, as it writes the tree record in the manager; the save's
+    bound is ``options.save_timeout_s``, its writer's nice ``options.writer_nice``.
     ``per_host``: saves to a local tier (see :func:`~jaxckpt.formats._tsio.snapshot_array`).
     ``meetings``: Orbax's barriers after its first become these (see ``_meet``).
     """
     install_log_filter()
+    timeout_s, primary_host = options.save_timeout_s, options.primary_host
+    writer_nice = options.writer_nice
     checkpointer = ocp.AsyncCheckpointer if meetings is None else meeting_checkpointer(meetings)
     # Orbax's bound on the background save is a backstop: the save's own waits end by
     # its deadline (see Agreement.detached) with an error naming who never came.

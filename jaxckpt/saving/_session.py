@@ -34,6 +34,7 @@ from jaxckpt.commit import Agreement, Listing
 from jaxckpt.errors import (
     CheckpointError,
     SaveFailedError,
+    StorageError,
     WriterFencedError,
 )
 from jaxckpt.formats import HostArray, StepWriter, format_named
@@ -141,8 +142,9 @@ class SaveSession:
         request: Callable[[int], PromotionRequest | None],
         process_state: Any = None,
         lost: CheckpointError | None = None,
-    ) -> None:
-        """Starts the save of ``step`` (see ``CheckpointManager.save``).
+    ) -> bool:
+        """Starts the save of ``step`` (see ``CheckpointManager.save``); False: its checks
+        failed on the store (a full local disk) and :class:`FailedSaves` let it pass.
 
         Every process's local checks (its tier, its leaves, the step's absence and
         the fence where this process looks) are agreed before any collective: when
@@ -182,10 +184,12 @@ class SaveSession:
             leaves, values, tree, loc, listing, announced = prepared
             loc, tree = self._commits.agree(self._agreement, loc, tree)
             promotion = request(step)
-        except BaseException:
+        except BaseException as e:
             if prepared is not None and (announced or self._commits.per_host):
                 with contextlib.suppress(Exception):  # else collected as a stale attempt
                     self._protocol.storage.delete(prepared[3].pending_key)
+            if isinstance(e, StorageError) and self.failures.tolerates(e, step, e, asked=True):
+                return False  # every process alike (the checks are agreed)
             raise
         inflight = Inflight(
             loc=loc,
@@ -221,16 +225,12 @@ class SaveSession:
             inflight.release(abandoned=not returned)  # (or writes nothing)
         self.recorder.blocked(step)
         self._last_saved = (step, time.monotonic())
+        return True
 
     def _ensure_checkpointer(self) -> Any:
         if self._checkpointer is None:
             self._checkpointer = _handler.make_checkpointer(
-                self,
-                timeout_s=self._options.save_timeout_s,
-                primary_host=self._options.primary_host,
-                per_host=self._commits.per_host,
-                writer_nice=self._options.writer_nice,
-                meetings=self._meetings,
+                self, self._options, per_host=self._commits.per_host, meetings=self._meetings
             )
         return self._checkpointer
 
