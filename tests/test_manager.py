@@ -562,7 +562,7 @@ def test_a_local_tier_that_stays_full_keeps_one_step_until_it_has_room(tmp_path,
     """A disk filled by something else stays full: keeping ``local_retention``'s steps
     again right after the room was made failed every other save (4 processes, a 64 MiB
     tmpfs filled to its last byte: 5 of 10 saves failed). Until its file system has the
-    room of two steps more, retention keeps only the newest step there."""
+    room of three steps more, retention keeps only the newest step there."""
     import errno
 
     from jaxckpt.formats import _tsio
