@@ -567,6 +567,7 @@ def test_a_local_tier_that_stays_full_keeps_one_step_until_it_has_room(tmp_path,
 
     from jaxckpt.formats import _tsio
     from jaxckpt.storage import LocalStorage
+    from jaxckpt.tiers._peers import NoReplicas
 
     write = _tsio.ArrayWriter.write
     size: dict[str, int | None] = {"disk": None}  # None: not full yet
@@ -585,6 +586,8 @@ def test_a_local_tier_that_stays_full_keeps_one_step_until_it_has_room(tmp_path,
 
     monkeypatch.setattr(_tsio.ArrayWriter, "write", put)
     monkeypatch.setattr(LocalStorage, "free_bytes", free_bytes)
+    told: list[str | None] = []  # the replicas: refused while full (a peer's listener)
+    monkeypatch.setattr(NoReplicas, "short_of_room", lambda self, why: told.append(why))
     state = {"w": jnp.arange(8.0)}
     with _local_keeping_3(tmp_path) as mgr:
         local = []
@@ -599,6 +602,7 @@ def test_a_local_tier_that_stays_full_keeps_one_step_until_it_has_room(tmp_path,
         assert mgr.failed_saves == 1
     # one step kept while full; after 6's pass found room, KeepLast(3) again
     assert local == [[1], [3], [4], [5], [6], [6, 7]]
+    assert [why is None for why in told] == [False, True]
 
 
 def test_root_that_cannot_be_created_names_the_path(tmp_path):

@@ -226,3 +226,31 @@ def test_a_failed_steps_replicas_and_owed_copies_are_withdrawn(tmp_path):
     assert local.list(replica_prefix(7))
     peers.withdraw(9)  # nothing of it here: nothing happens
     assert sorted(peers._owed) == [7] and local.list(replica_prefix(7))
+
+
+def test_a_holder_whose_own_tier_is_full_refuses_replicas(tmp_path):
+    """While this node's own tier is full, others' replicas are refused: each one took the
+    room a deleted step had freed, and this node's own save failed again (the game day).
+    The sender's step commits without that copy; the copy is sent once there is room."""
+    from jaxckpt.records._keys import StepLocation
+    from jaxckpt.storage import open_storage
+    from jaxckpt.tiers._transport import PeerServer
+
+    holder = open_storage(str(tmp_path / "holder"))
+    peers = _peers(tmp_path, "127.0.0.1:9")
+    server = PeerServer(holder, peers._secret, timeout_s=60.0)
+    peers.addresses[1] = server.address
+    local = peers._local.storage
+    try:
+        for step in (7, 8):
+            local.write(StepLocation(step, A).key("manifest/0.json"), b"part %d" % step)
+        server.full = "holder is full"
+        peers.replicate(StepLocation(7, A), metrics=None, keep=False)
+        assert peers.not_replicated == 1 and sorted(peers._owed) == [7]
+        assert not holder.list("replicas/")
+        server.full = None  # room again: the owed copy goes first
+        peers.replicate(StepLocation(8, A), metrics=None, keep=False)
+    finally:
+        server.close()
+    assert holder.read(replica_index_key(7, 0, A)) is not None
+    assert holder.read(replica_index_key(8, 0, A)) is not None

@@ -160,6 +160,8 @@ class Retention:
         if not own:
             return
         log.warning("%s is full: keeping only its newest step there", own[0].uri)
+        for tier in own:
+            tier.peers.short_of_room(f"{tier.uri} is full")
         with self._passes:
             self._tight = True
         self.committed()
@@ -215,6 +217,7 @@ class Retention:
                     if self.on_deleted is not None:
                         self.on_deleted(tier.name, step, committed[step].nbytes)
                 if tight and tier.own and self._roomy(tier):
+                    tier.peers.short_of_room(None)
                     with self._passes:
                         self._tight = False
         except WriterFencedError as e:

@@ -118,6 +118,9 @@ class Replicas(Protocol):
     def withdraw(self, step: int) -> None:
         """``step``'s save failed: its replicas held here go, its owed copies are not sent."""
 
+    def short_of_room(self, why: str | None) -> None:
+        """While ``why`` (the own tier is full), others' replicas are refused here."""
+
     def close(self) -> None:
         """Stops serving this process's replicas."""
 
@@ -151,6 +154,9 @@ class NoReplicas:
         return None
 
     def withdraw(self, step: int) -> None:
+        return None
+
+    def short_of_room(self, why: str | None) -> None:
         return None
 
     def close(self) -> None:
@@ -262,6 +268,14 @@ class Peers(Healing):
             self.delete(step)
         except CheckpointError as e:
             log.warning("step %d failed; its replicas held here stay for now: %s", step, e)
+
+    def short_of_room(self, why: str | None) -> None:
+        """While ``why`` is set (this process's own tier is full: retention keeps one step
+        there), the listener refuses others' replicas: on the game day each arriving replica
+        took the room a deleted step had freed, and the own part's save failed again. The
+        sender commits its step without that copy (logged, counted, sent again later)."""
+        if self._server is not None:
+            self._server.full = why
 
     def _connect(self, process: int) -> Any:
         return connect(

@@ -148,6 +148,8 @@ class PeerServer:
         """Handshakes cut to make room: ``max_handshakes`` were authenticating."""
         self.accept_errors = 0
         """``accept()`` calls that failed (no file descriptors left, ...)."""
+        self.full: str | None = None
+        """Why ``put`` requests are refused now (the own tier is full), else None."""
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
@@ -277,6 +279,9 @@ class PeerServer:
         local root streams to a file, any other payload is held (a refused one dropped)."""
         key = header.get("key")
         refused = key_refusal(key, self._prefix) is not None
+        if header.get("op") == "put" and (full := self.full) is not None:
+            session.recv_payload(conn, header, _drop)  # the room goes to this node's own saves
+            return {"error": f"put {key!r} refused: {full}"}, b""
         if header.get("op") == "put" and not refused and self._root is not None:
             assert isinstance(key, str)
             return _put_streamed(self._root, key, session, conn, header)
