@@ -163,6 +163,31 @@ def test_local_retention_goes_on_while_a_joined_durable_root_does_not_answer(
         proxy.plan = faultproxy.NO_FAULTS
 
 
+def test_wait_durable_adopts_an_epoch_taken_after_the_last_save(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
+) -> None:
+    """One process whose open went on without the durable root saves a step chosen for
+    promotion (requested, unstamped) and then waits for it: the epoch taken once the root
+    answers is adopted by the wait itself. Before, only a save adopted it, and
+    ``wait_durable`` after a run's last save timed out (twice in CI, whose load made the
+    open of ``_first_run`` outlast ``durable_wait_s``)."""
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    local = tmp_path / "local"
+    _first_run(root, local, proxy)
+    proxy.plan = faultproxy.FaultPlan(throttle=1.0)
+    with jaxckpt.CheckpointManager(root, **_tiered(root, local, proxy, durable_wait_s=0.5)) as mgr:
+        durable = mgr._tiers[-1]
+        assert mgr.restore()["b"][0] == 40  # from the local tier: the root does not answer
+        mgr.save(60, _state(60))
+        mgr.wait()
+        assert read_requests(mgr._tiers[0].protocol)[60].epoch == UNSTAMPED
+        proxy.plan = faultproxy.NO_FAULTS
+        assert mgr.wait_durable(60, timeout_s=HANG_S) == 60
+        assert not durable.deferred
+    with jaxckpt.CheckpointManager(root, read_only=True) as r:
+        assert r.steps() == [20, 40, 60]
+
+
 def test_the_open_waits_for_nothing_and_the_first_use_adopts_the_epoch(
     proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
 ) -> None:

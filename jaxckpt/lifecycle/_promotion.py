@@ -96,8 +96,7 @@ class Promotion:
         backlog: int | None = None,
     ) -> None:
         self.local, self.durable = local.protocol, durable.protocol
-        self._tier = durable
-        self.uri = durable.uri
+        self._tier, self.uri = durable, durable.uri
         self._agreement = agreement
         self._mode = promotion
         self._policy = promote_policy
@@ -105,8 +104,7 @@ class Promotion:
         self._preempted = preempted
         self._primary_host = primary_host
         self._parts_timeout_s = parts_timeout_s
-        self._interval_s = interval_s
-        self._backlog = backlog
+        self._interval_s, self._backlog = interval_s, backlog
         self._process, self._processes = jax.process_index(), jax.process_count()
         self._lock = threading.Lock()
         self._last_requested: int | None = None
@@ -349,6 +347,8 @@ class Promotion:
             return None if marker is None else marker.step
         deadline, delay = time.monotonic() + timeout_s, 0.02
         while True:
+            if self._processes == 1 and (learned := self._tier.learned()) is not None:
+                self._tier.adopt(learned)  # taken since the last save: needs no save here
             if target in self.durable.visible_refs():
                 return target
             with self._lock:

@@ -16,7 +16,8 @@ When it has not answered by then, the job trains from its local tier meanwhile:
   read only when no local step is complete everywhere, and then waited for);
 * promotion requests are written unstamped (epoch ``records.UNSTAMPED``, which no
   promoter copies) and stamped with the epoch once every host has learned it at a
-  save (:meth:`~jaxckpt.lifecycle.Promotion.request`);
+  save (:meth:`~jaxckpt.lifecycle.Promotion.request`; a lone process also while
+  ``wait_durable`` waits);
 * what a save can do without (health records, the run ledger, durable retention)
   waits for the epoch or is skipped, said once in the log.
 """
