@@ -132,3 +132,23 @@ def test_retention_prunes_while_the_health_marks_do_not_answer_and_closes_in_bou
     retention.wait(30)  # the pass under way finished; nothing is scheduled after close()
     retention.committed()
     retention.wait(1)
+
+
+def test_closing_makes_a_last_pass_for_steps_whose_promotion_ended_since_the_last_commit(
+    tmp_path,
+):
+    """Another host's promoter makes a multi-host step durable; this host's promoter then
+    withdraws its request without a retention pass. ``close()`` makes one: before, the
+    step and the replicas of it held here stayed (a 2-process test, once under CI's load)."""
+    saved(tmp_path / "root", range(1, 4))
+    (tier,) = open_tiers(tmp_path / "root", CheckpointOptions(retention=policy.KeepLast(1)))
+    tier.take_epoch(Agreement("test-last-pass", timeout_s=5), primary=True, gc_grace_s=None)
+    waiting = {1, 2}  # requested for promotion: kept
+
+    retention = Retention([tier], primary=True, protected=[lambda: set(waiting)], on_fenced=print)
+    retention.committed()  # step 3's commit
+    retention.wait(30)
+    assert tier.visible() == [1, 2, 3]
+    waiting.clear()  # durable now (the request withdrawn: nobody asks for a pass)
+    retention.close(30)
+    assert tier.visible() == [3]

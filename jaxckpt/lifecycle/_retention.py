@@ -255,9 +255,12 @@ class Retention:
                 raise TimeoutError(f"retention: deletions not finished within {timeout_s:g}s")
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Finishes the scheduled deletions (waiting at most ``timeout_s``: a pass still
-        under way then, held up by a store that does not answer, is left to the daemon
-        thread, and to the garbage collector if the process exits) and stops the deleter."""
+        """Finishes the scheduled deletions and one last pass (waiting at most ``timeout_s``
+        in all: a pass still under way then, held up by a store that does not answer, is
+        left to the daemon thread, and to the garbage collector if the process exits) and
+        stops the deleter. The last pass deletes what waited for a promotion that ended
+        after the last commit (another host's step durable: its request went silently)."""
+        self.committed()
         with self._passes:
             self._closed = True
             self._passes.notify_all()
