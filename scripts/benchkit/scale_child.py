@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     # The ledger writes at each open and close, and every ledger_flush_s in between: the
     # longest interval keeps a periodic flush out of the counted phases of a slow run.
     options: dict[str, Any] = {"ledger_flush_s": 600.0}
+    if args.mode == "scale":  # a store that answers: close() waits for the run's last writes
+        # (its 5 s default once ran out under CI's load: requests fell after the phases)
+        options["close_wait_s"] = 120.0
     if args.save_timeout is not None:
         options["save_timeout_s"] = args.save_timeout
     if args.max_delay is not None:
