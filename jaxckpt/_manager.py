@@ -75,9 +75,8 @@ def _left(by: float) -> float:
 class CheckpointManager(ProcessStateAccess, HealthAccess):
     """Saves and restores checkpoints of a JAX pytree under one root.
 
-    Saves are asynchronous: ``save`` returns once the state is in host memory;
-    the data is written in the background and becomes visible only when its
-    commit marker is written. At most one save is in flight.
+    Saves are asynchronous: ``save`` returns once the state is in host memory; the data is
+    written in the background and is visible once its commit marker is. One save in flight.
 
     With ``local_root``, saves commit to the fast local tier and ``promote_policy``'s steps are
     promoted to ``root`` in the background or by a ``jaxckpt promote`` sidecar (README).
@@ -115,7 +114,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
         self._retention = retention = Retention(
             self._tiers,
             primary=jax.process_index() == opts.primary_host,
-            protected=(session.current_steps, self._promotion.kept_waiting, publisher.pending),
+            protected=(session.current_steps, publisher.pending),
+            waiting=self._promotion,
             on_fenced=session.fence,
             bad=lambda: self._health.bad_steps(),
             deleted=lambda s: self._health.deleted(s),

@@ -605,6 +605,55 @@ def test_a_local_tier_that_stays_full_keeps_one_step_until_it_has_room(tmp_path,
     assert [why is None for why in told] == [False, True]
 
 
+@pytest.mark.usefixtures("plain_by_default")
+def test_a_full_local_tier_keeps_no_waiting_step_besides_its_newest(tmp_path, monkeypatch):
+    """A storm stalled promotion on a node whose disk was full: the steps waiting for it
+    (``promote_backlog``) were kept besides the newest, took the room, and every save
+    failed until the job crashed (game day, seed 2: 4 failed saves in a row, 41 steps
+    lost). While the tier is full, waiting steps older than its newest are superseded:
+    their requests are withdrawn and they are deleted; the newest waits for promotion."""
+    import errno
+
+    from jaxckpt.formats import _tsio
+    from jaxckpt.records import read_requests
+    from jaxckpt.storage import LocalStorage
+
+    write = _tsio.ArrayWriter.write
+
+    def put(self, loc, arrays):
+        if loc.step == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, loc, arrays)
+
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", put)
+    monkeypatch.setattr(LocalStorage, "free_bytes", lambda self: 0)  # full from step 3 on
+    state = {"w": jnp.arange(8.0)}
+    with jaxckpt.CheckpointManager(
+        tmp_path / "durable",
+        local_root=str(tmp_path / "local"),
+        local_retention=policy.KeepLast(3),
+        promotion="external",  # no sidecar runs: a durable root that does not answer
+        promote_policy=policy.EveryNSteps(2),
+        tolerate_failed_saves=1,
+    ) as mgr:
+        seen = []
+        for step in (1, 2, 3, 4, 5, 6, 7):
+            mgr.save(step, state)
+            if step != 3:  # its failure is seen (and let pass) by the next save
+                mgr.wait()
+                mgr.wait_for_deletions()
+                seen.append((mgr.steps("local"), sorted(read_requests(mgr._tiers[0].protocol))))
+        assert mgr.failed_saves == 1
+    assert seen == [
+        ([1], []),
+        ([1, 2], [2]),
+        ([4], [4]),  # full since 3 failed: 2, waiting, superseded by 4
+        ([5], []),
+        ([6], [6]),
+        ([7], []),
+    ]
+
+
 def test_root_that_cannot_be_created_names_the_path(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")

@@ -27,12 +27,18 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from jaxckpt import _pools, policy
 from jaxckpt.errors import StorageError, WriterFencedError
 from jaxckpt.lifecycle._keep import retention_decision
+from jaxckpt.lifecycle._waiting import superseded_for_room
 from jaxckpt.records import CommitMarker
 from jaxckpt.tiers import Tier
+
+if TYPE_CHECKING:
+    from jaxckpt.lifecycle._nopromotion import NoPromotion
+    from jaxckpt.lifecycle._promotion import Promotion
 
 log = logging.getLogger("jaxckpt")
 
@@ -49,11 +55,12 @@ class Retention:
       tiers: the manager's tiers, nearest first.
       primary: this process prunes the shared tiers.
       protected: callables naming steps to keep whatever the rule says (the
-        step in flight, the steps awaiting promotion); restoring steps are
-        added by :meth:`restoring`.
+        step in flight); restoring steps are added by :meth:`restoring`.
       on_fenced: told when a deletion finds that a newer writer took over.
       bad: the steps marked bad; the newest step of a tier not among them is kept.
       deleted: told of each step deleted from the last (durable) tier (its marks go).
+      waiting: the promotion, whose waiting steps are kept (``promote_backlog``) but on a
+        full own tier (see :func:`~jaxckpt.lifecycle._waiting.superseded_for_room`).
     """
 
     def __init__(
@@ -65,8 +72,10 @@ class Retention:
         on_fenced: Callable[[WriterFencedError], None],
         bad: Callable[[], set[int]] = set,
         deleted: Callable[[int], None] = lambda step: None,
+        waiting: Promotion | NoPromotion | None = None,
     ) -> None:
         self._tiers = tuple(tiers)
+        self._waiting = waiting
         self._bad = bad
         self._last_bad: set[int] = set()  # the marks last read (kept through an outage)
         self._reading: Future[set[int]] | None = None  # the marks' read under way
@@ -106,7 +115,7 @@ class Retention:
             steps = set(self._restoring)
         for source in self._protected:
             steps |= source()
-        return steps
+        return steps | (set() if self._waiting is None else self._waiting.kept_waiting())
 
     def decision(self, tier: Tier) -> policy.RetentionDecision:
         """What ``tier``'s rule keeps (and why) and deletes now."""
@@ -205,6 +214,9 @@ class Retention:
                 bad = self._bad_now() if bad is None else bad
                 protected = self.protected()
                 keep = policy.KeepLast(1) if tight and tier.own else tier.retention
+                if tight and tier.own and self._waiting is not None:  # the newest is promoted
+                    newest = max(committed, default=None)
+                    protected -= superseded_for_room(self._waiting, newest, tier.uri)
                 rule = retention_decision(committed, keep, protected=protected, bad=bad)
                 for step in rule.delete:
                     log.info("retention: deleting step %d under %s", step, tier.uri)

@@ -10,9 +10,10 @@ from jaxckpt.commit import CommitProtocol
 from jaxckpt.errors import SaveFailedError
 
 if TYPE_CHECKING:
+    from jaxckpt.lifecycle._nopromotion import NoPromotion
     from jaxckpt.lifecycle._promotion import Promotion
 
-__all__ = ["lost_steps_error", "within_backlog"]
+__all__ = ["lost_steps_error", "superseded_for_room", "within_backlog"]
 
 log = logging.getLogger("jaxckpt")
 
@@ -41,6 +42,27 @@ def within_backlog(promotion: Promotion, backlog: int | None) -> set[int]:
         promotion.local.where(),
     )
     return set(waiting[-backlog:])
+
+
+def superseded_for_room(
+    promotion: Promotion | NoPromotion, newest: int | None, where: str
+) -> set[int]:
+    """The steps waiting for promotion older than ``newest`` (the newest committed step of
+    the own tier ``where``, which is full), their requests withdrawn. Kept besides the
+    newest, they took the room the next save needed: on the game day a storm stalled
+    promotion on a full node, and every save failed until the job crashed (41 steps lost).
+    The newest step is promoted instead, once the durable root answers."""
+    older = {s for s in promotion.pending_steps() if newest is not None and s < newest}
+    for step in sorted(older):
+        promotion.withdraw(step)
+    if older:
+        log.warning(
+            "steps %s superseded before their promotion by the newer %s: %s is full",
+            sorted(older),
+            newest,
+            where,
+        )
+    return older
 
 
 def lost_steps_error(local: CommitProtocol, uri: str, lost: list[int]) -> SaveFailedError:
