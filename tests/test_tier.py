@@ -113,7 +113,7 @@ def test_retention_prunes_while_the_health_marks_do_not_answer_and_closes_in_bou
 
     retention = Retention([tier], primary=True, protected=[], on_fenced=print, bad=bad)
     retention.marks_wait_s = 0.05
-    monkeypatch.setattr(retention, "protected", lambda: passes.append(1) or set())
+    monkeypatch.setattr(retention, "protected", lambda full=None: passes.append(1) or set())
     for _ in range(5):
         retention.committed()
     retention.wait(30)

@@ -31,7 +31,7 @@ class NoPromotion:
     def pending_steps(self) -> set[int]:
         return set()
 
-    def kept_waiting(self) -> set[int]:
+    def kept_waiting(self, full: int | None = None) -> set[int]:
         return set()
 
     def withdraw(self, step: int) -> None:

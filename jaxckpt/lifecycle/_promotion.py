@@ -296,9 +296,9 @@ class Promotion:
         durable root, so it goes on in an outage)."""
         return set(read_requests(self.local))
 
-    def kept_waiting(self) -> set[int]:
-        """The waiting steps local retention keeps (:func:`within_backlog`)."""
-        return within_backlog(self, self._backlog)
+    def kept_waiting(self, full: int | None = None) -> set[int]:
+        """The waiting steps local retention keeps (:func:`within_backlog`, ``full`` too)."""
+        return within_backlog(self, self._backlog, full)
 
     def withdraw(self, step: int) -> None:
         """Never promotes ``step`` (it is being deleted)."""

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 from jaxckpt import _pools, policy
 from jaxckpt.errors import StorageError, WriterFencedError
 from jaxckpt.lifecycle._keep import retention_decision
-from jaxckpt.lifecycle._waiting import superseded_for_room
 from jaxckpt.records import CommitMarker
 from jaxckpt.tiers import Tier
 
@@ -59,8 +58,8 @@ class Retention:
       on_fenced: told when a deletion finds that a newer writer took over.
       bad: the steps marked bad; the newest step of a tier not among them is kept.
       deleted: told of each step deleted from the last (durable) tier (its marks go).
-      waiting: the promotion, whose waiting steps are kept (``promote_backlog``) but on a
-        full own tier (see :func:`~jaxckpt.lifecycle._waiting.superseded_for_room`).
+      waiting: the promotion, whose waiting steps are kept (``promote_backlog``; on a
+        full own tier none older than its newest step): see ``_waiting.within_backlog``.
     """
 
     def __init__(
@@ -109,13 +108,14 @@ class Retention:
             with self._lock:
                 self._restoring.discard(step)
 
-    def protected(self) -> set[int]:
-        """Steps no rule may delete now: restoring ∪ in flight ∪ awaiting promotion."""
+    def protected(self, full: int | None = None) -> set[int]:
+        """Steps no rule may delete now: restoring ∪ in flight ∪ awaiting promotion (but
+        those older than ``full``, the newest step of an own tier that is full)."""
         with self._lock:
             steps = set(self._restoring)
         for source in self._protected:
             steps |= source()
-        return steps | (set() if self._waiting is None else self._waiting.kept_waiting())
+        return steps | (set() if self._waiting is None else self._waiting.kept_waiting(full))
 
     def decision(self, tier: Tier) -> policy.RetentionDecision:
         """What ``tier``'s rule keeps (and why) and deletes now."""
@@ -212,11 +212,9 @@ class Retention:
                     continue
                 committed = tier.committed()
                 bad = self._bad_now() if bad is None else bad
-                protected = self.protected()
-                keep = policy.KeepLast(1) if tight and tier.own else tier.retention
-                if tight and tier.own and self._waiting is not None:  # the newest is promoted
-                    newest = max(committed, default=None)
-                    protected -= superseded_for_room(self._waiting, newest, tier.uri)
+                full = tight and tier.own  # its newest step alone (the newest is promoted)
+                protected = self.protected(max(committed, default=None) if full else None)
+                keep = policy.KeepLast(1) if full else tier.retention
                 rule = retention_decision(committed, keep, protected=protected, bad=bad)
                 for step in rule.delete:
                     log.info("retention: deleting step %d under %s", step, tier.uri)
