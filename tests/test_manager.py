@@ -480,6 +480,22 @@ def _local_keeping_3(tmp_path):
     )
 
 
+def _disk_full_at(monkeypatch, step: int) -> None:
+    """The array writes of ``step`` fail with ENOSPC (a full local disk)."""
+    import errno
+
+    from jaxckpt.formats import _tsio
+
+    write = _tsio.ArrayWriter.write
+
+    def put(self, loc, arrays):
+        if loc.step == step:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, loc, arrays)
+
+    monkeypatch.setattr(_tsio.ArrayWriter, "write", put)
+
+
 @pytest.mark.usefixtures("plain_by_default")
 def test_a_full_local_tier_keeps_only_its_newest_step_and_the_next_save_commits(
     tmp_path, monkeypatch
@@ -487,19 +503,9 @@ def test_a_full_local_tier_keeps_only_its_newest_step_and_the_next_save_commits(
     """A save that fails with ENOSPC on its own local tier makes room there (local
     retention keeps only the newest step) before the next save: on the game day a full
     local disk crashed the job."""
-    import errno
-
-    from jaxckpt.formats import _tsio
     from jaxckpt.tiers._peers import NoReplicas
 
-    write = _tsio.ArrayWriter.write
-
-    def put(self, loc, arrays):
-        if loc.step == 4:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write(self, loc, arrays)
-
-    monkeypatch.setattr(_tsio.ArrayWriter, "write", put)
+    _disk_full_at(monkeypatch, 4)
     withdrawn: list[int] = []  # the tier's replicas are told too (their held copies go)
     monkeypatch.setattr(NoReplicas, "withdraw", lambda self, step: withdrawn.append(step))
     state = {"w": jnp.arange(8.0)}
@@ -612,20 +618,10 @@ def test_a_full_local_tier_keeps_no_waiting_step_besides_its_newest(tmp_path, mo
     failed until the job crashed (game day, seed 2: 4 failed saves in a row, 41 steps
     lost). While the tier is full, waiting steps older than its newest are superseded:
     their requests are withdrawn and they are deleted; the newest waits for promotion."""
-    import errno
-
-    from jaxckpt.formats import _tsio
     from jaxckpt.records import read_requests
     from jaxckpt.storage import LocalStorage
 
-    write = _tsio.ArrayWriter.write
-
-    def put(self, loc, arrays):
-        if loc.step == 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write(self, loc, arrays)
-
-    monkeypatch.setattr(_tsio.ArrayWriter, "write", put)
+    _disk_full_at(monkeypatch, 3)
     monkeypatch.setattr(LocalStorage, "free_bytes", lambda self: 0)  # full from step 3 on
     state = {"w": jnp.arange(8.0)}
     with jaxckpt.CheckpointManager(
