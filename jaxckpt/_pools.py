@@ -27,6 +27,9 @@ After ``fork`` the child starts without pools (the parent's threads are not
 in it) and creates its own on first use. At interpreter exit every pool is
 shut down (``concurrent.futures`` joins the threads of the pools still busy).
 
+:func:`result` waits for a future in slices of :data:`POLL_S`, so that a Ctrl-C reaches a
+main thread that waits for a pool's task at once.
+
 :func:`lower_thread_priority` lowers a background thread's CPU priority (the save's writer,
 the promoter) below the training's.
 
@@ -177,6 +180,22 @@ def detached(name: str, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kw
 
     threading.Thread(target=run, name=f"jaxckpt-{name}", daemon=True).start()
     return future
+
+
+POLL_S = 0.1
+"""The slice :func:`result` waits in."""
+
+
+def result(future: Future[_T]) -> _T:
+    """``future.result()``, waited for in slices of :data:`POLL_S`.
+
+    A process-directed SIGINT may be taken by any thread; CPython then runs the handler
+    on the main thread at its next bytecode, which a main thread blocked in a lock without
+    a timeout never reaches: a Ctrl-C would wait for the task. Here it waits at most a slice.
+    """
+    while not future.done():
+        wait_for([future], timeout=POLL_S)
+    return future.result()
 
 
 def shutdown_all() -> None:

@@ -56,10 +56,13 @@ def test_ctrl_c_interrupts_wait_with_on_preemption_in_the_save_policy(
     assert jaxckpt.CheckpointManager(str(tmp_path / "root"), read_only=True).steps() == [1]
 
 
+@pytest.mark.parametrize("elsewhere", [False, True], ids=["main", "elsewhere"])
 @pytest.mark.parametrize(("layout", "method"), [("plain", "read_buffer"), ("packed", "read_range")])
 def test_ctrl_c_interrupts_a_restore_whose_chunk_reads_stall(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, method: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str, method: str, elsewhere: bool
 ) -> None:
+    """``elsewhere``: another thread takes the SIGINT, as the kernel may choose (the main
+    thread, waiting for a chunk read, must still see it)."""
     root = str(tmp_path / "root")
     with jaxckpt.CheckpointManager(root, chunk_bytes=4096, layout=layout) as mgr:
         mgr.save(1, {"w": np.arange(4096.0)})
@@ -70,7 +73,9 @@ def test_ctrl_c_interrupts_a_restore_whose_chunk_reads_stall(
     try:
         # a chunk read only starts inside restore(), so the signal comes while it runs
         with (
-            Interrupter(hold.entered.is_set, what=f"a held {method}") as ctrl_c,
+            Interrupter(
+                hold.entered.is_set, what=f"a held {method}", elsewhere=elsewhere
+            ) as ctrl_c,
             pytest.raises(KeyboardInterrupt),
         ):
             reader.restore()

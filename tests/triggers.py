@@ -73,10 +73,18 @@ class Interrupter:
     """Sends a process-directed SIGINT (as a terminal's Ctrl-C) once ``condition`` holds.
 
     Use as a context manager: leaving the block joins the sending thread; :attr:`sent` is
-    set once the signal was sent.
+    set once the signal was sent. ``elsewhere``: the signal goes to the sending thread
+    itself, as the kernel may hand a Ctrl-C to any thread of the process.
+
+    The garbage collector is off inside the block: CPython ignores an exception raised in a
+    gc callback (JAX registers one), so a ``KeyboardInterrupt`` whose handler ran there
+    would be lost, whatever the code under test does.
     """
 
-    def __init__(self, condition: Callable[[], bool], *, what: str) -> None:
+    def __init__(
+        self, condition: Callable[[], bool], *, what: str, elsewhere: bool = False
+    ) -> None:
+        self._elsewhere = elsewhere
         self.sent = threading.Event()
         self._cancelled = threading.Event()
         self._condition = condition
@@ -93,9 +101,14 @@ class Interrupter:
         if self._cancelled.is_set():
             return
         self.sent.set()  # before the signal: the main thread may check it at once
-        os.kill(os.getpid(), signal.SIGINT)
+        if self._elsewhere:
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        else:
+            os.kill(os.getpid(), signal.SIGINT)
 
     def __enter__(self) -> Interrupter:
+        self._collecting = gc.isenabled()
+        gc.disable()
         self._thread.start()
         return self
 
@@ -103,6 +116,8 @@ class Interrupter:
         if exc[0] is not None:  # the block failed (e.g. did not raise): no signal after it
             self._cancelled.set()
         self._thread.join(HANG_S)
+        if self._collecting:
+            gc.enable()
         if self._error is not None and exc[0] is None:
             raise self._error
 

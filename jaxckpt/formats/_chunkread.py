@@ -166,7 +166,7 @@ class _Slice:
 
     def result(self) -> bytes | np.ndarray | None:
         assert self._span.future is not None
-        data = self._span.future.result()
+        data = pools.result(self._span.future)
         if data is None:
             return None
         if isinstance(data, bytes):
@@ -228,7 +228,8 @@ def _place(
     dtype = leaf.numpy_dtype
     record = records.get(leaf.name or "", {}).get(key)
     location = _location(storage, loc, leaf, key, record)
-    data = future.result()  # a StorageError names the object
+    # (a StorageError names the object)
+    data = future.result() if isinstance(future, _Slice) else pools.result(future)
     if data is None:
         raise CorruptCheckpointError(f"{location}: missing")
     if record is None:
