@@ -353,8 +353,8 @@ class CheckpointManager(ProcessStateAccess, HealthAccess):
             self._session.close()
             self._promotion.close(self.options.save_timeout_s)  # "external" is not waited for
             by = self.ledger.closing_by = time.monotonic() + self.ledger.close_wait_s()
-            if ok:  # committed: a clean exit (no crash) is recorded
-                self._health.ended("clean" if self._clean_exit else None, _left(by))
+            if ok and not self._health.ended("clean" if self._clean_exit else None, _left(by)):
+                by = self.ledger.unanswered()  # the exit record (of a clean exit) was retried
             for part in (self._publisher, self._watcher):  # (no watcher without OnPreemption)
                 if part is not None:
                     part.close()

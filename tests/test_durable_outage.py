@@ -432,6 +432,43 @@ def test_a_close_in_a_storm_the_ledger_has_met_waits_one_second_not_close_wait_s
     proxy.plan = faultproxy.NO_FAULTS
 
 
+@pytest.mark.parametrize("restored", [True, False], ids=["exit-record", "ledger-only"])
+def test_a_close_whose_last_ledger_write_meets_a_storm_waits_two_seconds_for_it(
+    proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path, restored: bool
+) -> None:
+    """A storm that began after the ledger's last write: ``close()`` learns of it from its
+    own writes, the exit record's first: it waits for it ``STUCK_WRITE_S`` (2 s), then at
+    most ``ledger.OUTAGE_WAIT_S`` (1 s) for the rest, not ``close_wait_s`` (the game day's
+    job that ended 16 s into a storm waited its 5 s there). Without a restore no exit record
+    is due: the ledger's last write is the one retried."""
+    from jaxckpt.storage import STUCK_WRITE_S
+
+    root = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+    local = tmp_path / "local"
+    _first_run(root, local, proxy)
+    options = _tiered(root, local, proxy, promotion="external", close_wait_s=30.0)
+    mgr = jaxckpt.CheckpointManager(root, **options)
+    if restored:
+        mgr.restore()
+    join = mgr._tiers[-1]._join  # type: ignore[attr-defined]
+    if join is not None:  # the join's garbage collection, not in the storm (close waits 10 s)
+        join.settled(HANG_S)
+    mgr.save(50, _state(50))
+    mgr.wait()
+    writer = mgr.ledger.writer
+    assert writer is not None
+    writer.flush()  # what the run did so far is written: the storm meets only the last write
+    assert writer.answering and writer.failures == 0
+    proxy.plan = faultproxy.FaultPlan(throttle=1.0)
+    began = time.monotonic()
+    mgr.close()
+    took = time.monotonic() - began
+    assert proxy.snapshot()["throttle"] > 0
+    assert STUCK_WRITE_S <= took < STUCK_WRITE_S + 1.0 + 2.0, took  # 30 s before
+    assert mgr._health.failures == int(restored)  # the exit record, not written: counted
+    proxy.plan = faultproxy.NO_FAULTS
+
+
 @pytest.mark.parametrize(
     ("grace_s", "retried_s", "bound_s"),
     [

@@ -36,7 +36,7 @@ from jaxckpt.records import CommitMarker, RestoredStates
 from jaxckpt.records import health_records as _health
 from jaxckpt.records import run_records as _runs
 from jaxckpt.restoring import Selection
-from jaxckpt.storage import Storage
+from jaxckpt.storage import STUCK_WRITE_S, Storage
 
 log = logging.getLogger("jaxckpt")
 
@@ -315,12 +315,12 @@ class Health:
 
     # -- ends of a run -----------------------------------------------------------
 
-    def ended(self, how: str | None, timeout_s: float | None = None) -> None:
+    def ended(self, how: str | None, timeout_s: float | None = None) -> bool:
         """Records how this run ended, ``"clean"`` or ``"preempted"`` (None: neither);
         once, and only for a run that restored. The write goes on in the background: the
-        call that starts it waits at most ``close_wait_s``, a call with ``timeout_s`` at
-        most that. One not written then (a store that does not answer) is counted once,
-        and abandoned at exit."""
+        call that starts it waits at most ``close_wait_s``, a call with ``timeout_s`` (a
+        close) at most that and at most ``STUCK_WRITE_S``. One not written then (a store
+        that does not answer) is counted once, and abandoned at exit; False then."""
         with self._lock:
             run, starts = self._run, False
             if how is not None and not self._exited and run is not None and self._writes:
@@ -330,8 +330,8 @@ class Health:
                 )
             writing = self._exit_write
         if writing is None or (timeout_s is None and not starts):
-            return
-        wait_s = self._exit_wait_s if timeout_s is None else timeout_s
+            return True
+        wait_s = self._exit_wait_s if timeout_s is None else min(timeout_s, STUCK_WRITE_S)
         try:
             writing.result(wait_s)
         except Exception as e:
@@ -339,6 +339,8 @@ class Health:
                 self._exit_failed = True
                 why = TimeoutError(f"not written within {wait_s:g}s")
                 self._failed("the exit record", why if isinstance(e, TimeoutError) else e)
+            return False
+        return True
 
     # -- rollback ----------------------------------------------------------------
 

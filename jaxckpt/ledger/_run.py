@@ -137,6 +137,13 @@ class RunLedger:
         )
         return OUTAGE_WAIT_S
 
+    def unanswered(self) -> float:
+        """A write of the close found the durable root not answering: the rest of the close
+        waits at most :data:`OUTAGE_WAIT_S` more. Returns the close's new deadline."""
+        by = time.monotonic() + OUTAGE_WAIT_S
+        self.closing_by = by if self.closing_by is None else min(self.closing_by, by)
+        return self.closing_by
+
     @property
     def write_failures(self) -> int:
         return 0 if self._writer is None else self._writer.failures

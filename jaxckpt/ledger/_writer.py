@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxckpt.ledger._events import MAX_EVENT_BYTES, MAX_OBJECT_BYTES, LedgerObject, ledger_key
-from jaxckpt.storage import Storage
+from jaxckpt.storage import STUCK_WRITE_S, Storage
 
 log = logging.getLogger("jaxckpt")
 
@@ -250,6 +250,16 @@ class LedgerWriter:
             daemon=True,
         )
         last.start()
-        last.join(max(0.0, deadline - time.monotonic()))
+        while last.is_alive() and (left := deadline - time.monotonic()) > 0:
+            last.join(min(left, 0.05))
+            since = self._writing_since
+            if since is not None and time.monotonic() - since > STUCK_WRITE_S:
+                log.warning(
+                    "ledger %s: the last write has been retried for %.0fs (the durable root "
+                    "does not answer); not waited for",
+                    self.where,
+                    STUCK_WRITE_S,
+                )
+                return
         if last.is_alive():
             log.warning("ledger %s: the last flush did not finish in %.0fs", self.where, timeout_s)

@@ -43,6 +43,7 @@ from jaxckpt.storage._local import LocalStorage as LocalStorage
 from jaxckpt.storage._options import DIRECT_PART_BYTES as DIRECT_PART_BYTES
 from jaxckpt.storage._options import ObjectStoreOptions as ObjectStoreOptions
 from jaxckpt.storage._options import span_limit as span_limit
+from jaxckpt.storage._retry import STUCK_WRITE_S as STUCK_WRITE_S
 from jaxckpt.storage._retry import no_space as no_space
 from jaxckpt.storage._s3address import S3Address as S3Address
 from jaxckpt.storage._s3address import resolve_style as resolve_style
@@ -129,6 +130,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DIRECT_PART_BYTES",
+    "STUCK_WRITE_S",
     "FileUploads",
     "LocalStorage",
     "ObjectStorage",

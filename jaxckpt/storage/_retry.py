@@ -31,6 +31,11 @@ import math
 import random
 import time
 
+STUCK_WRITE_S = 2.0
+"""A small write (a record, a ledger object) under way this long is being retried: its
+store does not answer now. A close waits no longer for one (it takes well under a second
+on a store that answers; in a storm it is retried as long as the close would wait)."""
+
 RETRY_HTTP_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 """HTTP statuses that say "not now" rather than "no": timeouts, throttling, server errors."""
 
