@@ -117,10 +117,12 @@ def test_the_wall_time_is_split_into_startup_training_ending_and_between_runs() 
 
 
 def test_each_restart_is_matched_with_the_failure_that_ended_its_run() -> None:
-    """A crash nobody scheduled (a job that died at start) is reported as unplanned; the
-    scheduled kill is matched with the restart after it, the storm restarts nothing."""
+    """A crash nobody scheduled (a job that died at start) is reported as unplanned, with
+    the end of its log; the scheduled kill is matched with the restart after it, the storm
+    restarts nothing."""
+    crashed = "crash (process 0 exited -6)"
     runs: list[dict[str, Any]] = [
-        {"restored": None, "tier": None, "reached": 0, "ended_by": "crash (process 0 exited -6)"},
+        {"restored": None, "tier": None, "reached": 0, "ended_by": crashed, "crash_log": "F"},
         {"restored": 0, "tier": "fresh", "reached": 12, "ended_by": "sigkill", "held": 10},
         {"restored": 10, "tier": "local", "reached": 20, "ended_by": "done"},
     ]
@@ -139,6 +141,7 @@ def test_each_restart_is_matched_with_the_failure_that_ended_its_run() -> None:
         ("sigkill", 2, 2),
     ]
     assert result["bit_exact"] and result["wrong_data"] == 0
+    assert result["crash_logs"] == ["F"]
     changed = gameday.assess(
         day,
         {"crcs": {**crcs, (0, 5): "x"}, "digest": "e"},

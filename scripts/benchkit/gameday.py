@@ -262,8 +262,9 @@ class Job:
         port = servers.free_port()
         self.events: queue.Queue[tuple[int, list[str] | None]] = queue.Queue()
         self.procs: list[subprocess.Popen[str]] = []
+        self.logs = [logs / f"{tag}-{i}.log" for i in range(n)]
         for i in range(n):
-            log = open(logs / f"{tag}-{i}.log", "ab")  # noqa: SIM115 (closed by the child's end)
+            log = open(self.logs[i], "ab")  # noqa: SIM115 (closed by the child's end)
             proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -522,6 +523,8 @@ class Day:
                     if rc != 0 and killed_for is None:
                         killed_for = f"crash (process {i} exited {rc})"
                         job.kill()
+                        run["crash_log"] = _tail(job.logs[i], CRASH_LINES)  # kept in --json
+                        _progress(f"  {killed_for}; its log ends:\n" + run["crash_log"])
                     continue
                 what = words[1]
                 if what == "RESTORED" and i == 0:
@@ -682,7 +685,18 @@ def assess(day: dict[str, Any], ref: dict[str, Any], s: Settings, step_s: float)
         "bit_exact": day["digest"] is not None and day["digest"] == ref["digest"],
         "wrong_data": len(wrong),
         "failures": failures,
+        "crash_logs": [r["crash_log"] for r in day["runs"] if "crash_log" in r],
     }
+
+
+CRASH_LINES = 40
+"""The lines of a crashed process's log the day keeps (the full run keeps no logs)."""
+
+
+def _tail(path: Path, lines: int) -> str:
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+        return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
 
 
 def _failure(
@@ -837,6 +851,7 @@ def main(argv: list[str] | None = None) -> int:
     servers.isolate_cloud_env(os.environ, str(work))
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXCKPT_")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "scripts")]))
+    env.update(PYTHONFAULTHANDLER="1")  # a process that aborts leaves its threads' stacks
     moto = servers.start_moto(work, nice=CLOUD_NICE)
     os.environ["AWS_ENDPOINT_URL_S3"] = moto.endpoint  # the supervisor's own listings
     sys.path.insert(0, str(REPO / "scripts"))
