@@ -228,7 +228,7 @@ def _place(
     dtype = leaf.numpy_dtype
     record = records.get(leaf.name or "", {}).get(key)
     location = _location(storage, loc, leaf, key, record)
-    # (a StorageError names the object)
+    # A StorageError names the object; a slice waits in pools.result too (Ctrl-C).
     data = future.result() if isinstance(future, _Slice) else pools.result(future)
     if data is None:
         raise CorruptCheckpointError(f"{location}: missing")
