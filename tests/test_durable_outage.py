@@ -188,6 +188,17 @@ def test_wait_durable_adopts_an_epoch_taken_after_the_last_save(
         assert r.steps() == [20, 40, 60]
 
 
+def test_wait_durable_on_several_processes_says_the_epoch_waits_for_a_save() -> None:
+    """With several processes ``wait_durable`` cannot adopt a deferred epoch (that is
+    collective): its timeout says so, and when it happens."""
+    from jaxckpt.lifecycle import _promotion
+
+    error = _promotion._late(60, "s3://b/run", 2.0, None, learned=7)
+    assert isinstance(error, jaxckpt.PromotionTimeoutError)
+    assert "adopts its epoch 7 at the next save or close" in str(error)
+    assert "answered after the open" not in str(_promotion._late(60, "s3://b/r", 2.0, "x", None))
+
+
 def test_the_open_waits_for_nothing_and_the_first_use_adopts_the_epoch(
     proxy: faultproxy.FaultProxy, s3_server: servers.Server, tmp_path: Path
 ) -> None:

@@ -365,10 +365,7 @@ class Promotion:
                     f"under {self.local.where()}"
                 )
             if time.monotonic() > deadline:
-                raise PromotionTimeoutError(
-                    f"step {target} did not become durable under {self.uri} within "
-                    f"{timeout_s:.0f}s" + (f" (last error: {error})" if error else "")
-                )
+                raise _late(target, self.uri, timeout_s, error, self._tier.learned())
             time.sleep(delay)  # the promoter keeps its own pace (a failing step backs off)
             delay = min(delay * 2, 0.5)
 
@@ -412,6 +409,18 @@ class Promotion:
             self._stop.set()
             self._wake.set()
             self._thread.join(timeout=max(1.0, deadline - time.monotonic()) + 30.0)
+
+
+def _late(
+    step: int, uri: str, timeout_s: float, error: str | None, learned: int | None
+) -> PromotionTimeoutError:
+    why = f"step {step} did not become durable under {uri} within {timeout_s:.0f}s"
+    if learned is not None:  # several processes: adopting an epoch is collective
+        why += (
+            f" (the durable root answered after the open: every process adopts its epoch "
+            f"{learned} at the next save or close, and the step is promoted then)"
+        )
+    return PromotionTimeoutError(why + (f" (last error: {error})" if error else ""))
 
 
 def open_promotion(
