@@ -14,7 +14,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 HANG_S = 120.0  # only a hang waits this long, even on a loaded 2-core machine
@@ -33,6 +34,18 @@ def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = H
         time.sleep(POLL_S)
 
 
+@contextmanager
+def collection_off() -> Iterator[None]:
+    """The garbage collector off inside the block (as it was after it)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def current_frame(thread: threading.Thread) -> Any:
     """The frame ``thread`` is executing now (None once it ended).
 
@@ -40,13 +53,8 @@ def current_frame(thread: threading.Thread) -> Any:
     inside ``sys._current_frames()`` (which holds the interpreter's thread-list lock)
     can wait for that lock itself, and every thread of the process hangs (gh-106883).
     """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collection_off():
         return sys._current_frames().get(thread.ident or 0)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def api_call_of_main_thread() -> str | None:
@@ -85,6 +93,7 @@ class Interrupter:
         self, condition: Callable[[], bool], *, what: str, elsewhere: bool = False
     ) -> None:
         self._elsewhere = elsewhere
+        self._collection_off = collection_off()
         self.sent = threading.Event()
         self._cancelled = threading.Event()
         self._condition = condition
@@ -107,8 +116,7 @@ class Interrupter:
             os.kill(os.getpid(), signal.SIGINT)
 
     def __enter__(self) -> Interrupter:
-        self._collecting = gc.isenabled()
-        gc.disable()
+        self._collection_off.__enter__()
         self._thread.start()
         return self
 
@@ -116,8 +124,7 @@ class Interrupter:
         if exc[0] is not None:  # the block failed (e.g. did not raise): no signal after it
             self._cancelled.set()
         self._thread.join(HANG_S)
-        if self._collecting:
-            gc.enable()
+        self._collection_off.__exit__(None, None, None)
         if self._error is not None and exc[0] is None:
             raise self._error
 
